@@ -1,0 +1,139 @@
+"""Backends: adapters that bind kernels (ours and third-party) to op names.
+
+A backend has a `name`, a `device`, the `dtypes` it handles, and for each op it implements
+an adapter `fn(case, inputs, out) -> {output name: array or tensor}`:
+- `inputs` are NumPy arrays in their storage dtypes (possibly views into padded buffers);
+- `out` is a `conformance.poison.OutputRequest`: `out.numpy(name)` / `out.torch(name, device)`
+  give poisoned output buffers with canaries (using them is what lets the framework detect
+  unwritten elements and out-of-bounds writes; returning fresh arrays is allowed).
+`supports(case)` returns None or the reason the case is not supported: an unsupported case is
+a *skip with that reason* in every report, never a silent pass.
+
+Third-party backends register through the entry-point group `kernel_parity.backends`
+(name = "module:object") or `--backend module:object` on the command line. The object may be
+a Backend instance, a Backend subclass, or a zero-argument factory returning one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Callable
+
+from conformance.errors import UsageError
+
+ENTRY_POINT_GROUP = "kernel_parity.backends"
+BUILTIN = ("triton", "cpu", "torch")
+
+Adapter = Callable[[Any, dict, Any], dict]
+
+
+@dataclass
+class Backend:
+    name: str
+    device: str = "cpu"
+    dtypes: tuple[str, ...] = ("fp32", "fp16", "bf16")
+    ops: dict[str, Adapter] = field(default_factory=dict)
+    origin: str | None = None  # "module:object" for a third-party backend (goes into repro lines)
+    doc: str = ""
+
+    def available(self) -> str | None:
+        """None, or why this backend cannot run at all on this machine (every case skips)."""
+        return None
+
+    def supports(self, case: Any) -> str | None:
+        if case.op not in self.ops:
+            return f"{self.name} has no kernel for {case.op}"
+        if case.dtype not in self.dtypes:
+            return f"{self.name} does not support {case.dtype}"
+        return None
+
+    def run(self, case: Any, inputs: dict, out: Any) -> dict:
+        return self.ops[case.op](case, inputs, out)
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.device})"
+
+
+def _builtin(name: str) -> Backend:
+    module = importlib.import_module(f"conformance.backends.{name}_backend")
+    return module.make()
+
+
+def load_object(spec: str) -> Backend:
+    """Load a third-party backend from "module:object"; UsageError with a one-line reason."""
+    mod_name, sep, obj_name = spec.partition(":")
+    if not sep or not mod_name or not obj_name:
+        raise UsageError(f"--backend {spec!r} must be a built-in name or module:object")
+    try:
+        module = importlib.import_module(mod_name)
+    except Exception as e:  # an import error in user code is a usage error here
+        raise UsageError(f"cannot import backend module {mod_name!r}: {type(e).__name__}: {e}") from None
+    obj: Any = module
+    for part in obj_name.split("."):
+        if not hasattr(obj, part):
+            raise UsageError(f"backend module {mod_name!r} has no attribute {obj_name!r}")
+        obj = getattr(obj, part)
+    backend = coerce(obj, spec)
+    backend.origin = spec
+    return backend
+
+
+def coerce(obj: Any, where: str) -> Backend:
+    if isinstance(obj, type):
+        obj = obj()
+    elif callable(obj) and not hasattr(obj, "run"):
+        obj = obj()
+    missing = [a for a in ("name", "run", "supports") if not hasattr(obj, a)]
+    if missing:
+        raise UsageError(f"backend {where!r} is not a Backend: missing {', '.join(missing)}")
+    if not isinstance(obj.name, str) or not obj.name:
+        raise UsageError(f"backend {where!r} has no valid name")
+    for attr, default in (("device", "cpu"), ("origin", None), ("doc", "")):
+        if not hasattr(obj, attr):
+            setattr(obj, attr, default)
+    if not hasattr(obj, "available"):
+        obj.available = lambda: None
+    if not hasattr(obj, "describe"):
+        obj.describe = lambda: f"{obj.name} ({obj.device})"
+    return obj
+
+
+def entry_points() -> dict[str, str]:
+    """name -> "module:object" for backends registered by installed packages."""
+    return {ep.name: ep.value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+class Registry:
+    """Backends by name: built-ins, entry points, and explicit module:object specs."""
+
+    def __init__(self, extra: list[str] | None = None) -> None:
+        self._cache: dict[str, Backend] = {}
+        self._eps = entry_points()
+        for spec in extra or []:
+            b = load_object(spec)
+            self._cache[b.name] = b
+
+    def names(self) -> list[str]:
+        names = list(BUILTIN) + [n for n in self._eps if n not in BUILTIN]
+        return names + [n for n in self._cache if n not in names]
+
+    def get(self, name: str) -> Backend:
+        if name in self._cache:
+            return self._cache[name]
+        if name in BUILTIN:
+            b = _builtin(name)
+        elif name in self._eps:
+            b = load_object(self._eps[name])
+            b.origin = None  # installed: resolvable by name alone
+        else:
+            raise UsageError(f"unknown backend {name!r} (known: {', '.join(self.names())}; or use module:object)")
+        self._cache[name] = b
+        return b
+
+    def loaded(self) -> list[Backend]:
+        return list(self._cache.values())
+
+    def extra_specs(self) -> list[str]:
+        return [b.origin for b in self._cache.values() if b.origin]

@@ -1,0 +1,55 @@
+"""Moving NumPy case inputs to torch without losing their bits, strides or padding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from conformance import dtypes as dt
+from conformance.inputs import storage
+
+_SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def torch_available() -> str | None:
+    try:
+        import torch  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        return f"torch is not importable ({type(e).__name__}: {e})"
+    return None
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except Exception:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def to_torch(a: np.ndarray, device: Any) -> Any:
+    """A torch tensor on `device` with a's values, bit for bit, and a's strides.
+
+    A view into a padded buffer is moved with its whole buffer, so the padding (NaN poison)
+    travels too and a kernel that ignores the row stride reads it.
+    """
+    import torch
+
+    base = storage(a)
+    d = dt.of_array(a)
+    if d.name == "bf16":
+        t = torch.from_numpy(np.ascontiguousarray(base).view(np.int16)).to(device).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(np.ascontiguousarray(base)).to(device)
+    if base is a:
+        return t
+    item = a.itemsize
+    offset = (a.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // item
+    return t.reshape(-1).as_strided(a.shape, tuple(s // item for s in a.strides), offset)
+
+
+def torch_dtype(d: dt.DType) -> Any:
+    import torch
+
+    return getattr(torch, d.torch_name)

@@ -1,0 +1,32 @@
+"""Our native C kernels (kernels/cpu/*.c), compiled on first use and loaded through ctypes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conformance.backends import Backend
+from conformance.backends.builtin import collect
+
+
+@dataclass
+class CpuBackend(Backend):
+    def supports(self, case) -> str | None:
+        why = super().supports(case)
+        if why:
+            return why
+        from kernels.cpu.loader import CompilerUnavailable, load
+
+        try:
+            load(case.op.split(".", 1)[0])
+        except CompilerUnavailable as e:
+            return f"C kernels unavailable: {e}"
+        return None
+
+
+def make() -> CpuBackend:
+    return CpuBackend(
+        name="cpu",
+        device="cpu",
+        ops=collect("cpu_ops"),
+        doc="kernels/cpu/*.c: native C kernels, fp32 accumulation",
+    )

@@ -1,0 +1,25 @@
+"""Eager PyTorch in the test dtype (kernels/torch/*): the same-precision noise baseline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conformance.backends import Backend
+from conformance.backends._torch import cuda_available, torch_available
+from conformance.backends.builtin import collect
+
+
+@dataclass
+class TorchBackend(Backend):
+    def available(self) -> str | None:
+        return torch_available()
+
+
+def make() -> TorchBackend:
+    device = "cuda" if cuda_available() else "cpu"
+    return TorchBackend(
+        name="torch",
+        device=device,
+        ops=collect("torch_ops", device),
+        doc="kernels/torch/*: eager torch in the test dtype (baseline for the noise layer)",
+    )

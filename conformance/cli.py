@@ -1,0 +1,112 @@
+"""The `parity` command line.
+
+    parity list [ops|backends|suites|cases]      what exists (cases: after filters)
+    parity run      run a suite (filters; --json/--html/--junit/--md; --jobs; progress bar)
+    parity gate     run + baseline diff; exit 1 on any failure or regression
+    parity repro ID replay one case bit for bit: metrics, worst elements, verdict (--export DIR)
+    parity report   render results JSON to --html/--junit/--md
+    parity diff     per-case error diff of two results files
+    parity calibrate  measure error quantiles over seeds and print the limits they suggest
+
+Exit codes: 0 pass, 1 parity failure or regression, 2 usage or input error (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Sequence
+
+from conformance.errors import UsageError
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage otherwise)
+        raise UsageError(message)
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--suite", default=None, help="suite name or .toml path (default: ci)")
+    p.add_argument("--op", action="append", default=[], help="op name, prefix (softmax) or glob; repeatable")
+    p.add_argument("--backend", action="append", default=[],
+                   help="backend name or module:object; repeatable; replaces the suite's backends")
+    p.add_argument("--dtype", action="append", default=[], help="fp32, fp16, bf16 (aliases ok); repeatable")
+    p.add_argument("--dist", action="append", default=[], help="value distribution; repeatable")
+    p.add_argument("--json", metavar="PATH", help="write the results document (JSON)")
+    p.add_argument("--html", metavar="PATH", help="write the self-contained HTML report")
+    p.add_argument("--junit", metavar="PATH", help="write JUnit XML")
+    p.add_argument("--md", metavar="PATH", help="write a Markdown summary")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes (each case isolated in a worker)")
+    p.add_argument("--isolate", action="store_true", help="run in a worker process: a crash is recorded, not fatal")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per case before it is a timeout (with workers)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-recheck", action="store_true", help="do not re-run borderline cases on fresh seeds")
+    p.add_argument("--quiet", "-q", action="store_true", help="print only the summary line")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="parity", description="kernel-parity: check kernels against float64 goldens.")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    sub.required = True
+
+    p = sub.add_parser("list", help="list ops, backends, suites or cases")
+    p.add_argument("what", nargs="?", default="all", choices=["all", "ops", "backends", "suites", "cases"])
+    p.add_argument("--suite", default=None)
+    p.add_argument("--op", action="append", default=[])
+    p.add_argument("--backend", action="append", default=[])
+    p.add_argument("--dtype", action="append", default=[])
+    p.add_argument("--dist", action="append", default=[])
+
+    _add_run_args(sub.add_parser("run", help="run a suite and write reports"))
+    p = sub.add_parser("gate", help="run, diff against a baseline, exit 1 on failure")
+    _add_run_args(p)
+    p.add_argument("--baseline", metavar="JSON", help="results of a previous run to diff against")
+    p.add_argument("--growth", type=float, default=4.0, help="flag errors that grew by more than this factor")
+
+    p = sub.add_parser("repro", help="replay one case from its id")
+    p.add_argument("case_id")
+    p.add_argument("--backend", action="append", default=[], help="module:object for a third-party backend")
+    p.add_argument("--export", metavar="DIR", help="write inputs/expected/actual .npz and a standalone script")
+    p.add_argument("--json", metavar="PATH", help="write the one-record results document")
+
+    p = sub.add_parser("report", help="render a results file")
+    p.add_argument("results")
+    p.add_argument("--html", metavar="PATH")
+    p.add_argument("--junit", metavar="PATH")
+    p.add_argument("--md", metavar="PATH")
+
+    p = sub.add_parser("diff", help="compare two results files case by case")
+    p.add_argument("old")
+    p.add_argument("new")
+    p.add_argument("--growth", type=float, default=4.0)
+
+    p = sub.add_parser("calibrate", help="error quantiles over many seeds -> suggested limits")
+    p.add_argument("op")
+    p.add_argument("--suite", default=None, help="parameter sets from this suite (default: ci)")
+    p.add_argument("--backend", action="append", default=[])
+    p.add_argument("--dtype", action="append", default=[])
+    p.add_argument("--seeds", type=int, default=20, help="seeds per parameter set")
+    p.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+        from conformance import commands
+
+        return getattr(commands, f"cmd_{args.command}")(args, "parity " + " ".join(shlex.quote(a) for a in argv))
+    except UsageError as e:
+        print(f"parity: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("parity: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Test dtypes: names, NumPy storage types, machine epsilon, rounding and ULP distance.
+
+A case's dtype is a short name (`fp32`, `fp16`, `bf16`); inputs are drawn in float64 and
+rounded to that storage type, and the golden sees the rounded values (exactly, as float64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from conformance.errors import UsageError
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str  # canonical short name used in case ids
+    np_type: type  # NumPy storage type
+    eps: float  # machine epsilon: spacing of numbers at 1.0
+    bits: int  # storage width, for ULP arithmetic
+    torch_name: str  # attribute of the torch module
+    is_float: bool = True
+
+    @property
+    def np(self) -> np.dtype:
+        return np.dtype(self.np_type)
+
+    @property
+    def tiny(self) -> float:
+        """Smallest positive normal number."""
+        return float(ml_dtypes.finfo(self.np_type).tiny) if self.is_float else 1.0
+
+    @property
+    def max(self) -> float:
+        return float(ml_dtypes.finfo(self.np_type).max) if self.is_float else float(np.iinfo(self.np_type).max)
+
+
+_ALL = [
+    DType("fp64", np.float64, 2.0**-52, 64, "float64"),
+    DType("fp32", np.float32, 2.0**-23, 32, "float32"),
+    DType("fp16", np.float16, 2.0**-10, 16, "float16"),
+    DType("bf16", ml_dtypes.bfloat16, 2.0**-7, 16, "bfloat16"),
+    DType("int32", np.int32, 0.0, 32, "int32", is_float=False),
+    DType("int64", np.int64, 0.0, 64, "int64", is_float=False),
+    DType("uint8", np.uint8, 0.0, 8, "uint8", is_float=False),
+]
+DTYPES: dict[str, DType] = {d.name: d for d in _ALL}
+ALIASES = {
+    "float64": "fp64", "f64": "fp64", "double": "fp64",
+    "float32": "fp32", "f32": "fp32", "float": "fp32",
+    "float16": "fp16", "f16": "fp16", "half": "fp16",
+    "bfloat16": "bf16",
+}
+FLOAT_TEST_DTYPES = ("fp32", "fp16", "bf16")
+
+
+def get(name: str) -> DType:
+    """Look up a dtype by canonical name or alias; UsageError naming the value otherwise."""
+    key = ALIASES.get(name, name)
+    try:
+        return DTYPES[key]
+    except KeyError:
+        known = ", ".join(DTYPES)
+        raise UsageError(f"unknown dtype {name!r} (known: {known}; aliases like float16 work)") from None
+
+
+def canonical(name: str) -> str:
+    return get(name).name
+
+
+def of_array(a: np.ndarray) -> DType:
+    for d in _ALL:
+        if a.dtype == d.np:
+            return d
+    raise ValueError(f"no test dtype for NumPy dtype {a.dtype}")
+
+
+def round_to(x: np.ndarray, dtype: str | DType) -> np.ndarray:
+    """Round float64 values to the storage dtype (round-to-nearest-even)."""
+    d = dtype if isinstance(dtype, DType) else get(dtype)
+    if not d.is_float:
+        return np.asarray(x).astype(d.np)
+    with np.errstate(over="ignore"):  # overflow to inf is what rounding does
+        return np.asarray(x, dtype=np.float64).astype(d.np)
+
+
+_UINT = {16: np.uint16, 32: np.uint32, 64: np.uint64}
+_INT = {16: np.int16, 32: np.int32, 64: np.int64}
+
+
+def _ordered(bits: np.ndarray, width: int) -> np.ndarray:
+    """Map IEEE bit patterns to integers whose order is the order of the floats (-0 == +0)."""
+    b = bits.astype(np.int64) if width < 64 else bits.view(np.int64)
+    if width < 64:
+        sign = b >> (width - 1)
+        mag = b & ((1 << (width - 1)) - 1)
+        return np.where(sign == 1, -mag, mag)
+    mag = b & np.int64(0x7FFFFFFFFFFFFFFF)
+    return np.where(b < 0, -mag, mag)
+
+
+def ulp_distance(got: np.ndarray, expected_f64: np.ndarray, dtype: DType) -> np.ndarray:
+    """Units in the last place between `got` (storage dtype) and the golden rounded to it.
+
+    Both arrays must hold finite values; returns float64 distances.
+    """
+    exp_rounded = round_to(expected_f64, dtype)
+    width = dtype.bits
+    u = _UINT[width]
+    a = _ordered(np.ascontiguousarray(got.astype(dtype.np)).view(u), width)
+    b = _ordered(np.ascontiguousarray(exp_rounded).view(u), width)
+    return np.abs(a.astype(np.float64) - b.astype(np.float64))

@@ -1,0 +1,42 @@
+"""`parity list`: ops (with parameters, dtypes, distributions), backends, suites, cases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conformance import ops, suites
+from conformance.backends import Registry
+from conformance.cli import EXIT_OK
+from conformance.suites import Filters
+
+
+def list_things(args: Any) -> int:
+    what = args.what
+    if what in ("all", "ops"):
+        print("ops:")
+        for spec in ops.match(args.op or None):
+            params = ", ".join(f"{k} ({p.describe()})" for k, p in spec.params.params.items())
+            print(f"  {spec.name:<26} {spec.doc}")
+            print(f"  {'':<26} params: {params}")
+            print(f"  {'':<26} dtypes: {', '.join(spec.dtypes)}; dists: {', '.join(spec.dists)}; "
+                  f"outputs: {', '.join(spec.outputs)}")
+    if what in ("all", "backends"):
+        registry = Registry(extra=[b for b in args.backend if ":" in b])
+        print("backends:")
+        for name in registry.names():
+            try:
+                b = registry.get(name)
+                why = b.available()
+                state = "available" if not why else f"unavailable: {why}"
+                print(f"  {name:<12} {b.describe():<32} {state}")
+            except Exception as e:  # a broken third-party backend must not hide the others
+                print(f"  {name:<12} {'?':<32} broken: {type(e).__name__}: {e}")
+    if what in ("all", "suites"):
+        print("suites:")
+        for name in suites.names():
+            print(f"  {name:<10} {len(suites.cases(name)):>6} cases  {suites.description(name)}")
+    if what == "cases":
+        filters = Filters(tuple(args.op), tuple(args.backend), tuple(args.dtype), tuple(args.dist))
+        for c in suites.cases(args.suite or suites.DEFAULT_SUITE, filters):
+            print(c.id)
+    return EXIT_OK

@@ -1,0 +1,168 @@
+"""Error metrics between a kernel output and its float64 golden. All arithmetic in float64.
+
+    max_abs   = max |a - b|
+    max_rel   = max |a - b| / max(|b|, rel_floor)
+    rmse      = sqrt(mean((a - b)^2))
+    nmse      = sum((a - b)^2) / sum(b^2)                       (llama.cpp test-backend-ops)
+    cos_diff  = 1 - 2 sum(a b) / max(sum(a^2 + b^2), tiny)      (FlashMLA cal_diff)
+    max_ulp   = max ULP distance between a and b rounded to a's dtype
+    mismatch  = count of |a - b| > atol + rtol |b|               (needs limits)
+
+a is the kernel output, b the golden. Values are compared only where both are finite; NaN,
++inf and -inf positions are compared separately and must match exactly. FlashMLA clamps the
+cos_diff denominator at 1e-12, which makes the metric depend on the output's scale (an output
+of magnitude 1e-7 would always fail); the clamp here is the smallest normal float64 instead,
+and two all-zero tensors have cos_diff 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from conformance.dtypes import DType, ulp_distance
+
+TINY = float(np.finfo(np.float64).tiny)
+WORST_K = 5
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Numeric limits for one output in one dtype (tolerance layer 3)."""
+
+    atol: float
+    rtol: float
+    cos_diff: float | None = None
+    nmse: float | None = None
+    atol_max_eps: float = 0.0  # adds this many eps(out dtype) x max|golden| to atol (scale-aware)
+
+    def effective_atol(self, eps: float, max_ref: float) -> float:
+        return self.atol + self.atol_max_eps * eps * max_ref
+
+
+@dataclass
+class Comparison:
+    metrics: dict[str, float]
+    anomaly_mismatch: int  # positions where NaN / +inf / -inf differ between a and b
+    anomaly_detail: str
+    worst: list[dict] = field(default_factory=list)
+    elem_ratio: float = 0.0  # max |d| / (atol + rtol |b|): <= 1 means every element is within tol
+
+
+def _anomaly_classes(x: np.ndarray) -> np.ndarray:
+    """0 finite, 1 NaN, 2 +inf, 3 -inf."""
+    c = np.zeros(x.shape, dtype=np.int8)
+    c[np.isnan(x)] = 1
+    c[np.isposinf(x)] = 2
+    c[np.isneginf(x)] = 3
+    return c
+
+
+_CLASS_NAME = {0: "finite", 1: "NaN", 2: "+inf", 3: "-inf"}
+
+
+def compare(got: np.ndarray, ref: np.ndarray, dtype: DType, limits: Limits | None) -> Comparison:
+    """Compare a kernel output (storage dtype) with its golden (float64) of the same shape."""
+    with np.errstate(invalid="ignore"):  # signalling-NaN poison in fp16/bf16 casts with a warning
+        a = np.asarray(got).astype(np.float64)
+    b = np.asarray(ref, dtype=np.float64)
+    ca, cb = _anomaly_classes(a), _anomaly_classes(b)
+    bad_anom = ca != cb
+    n_bad_anom = int(np.count_nonzero(bad_anom))
+    anomaly_detail = ""
+    if n_bad_anom:
+        idx = np.argwhere(bad_anom)[0]
+        i = tuple(int(v) for v in idx)
+        anomaly_detail = (
+            f"{n_bad_anom} element(s) differ in NaN/inf position, first at {list(i)}: "
+            f"got {_CLASS_NAME[int(ca[i])]}, expected {_CLASS_NAME[int(cb[i])]}"
+        )
+    both = (ca == 0) & (cb == 0)
+    af, bf = a[both], b[both]
+    d = np.abs(af - bf)
+    n = int(af.size)
+    max_ref = float(np.abs(bf).max()) if n else 0.0
+    atol = limits.effective_atol(dtype.eps, max_ref) if limits else 0.0
+    rtol = limits.rtol if limits else 0.0
+    if n:
+        max_abs = float(d.max())
+        abs_b = np.abs(bf)
+        rel_floor = atol if atol > 0 else TINY
+        max_rel = float((d / np.maximum(abs_b, rel_floor)).max())
+        sq = float(np.dot(d, d))
+        rmse = float(np.sqrt(sq / n))
+        bb = float(np.dot(bf, bf))
+        nmse = 0.0 if sq == 0 else (sq / bb if bb > 0 else float("inf"))
+        denom = float(np.dot(af, af) + bb)
+        cos_diff = 0.0 if denom == 0 else float(1.0 - 2.0 * np.dot(af, bf) / max(denom, TINY))
+        if dtype.is_float and dtype.bits in (16, 32, 64):
+            max_ulp = float(ulp_distance(got[both], bf, dtype).max())
+        else:
+            max_ulp = float("nan")
+    else:
+        max_abs = max_rel = rmse = nmse = cos_diff = max_ref = 0.0
+        max_ulp = 0.0
+    allowed = atol + rtol * np.abs(bf)
+    if n:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(allowed > 0, d / np.where(allowed > 0, allowed, 1.0), np.where(d > 0, np.inf, 0.0))
+        elem_ratio = float(ratio.max())
+        mismatch = int(np.count_nonzero(d > allowed))
+    else:
+        ratio = np.zeros(0)
+        elem_ratio = 0.0
+        mismatch = 0
+    metrics = {
+        "numel": int(a.size),
+        "max_abs": max_abs,
+        "max_rel": max_rel,
+        "rmse": rmse,
+        "nmse": nmse,
+        "cos_diff": cos_diff,
+        "max_ulp": max_ulp,
+        "mismatch": mismatch + n_bad_anom,
+        "mismatch_frac": (mismatch + n_bad_anom) / a.size if a.size else 0.0,
+        "max_ref": max_ref,
+        "atol_eff": atol,
+        "nonfinite_ref": int(np.count_nonzero(cb != 0)),
+    }
+    return Comparison(metrics, n_bad_anom, anomaly_detail, _worst(a, b, bad_anom, both, ratio, d), elem_ratio)
+
+
+def _worst(a, b, bad_anom, both, ratio, d) -> list[dict]:
+    """At most WORST_K elements: anomaly mismatches first, then by error relative to the limit."""
+    picks: list[tuple[int, ...]] = [tuple(int(v) for v in i) for i in np.argwhere(bad_anom)[:WORST_K]]
+    if len(picks) < WORST_K and ratio.size:
+        flat_idx = np.flatnonzero(both.reshape(-1))
+        key = ratio if np.any(ratio > 0) else d
+        k = min(WORST_K - len(picks), key.size)
+        order = np.argpartition(-key, k - 1)[:k] if k < key.size else np.arange(key.size)
+        order = order[np.argsort(-key[order], kind="stable")]
+        for o in order:
+            if key[o] <= 0:
+                break
+            picks.append(tuple(int(v) for v in np.unravel_index(flat_idx[o], a.shape)))
+    out = []
+    for i in picks:
+        g, e = float(a[i]), float(b[i])
+        ad = abs(g - e) if np.isfinite(g) and np.isfinite(e) else float("nan")
+        rel = ad / abs(e) if np.isfinite(ad) and e != 0 else float("nan")
+        out.append({"index": list(i), "got": g, "expected": e, "abs": ad, "rel": rel})
+    return out
+
+
+def exact_mismatch(got: np.ndarray, expected: np.ndarray) -> tuple[int, list[dict]]:
+    """Bit-exact comparison of byte/integer (or bit-pattern) outputs of the same dtype."""
+    g = np.ascontiguousarray(got)
+    e = np.ascontiguousarray(expected).astype(g.dtype)
+    if g.dtype.kind not in "iub":  # floats (ml_dtypes report kind "V"): compare bit patterns
+        g = g.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[g.dtype.itemsize])
+        e = e.view(g.dtype)
+    bad = g != e
+    n_bad = int(np.count_nonzero(bad))
+    worst = []
+    for i in np.argwhere(bad)[:WORST_K]:
+        i = tuple(int(v) for v in i)
+        worst.append({"index": list(i), "got": int(g[i]), "expected": int(e[i]), "abs": float("nan"), "rel": float("nan")})
+    return n_bad, worst

@@ -1,0 +1,153 @@
+"""Run cases in worker processes: parallel, and isolated from crashes and hangs.
+
+Each worker evaluates whole input groups and reports every case as it starts and ends. If
+a worker dies (segfault, abort, os._exit) the case it was running is recorded as `crash`; if
+a case runs past `timeout` seconds the worker is killed and the case is a `timeout`. Either
+way the rest of that group goes to a fresh worker and every completed result is kept.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from multiprocessing.connection import wait
+from typing import Callable
+
+from conformance.case import Case
+from conformance.runner import group_cases, repro_command
+
+_POLL_S = 0.5
+
+
+def _worker_main(conn, extra_backends: list[str], recheck: bool, single_thread: bool) -> None:
+    if single_thread:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # N workers on N cores: no oversubscription
+    from conformance import ops
+    from conformance.backends import Registry
+    from conformance.runner import Runner
+
+    runner = Runner(Registry(extra=extra_backends), recheck=recheck)
+    while True:
+        try:
+            ids = conn.recv()
+        except EOFError:
+            return
+        if ids is None:
+            return
+        cases = [ops.parse_case(i) for i in ids]
+        for rec in runner.evaluate_group(cases, on_start=lambda c: conn.send(("start", c.id))):
+            conn.send(("result", rec))
+        conn.send(("done", None))
+
+
+class _Worker:
+    def __init__(self, ctx, extra_backends: list[str], recheck: bool, single_thread: bool) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, extra_backends, recheck, single_thread), daemon=True)
+        self.proc.start()
+        child.close()
+        self.group: list[str] = []  # ids sent and not yet returned
+        self.current: str | None = None
+        self.started = 0.0
+
+    def send(self, ids: list[str]) -> None:
+        self.group = list(ids)
+        self.current = None
+        self.conn.send(ids)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+
+def _dead_record(case_id: str, verdict: str, reason: str, origin_by_backend: dict[str, str]) -> dict:
+    from conformance import ops
+
+    case = ops.parse_case(case_id)
+    return {
+        "id": case.id, "op": case.op, "backend": case.backend, "dtype": case.dtype, "params": case.p,
+        "dist": case.dist, "seed": case.seed, "verdict": verdict, "kind": None, "reason": reason,
+        "message": f"{case.op}[{case.backend}] {reason}\n  repro: "
+                   f"{repro_command(case, origin_by_backend.get(case.backend))}",
+        "repro": repro_command(case, origin_by_backend.get(case.backend)), "norm_err": None,
+        "outputs": {}, "layers": {}, "recheck": None, "timing": {},
+    }
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "worker process stopped answering"
+    if code < 0:
+        try:
+            return f"worker process died from signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"worker process died from signal {-code}"
+    return f"worker process exited with code {code}"
+
+
+def run_isolated(cases: list[Case], *, jobs: int, extra_backends: list[str], recheck: bool = True,
+                 timeout: float | None = None, on_result: Callable[[dict], None] | None = None,
+                 origins: dict[str, str] | None = None) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    pending = [[c.id for c in g] for g in group_cases(cases)]
+    results: dict[str, dict] = {}
+    origins = origins or {}
+    workers = [_Worker(ctx, extra_backends, recheck, jobs > 1) for _ in range(min(jobs, len(pending)) or 1)]
+    idle = list(workers)
+
+    def record(rec: dict) -> None:
+        results[rec["id"]] = rec
+        if on_result:
+            on_result(rec)
+
+    def replace(w: _Worker, verdict: str, reason: str) -> None:
+        victim = w.current or (w.group[0] if w.group else None)
+        rest = [i for i in w.group if i != victim]
+        w.kill()
+        workers.remove(w)
+        if victim is not None:
+            record(_dead_record(victim, verdict, reason, origins))
+        if rest:
+            pending.insert(0, rest)
+        fresh = _Worker(ctx, extra_backends, recheck, jobs > 1)
+        workers.append(fresh)
+        idle.append(fresh)
+
+    try:
+        while pending or len(idle) < len(workers):
+            while pending and idle:
+                idle.pop().send(pending.pop(0))
+            busy = [w for w in workers if w not in idle]
+            ready = wait([w.conn for w in busy], timeout=_POLL_S)
+            now = time.monotonic()
+            for w in busy:
+                if w.conn in ready:
+                    try:
+                        kind, payload = w.conn.recv()
+                    except (EOFError, OSError):
+                        w.proc.join(1)
+                        replace(w, "crash", _exit_reason(w.proc.exitcode))
+                        continue
+                    if kind == "start":
+                        w.current, w.started = payload, now
+                    elif kind == "result":
+                        w.group = [i for i in w.group if i != payload["id"]]
+                        w.current = None
+                        record(payload)
+                    elif kind == "done":
+                        w.group, w.current = [], None
+                        idle.append(w)
+                elif timeout and w.current and now - w.started > timeout:
+                    replace(w, "timeout", f"ran longer than {timeout:g} s and was killed")
+    finally:
+        for w in workers:
+            try:
+                w.conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+            w.kill()
+    return [results[c.id] for c in cases if c.id in results]

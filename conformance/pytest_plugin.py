@@ -1,0 +1,154 @@
+"""pytest plugin: `pytest --parity-json PATH --parity-html PATH [--parity-junit PATH] [--parity-md PATH]`.
+
+Tests check cases through the `parity` fixture; every result is collected and, when one of
+the options is given, written at the end of the session as the same reports `parity run`
+writes. Like pytest-html: the options always exist, the collector registers only when asked,
+state lives in `config.stash`, and one summary line is printed at the end.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from reports import records
+
+_COLLECTOR = pytest.StashKey["Collector"]()
+_RUNNER = pytest.StashKey[Any]()
+_OPTIONS = ("json", "html", "junit", "md")
+
+
+class ParityFailure(AssertionError):
+    """A case that did not pass: the message is the framework's failure message with its repro line."""
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.results: dict[str, dict] = {}  # by id: hypothesis may replay an example
+
+    def add(self, rec: dict) -> None:
+        self.results[rec["id"]] = rec
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kernel-parity", "kernel-parity reports")
+    for what in _OPTIONS:
+        group.addoption(f"--parity-{what}", metavar="PATH", default=None,
+                        help=f"write the kernel-parity {what.upper()} report of the cases checked in this run")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if any(config.getoption(f"parity_{w}") for w in _OPTIONS):
+        config.stash[_COLLECTOR] = Collector()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    config = session.config
+    collector = config.stash.get(_COLLECTOR, None)
+    if collector is None:
+        return
+    from conformance import env
+
+    header = env.header("pytest " + " ".join(config.invocation_params.args), None)
+    results = list(collector.results.values())
+    doc = {"schema": records.SCHEMA, "header": header, "results": results}
+    if config.getoption("parity_json"):
+        records.write(config.getoption("parity_json"), header, results)
+    if config.getoption("parity_html"):
+        from reports import html
+
+        html.write(config.getoption("parity_html"), doc)
+    if config.getoption("parity_junit"):
+        from reports import junit
+
+        junit.write(config.getoption("parity_junit"), doc)
+    if config.getoption("parity_md"):
+        from reports import markdown
+
+        markdown.write(config.getoption("parity_md"), doc)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    collector = config.stash.get(_COLLECTOR, None)
+    if collector is None:
+        return
+    counts = records.summary(list(collector.results.values()))
+    parts = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
+    written = ", ".join(str(config.getoption(f"parity_{w}")) for w in _OPTIONS if config.getoption(f"parity_{w}"))
+    terminalreporter.write_line(f"kernel-parity: {len(collector.results)} cases ({parts or 'none'}) -> {written}")
+
+
+class Parity:
+    """The `parity` fixture: check a case against its golden, record it, assert it passed."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    @property
+    def runner(self) -> Any:
+        runner = self.config.stash.get(_RUNNER, None)
+        if runner is None:
+            from conformance.runner import Runner
+
+            runner = Runner()
+            self.config.stash[_RUNNER] = runner
+        return runner
+
+    def evaluate(self, case: Any) -> dict:
+        """Run a case and record it (no assertion)."""
+        rec = self.runner.evaluate(case)
+        collector = self.config.stash.get(_COLLECTOR, None)
+        if collector is not None:
+            collector.add(rec)
+        return rec
+
+    def arrays(self, case: Any) -> tuple[dict, dict]:
+        """Run and record a case; also return its arrays {"inputs", "golden", "outputs"}."""
+        runner = self.runner
+        runner.capture = {}
+        try:
+            rec = self.evaluate(case)
+            return rec, runner.capture.get(case.id, {})
+        finally:
+            runner.capture = None
+
+    def check(self, case: Any) -> dict:
+        """Run, record, steer hypothesis toward the worst error, and assert the verdict."""
+        __tracebackhide__ = True
+        rec = self.evaluate(case)
+        _hypothesis_hooks(rec)
+        if rec["verdict"] == "skip":
+            pytest.skip(rec["reason"])
+        assert_verdict(rec)
+        return rec
+
+
+def _hypothesis_hooks(rec: dict) -> None:
+    try:
+        from hypothesis import assume, note, target
+        from hypothesis.control import currently_in_test_context
+    except ImportError:  # pragma: no cover - hypothesis is a test dependency
+        return
+    if not currently_in_test_context():
+        return
+    note(f"case {rec['id']}\n  repro: {rec['repro']}")
+    if rec["verdict"] == "skip":
+        assume(False)  # an unsupported draw is rejected, not counted as a pass
+    if rec.get("norm_err") is not None:
+        target(min(float(rec["norm_err"]), 1e6), label="normalised error")
+
+
+def assert_verdict(rec: dict) -> None:
+    """Raise ParityFailure unless the case passed (vacuous and skip do not fail)."""
+    __tracebackhide__ = True
+    if rec["verdict"] in records.FAILING:
+        body = rec.get("message") or f"{rec['op']}[{rec['backend']}] {rec['verdict']}: {rec.get('reason')}"
+        if "repro:" not in body:
+            body += f"\n  repro: {rec['repro']}"
+        raise ParityFailure(f"{rec['verdict']}: {rec['id']}\n{body}")
+
+
+@pytest.fixture(scope="session")
+def parity(request: pytest.FixtureRequest) -> Parity:
+    return Parity(request.config)

@@ -1,0 +1,83 @@
+"""OpSpec: an op described as data.
+
+An op is named `<stem>.<function>`: `refimpl.<stem>.<function>` is its golden and every other
+folder uses the same stem (conformance/ops/<stem>.py, kernels/*/<stem>.*,
+property_tests/test_<stem>.py). A self-test checks the rule for every registered spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from conformance import dtypes as dt
+from conformance.errors import UsageError
+from conformance.params import Schema
+from conformance.tolerance import Tol
+
+Inputs = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Output:
+    """One output tensor. dtype "test" means the case's dtype; exact means bit-exact."""
+
+    dtype: str = "test"
+    exact: bool = False
+    doc: str = ""
+
+    def resolve(self, case_dtype: str) -> dt.DType:
+        return dt.get(case_dtype if self.dtype == "test" else self.dtype)
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str  # "<stem>.<function>"
+    golden: Callable[..., Any]  # the refimpl function (for the one-stem self-test and docs)
+    reference: Callable[[Inputs, dict[str, Any]], dict[str, np.ndarray]]  # float64 inputs -> outputs
+    params: Schema
+    make_inputs: Callable[[dict[str, Any], str, str, np.random.Generator], Inputs]  # params, dtype, dist, rng
+    output_shapes: Callable[[dict[str, Any]], dict[str, tuple[int, ...]]]
+    outputs: dict[str, Output]
+    tolerance: Tol
+    dtypes: tuple[str, ...] = dt.FLOAT_TEST_DTYPES
+    dists: dict[str, str] = field(default_factory=dict)  # name -> description
+    check: Callable[[dict[str, Any]], str | None] | None = None  # cross-parameter constraint
+    output_pads: Callable[[dict[str, Any]], dict[str, int]] | None = None  # poisoned row padding per output
+    baseline: str | None = "torch"  # same-precision backend for the noise layer
+    backends: tuple[str, ...] = ("triton", "cpu", "torch")  # built-ins that must implement it
+    doc: str = ""
+
+    @property
+    def stem(self) -> str:
+        return self.name.split(".", 1)[0]
+
+    @property
+    def function(self) -> str:
+        return self.name.split(".", 1)[1]
+
+    def validate(self, params: dict[str, Any], dtype: str, dist: str) -> dict[str, Any]:
+        """Validated, canonically ordered params; UsageError naming the bad value."""
+        params = self.params.validate(self.name, params)
+        if dtype not in self.dtypes:
+            raise UsageError(f"{self.name} does not support dtype {dtype!r} (supported: {', '.join(self.dtypes)})")
+        if dist not in self.dists:
+            raise UsageError(f"{self.name} has no value distribution {dist!r} (known: {', '.join(self.dists)})")
+        if self.check is not None:
+            why = self.check(params)
+            if why:
+                raise UsageError(f"{self.name}: {why}")
+        return params
+
+
+def float64_view(inputs: Inputs) -> Inputs:
+    """What the golden sees: the rounded inputs, exactly, as float64 (integers stay integers)."""
+    out = {}
+    for k, v in inputs.items():
+        if np.asarray(v).dtype.kind in "iub":
+            out[k] = np.asarray(v)
+        else:
+            out[k] = np.asarray(v).astype(np.float64)
+    return out

@@ -1,0 +1,122 @@
+"""Named suites of fixed cases (conformance/suites/<name>.toml, or any TOML path).
+
+    description = "..."
+    include = ["smoke"]              # other suites whose cases this one also runs
+
+    [[cases]]
+    op = "softmax.softmax"
+    backends = ["triton", "cpu", "torch"]
+    dtypes = ["fp32", "fp16", "bf16"]
+    dists = ["normal", "masked"]
+    seeds = [0]
+    params = [{rows = 3, n = 113, pad = 0}, ...]     # explicit parameter sets, and/or
+    grid = {rows = [1, 3], n = [1, 113], pad = [0]}  # a cartesian product
+
+A case entry expands to params x dtypes x dists x seeds x backends. Every case is validated
+against its op spec when the suite loads; a bad entry is an error naming the file and entry.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from conformance import dtypes as dt
+from conformance import ops
+from conformance.case import Case
+from conformance.errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+SUITE_DIR = Path(__file__).parent / "suites"
+DEFAULT_SUITE = "ci"
+
+
+@dataclass(frozen=True)
+class Filters:
+    ops: tuple[str, ...] = ()
+    backends: tuple[str, ...] = ()  # replaces each entry's backend list when given
+    dtypes: tuple[str, ...] = ()
+    dists: tuple[str, ...] = ()
+
+
+def names() -> list[str]:
+    return sorted(p.stem for p in SUITE_DIR.glob("*.toml"))
+
+
+def path_of(name: str) -> Path:
+    p = Path(name)
+    if p.suffix == ".toml" and p.exists():
+        return p
+    q = SUITE_DIR / f"{name}.toml"
+    if q.exists():
+        return q
+    raise UsageError(f"unknown suite {name!r} (known: {', '.join(names())}; or a path to a .toml file)")
+
+
+def load_doc(name: str) -> dict[str, Any]:
+    path = path_of(name)
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"suite {str(path)!r} is not valid TOML: {e}") from None
+
+
+def description(name: str) -> str:
+    return str(load_doc(name).get("description", ""))
+
+
+def cases(name: str, filters: Filters = Filters(), _seen: tuple[str, ...] = ()) -> list[Case]:
+    """The suite's cases after filters, deduplicated, in file order."""
+    if name in _seen:
+        raise UsageError(f"suite {name!r} includes itself (through {' -> '.join(_seen)})")
+    doc = load_doc(name)
+    out: list[Case] = []
+    for inc in doc.get("include", []):
+        out.extend(cases(inc, filters, _seen + (name,)))
+    wanted_ops = {s.name for s in ops.match(list(filters.ops))} if filters.ops else None
+    want_dtypes = {dt.canonical(d) for d in filters.dtypes} if filters.dtypes else None
+    for i, entry in enumerate(doc.get("cases", [])):
+        where = f"suite {name!r} case entry {i + 1}"
+        op = entry.get("op")
+        if not isinstance(op, str):
+            raise UsageError(f"{where}: missing op")
+        try:
+            spec = ops.get(op)
+        except UsageError as e:
+            raise UsageError(f"{where}: {e}") from None
+        if wanted_ops is not None and op not in wanted_ops:
+            continue
+        backends = list(filters.backends) or entry.get("backends", ["triton", "cpu", "torch"])
+        dtypes = [dt.canonical(d) for d in entry.get("dtypes", list(spec.dtypes))]
+        dists = entry.get("dists", ["normal"])
+        seeds = entry.get("seeds", [0])
+        for p in _param_sets(entry, where):
+            for dtype, dist, seed, backend in itertools.product(dtypes, dists, seeds, backends):
+                if want_dtypes is not None and dtype not in want_dtypes:
+                    continue
+                if filters.dists and dist not in filters.dists:
+                    continue
+                try:
+                    out.append(ops.make_case(op, backend, dtype, p, dist, seed))
+                except UsageError as e:
+                    raise UsageError(f"{where}: {e}") from None
+    return list(dict.fromkeys(out))
+
+
+def _param_sets(entry: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    sets = list(entry.get("params", []))
+    grid = entry.get("grid")
+    if grid:
+        keys = list(grid)
+        for combo in itertools.product(*(grid[k] if isinstance(grid[k], list) else [grid[k]] for k in keys)):
+            sets.append(dict(zip(keys, combo)))
+    if not sets:
+        raise UsageError(f"{where}: needs params or grid")
+    return sets

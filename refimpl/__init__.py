@@ -1,0 +1,1 @@
+"""Float64 golden implementations (NumPy + ml_dtypes only; no framework imports)."""

@@ -1,0 +1,94 @@
+"""Golden softmax, logsumexp and online (streaming) softmax, in float64.
+
+    softmax(x)_j   = exp(x_j - m) / sum_k exp(x_k - m),   m = max_k x_k
+    logsumexp(x)   = m + ln sum_k exp(x_k - m)             (natural log)
+
+Conventions (OPS.md, softmax):
+- A row whose entries are all -inf has softmax 0 (not NaN) and logsumexp -inf.
+- Inputs are finite or -inf; a row holding +inf or NaN gives NaN, as the textbook formula does.
+- `online_softmax` is the streaming algorithm (running max m, running sum l, rescaled by
+  exp(m_old - m_new) at each tile); it is a golden of the algorithm, and a self-test checks it
+  against the textbook `softmax`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import NDArray
+
+F64 = NDArray[np.float64]
+
+
+def _as_f64(x: NDArray) -> F64:
+    return np.asarray(x, dtype=np.float64)
+
+
+def _safe_max(x: F64, axis: int) -> F64:
+    """Row max with -inf rows mapped to 0, so `x - m` never evaluates -inf - -inf."""
+    m = np.max(x, axis=axis, keepdims=True)
+    return np.where(np.isneginf(m), 0.0, m)
+
+
+def softmax(x: NDArray, axis: int = -1) -> F64:
+    """Softmax along `axis`.
+
+    x: (..., n) float, values finite or -inf
+    returns: same shape as x, float64; all -inf rows -> 0
+    """
+    x = _as_f64(x)
+    if x.shape[axis] == 0:
+        return np.zeros_like(x)
+    e = np.exp(x - _safe_max(x, axis))  # exp(-inf) = 0 for masked entries
+    s = np.sum(e, axis=axis, keepdims=True)
+    return np.divide(e, s, out=np.zeros_like(e), where=s > 0)
+
+
+def logsumexp(x: NDArray, axis: int = -1) -> F64:
+    """Natural-log logsumexp along `axis`.
+
+    x: (..., n) float, values finite or -inf
+    returns: x.shape without `axis`, float64; all -inf rows (and n == 0) -> -inf
+    """
+    x = _as_f64(x)
+    if x.shape[axis] == 0:
+        return np.full(np.delete(x.shape, axis % x.ndim), -np.inf)
+    m = _safe_max(x, axis)
+    s = np.sum(np.exp(x - m), axis=axis, keepdims=True)
+    with np.errstate(divide="ignore"):  # ln 0 = -inf is the convention for empty rows
+        lse = np.log(s) + m
+    return np.squeeze(lse, axis=axis)
+
+
+def online_softmax(x: NDArray, tile: int, axis: int = -1) -> tuple[F64, F64]:
+    """Streaming softmax over tiles of `tile` elements along `axis`.
+
+    Pass 1 keeps a running max m and running sum l; at each tile
+        m' = max(m, max tile),  l' = l * exp(m - m') + sum exp(tile - m')
+    with exp(-inf - -inf) never evaluated (m' = -inf leaves l = 0). Pass 2 writes exp(x - m) / l.
+
+    x: (..., n) float, values finite or -inf
+    tile: tile length >= 1 (the last tile may be partial)
+    returns: (y, lse) with y like x and lse = m + ln l of shape x.shape without `axis`;
+             all -inf rows -> y = 0, lse = -inf
+    """
+    if tile < 1:
+        raise ValueError(f"tile must be >= 1, got {tile}")
+    x = np.moveaxis(_as_f64(x), axis, -1)
+    n = x.shape[-1]
+    m = np.full(x.shape[:-1], -np.inf)
+    l = np.zeros(x.shape[:-1])
+    for start in range(0, n, tile):  # the algorithm under test is the loop over tiles
+        t = x[..., start:start + tile]
+        m_new = np.maximum(m, np.max(t, axis=-1))
+        live = ~np.isneginf(m_new)  # rows that have seen a finite value
+        m_safe = np.where(live, m_new, 0.0)
+        alpha = np.where(live, np.exp(m - m_safe), 0.0)  # exp(-inf - finite) = 0 on the first live tile
+        l = l * alpha + np.sum(np.exp(t - m_safe[..., None]), axis=-1)
+        m = m_new
+    live = l > 0
+    m_safe = np.where(live, m, 0.0)
+    y = np.exp(x - m_safe[..., None])
+    y = np.divide(y, l[..., None], out=np.zeros_like(y), where=live[..., None])
+    with np.errstate(divide="ignore"):
+        lse = np.where(live, m_safe + np.log(np.where(live, l, 1.0)), -np.inf)
+    return np.moveaxis(y, -1, axis), lse

@@ -1,0 +1,92 @@
+"""Self-tests of the op registry: the one-stem rule, goldens, backends, suites."""
+
+import importlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conformance import ops, suites
+from conformance.backends import BUILTIN, Registry
+from conformance.runner import Prepared
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = sorted(ops.all_specs())
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_op_has_golden_and_stem_files(name):
+    spec = ops.get(name)
+    golden = getattr(importlib.import_module(f"refimpl.{spec.stem}"), spec.function, None)
+    assert golden is not None and golden is spec.golden, f"refimpl.{spec.stem}.{spec.function} is not the golden"
+    assert (ROOT / "conformance" / "ops" / f"{spec.stem}.py").exists()
+    assert (ROOT / "property_tests" / f"test_{spec.stem}.py").exists()
+    for folder, ext in (("triton", "py"), ("cpu", "c"), ("torch", "py")):
+        if folder in spec.backends:
+            assert (ROOT / "kernels" / folder / f"{spec.stem}.{ext}").exists(), f"missing kernels/{folder}/{spec.stem}.{ext}"
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_spec_backends_exist_and_implement_the_op(name):
+    spec = ops.get(name)
+    registry = Registry()
+    for b in spec.backends:
+        assert b in BUILTIN
+        assert name in registry.get(b).ops, f"backend {b} has no adapter for {name}"
+    assert spec.baseline is None or spec.baseline in registry.names()
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_spec_tolerance_covers_every_output_dtype(name):
+    spec = ops.get(name)
+    for dtype in spec.dtypes:
+        for out_name, out in spec.outputs.items():
+            lim = spec.tolerance.limits(out_name, out.resolve(dtype), {k: p.edge_values()[0] for k, p in spec.params.params.items()})
+            assert lim.rtol >= 0 and lim.atol >= 0
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_inputs_are_deterministic_and_rounded(name):
+    spec = ops.get(name)
+    case = next(c for c in suites.cases("smoke") if c.op == name)
+    a, b = Prepared(spec, case), Prepared(spec, case)
+    for k in a.inputs:
+        assert a.inputs[k].dtype == b.inputs[k].dtype
+        assert np.array_equal(a.inputs[k].view(np.uint8), b.inputs[k].view(np.uint8))
+    for k in a.golden:
+        assert np.array_equal(a.golden[k], b.golden[k], equal_nan=True)
+
+
+@pytest.mark.parametrize("suite", suites.names())
+def test_suites_load_and_name_only_known_ops_and_backends(suite):
+    cases = suites.cases(suite)
+    assert cases
+    assert {c.backend for c in cases} <= set(BUILTIN)
+    assert len({c.id for c in cases}) == len(cases)
+
+
+def test_ci_suite_covers_the_edges():
+    cases = suites.cases("ci")
+    sm = [c for c in cases if c.op == "softmax.softmax"]
+    lengths = {c.p["n"] for c in sm}
+    assert {1, 17, 113, 127, 129, 239}.issubset(lengths)  # 1, primes, 2^k +- 1
+    assert {"masked"}.issubset({c.dist for c in sm})  # fully -inf rows
+    assert any(c.p["pad"] for c in sm)
+    comb = [c for c in cases if c.op == "combine.lse_combine"]
+    assert "empty" in {c.dist for c in comb} and 1 in {c.p["splits"] for c in comb}
+    assert {c.dtype for c in cases} == {"fp32", "fp16", "bf16"}
+    assert {c.backend for c in cases} == {"triton", "cpu", "torch"}
+
+
+def test_nothing_happens_at_import():
+    """Importing the packages compiles nothing and reads no environment (STYLE rule 2)."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys; os.environ.pop('TRITON_INTERPRET', None);"
+            "import refimpl.softmax, refimpl.combine, conformance.cli, conformance.runner, conformance.ops;"
+            "conformance.ops.all_specs();"
+            "assert 'TRITON_INTERPRET' not in os.environ;"
+            "assert 'torch' not in sys.modules and 'triton' not in sys.modules, sorted(m for m in sys.modules if m.split('.')[0] in ('torch','triton'))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
