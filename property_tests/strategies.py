@@ -19,6 +19,7 @@ from conformance.errors import UsageError
 from conformance.params import Int, OneOf
 
 SEED_MAX = 2**32 - 1
+PENDING = "pending"  # placeholder backend: tests parametrized over backends call case.with_backend()
 
 
 def param(name: str, p: Int | OneOf, bound: tuple[int, int] | list | None) -> st.SearchStrategy:
@@ -32,7 +33,7 @@ def param(name: str, p: Int | OneOf, bound: tuple[int, int] | list | None) -> st
 
 
 @st.composite
-def cases(draw: Any, op: str, backend: str, dtypes: tuple[str, ...] | None = None,
+def cases(draw: Any, op: str, backend: str = PENDING, dtypes: tuple[str, ...] | None = None,
           dists: tuple[str, ...] | None = None, max_numel: int | None = None, **bounds: Any) -> Case:
     """A valid case of `op` on `backend`; `bounds` maps a parameter to (lo, hi) or a list of values."""
     spec = ops.get(op)

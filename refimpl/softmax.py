@@ -38,9 +38,11 @@ def softmax(x: NDArray, axis: int = -1) -> F64:
     x = _as_f64(x)
     if x.shape[axis] == 0:
         return np.zeros_like(x)
-    e = np.exp(x - _safe_max(x, axis))  # exp(-inf) = 0 for masked entries
+    with np.errstate(invalid="ignore"):  # +inf - +inf = NaN: a row holding +inf is NaN, as in the textbook
+        e = np.exp(x - _safe_max(x, axis))  # exp(-inf) = 0 for masked entries
     s = np.sum(e, axis=axis, keepdims=True)
-    return np.divide(e, s, out=np.zeros_like(e), where=s > 0)
+    y = np.divide(e, s, out=np.zeros_like(e), where=s > 0)  # s == 0 only for an all -inf row
+    return np.where(np.isnan(s), np.nan, y)
 
 
 def logsumexp(x: NDArray, axis: int = -1) -> F64:
@@ -53,7 +55,8 @@ def logsumexp(x: NDArray, axis: int = -1) -> F64:
     if x.shape[axis] == 0:
         return np.full(np.delete(x.shape, axis % x.ndim), -np.inf)
     m = _safe_max(x, axis)
-    s = np.sum(np.exp(x - m), axis=axis, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        s = np.sum(np.exp(x - m), axis=axis, keepdims=True)
     with np.errstate(divide="ignore"):  # ln 0 = -inf is the convention for empty rows
         lse = np.log(s) + m
     return np.squeeze(lse, axis=axis)
@@ -77,18 +80,22 @@ def online_softmax(x: NDArray, tile: int, axis: int = -1) -> tuple[F64, F64]:
     n = x.shape[-1]
     m = np.full(x.shape[:-1], -np.inf)
     l = np.zeros(x.shape[:-1])
-    for start in range(0, n, tile):  # the algorithm under test is the loop over tiles
-        t = x[..., start:start + tile]
-        m_new = np.maximum(m, np.max(t, axis=-1))
-        live = ~np.isneginf(m_new)  # rows that have seen a finite value
-        m_safe = np.where(live, m_new, 0.0)
-        alpha = np.where(live, np.exp(m - m_safe), 0.0)  # exp(-inf - finite) = 0 on the first live tile
-        l = l * alpha + np.sum(np.exp(t - m_safe[..., None]), axis=-1)
-        m = m_new
-    live = l > 0
-    m_safe = np.where(live, m, 0.0)
-    y = np.exp(x - m_safe[..., None])
+    with np.errstate(invalid="ignore"):  # +inf or NaN in a row makes it NaN, as in the textbook
+        for start in range(0, n, tile):  # the algorithm under test is the loop over tiles
+            t = x[..., start:start + tile]
+            m_new = np.maximum(m, np.max(t, axis=-1))
+            live = ~np.isneginf(m_new)  # rows that have seen a finite value
+            m_safe = np.where(live, m_new, 0.0)
+            alpha = np.where(live, np.exp(m - m_safe), 0.0)  # exp(-inf - finite) = 0 on the first live tile
+            l = l * alpha + np.sum(np.exp(t - m_safe[..., None]), axis=-1)
+            m = m_new
+        live = l > 0
+        m_safe = np.where(live, m, 0.0)
+        y = np.exp(x - m_safe[..., None])
     y = np.divide(y, l[..., None], out=np.zeros_like(y), where=live[..., None])
     with np.errstate(divide="ignore"):
         lse = np.where(live, m_safe + np.log(np.where(live, l, 1.0)), -np.inf)
+    bad = np.isnan(l)
+    y[bad] = np.nan
+    lse[bad] = np.nan
     return np.moveaxis(y, -1, axis), lse

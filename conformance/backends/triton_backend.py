@@ -13,6 +13,8 @@ from conformance.backends.builtin import collect
 @dataclass
 class TritonBackend(Backend):
     interpreter: bool = False
+    note: str | None = None
+    _prepared: bool = False
 
     def available(self) -> str | None:
         why = torch_available()
@@ -22,10 +24,17 @@ class TritonBackend(Backend):
             import triton  # noqa: F401
         except Exception as e:
             return f"triton is not importable ({type(e).__name__}: {e})"
+        if self.interpreter and not self._prepared:
+            from conformance.backends.triton_interpreter import ensure_bf16_rne
+
+            self.note = ensure_bf16_rne()
+            self._prepared = True
         return None
 
     def describe(self) -> str:
-        return "triton (interpreter on CPU)" if self.interpreter else "triton (cuda)"
+        if not self.interpreter:
+            return "triton (cuda)"
+        return f"triton (interpreter on CPU{'; ' + self.note if self.note else ''})"
 
 
 def make() -> TritonBackend:

@@ -53,7 +53,7 @@ def lse_combine(o_parts: np.ndarray, lse_parts: np.ndarray, *, out: np.ndarray |
         raise ValueError(f"lse_parts shape must be (splits, rows) = {(splits, rows)} to match "
                          f"o_parts {o_parts.shape}, got {lse_parts.shape}")
     stride_o_split, stride_o_row, stride_o_col = element_strides("o_parts", o_parts)
-    if d_v > 1 and stride_o_col != 1:
+    if d_v > 1 and o_parts.size > 0 and stride_o_col != 1:
         raise ValueError(f"o_parts last-axis stride must be 1 element, got {stride_o_col} "
                          f"(strides {o_parts.strides} bytes); no copy is made")
     stride_lse_split, stride_lse_row = element_strides("lse_parts", lse_parts)
@@ -62,10 +62,10 @@ def lse_combine(o_parts: np.ndarray, lse_parts: np.ndarray, *, out: np.ndarray |
         out = np.empty((rows, d_v), dtype=o_parts.dtype)
     check_output("out", out, (rows, d_v), o_parts.dtype, "(rows, d_v)")
     stride_out_row, stride_out_col = element_strides("out", out)
-    if d_v > 1 and stride_out_col != 1:
+    if d_v > 1 and out.size > 0 and stride_out_col != 1:
         raise ValueError(f"out last-axis stride must be 1 element, got {stride_out_col} "
                          f"(strides {out.strides} bytes)")
-    if rows > 1 and stride_out_row < d_v:
+    if rows > 1 and out.size > 0 and stride_out_row < d_v:
         raise ValueError(f"out row stride must be >= d_v = {d_v} elements, got {stride_out_row} "
                          f"(strides {out.strides} bytes)")
     if out_lse is None:

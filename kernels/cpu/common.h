@@ -8,10 +8,12 @@
  * - fp16/bf16 <-> fp32 by bit manipulation: widening is exact; narrowing rounds to nearest, ties to
  *   even, including into the fp16 subnormals and overflow to inf. NaN bits follow NumPy (fp16: payload
  *   truncated, sign and signalling bit kept, never turned into inf) and ml_dtypes (bf16: quiet NaN
- *   0x7fc0 with the sign). Bit-exact against both for all 65536 patterns and the float32 edge values.
+ *   0x7fc0 with the sign). Bit-exact against both: widening for all 65536 patterns, narrowing for
+ *   all 2^32 float32 patterns.
  *   No _Float16 / __bf16: those depend on compiler and target support.
- * - kp_expf(x) and kp_exp_diff(a, b) = exp(a - b), with the rounding error of a - b folded back into
- *   the reduced argument (TwoSum), so exp(x - max) keeps ~1 ulp however far x is below the max.
+ * - kp_expf(x) (max error 0.99 ulp) and kp_exp_diff(a, b) = exp(a - b), with the rounding error of
+ *   a - b folded back into the reduced argument (TwoSum), so exp(x - max) keeps ~1 ulp however far x
+ *   is below the max (a plain exp of the rounded difference was 64 ulp off in the same test).
  * - KP_LANES: reductions run in 16 independent fp32 lanes. GCC/Clang vectorise that without
  *   -fassociative-math, and the result is bitwise the same whichever ISA path ran (with
  *   -ffp-contract=off no FMA is formed either).
@@ -33,10 +35,15 @@ enum { KP_OK = 0, KP_ERR_DTYPE = 1, KP_ERR_NOMEM = 2 };
 
 enum { KP_LANES = 16 };  /* independent accumulators: one AVX-512 register, two AVX2, four SSE */
 
-/* The loop over the lanes of one group. Left rolled so GCC's loop vectoriser (rather than full
- * unrolling followed by SLP, which gives up on the selects) turns the group into whole vector
- * registers, keeping the accumulators in registers across the outer loop. */
+/* The loop over the lanes of one group. GCC: left rolled, so its loop vectoriser turns the group
+ * into whole vector registers and keeps the accumulators in registers across the outer loop (fully
+ * unrolled first, its SLP pass gives up on the selects and the max pass runs scalar). Clang's SLP
+ * vectoriser handles the unrolled form. */
+#if defined(__clang__)
+#define KP_FOR_LANES(k) for (int k = 0; k < KP_LANES; k++)
+#else
 #define KP_FOR_LANES(k) _Pragma("GCC unroll 1") for (int k = 0; k < KP_LANES; k++)
+#endif
 
 KP_INLINE uint32_t kp_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 KP_INLINE float kp_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -109,7 +116,9 @@ KP_INLINE int64_t kp_itemsize(int dt) { return dt == KP_F32 ? 4 : 2; }
  * power-of-two factors so that results in the subnormal range round once and k = 128 overflows
  * to inf. Clamping hi to [-104, 89] gives exactly 0 below exp's underflow threshold
  * (ln 2^-150 = -103.97) and for -inf, and inf above 88.72 and for +inf; NaN passes through.
- * Max error 1.47 ulp (kp_expf, over every float in [-104, 89], against exp in double; lo = 0). */
+ * Measured (GCC 12, x86-64; the ISA paths give identical bits): kp_expf max error 0.99 ulp over every float in
+ * [-104, 89], subnormal results included, against exp in double (glibc expf: 0.50); exact 0, inf and
+ * NaN at the specials. kp_exp_diff: max 1.11 ulp over 2e6 random pairs with a - b in [-110, 0]. */
 KP_INLINE float kp_expf2(float hi, float lo) {
     const float shift = 0x1.8p23f;          /* adding 1.5 * 2^23 rounds to an integer in the low bits */
     const float ln2_hi = 0.693359375f;      /* 9 significant bits: k * ln2_hi is exact for |k| <= 150 */
@@ -137,7 +146,8 @@ KP_INLINE float kp_expf2(float hi, float lo) {
 KP_INLINE float kp_expf(float x) { return kp_expf2(x, 0.0f); }
 
 /* exp(a - b) with the rounding error of a - b recovered by TwoSum. The error term is computed on
- * operands zeroed where the result does not need it, so no inf - inf is ever formed. */
+ * operands zeroed where the result does not need it, so it forms no inf - inf of its own (and the
+ * callers never pass b = -inf: an all -inf row or split set stops before any exp). */
 KP_INLINE float kp_exp_diff(float a, float b) {
     float d = a - b;
     int use = d > -104.0f && d < 89.0f;
@@ -148,14 +158,6 @@ KP_INLINE float kp_exp_diff(float a, float b) {
 }
 
 /* ---- lane reductions ------------------------------------------------------------------------- */
-
-KP_INLINE float kp_lanes_sum(const float *acc) {   /* pairwise, fixed order */
-    float t[KP_LANES];
-    for (int k = 0; k < KP_LANES; k++) t[k] = acc[k];
-    for (int w = KP_LANES / 2; w > 0; w /= 2)
-        for (int k = 0; k < w; k++) t[k] += t[k + w];
-    return t[0];
-}
 
 KP_INLINE float kp_lanes_max(const float *acc) {
     float m = acc[0];

@@ -94,6 +94,7 @@ def _build(stem: str) -> Path:
         if proc.returncode != 0:
             raise CompilerUnavailable(
                 f"{cc[0]} failed on {source.name}: {_first_error(proc.stderr or proc.stdout)}")
+        os.chmod(tmp, 0o755)  # mkstemp made it 0600; a shared cache needs it readable
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -195,11 +196,14 @@ def check_status(status: int, kernel: str) -> None:
 
 
 def element_strides(name: str, a: np.ndarray) -> tuple[int, ...]:
-    """`a`'s strides in elements (0 for axes of extent <= 1, whose stride numpy leaves arbitrary).
+    """`a`'s strides in elements; 0 for axes of extent <= 1 and for empty arrays, whose strides numpy
+    leaves arbitrary and which are never dereferenced.
 
     ValueError when `a` is not aligned to its element size or a stride is not a whole element count.
     """
     size = a.itemsize
+    if a.size == 0:
+        return (0,) * a.ndim
     strides = tuple(0 if n <= 1 else s for n, s in zip(a.shape, a.strides))
     if not a.flags.aligned or any(s % size for s in strides):
         raise ValueError(f"{name} must be aligned to its {size}-byte elements, got strides "

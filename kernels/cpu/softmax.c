@@ -16,7 +16,9 @@
  * sums are added in double (once per block, so free), so its error does not grow with n; the online
  * form carries l across tiles in double for the same reason (tile sums are fp32). exp(x - m) uses
  * kp_exp_diff, which recovers the rounding error of x - m (far below the max that error would
- * otherwise dominate: |x - m| * 2^-24 relative). y = e / l is a division, one rounding.
+ * otherwise dominate: |x - m| * 2^-24 relative), and y = e / l is a division, wherever the result
+ * is fp32 (y in fp32; l, which feeds the fp32 lse); fp16/bf16 y use exp(x - m) and e * (1/l), whose
+ * extra error is far below their own rounding (see exp_shifted and scale).
  *
  * Memory traffic per row (softmax), three passes: the max; e = exp(x - m) while summing l; y = e / l.
  * fp32: e is y itself (passes 2-3 hit L2 for rows up to ~256K elements) and pass 2 prefetches the
@@ -30,6 +32,14 @@
 #include "common.h"
 
 enum { KP_BLOCK = 256 };  /* elements per fp32 partial sum: 16 per lane */
+
+/* exp(x - m). EXACT: kp_exp_diff, which recovers the rounding error of x - m (up to |x - m| 2^-24
+ * relative in the result). Used where the result is fp32 (y in fp32, and l, which feeds the fp32
+ * lse); for fp16/bf16 y that error is below 2^-17 of the result wherever it is not 0, far under
+ * their rounding, so the cheaper kp_expf(x - m) does. */
+KP_INLINE float exp_shifted(float x, float m, int EXACT) {
+    return EXACT ? kp_exp_diff(x, m) : kp_expf(x - m);
+}
 
 /* Max of x[0:n] (dtype dt); with WIDEN also copies x, widened to fp32, into buf[0:n]. NaN is
  * skipped here; it reaches the result through the exp sum. */
@@ -68,7 +78,7 @@ KP_INLINE int span_has_nan(const void *x, int64_t n, int dt) {
  * block instead of growing with n. Prefetches row `prefetch` into L2 as it goes (one line per
  * group), so the next row's max pass does not wait on DRAM. */
 KP_INLINE double span_exp_sum(const void *x, float *e, int64_t n, float m, int dt, int STORE,
-                              const char *prefetch, int64_t prefetch_size) {
+                              int EXACT, const char *prefetch, int64_t prefetch_size) {
     double acc[KP_LANES] = {0};
     int64_t nv = n - n % KP_LANES;
     for (int64_t b = 0; b < nv; b += KP_BLOCK) {
@@ -77,7 +87,7 @@ KP_INLINE double span_exp_sum(const void *x, float *e, int64_t n, float m, int d
         for (int64_t j = b; j < be; j += KP_LANES) {
             __builtin_prefetch(prefetch + j * prefetch_size, 0, 2);
             KP_FOR_LANES(k) {
-                float v = kp_exp_diff(kp_load(x, j + k, dt), m);
+                float v = exp_shifted(kp_load(x, j + k, dt), m, EXACT);
                 if (STORE) e[j + k] = v;
                 part[k] += v;
             }
@@ -86,7 +96,7 @@ KP_INLINE double span_exp_sum(const void *x, float *e, int64_t n, float m, int d
     }
     double tail = 0.0;
     for (int64_t j = nv; j < n; j++) {
-        float v = kp_exp_diff(kp_load(x, j, dt), m);
+        float v = exp_shifted(kp_load(x, j, dt), m, EXACT);
         if (STORE) e[j] = v;
         tail += v;
     }
@@ -95,15 +105,30 @@ KP_INLINE double span_exp_sum(const void *x, float *e, int64_t n, float m, int d
     return acc[0] + tail;
 }
 
-/* y[0:n] = e[0:n] / l, rounded to dt. A division rather than a multiply by 1/l: one rounding, not
- * two, for ~10% of the fp32 time. */
-KP_INLINE void span_scale_store(const float *e, void *y, int64_t n, float l, int dt) {
-    for (int64_t j = 0; j < n; j++) kp_store(y, j, e[j] / l, dt);
+/* e / l for an output of dtype dt: fp32 divides (one rounding, for ~10% of the fp32 time);
+ * fp16/bf16 multiply by 1/l, whose extra fp32 rounding is 2^-13 of theirs or less. */
+KP_INLINE float scale(float e, float l, float inv_l, int dt) {
+    return dt == KP_F32 ? e / l : e * inv_l;
 }
 
-/* y[0:n] = exp(x - m) / l, rounded to dt (the online form's second pass). */
-KP_INLINE void span_exp_scale_store(const void *x, void *y, int64_t n, float m, float l, int dt) {
-    for (int64_t j = 0; j < n; j++) kp_store(y, j, kp_exp_diff(kp_load(x, j, dt), m) / l, dt);
+/* y[0:n] = e[0:n] / l, rounded to dt. */
+KP_INLINE void span_scale_store(const float *e, void *y, int64_t n, float l, int dt) {
+    const float inv_l = 1.0f / l;
+    for (int64_t j = 0; j < n; j++) kp_store(y, j, scale(e[j], l, inv_l, dt), dt);
+}
+
+/* y[0:n] = exp(x - m) / l, rounded to dt (the online form's second pass); prefetches the next row
+ * into L2 like span_exp_sum. */
+KP_INLINE void span_exp_scale_store(const void *x, void *y, int64_t n, float m, float l, int dt,
+                                    const char *prefetch) {
+    const float inv_l = 1.0f / l;
+    const int64_t line = 64 / kp_itemsize(dt);
+    for (int64_t j0 = 0; j0 < n; j0 += line) {
+        __builtin_prefetch(prefetch + j0 * kp_itemsize(dt), 0, 2);
+        int64_t j1 = n - j0 < line ? n : j0 + line;
+        for (int64_t j = j0; j < j1; j++)
+            kp_store(y, j, scale(exp_shifted(kp_load(x, j, dt), m, dt == KP_F32), l, inv_l, dt), dt);
+    }
 }
 
 KP_INLINE void span_fill(void *y, int64_t n, float v, int dt) {
@@ -126,7 +151,7 @@ KP_INLINE void softmax_row(const void *x, void *y, float *buf, int64_t n, int dt
         span_fill(y, n, span_has_nan(x, n, dt) ? NAN : 0.0f, dt);
         return;
     }
-    float l = (float)span_exp_sum(src, e, n, m, KP_F32, 1, x_next, kp_itemsize(dt));
+    float l = (float)span_exp_sum(src, e, n, m, KP_F32, 1, dt == KP_F32, x_next, kp_itemsize(dt));
     span_scale_store(e, y, n, l, dt);
 }
 
@@ -161,7 +186,7 @@ KP_MULTIVERSION(softmax_kernel,
 /* ---- online softmax ------------------------------------------------------------------------ */
 
 KP_INLINE void online_softmax_row(const char *x, char *y, float *lse, int64_t n, int64_t tile,
-                                  int dt) {
+                                  int dt, const char *x_next) {
     const int64_t size = kp_itemsize(dt);
     float m = -INFINITY;
     double l = 0.0;   /* carried in double: in fp32 its error would grow with n / tile additions */
@@ -172,7 +197,7 @@ KP_INLINE void online_softmax_row(const char *x, char *y, float *lse, int64_t n,
         float m_new = tm > m ? tm : m;
         if (m_new == -INFINITY) continue;           /* nothing live yet: l stays 0 */
         float alpha = kp_exp_diff(m, m_new);        /* exp(-inf - finite) = 0 on the first live tile */
-        l = l * alpha + span_exp_sum(xt, NULL, len, m_new, dt, 0, xt, 0);
+        l = l * alpha + span_exp_sum(xt, NULL, len, m_new, dt, 0, 1, xt, 0);
         m = m_new;
     }
     if (m == -INFINITY) {                           /* pass 2 */
@@ -181,7 +206,7 @@ KP_INLINE void online_softmax_row(const char *x, char *y, float *lse, int64_t n,
         *lse = nan ? NAN : -INFINITY;
         return;
     }
-    span_exp_scale_store(x, y, n, m, (float)l, dt);
+    span_exp_scale_store(x, y, n, m, (float)l, dt, x_next);
     *lse = (float)((double)m + log(l));             /* one rounding: m may be large, l is in [1, n] */
 }
 
@@ -190,7 +215,8 @@ KP_INLINE int online_softmax_rows(const char *x, int64_t stride_x_row, char *y, 
                                   int64_t tile, int dt) {
     int64_t sx = stride_x_row * kp_itemsize(dt), sy = stride_y_row * kp_itemsize(dt);
     for (int64_t r = 0; r < rows; r++)
-        online_softmax_row(x + r * sx, y + r * sy, lse + r * stride_lse, n, tile, dt);
+        online_softmax_row(x + r * sx, y + r * sy, lse + r * stride_lse, n, tile, dt,
+                           x + (r + 1 < rows ? r + 1 : r) * sx);
     return KP_OK;
 }
 

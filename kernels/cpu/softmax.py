@@ -46,6 +46,8 @@ def _row_stride(name: str, a: np.ndarray) -> int:
     """Row stride in elements of a (rows, n) array; ValueError unless rows are unit-stride and disjoint."""
     rows, n = a.shape
     stride_row, stride_col = element_strides(name, a)
+    if a.size == 0:
+        return 0
     if n > 1 and stride_col != 1:
         raise ValueError(f"{name} last-axis stride must be 1 element, got {stride_col} "
                          f"(strides {a.strides} bytes); no copy is made")
