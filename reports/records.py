@@ -104,8 +104,12 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def dump(header: dict, results: list[dict]) -> str:
-    doc = {"schema": SCHEMA, "header": header, "results": results}
-    return json.dumps(_encode(doc), indent=1, allow_nan=False) + "\n"
+    """The document as JSON: header indented, one compact line per record (diffs stay readable)."""
+    head = json.dumps(_encode(header), indent=1, allow_nan=False).replace("\n", "\n ")
+    lines = [json.dumps(_encode(r), separators=(",", ":"), allow_nan=False) for r in results]
+    body = ",\n  ".join(lines)
+    return (f'{{\n "schema": {json.dumps(SCHEMA)},\n "header": {head},\n "results": [\n  {body}\n ]\n}}\n'
+            if lines else f'{{\n "schema": {json.dumps(SCHEMA)},\n "header": {head},\n "results": []\n}}\n')
 
 
 def write(path: str | os.PathLike, header: dict, results: list[dict]) -> None:
