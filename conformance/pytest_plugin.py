@@ -36,6 +36,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     for what in _OPTIONS:
         group.addoption(f"--parity-{what}", metavar="PATH", default=None,
                         help=f"write the kernel-parity {what.upper()} report of the cases checked in this run")
+    group.addoption("--parity-backend", metavar="MODULE:OBJECT", action="append", default=[],
+                    help="make a third-party backend available to the `parity` fixture (repeatable)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -89,9 +91,10 @@ class Parity:
     def runner(self) -> Any:
         runner = self.config.stash.get(_RUNNER, None)
         if runner is None:
+            from conformance.backends import Registry
             from conformance.runner import Runner
 
-            runner = Runner()
+            runner = Runner(Registry(extra=self.config.getoption("parity_backend")))
             self.config.stash[_RUNNER] = runner
         return runner
 
