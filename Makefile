@@ -6,7 +6,7 @@ PARITY := $(VENV)/bin/parity
 STAMP  := $(VENV)/.installed
 OUT    := build
 
-.PHONY: install demo test gate bench clean
+.PHONY: install demo test bench clean
 
 install: $(STAMP)
 
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 
 # The gate on the default suite (ci), with the HTML report.
 demo: $(STAMP)
-	$(PARITY) gate --no-progress --json $(OUT)/demo.json --html $(OUT)/report.html --md $(OUT)/report.md
+	$(PARITY) gate --no-progress --jobs 2 --json $(OUT)/demo.json --html $(OUT)/report.html --md $(OUT)/report.md
 	@echo "HTML report: $(OUT)/report.html"
 
 # Self-tests and property tests (derandomized), then the gate on the ci suite.

@@ -135,12 +135,10 @@ def failure_message(case, spec, prep, rec_outputs, problems, repro) -> str:
     for kind, name, detail in problems:
         orec = rec_outputs.get(name, {})
         m = orec.get("metrics", {})
-        lim = orec.get("limits") or {}
-        head = f"{case.op}[{case.backend}] {name}: {detail}"
-        if kind == "numeric" and lim:
-            head += f" ({orec['dtype']}: atol={lim['atol']:.3g} rtol={lim['rtol']:.3g})"
-        if "cos_diff" in m and kind != "exact":
-            head += f", cos_diff={m['cos_diff']:.3g}, max_abs={m['max_abs']:.3g}"
+        dtype = f" ({orec['dtype']})" if orec.get("dtype") else ""
+        head = f"{case.op}[{case.backend}] {name}{dtype}: {detail}"
+        if kind in ("numeric", "noise") and "max_abs" in m and "max_abs=" not in detail:
+            head += f"; max_abs={m['max_abs']:.3g}"
         lines.append(head)
         if name in shown:
             continue

@@ -17,6 +17,8 @@ a Backend instance, a Backend subclass, or a zero-argument factory returning one
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Callable
@@ -66,6 +68,8 @@ def load_object(spec: str) -> Backend:
     mod_name, sep, obj_name = spec.partition(":")
     if not sep or not mod_name or not obj_name:
         raise UsageError(f"--backend {spec!r} must be a built-in name or module:object")
+    if os.getcwd() not in sys.path:  # like `python -m`: modules of the current directory resolve
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(mod_name)
     except Exception as e:  # an import error in user code is a usage error here
