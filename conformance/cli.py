@@ -45,6 +45,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-recheck", action="store_true", help="do not re-run borderline cases on fresh seeds")
     p.add_argument("--quiet", "-q", action="store_true", help="print only the summary line")
+    p.add_argument("--known-failures", metavar="TOML", default=None,
+                   help="known-failures file (default: the package's conformance/known_failures.toml)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -56,7 +56,12 @@ def execute(args: Any, command: str) -> tuple[dict, list[dict]]:
 
         results = Runner(registry, recheck=not args.no_recheck).run(cases, on_result=lambda r: bar.update(1))
     bar.close()
+    from conformance import known
+
+    entries = known.load(args.known_failures)
+    stale = known.apply(results, entries)
     header = env.header(command, suite)
+    header["known_failures"] = {"entries": len(entries), "stale": stale}
     header["elapsed_s"] = round(time.perf_counter() - t0, 3)
     header["backends"] = {n: registry.get(n).describe() for n in dict.fromkeys(c.backend for c in cases)}
     return header, results
@@ -91,10 +96,13 @@ def print_summary(header: dict, results: list[dict], quiet: bool = False) -> boo
         if len(failing) > MAX_PRINTED_FAILURES:
             print(f"... and {len(failing) - MAX_PRINTED_FAILURES} more failing cases (see the reports)")
     parts = [f"{n} {v}" for v, n in counts.items() if n]
-    status = "FAIL" if failing else "PASS"
+    stale = (header.get("known_failures") or {}).get("stale") or []
+    for label in stale:
+        print(f"STALE known-failures entry matches no case that ran: {label}")
+    status = "FAIL" if failing or stale else "PASS"
     print(f"parity: {status}: {len(results)} cases: {', '.join(parts)} in {header.get('elapsed_s', 0):.1f} s"
           f" on {header.get('device')}")
-    return not failing
+    return not failing and not stale
 
 
 def _progress(total: int, disable: bool) -> Any:

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from conformance.backends import NotProvided
 from conformance.case import Case
 from conformance.metrics import compare, exact_mismatch
 from conformance.poison import is_poison
@@ -29,6 +30,11 @@ def judge_case(case: Case, spec: Any, prep: Any, outputs: dict[str, np.ndarray],
         orec: dict[str, Any] = {"dtype": want_dtype.name, "shape": list(want_shape), "exact": exact}
         rec_outputs[name] = orec
         got = outputs.get(name)
+        if isinstance(got, NotProvided):
+            orec["not_provided"] = got.reason
+            j.layers["structure"] = LayerResult(None, f"not provided: {got.reason}")
+            orec["layers"] = {"structure": {"ok": None, "detail": f"not provided: {got.reason}"}}
+            continue
         if got is None:
             j.layers["structure"] = LayerResult(False, "output missing")
             problems.append(("structural", name, "output missing: the backend returned no such tensor"))
@@ -38,6 +44,10 @@ def judge_case(case: Case, spec: Any, prep: Any, outputs: dict[str, np.ndarray],
             problems.append(("structural", name, f"shape {tuple(got.shape)}, expected {want_shape}"))
             continue
         ref = np.asarray(prep.golden[name])
+        if spec.outputs[name].nan_is_any:
+            anywhere = np.isnan(ref)  # positions where any value is right: compare them as equal
+            if anywhere.any():
+                got = np.where(anywhere, np.array(np.nan, dtype=got.dtype), got)
         structure = []
         if got.dtype != want_dtype.np:
             structure.append(f"dtype {got.dtype}, expected {want_dtype.name}")
@@ -60,8 +70,9 @@ def judge_case(case: Case, spec: Any, prep: Any, outputs: dict[str, np.ndarray],
                 j.ratios["exact"] = float("inf")
             orec["layers"] = {k: {"ok": v.ok, "detail": v.detail} for k, v in j.layers.items()}
             continue
-        lim = spec.tolerance.limits(name, want_dtype, p)
-        cmp = compare(got, ref, want_dtype, lim)
+        tol_dtype = spec.outputs[name].tolerance_dtype(case.dtype)
+        lim = spec.tolerance.limits(name, tol_dtype, p)
+        cmp = compare(got, ref, want_dtype, lim, tol_dtype)
         if cmp.anomaly_mismatch:
             structure.append(cmp.anomaly_detail)
         j.layers["structure"] = LayerResult(not structure, "; ".join(structure))
@@ -79,7 +90,7 @@ def judge_case(case: Case, spec: Any, prep: Any, outputs: dict[str, np.ndarray],
         orec["noise"] = None
         k = spec.tolerance.noise_k
         if noise_base and name in noise_base and k is not None:
-            floor = spec.tolerance.noise_floor(want_dtype, cmp.metrics["max_ref"])
+            floor = spec.tolerance.noise_floor(tol_dtype, cmp.metrics["max_ref"])
             nl, nr = noise_layer(cmp.metrics["max_abs"], noise_base[name], k, floor)
             j.layers["noise"] = nl
             j.ratios.update(nr)
@@ -149,3 +160,41 @@ def failure_message(case, spec, prep, rec_outputs, problems, repro) -> str:
                          f"  |d|={w['abs']:.2g} rel={w['rel']:.2g}")
     lines.append(f"  repro: {repro}")
     return "\n".join(lines)
+
+
+def diagnose(case: Case, spec: Any, inputs64: dict, outputs: dict[str, Any]) -> list[str]:
+    """Labels of the alternative semantics (spec.diagnoses) whose golden the kernel's outputs match.
+
+    An output matches when its NaN/inf positions agree and it passes layer 3 against the
+    alternative golden; outputs the backend did not provide are ignored.
+    """
+    p = case.p
+    found = []
+    for d in spec.diagnoses:
+        alt = d.alter(p)
+        if alt is None:
+            continue
+        try:
+            golden = spec.reference(inputs64, alt)
+        except Exception:  # an alternative the golden cannot express is simply not a match
+            continue
+        compared = 0
+        ok = True
+        for name, out in spec.outputs.items():
+            got = outputs.get(name)
+            if got is None or isinstance(got, NotProvided) or out.exact:
+                continue
+            tol_dtype = out.tolerance_dtype(case.dtype)
+            lim = spec.tolerance.limits(name, tol_dtype, p)
+            ref = np.asarray(golden[name])
+            if out.nan_is_any:
+                got = np.where(np.isnan(ref), np.array(np.nan, dtype=got.dtype), got)
+            cmp = compare(got, ref, out.resolve(case.dtype), lim, tol_dtype)
+            layer, _ = numeric_layer(cmp.metrics, cmp.elem_ratio, lim)
+            compared += 1
+            if cmp.anomaly_mismatch or not layer.ok:
+                ok = False
+                break
+        if ok and compared:
+            found.append(d.label)
+    return found

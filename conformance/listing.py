@@ -28,9 +28,9 @@ def list_things(args: Any) -> int:
                 b = registry.get(name)
                 why = b.available()
                 state = "available" if not why else f"unavailable: {why}"
-                print(f"  {name:<12} {b.describe():<32} {state}")
+                print(f"  {name:<15} {b.describe():<32} {state}")
             except Exception as e:  # a broken third-party backend must not hide the others
-                print(f"  {name:<12} {'?':<32} broken: {type(e).__name__}: {e}")
+                print(f"  {name:<15} {'?':<32} broken: {type(e).__name__}: {e}")
     if what in ("all", "suites"):
         print("suites:")
         for name in suites.names():

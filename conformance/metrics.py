@@ -63,8 +63,12 @@ def _anomaly_classes(x: np.ndarray) -> np.ndarray:
 _CLASS_NAME = {0: "finite", 1: "NaN", 2: "+inf", 3: "-inf"}
 
 
-def compare(got: np.ndarray, ref: np.ndarray, dtype: DType, limits: Limits | None) -> Comparison:
-    """Compare a kernel output (storage dtype) with its golden (float64) of the same shape."""
+def compare(got: np.ndarray, ref: np.ndarray, dtype: DType, limits: Limits | None,
+            tol_dtype: DType | None = None) -> Comparison:
+    """Compare a kernel output (storage dtype) with its golden (float64) of the same shape.
+
+    tol_dtype: whose eps scales `limits.atol_max_eps` (default the output's own dtype).
+    """
     with np.errstate(invalid="ignore"):  # signalling-NaN poison in fp16/bf16 casts with a warning
         a = np.asarray(got).astype(np.float64)
     b = np.asarray(ref, dtype=np.float64)
@@ -84,7 +88,7 @@ def compare(got: np.ndarray, ref: np.ndarray, dtype: DType, limits: Limits | Non
     d = np.abs(af - bf)
     n = int(af.size)
     max_ref = float(np.abs(bf).max()) if n else 0.0
-    atol = limits.effective_atol(dtype.eps, max_ref) if limits else 0.0
+    atol = limits.effective_atol((tol_dtype or dtype).eps, max_ref) if limits else 0.0
     rtol = limits.rtol if limits else 0.0
     if n:
         max_abs = float(d.max())

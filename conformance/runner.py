@@ -15,11 +15,11 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from conformance import ops
-from conformance.backends import Registry
+from conformance.backends import NotProvided, Registry
 from conformance.case import Case
 from conformance.errors import SpecError
 from conformance.inputs import clone, same_bits
-from conformance.judge import judge_case
+from conformance.judge import diagnose, judge_case
 from conformance.poison import OutputRequest, tensor_to_numpy
 from conformance.spec import OpSpec, float64_view
 
@@ -120,6 +120,14 @@ class Runner:
         damage = req.damage()
         touched = [k for k in inputs if not same_bits(inputs[k], prep.inputs[k])]
         rec = judge_case(case, spec, prep, outputs, damage, touched, noise_base, repro_command(case, origin))
+        if rec["verdict"] == "fail" and spec.diagnoses:
+            found = diagnose(case, spec, float64_view(prep.inputs), outputs)
+            if found:
+                rec["diagnosis"] = found
+                rec["reason"] = f"{rec['reason']} [{found[0]}]"
+                rec["message"] = "\n".join([rec["message"].rsplit("\n", 1)[0]]
+                                           + [f"  diagnosis: {f}" for f in found]
+                                           + [rec["message"].rsplit("\n", 1)[1]])
         timing["total_s"] = time.perf_counter() - t_start
         rec["timing"] = timing
         if spec.baseline and case.backend == spec.baseline and prep.baseline_err is None:
@@ -174,8 +182,8 @@ def _baseline_from(rec: dict) -> dict[str, float]:
     return {k: o["metrics"]["max_abs"] for k, o in rec["outputs"].items() if "metrics" in o and not o.get("exact")}
 
 
-def _to_numpy(v: Any) -> np.ndarray:
-    if isinstance(v, np.ndarray):
+def _to_numpy(v: Any) -> Any:
+    if isinstance(v, (np.ndarray, NotProvided)):
         return v
     if hasattr(v, "detach") and hasattr(v, "dtype"):
         return tensor_to_numpy(v)

@@ -26,10 +26,31 @@ class Output:
 
     dtype: str = "test"
     exact: bool = False
+    nan_is_any: bool = False  # the golden's NaN marks "any value is right here" (an empty split's O)
+    tol_dtype: str | None = None  # judge with this dtype's limits ("test": the case's) instead of the output's
     doc: str = ""
 
     def resolve(self, case_dtype: str) -> dt.DType:
         return dt.get(case_dtype if self.dtype == "test" else self.dtype)
+
+    def tolerance_dtype(self, case_dtype: str) -> dt.DType:
+        """Whose limits apply: fp32 partials of a bf16 computation carry bf16 error."""
+        if self.tol_dtype is None:
+            return self.resolve(case_dtype)
+        return dt.get(case_dtype if self.tol_dtype == "test" else self.tol_dtype)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """An alternative semantics a wrong kernel may have implemented.
+
+    `alter(params)` returns the params of the alternative golden (None: not applicable to this
+    case); if the kernel's outputs pass against that golden, the failure is named by `label`,
+    e.g. "matches top_left causal: alignment bug".
+    """
+
+    label: str
+    alter: Callable[[dict[str, Any]], dict[str, Any] | None]
 
 
 @dataclass(frozen=True)
@@ -46,6 +67,7 @@ class OpSpec:
     dists: dict[str, str] = field(default_factory=dict)  # name -> description
     check: Callable[[dict[str, Any]], str | None] | None = None  # cross-parameter constraint
     output_pads: Callable[[dict[str, Any]], dict[str, int]] | None = None  # poisoned row padding per output
+    diagnoses: tuple["Diagnosis", ...] = ()  # alternative semantics to name when a case fails
     baseline: str | None = "torch"  # same-precision backend for the noise layer
     backends: tuple[str, ...] = ("triton", "cpu", "torch")  # built-ins that must implement it
     doc: str = ""

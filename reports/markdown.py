@@ -15,7 +15,7 @@ from reports import records
 
 MAX_FAILURES = 20
 MARK = {"pass": "✅", "fail": "❌", "error": "🟠", "crash": "💥", "timeout": "⏱️",
-        "flaky": "🟣", "vacuous": "🟡", "skip": "⚪"}
+        "flaky": "🟣", "vacuous": "🟡", "skip": "⚪", "xfail": "🔕", "xpass": "❗"}
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]#|~])")
 
 

@@ -17,7 +17,8 @@ One record per case:
 
     id          canonical case id, e.g. "softmax.softmax/triton/fp16/rows=3,n=113,pad=0/normal/seed=0"
     op, backend, dtype, dist, seed, params (dict)
-    verdict     pass | fail | error | crash | timeout | skip | vacuous | flaky
+    verdict     pass | fail | error | crash | timeout | skip | vacuous | flaky | xfail | xpass
+                (xfail: a listed known failure that still fails; xpass: one that now passes)
     kind        for fail: "structural" | "exact" | "numeric" | "noise"; else null
     reason      one line: why it failed / was skipped / raised (null for pass)
     message     the multi-line failure message (first line what, then where, then repro), or null
@@ -51,8 +52,8 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA = "kernel-parity/results/1"
-VERDICTS = ("fail", "error", "crash", "timeout", "flaky", "vacuous", "skip", "pass")
-FAILING = frozenset({"fail", "error", "crash", "timeout", "flaky"})
+VERDICTS = ("fail", "error", "crash", "timeout", "flaky", "xpass", "xfail", "vacuous", "skip", "pass")
+FAILING = frozenset({"fail", "error", "crash", "timeout", "flaky", "xpass"})
 
 
 class RecordsError(ValueError):

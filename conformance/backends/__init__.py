@@ -31,6 +31,15 @@ BUILTIN = ("triton", "cpu", "torch")
 Adapter = Callable[[Any, dict, Any], dict]
 
 
+@dataclass(frozen=True)
+class NotProvided:
+    """Returned by an adapter for an output its kernel does not compute (e.g. SDPA's public API
+    has no LSE). The output is recorded as not provided, with the reason; it never passes or
+    fails anything."""
+
+    reason: str
+
+
 @dataclass
 class Backend:
     name: str

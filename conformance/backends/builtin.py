@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-ADAPTER_STEMS = ("softmax", "combine")
+ADAPTER_STEMS = ("softmax", "combine", "attention", "kvcache")
 
 
 def collect(factory: str, *args: Any) -> dict[str, Callable]:

@@ -25,9 +25,9 @@ class TritonBackend(Backend):
         except Exception as e:
             return f"triton is not importable ({type(e).__name__}: {e})"
         if self.interpreter and not self._prepared:
-            from conformance.backends.triton_interpreter import ensure_bf16_rne
+            from conformance.backends.triton_interpreter import ensure_bf16
 
-            self.note = ensure_bf16_rne()
+            self.note = ensure_bf16()
             self._prepared = True
         return None
 

@@ -1,14 +1,18 @@
-"""Make the Triton interpreter round fp32 -> bf16 the way the GPU does.
+"""Make the Triton interpreter compute bfloat16 the way the GPU does.
 
 Seen with Triton 3.9's interpreter (TRITON_INTERPRET=1): `x.to(tl.bfloat16)` truncates the
 fp32 mantissa (round toward zero) where the GPU's `cvt.rn.bf16.f32` rounds to nearest even, and
 the explicit `fp_downcast_rounding="rtne"` path rounds half up without ties-to-even or a carry
 into the exponent. A kernel that is right on the GPU then shows a one-ulp bias on the CPU (a
 1.0000153 -> bf16 of 1.0 instead of 1.0078125), enough to fail bf16 cos_diff limits: the
-interpreter, not the kernel, is wrong. `ensure_bf16_rne()` probes the behaviour with a one-element
-kernel and, only if the probe shows truncation, replaces the two fp32 -> bf16 conversions of the
-interpreter's builder with ml_dtypes' correctly rounded cast. The backend's description says
-when the fix is in place.
+interpreter, not the kernel, is wrong. Its `tl.dot` on bfloat16 operands multiplies the raw
+uint16 bit patterns (a 16x16 product of N(0, 1) values came out 2.6e10 off), where the GPU's
+tensor cores multiply the values and accumulate in fp32.
+
+`ensure_bf16()` probes each behaviour with a tiny kernel and, only where the probe shows the
+defect, replaces that piece of the interpreter's builder: fp32 -> bf16 conversions with
+ml_dtypes' correctly rounded cast, and bf16 dot operands widened to fp32 (exact) before the
+product. The backend's description lists the fixes in place.
 """
 
 from __future__ import annotations
@@ -33,6 +37,45 @@ def _probe() -> float:
     y = torch.empty(1, dtype=torch.bfloat16)
     _probe_kernel[(1,)](x, y)
     return float(y.float()[0])
+
+
+def _probe_dot() -> bool:
+    """True if a bf16 tl.dot of small integers is exact (what the GPU computes)."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _dot_probe_kernel(A_ptr, B_ptr, C_ptr):
+        offs = tl.arange(0, 16)
+        a = tl.load(A_ptr + offs[:, None] * 16 + offs[None, :])
+        b = tl.load(B_ptr + offs[:, None] * 16 + offs[None, :])
+        tl.store(C_ptr + offs[:, None] * 16 + offs[None, :], tl.dot(a, b))
+
+    a = (torch.arange(256, dtype=torch.float32).reshape(16, 16) % 7 - 3).to(torch.bfloat16)
+    c = torch.empty(16, 16, dtype=torch.float32)
+    _dot_probe_kernel[(1,)](a, a, c)
+    return bool(torch.equal(c, a.float() @ a.float()))
+
+
+def _install_dot() -> None:
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    builder = interp.InterpreterBuilder
+    create_dot = builder.create_dot
+
+    def widen(h: "interp.TensorHandle") -> "interp.TensorHandle":
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        bits = np.asarray(h.data).astype(np.uint32) << 16  # bf16 is the top half of an fp32
+        return interp.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def fixed_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = fixed_dot
+    builder._kernel_parity_bf16_dot = True
 
 
 def _install() -> None:
@@ -66,15 +109,22 @@ def _install() -> None:
     builder._kernel_parity_bf16_rne = True
 
 
-def ensure_bf16_rne() -> str | None:
-    """Probe, fix if needed; returns a note for the backend description (None: nothing to fix)."""
+def ensure_bf16() -> str | None:
+    """Probe, fix what is broken; returns a note for the backend description (None: nothing fixed)."""
     from triton.runtime import interpreter as interp
 
-    if getattr(interp.InterpreterBuilder, "_kernel_parity_bf16_rne", False):
-        return "fp32->bf16 rounding fixed to nearest-even"
-    if _probe() == _PROBE_RNE:
-        return None
-    _install()
-    if _probe() != _PROBE_RNE:  # pragma: no cover - the fix did not take
-        raise RuntimeError("could not make the Triton interpreter round fp32 -> bf16 to nearest even")
-    return "fp32->bf16 rounding fixed to nearest-even"
+    builder = interp.InterpreterBuilder
+    notes = []
+    if getattr(builder, "_kernel_parity_bf16_rne", False) or _probe() != _PROBE_RNE:
+        if not getattr(builder, "_kernel_parity_bf16_rne", False):
+            _install()
+            if _probe() != _PROBE_RNE:  # pragma: no cover - the fix did not take
+                raise RuntimeError("could not make the Triton interpreter round fp32 -> bf16 to nearest even")
+        notes.append("fp32->bf16 rounding fixed to nearest-even")
+    if getattr(builder, "_kernel_parity_bf16_dot", False) or not _probe_dot():
+        if not getattr(builder, "_kernel_parity_bf16_dot", False):
+            _install_dot()
+            if not _probe_dot():  # pragma: no cover
+                raise RuntimeError("could not make the Triton interpreter's bf16 tl.dot exact")
+        notes.append("bf16 dot operands widened to fp32")
+    return "; ".join(notes) or None

@@ -11,7 +11,7 @@ from conformance.case import Case, split_id
 from conformance.errors import UsageError
 from conformance.spec import OpSpec
 
-STEMS = ("softmax", "combine")
+STEMS = ("softmax", "combine", "attention", "kvcache")
 
 
 @lru_cache(maxsize=None)

@@ -1,0 +1,90 @@
+"""Known failures: one file, each entry with a reason (STYLE rule 13).
+
+    [[known]]
+    op = "attention.prefill"                    # exact op name
+    backend = "sdpa-cudnn"                      # exact backend name
+    match = "*/masked/*"                        # glob on the rest of the id: dtype/params/dist/seed=N
+    reason = "cuDNN with a boolean mask returns non-zero output for fully masked rows"
+    seen = "torch 2.11, H200"                   # where it was observed
+
+A case that matches and fails (fail/error/crash/timeout/flaky) becomes `xfail`: it is still run,
+shown and counted, but does not fail the gate. A case that matches and passes becomes `xpass`,
+which fails the gate: the entry is out of date and must go. An entry whose op and backend ran
+but which matched no case at all is `stale`, which also fails the gate.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from conformance.errors import UsageError
+from reports.records import FAILING
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_FILE = Path(__file__).parent / "known_failures.toml"
+
+
+@dataclass(frozen=True)
+class Entry:
+    op: str
+    backend: str
+    match: str
+    reason: str
+    seen: str = ""
+
+    def matches(self, rec: dict) -> bool:
+        if rec["op"] != self.op or rec["backend"] != self.backend:
+            return False
+        rest = rec["id"].split("/", 2)[2]  # dtype/params/dist/seed=N
+        return fnmatch.fnmatchcase(rest, self.match)
+
+    @property
+    def label(self) -> str:
+        return f"{self.op}/{self.backend}/{self.match}"
+
+
+def load(path: str | Path | None = None) -> list[Entry]:
+    path = Path(path) if path else DEFAULT_FILE
+    if not path.exists():
+        if path == DEFAULT_FILE:
+            return []
+        raise UsageError(f"known-failures file {str(path)!r} does not exist")
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"known-failures file {str(path)!r} is not valid TOML: {e}") from None
+    entries = []
+    for i, e in enumerate(doc.get("known", [])):
+        missing = [k for k in ("op", "backend", "match", "reason") if not str(e.get(k, "")).strip()]
+        if missing:
+            raise UsageError(f"known-failures entry {i + 1} in {str(path)!r} lacks {', '.join(missing)}")
+        entries.append(Entry(e["op"], e["backend"], e["match"], e["reason"], e.get("seen", "")))
+    return entries
+
+
+def apply(results: list[dict], entries: list[Entry]) -> list[str]:
+    """Mark matching results xfail/xpass in place; return the labels of stale entries."""
+    ran = {(r["op"], r["backend"]) for r in results}
+    hits = {e: 0 for e in entries}
+    for rec in results:
+        for e in entries:
+            if not e.matches(rec):
+                continue
+            hits[e] += 1
+            if rec["verdict"] in FAILING:
+                rec["known"] = {"reason": e.reason, "seen": e.seen, "verdict": rec["verdict"]}
+                rec["verdict"] = "xfail"
+                rec["reason"] = f"known failure ({e.reason}): {rec.get('reason')}"
+            elif rec["verdict"] in ("pass", "vacuous"):
+                rec["known"] = {"reason": e.reason, "seen": e.seen, "verdict": rec["verdict"]}
+                rec["verdict"] = "xpass"
+                rec["reason"] = f"listed as a known failure ({e.reason}) but passes: remove the entry"
+            break
+    return [e.label for e in entries if hits[e] == 0 and (e.op, e.backend) in ran]

@@ -1,0 +1,99 @@
+"""Input builders of the attention family: q/k/v draws, ragged lengths, poisoned caches, page tables.
+
+Poisoning as FlashMLA's own test does it: every cache slot at or past a sequence's length, every
+unused page, and the page that unused block-table entries point at hold NaN, so a kernel that
+reads past the end fails structurally (NaN where the golden has none), not numerically.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from conformance import dtypes as dt
+from conformance.inputs import draw
+
+DISTS = {
+    "normal": "q, k, v ~ N(0, 1)",
+    "uniform": "q, k, v ~ U(-1, 1)",
+    "large": "q ~ N(0, 16): peaked softmax (logits ~ N(0, 16)); saturates a softcap",
+    "outlier": "N(0, 1) with 1% of k and v entries x 20: one key dominates, accumulation errors show",
+}
+CACHE_SLACK = 16  # extra poisoned slots past the longest sequence in a contiguous cache
+
+
+def qkv(rng: np.random.Generator, dist: str, q_shape: tuple, k_shape: tuple, v_shape: tuple) -> tuple:
+    """float64 q, k, v of the named distribution."""
+    kind = "uniform" if dist == "uniform" else "normal"
+    q, k, v = draw(rng, q_shape, kind), draw(rng, k_shape, kind), draw(rng, v_shape, kind)
+    if dist == "large":
+        q = q * 4.0
+    elif dist == "outlier":
+        for t in (k, v):
+            t[rng.random(t.shape) < 0.01] *= 20.0
+    elif dist not in ("normal", "uniform"):
+        raise ValueError(f"unknown distribution {dist!r}")
+    return q, k, v
+
+
+def sinks(rng: np.random.Generator, p: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Per-query-head sink logits (fp32, scaled domain) when the case has sinks."""
+    if not p.get("sink"):
+        return {}
+    return {"sinks": dt.round_to(rng.standard_normal(p["hq"]) * 2.0, "fp32")}
+
+
+def lengths(b: int, longest: int, mode: str, shift: int = 0) -> np.ndarray:
+    """(b,) int32 lengths, a function of the parameters only (so output shapes are too).
+
+    "full": every sequence `longest`. "ragged": the pattern longest, 0, 1, longest - 1,
+    longest // 2, then (longest (i + 1)) // (i + 2): empty and single-token sequences whenever
+    b > 2, rotated by `shift` so q and k lengths of a varlen case differ per sequence.
+    """
+    if mode == "full":
+        return np.full(b, longest, dtype=np.int32)
+    head = [longest, 0, 1, max(longest - 1, 0), longest // 2]
+    pattern = [head[i] if i < len(head) else (longest * (i + 1)) // (i + 2) for i in range(b + shift)]
+    return np.asarray(pattern[shift:] if shift else pattern, dtype=np.int32)[:b]
+
+
+def contiguous_cache(rng: np.random.Generator, values: np.ndarray, seqlens: np.ndarray, dtype: str) -> np.ndarray:
+    """(b, s_max, h, d) cache in `dtype` with NaN at and past each sequence's length."""
+    cache = dt.round_to(values, dtype)
+    j = np.arange(cache.shape[1])[None, :]
+    cache[j >= seqlens[:, None]] = np.nan
+    return cache
+
+
+def paged_cache(rng: np.random.Generator, k_seq: np.ndarray, v_seq: np.ndarray, seqlens: np.ndarray,
+                page: int, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Scatter per-sequence caches (b, s_max, h, d) into shuffled pages.
+
+    returns (k_pages, v_pages, block_table): pages (num_blocks, page, h, d) in `dtype`, every slot
+    not holding a live token NaN (the tail of a last page, two unused pages, and a trap page that
+    every unused block-table entry points at); block_table (b, ceil(s_max / page)) int32.
+    """
+    b, s_max = k_seq.shape[:2]
+    max_blocks = -(-s_max // page)
+    used = [-(-int(n) // page) for n in seqlens]
+    n_blocks = sum(used) + 3  # + two unused pages + the trap page
+    perm = rng.permutation(n_blocks)
+    trap = int(perm[-1])
+    k_pages = np.full((n_blocks, page) + k_seq.shape[2:], np.nan)
+    v_pages = np.full((n_blocks, page) + v_seq.shape[2:], np.nan)
+    table = np.full((b, max_blocks), trap, dtype=np.int32)
+    nxt = 0
+    for i in range(b):  # a loop over sequences and their pages builds the layout, not the math
+        for blk in range(used[i]):
+            phys = int(perm[nxt])
+            nxt += 1
+            table[i, blk] = phys
+            lo, hi = blk * page, min((blk + 1) * page, int(seqlens[i]))
+            k_pages[phys, : hi - lo] = k_seq[i, lo:hi]
+            v_pages[phys, : hi - lo] = v_seq[i, lo:hi]
+    return dt.round_to(k_pages, dtype), dt.round_to(v_pages, dtype), table
+
+
+def cu_seqlens(lens: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)

@@ -1,0 +1,104 @@
+"""Native CPU KV-cache append, contiguous or paged (kernel in kvcache.c). Bit-exact: a copy.
+
+    contiguous: cache[i, pos[i] + t] = new[i, t]                               t < s_new
+    paged:      cache[block_table[i, p // page], p % page] = new[i, t]         p = pos[i] + t
+
+cache: (b, s_max, h_kv, d), or (num_blocks, page, h_kv, d) with block_table; written in place
+new: (b, s_new, h_kv, d), cache's dtype (any of 1, 2 or 4 bytes: the bits are copied)
+pos: (b,) int32, tokens already cached per sequence
+block_table: (b, max_blocks) int32 for the paged layout
+
+Conventions (OPS.md, kvcache.update; refimpl/kvcache.py): every other slot keeps its bits. The
+writes must fit (0 <= pos, pos + s_new <= s_max or max_blocks * page; the written pages' table
+entries in [0, num_blocks)) and no two may land on the same slot: ValueError otherwise, before
+anything is written. Last-axis stride 1 for cache and new, other strides any; no copy is made.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from kernels.cpu.loader import check_array, check_status, element_strides, load
+
+__all__ = ["update"]
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_I32 = np.dtype(np.int32)
+_lib: ctypes.CDLL | None = None
+
+
+def _kernels() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        lib = load("kvcache")
+        lib.kvcache_update_kernel.argtypes = [_I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64,
+                                              _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64]
+        lib.kvcache_update_kernel.restype = ctypes.c_int
+        _lib = lib
+    return _lib
+
+
+def _unit_last(name: str, a: np.ndarray) -> tuple[int, ...]:
+    strides = element_strides(name, a)
+    if a.shape[-1] > 1 and a.size > 0 and strides[-1] != 1:
+        raise ValueError(f"{name} last-axis stride must be 1 element, got {strides[-1]} "
+                         f"(strides {a.strides} bytes); no copy is made")
+    return strides
+
+
+def update(cache: np.ndarray, new: np.ndarray, pos: np.ndarray, *,
+           block_table: np.ndarray | None = None) -> None:
+    """Append `new` after the first pos[i] tokens of each sequence, in place."""
+    if not isinstance(cache, np.ndarray) or cache.ndim != 4:
+        raise ValueError(f"cache must be a 4-D numpy.ndarray (b | num_blocks, s_max | page, h_kv, d), "
+                         f"got {getattr(cache, 'shape', type(cache).__name__)}")
+    if cache.dtype.itemsize not in (1, 2, 4):
+        raise ValueError(f"cache dtype must have 1, 2 or 4-byte elements, got {cache.dtype}")
+    if not cache.flags.writeable:
+        raise ValueError("cache must be writeable")
+    check_array("new", new, 4, "(b, s_new, h_kv, d)", (cache.dtype,))
+    b, s_new = new.shape[:2]
+    if new.shape[2:] != cache.shape[2:]:
+        raise ValueError(f"new (h_kv, d) = {new.shape[2:]} must match cache's {cache.shape[2:]}")
+    check_array("pos", pos, 1, "(b,)", (_I32,))
+    if pos.shape != (b,):
+        raise ValueError(f"pos must have shape (b,) = ({b},), got {pos.shape}")
+    end = pos.astype(np.int64) + s_new  # b
+    if b and pos.min() < 0:
+        raise ValueError(f"pos must be >= 0, got min {pos.min()}")
+    page = cache.shape[1]
+    if block_table is None:
+        if cache.shape[0] != b:
+            raise ValueError(f"cache batch {cache.shape[0]} must equal new's b = {b} (contiguous layout)")
+        capacity, bt_strides = page, (0, 0)
+    else:
+        check_array("block_table", block_table, 2, "(b, max_blocks)", (_I32,))
+        if block_table.shape[0] != b:
+            raise ValueError(f"block_table must have shape (b, max_blocks) with b = {b}, got {block_table.shape}")
+        capacity, bt_strides = block_table.shape[1] * page, element_strides("block_table", block_table)
+    if b and end.max() > capacity:
+        i = int(end.argmax())
+        raise ValueError(f"writes do not fit: pos[{i}] + s_new = {end[i]} > capacity {capacity}")
+    if block_table is not None and b * s_new:
+        p = pos.astype(np.int64)[:, None] + np.arange(s_new)[None, :]  # b, s_new
+        blk = block_table[np.arange(b)[:, None], p // page]
+        if blk.min() < 0 or blk.max() >= cache.shape[0]:
+            i, t = (int(x[0]) for x in np.nonzero((blk < 0) | (blk >= cache.shape[0])))
+            raise ValueError(f"block_table[{i}, {p[i, t] // page}] = {blk[i, t]} must lie in "
+                             f"[0, {cache.shape[0]}) (a page written for sequence {i})")
+        if np.unique(blk * page + p % page).size != b * s_new:
+            raise ValueError("two writes land on the same cache slot (sequences share a written page)")
+    for name, a in (("new", new), ("pos", pos), ("block_table", block_table)):
+        if a is not None and np.may_share_memory(cache, a):
+            raise ValueError(f"{name} overlaps cache")
+    if b * s_new == 0 or new.size == 0:
+        return
+    sc, sn = _unit_last("cache", cache), _unit_last("new", new)
+    status = _kernels().kvcache_update_kernel(
+        cache.dtype.itemsize, cache.ctypes.data, sc[0], sc[1], sc[2], new.ctypes.data, sn[0], sn[1],
+        sn[2], pos.ctypes.data, element_strides("pos", pos)[0],
+        None if block_table is None else block_table.ctypes.data, *bt_strides, page, b, s_new,
+        cache.shape[2], cache.shape[3])
+    check_status(status, "kvcache_update_kernel")

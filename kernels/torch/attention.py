@@ -1,0 +1,153 @@
+"""Eager attention in the input's dtype (FlashAttention's `attention_ref(upcast=False)` method).
+
+    s = scale q k^T (softcap, mask)  ->  P = softmax(s)  ->  O = P V      every step in q.dtype
+    LSE = logsumexp of the same logits computed from float32 upcasts      (an fp32 statistic)
+
+The O path rounds the logits and the probabilities to the input dtype, as a PyTorch model does
+without a fused kernel: its error is the yardstick of the noise layer (a fused kernel should be no
+worse than k times it). The LSE path is upcast because LSE is an fp32 output everywhere.
+Masks follow OPS.md: bottom_right / top_left causal alignment per sequence, inclusive windows
+(left, right) with causal forcing right = 0, softcap before the mask, GQA query head h reads kv
+head h // (h_q // h_kv), sinks add exp(S_h) to the denominator only (the returned LSE excludes
+them), fully masked rows give O = 0 and LSE = -inf, keys at or past a sequence's length are
+zeroed before any product (caches hold NaN there).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+CAUSAL = ("none", "bottom_right", "top_left")
+
+
+def keep_mask(s_q: int, s_k: int, q_lens: torch.Tensor, k_lens: torch.Tensor, causal: str,
+              window: tuple[int, int]) -> torch.Tensor:
+    """(b, s_q, s_k) bool: True where query i may attend key j."""
+    if causal not in CAUSAL:
+        raise ValueError(f"causal must be one of {CAUSAL}, got {causal!r}")
+    left, right = window
+    if causal != "none":
+        right = 0
+    dev = q_lens.device
+    i = torch.arange(s_q, device=dev)[None, :, None]
+    j = torch.arange(s_k, device=dev)[None, None, :]
+    lq, lk = q_lens.long()[:, None, None], k_lens.long()[:, None, None]
+    diag = i if causal == "top_left" else i + lk - lq
+    keep = (i < lq) & (j < lk)
+    if right >= 0:
+        keep = keep & (j <= diag + right)
+    if left >= 0:
+        keep = keep & (j >= diag - left)
+    return keep
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+              causal: str = "none", window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+              sinks: torch.Tensor | None = None, q_lens: torch.Tensor | None = None,
+              k_lens: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (b, s_q, h_q, d), k (b, s_k, h_kv, d), v (b, s_k, h_kv, d_v) -> o (b, s_q, h_q, d_v), lse (b, h_q, s_q)."""
+    b, s_q, h_q, d = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    if h_q % h_kv:
+        raise ValueError(f"h_q={h_q} must be a multiple of h_kv={h_kv}")
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    dev = q.device
+    if keep is None:
+        q_lens = torch.full((b,), s_q, device=dev) if q_lens is None else q_lens.to(dev)
+        k_lens = torch.full((b,), s_k, device=dev) if k_lens is None else k_lens.to(dev)
+        keep = keep_mask(s_q, s_k, q_lens, k_lens, causal, window)
+    read = keep.any(dim=1)[:, :, None, None]  # b, s_k: keys some query reads; the rest may be NaN
+    k = torch.where(read, k, torch.zeros((), dtype=k.dtype, device=dev)).repeat_interleave(h_q // h_kv, dim=2)
+    v = torch.where(read, v, torch.zeros((), dtype=v.dtype, device=dev)).repeat_interleave(h_q // h_kv, dim=2)
+    o = _probabilities_times_v(q, k, v, keep, scale, softcap, sinks)
+    lse = _lse_fp32(q, k, keep, scale, softcap)
+    return o, lse
+
+
+def _logits(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # b, h_q, s_q, s_k in q.dtype
+    return softcap * torch.tanh(s / softcap) if softcap else s
+
+
+def _probabilities_times_v(q, k, v, keep, scale, softcap, sinks) -> torch.Tensor:
+    s = _logits(q, k, scale, softcap).masked_fill(~keep[:, None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(s.dtype)[None, :, None, None].expand(*s.shape[:3], 1)
+        s = torch.cat([s, sink], dim=-1)
+    p = torch.softmax(s, dim=-1)[..., : keep.shape[-1]]  # NaN on a row with no key and no sink
+    if sinks is None:
+        live = keep.any(dim=-1)[:, None, :, None]  # b, 1, s_q, 1
+        p = torch.where(live, p, torch.zeros((), dtype=p.dtype, device=p.device))
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def _lse_fp32(q, k, keep, scale, softcap) -> torch.Tensor:
+    s = _logits(q.float(), k.float(), scale, softcap).masked_fill(~keep[:, None], float("-inf"))
+    return torch.logsumexp(s, dim=-1)  # -inf for a fully masked row
+
+
+def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed q (total_q, h_q, d), k/v (total_k, h_kv, d) -> o (total_q, h_q, d), lse (h_q, total_q)."""
+    cq, ck = cu_seqlens_q.long(), cu_seqlens_k.long()
+    lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
+    s_q, s_k = max(int(lq.max()), 1), max(int(lk.max()), 1)
+    qi, ki = torch.arange(s_q, device=q.device)[None, :], torch.arange(s_k, device=q.device)[None, :]
+    q_ok, k_ok = qi < lq[:, None], ki < lk[:, None]
+    qd = q[(cq[:-1, None] + qi).clamp(max=max(q.shape[0] - 1, 0))] * q_ok[..., None, None]
+    kd = k[(ck[:-1, None] + ki).clamp(max=max(k.shape[0] - 1, 0))] * k_ok[..., None, None]
+    vd = v[(ck[:-1, None] + ki).clamp(max=max(k.shape[0] - 1, 0))] * k_ok[..., None, None]
+    o, lse = attention(qd, kd, vd, q_lens=lq, k_lens=lk, **kw)
+    return o[q_ok], lse.transpose(1, 2)[q_ok].T
+
+
+def decode(q, k_cache, v_cache, seqlens, *, causal: str = "bottom_right", **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (b, s_q, h_q, d), caches (b, s_max, h_kv, d), seqlens (b,) -> o, lse (b, h_q, s_q)."""
+    return attention(q, k_cache, v_cache, k_lens=seqlens, causal=causal, **kw)
+
+
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """(num_blocks, page, h, d) + (b, max_blocks) -> (b, max_blocks * page, h, d)."""
+    g = cache[block_table.long()]
+    return g.reshape(block_table.shape[0], -1, *cache.shape[2:])
+
+
+def decode_paged(q, k_cache, v_cache, block_table, seqlens, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    return decode(q, gather_pages(k_cache, block_table), gather_pages(v_cache, block_table), seqlens, **kw)
+
+
+def decode_split(q, k_cache, v_cache, seqlens, num_splits: int, *, causal: str = "bottom_right",
+                 window: tuple[int, int] = (-1, -1), sinks: torch.Tensor | None = None, **kw):
+    """Per-split partials (fp32) and their merge; returns (o, lse, o_parts, lse_parts).
+
+    Split s of sequence b covers keys [s C_b, min((s + 1) C_b, L_b)), C_b = ceil(L_b / num_splits).
+    o_parts (splits, b, s_q, h_q, d) fp32, lse_parts (splits, b, h_q, s_q) fp32.
+    """
+    from kernels.torch.combine import lse_combine
+
+    b, s_q = q.shape[:2]
+    s_max = k_cache.shape[1]
+    L = seqlens.to(q.device).long()
+    keep = keep_mask(s_q, s_max, torch.full((b,), s_q, device=q.device), L, causal, window)
+    c = (L + num_splits - 1) // num_splits
+    j = torch.arange(s_max, device=q.device)[None, :]
+    o_parts, lse_parts = [], []
+    for sp in range(num_splits):  # the splits are the algorithm under test
+        start = torch.minimum(sp * c, L)[:, None]
+        end = torch.minimum(start + c[:, None], L[:, None])
+        in_split = (j >= start) & (j < end)
+        o, lse = attention(q, k_cache, v_cache, keep=keep & in_split[:, None, :], **kw)
+        o_parts.append(o.float())
+        lse_parts.append(lse)
+    o_parts_t, lse_parts_t = torch.stack(o_parts), torch.stack(lse_parts)
+    h_q, d_v = q.shape[2], v_cache.shape[-1]
+    rows = lse_parts_t.transpose(2, 3).reshape(num_splits, -1)  # splits, b*s_q*h_q (o_parts' row order)
+    o, lse_rows = lse_combine(o_parts_t.reshape(num_splits, -1, d_v), rows)
+    o = o.reshape(b, s_q, h_q, d_v)
+    lse = lse_rows.reshape(b, s_q, h_q).transpose(1, 2)
+    if sinks is not None:
+        lse_sink = torch.logaddexp(lse, sinks.float()[None, :, None])
+        w = torch.where(torch.isfinite(lse_sink), torch.exp(lse - lse_sink), torch.zeros_like(lse))
+        o = o.float() * w.transpose(1, 2)[..., None]
+    return o.to(q.dtype), lse, o_parts_t, lse_parts_t

@@ -1,0 +1,95 @@
+"""KV-cache append (contiguous and paged), in Triton. Bit-exact: a write is a copy.
+
+    contiguous: cache[b, pos[b] + t] = new[b, t]                          for t < s_new
+    paged:      cache[block_table[b, p // page], p % page] = new[b, t]    with p = pos[b] + t
+
+Conventions (OPS.md, kvcache.update; golden refimpl/kvcache.py): pos[b] is the number of tokens
+already cached; every other slot keeps its bits. The caller guarantees the writes fit (and, for a
+paged cache, that the table covers every written position and no two sequences share a written
+page). Both tensors are reinterpreted as same-width integers before the copy, so NaN payloads and
+signed zeros move unchanged and no float conversion can happen on any backend.
+
+One program copies one token's (h_kv, d) slab: BLOCK_H heads x BLOCK_D values, 16-byte rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Values a program copies per step: 4096 two-byte values is 8 KB, enough loads in flight per
+# program; larger slabs loop over head blocks.
+SLAB = 4096
+
+
+@triton.jit
+def _kvcache_update_kernel(
+    Cache_ptr, New_ptr, Pos_ptr, BT_ptr, s_new, h_kv, d,
+    stride_cb, stride_cs, stride_ch, stride_nb, stride_ns, stride_nh, stride_bt_b, stride_bt_p,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid // s_new
+    t = pid % s_new
+    p = tl.load(Pos_ptr + b).to(tl.int64) + t
+    if PAGED:
+        page = tl.load(BT_ptr + b.to(tl.int64) * stride_bt_b + (p // PAGE) * stride_bt_p)
+        dst = Cache_ptr + page.to(tl.int64) * stride_cb + (p % PAGE) * stride_cs
+    else:
+        dst = Cache_ptr + b.to(tl.int64) * stride_cb + p * stride_cs
+    src = New_ptr + b.to(tl.int64) * stride_nb + t.to(tl.int64) * stride_ns
+    offs_d = tl.arange(0, BLOCK_D)
+    for h0 in range(0, h_kv, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask = (offs_h < h_kv)[:, None] & (offs_d < d)[None, :]
+        x = tl.load(src + offs_h[:, None] * stride_nh + offs_d[None, :], mask=mask)
+        tl.store(dst + offs_h[:, None] * stride_ch + offs_d[None, :], x, mask=mask)
+
+
+def update(cache: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, *,
+           block_table: torch.Tensor | None = None) -> None:
+    """Append `new` to `cache` in place at positions pos[b] + t; call once for K and once for V.
+
+    cache: (b, s_max, h_kv, d) contiguous layout, or (num_blocks, page, h_kv, d) with block_table;
+           last-dim stride 1, other strides arbitrary
+    new: (b, s_new, h_kv, d), cache's dtype, last-dim stride 1
+    pos: (b,) int32 on cache's device, tokens already cached per sequence
+    block_table: (b, max_blocks) int32 for the paged layout, any strides
+    """
+    if not isinstance(cache, torch.Tensor) or not isinstance(new, torch.Tensor) or cache.dim() != 4 or new.dim() != 4:
+        raise ValueError("cache and new must be 4-D tensors: cache (b|num_blocks, s_max|page, h_kv, d), "
+                         "new (b, s_new, h_kv, d)")
+    b, s_new, h_kv, d = new.shape
+    if cache.dtype != new.dtype or cache.element_size() not in _INT_OF_SIZE:
+        raise ValueError(f"cache dtype {cache.dtype} and new dtype {new.dtype} must match (1/2/4/8-byte elements)")
+    if tuple(cache.shape[2:]) != (h_kv, d):
+        raise ValueError(f"cache {tuple(cache.shape)} and new {tuple(new.shape)} differ in (h_kv, d)")
+    for name, t in (("cache", cache), ("new", new)):
+        if d > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have last-dim stride 1, got strides {tuple(t.stride())}")
+        if t.device != cache.device:
+            raise ValueError(f"{name} is on {t.device}, cache on {cache.device}")
+    if not isinstance(pos, torch.Tensor) or tuple(pos.shape) != (b,) or pos.dtype != torch.int32 \
+            or pos.device != cache.device:
+        raise ValueError(f"pos must be a ({b},) int32 tensor on {cache.device}")
+    paged = block_table is not None
+    if paged:
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != b \
+                or block_table.dtype != torch.int32 or block_table.device != cache.device:
+            raise ValueError(f"block_table must be a ({b}, max_blocks) int32 tensor on {cache.device}")
+    elif cache.shape[0] != b:
+        raise ValueError(f"cache batch {cache.shape[0]} != new batch {b}")
+    if b * s_new == 0 or h_kv * d == 0:
+        return
+    ity = _INT_OF_SIZE[cache.element_size()]
+    cache_i, new_i = cache.view(ity), new.view(ity)  # same strides, integer bits
+    block_d = triton.next_power_of_2(d)
+    block_h = max(1, min(triton.next_power_of_2(h_kv), SLAB // block_d))
+    _kvcache_update_kernel[(b * s_new,)](
+        cache_i, new_i, pos, block_table if paged else pos, s_new, h_kv, d,
+        *cache_i.stride()[:3], *new_i.stride()[:3], *(block_table.stride() if paged else (0, 0)),
+        PAGED=paged, PAGE=cache.shape[1] if paged else 1, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=4,
+    )

@@ -1,0 +1,246 @@
+"""Golden attention: prefill, varlen, decode (contiguous and paged) and split-KV decode, float64.
+
+    s_ij = scale * q_i . k_j                        scale default 1/sqrt(d)
+    s_ij = cap * tanh(s_ij / cap)                   optional logit softcap (Gemma-2), before the mask
+    s_ij = -inf where masked                        causal / window / past the sequence's length
+    LSE_i = ln sum_j exp(s_ij)                      natural log; -inf for a fully masked row
+    O_i   = sum_j exp(s_ij - LSE'_i) v_j            LSE' = ln(exp(LSE) + exp(S_h)) with a sink, else LSE
+
+Conventions (OPS.md, attention; research/attention-semantics.md):
+- Causal alignment is a parameter. bottom_right (default; FlashAttention >= 2.1, FlashInfer,
+  FlashMLA, torch causal_lower_right) keeps j <= i + L_k - L_q; top_left (SDPA is_causal) keeps
+  j <= i. L_q, L_k are each sequence's own lengths (varlen and decode are aligned per sequence).
+  With L_q > L_k, bottom_right leaves the first L_q - L_k rows fully masked.
+- Sliding window (left, right), inclusive, FlashAttention's convention, on the same diagonal:
+  keep diag - left <= j <= diag + right, diag = i + L_k - L_q (i for top_left); -1 is unbounded;
+  causal forces right = 0. A model window W is (W - 1, 0).
+- GQA/MQA: query head h reads kv head h // (h_q // h_kv) (`head_map="grouped"`);
+  `head_map="tiled"` (h % h_kv, the bug of k.repeat instead of repeat_interleave) exists only so
+  a failing kernel can be diagnosed against it.
+- Attention sink (gpt-oss): one logit S_h per query head, already in the scaled domain, takes
+  probability mass but has no value. `lse` excludes it, `lse_sink` includes it.
+- Fully masked row: O = 0, LSE = -inf (lse_sink = S_h with a finite sink).
+- Keys at or past a sequence's length are never read into the result: the caches hold NaN
+  there, and the golden zeroes them before any product.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numpy.typing import NDArray
+
+from refimpl.combine import lse_combine
+
+F64 = NDArray[np.float64]
+I64 = NDArray[np.int64]
+CAUSAL = ("none", "bottom_right", "top_left")
+
+
+def kv_head_index(h_q: int, h_kv: int, head_map: str = "grouped") -> I64:
+    """(h_q,) kv head of each query head; h_q % h_kv == 0 is required."""
+    if h_kv < 1 or h_q % h_kv:
+        raise ValueError(f"h_q={h_q} must be a multiple of h_kv={h_kv}")
+    h = np.arange(h_q)
+    if head_map == "grouped":
+        return h // (h_q // h_kv)
+    if head_map == "tiled":
+        return h % h_kv
+    raise ValueError(f"head_map must be 'grouped' or 'tiled', got {head_map!r}")
+
+
+def mask(s_q: int, s_k: int, q_lens: I64, k_lens: I64, causal: str = "none",
+         window: tuple[int, int] = (-1, -1)) -> NDArray[np.bool_]:
+    """(b, s_q, s_k) True where query i may attend key j.
+
+    q_lens, k_lens: (b,) valid queries / keys per sequence (rows i >= q_len are padding, all False)
+    """
+    if causal not in CAUSAL:
+        raise ValueError(f"causal must be one of {CAUSAL}, got {causal!r}")
+    left, right = window
+    if causal != "none":
+        right = 0
+    i = np.arange(s_q)[None, :, None]
+    j = np.arange(s_k)[None, None, :]
+    lq = np.asarray(q_lens, dtype=np.int64)[:, None, None]
+    lk = np.asarray(k_lens, dtype=np.int64)[:, None, None]
+    diag = i if causal == "top_left" else i + lk - lq  # b, s_q, 1
+    keep = (i < lq) & (j < lk)
+    if right >= 0:
+        keep &= j <= diag + right
+    if left >= 0:
+        keep &= j >= diag - left
+    return keep
+
+
+def attention(q: NDArray, k: NDArray, v: NDArray, *, scale: float | None = None, causal: str = "none",
+              window: tuple[int, int] = (-1, -1), softcap: float = 0.0, sinks: NDArray | None = None,
+              q_lens: NDArray | None = None, k_lens: NDArray | None = None,
+              head_map: str = "grouped") -> tuple[F64, F64, F64]:
+    """Dense attention over padded sequences; returns (o, lse, lse_sink).
+
+    q: (b, s_q, h_q, d)
+    k: (b, s_k, h_kv, d)
+    v: (b, s_k, h_kv, d_v)
+    sinks: (h_q,) sink logits (scaled domain) or None
+    q_lens, k_lens: (b,) valid lengths (default s_q, s_k); padding rows give O = 0, LSE = -inf
+    returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q), lse_sink (b, h_q, s_q) (= lse without sinks)
+    """
+    b, s_q = np.shape(q)[:2]
+    s_k = np.shape(k)[1]
+    q_lens = np.full(b, s_q) if q_lens is None else np.asarray(q_lens, dtype=np.int64)
+    k_lens = np.full(b, s_k) if k_lens is None else np.asarray(k_lens, dtype=np.int64)
+    keep = mask(s_q, s_k, q_lens, k_lens, causal, window)
+    return masked_attention(q, k, v, keep, scale=scale, softcap=softcap, sinks=sinks, head_map=head_map)
+
+
+def masked_attention(q: NDArray, k: NDArray, v: NDArray, keep: NDArray, *, scale: float | None = None,
+                     softcap: float = 0.0, sinks: NDArray | None = None,
+                     head_map: str = "grouped") -> tuple[F64, F64, F64]:
+    """Attention under an explicit mask; keys no query keeps are never read (they may be NaN).
+
+    q: (b, s_q, h_q, d); k: (b, s_k, h_kv, d); v: (b, s_k, h_kv, d_v)
+    keep: (b, s_q, s_k) bool, True where query i may attend key j
+    returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q), lse_sink (b, h_q, s_q)
+    """
+    q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
+    h_q, d = q.shape[2], q.shape[3]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    kv_idx = kv_head_index(h_q, k.shape[2], head_map)
+    read = keep.any(axis=1)[:, :, None, None]  # b, s_k, 1, 1: keys some query reads
+    k, v = np.where(read, k, 0.0), np.where(read, v, 0.0)  # the rest may hold NaN poison
+    s = (q.transpose(0, 2, 1, 3) @ k[:, :, kv_idx, :].transpose(0, 2, 3, 1)) * scale  # b, h_q, s_q, s_k
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    s = np.where(keep[:, None], s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    live = np.isfinite(m)
+    e = np.exp(s - np.where(live, m, 0.0))  # exp(-inf) = 0; -inf - -inf never formed
+    tot = np.sum(e, axis=-1)
+    with np.errstate(divide="ignore"):
+        lse = np.where(live[..., 0], m[..., 0] + np.log(np.where(live[..., 0], tot, 1.0)), -np.inf)  # b, h_q, s_q
+    lse_sink = lse if sinks is None else np.logaddexp(lse, np.asarray(sinks, dtype=np.float64)[None, :, None])
+    norm = np.where(np.isfinite(lse_sink), lse_sink, 0.0)[..., None]
+    p = np.where(keep[:, None], np.exp(s - norm), 0.0)  # a row with no key and no sink: 0
+    o = (p @ v[:, :, kv_idx, :].transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # b, s_q, h_q, d_v
+    return o, lse, lse_sink
+
+
+def prefill(q: NDArray, k: NDArray, v: NDArray, **kw) -> tuple[F64, F64, F64]:
+    """Dense batched attention. q: (b, s_q, h_q, d), k/v: (b, s_k, h_kv, d|d_v); see `attention`."""
+    return attention(q, k, v, **kw)
+
+
+def varlen(q: NDArray, k: NDArray, v: NDArray, cu_seqlens_q: NDArray, cu_seqlens_k: NDArray,
+           **kw) -> tuple[F64, F64, F64]:
+    """Packed variable-length attention (FlashAttention's varlen layout).
+
+    q: (total_q, h_q, d), k: (total_k, h_kv, d), v: (total_k, h_kv, d_v)
+    cu_seqlens_q, cu_seqlens_k: (b + 1,) int, starting at 0; sequence i is rows cu[i]:cu[i+1]
+    returns: o (total_q, h_q, d_v), lse (h_q, total_q), lse_sink (h_q, total_q)
+    Causal alignment and windows use each sequence's own lengths.
+    """
+    cq, ck = np.asarray(cu_seqlens_q, dtype=np.int64), np.asarray(cu_seqlens_k, dtype=np.int64)
+    lq, lk = np.diff(cq), np.diff(ck)
+    b = lq.size
+    s_q, s_k = int(max(lq.max(initial=0), 1)), int(max(lk.max(initial=0), 1))
+    qi = np.arange(s_q)[None, :]
+    ki = np.arange(s_k)[None, :]
+    q_rows = np.minimum(cq[:-1, None] + qi, q.shape[0] - 1)  # b, s_q; padding rows clamp, masked later
+    k_rows = np.minimum(ck[:-1, None] + ki, k.shape[0] - 1)
+    q_ok, k_ok = qi < lq[:, None], ki < lk[:, None]
+    qd = np.where(q_ok[..., None, None], np.asarray(q, dtype=np.float64)[q_rows], 0.0)  # b, s_q, h_q, d
+    kd = np.where(k_ok[..., None, None], np.asarray(k, dtype=np.float64)[k_rows], 0.0)
+    vd = np.where(k_ok[..., None, None], np.asarray(v, dtype=np.float64)[k_rows], 0.0)
+    o, lse, lse_sink = attention(qd, kd, vd, q_lens=lq, k_lens=lk, **kw)
+    flat = q_ok.reshape(-1)
+    o_p = o.reshape(b * s_q, *o.shape[2:])[flat]  # total_q, h_q, d_v
+    lse_p = lse.transpose(0, 2, 1).reshape(b * s_q, -1)[flat].T  # h_q, total_q
+    lse_sink_p = lse_sink.transpose(0, 2, 1).reshape(b * s_q, -1)[flat].T
+    return o_p, lse_p, lse_sink_p
+
+
+def decode(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArray, *,
+           causal: str = "bottom_right", **kw) -> tuple[F64, F64, F64]:
+    """Decode over a contiguous cache: the s_q queries are the last s_q tokens of each sequence.
+
+    q: (b, s_q, h_q, d); k_cache: (b, s_max, h_kv, d); v_cache: (b, s_max, h_kv, d_v)
+    seqlens: (b,) cached tokens per sequence (0 allowed); slots >= seqlens[b] are never read
+    returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q), lse_sink (b, h_q, s_q)
+    """
+    return attention(q, k_cache, v_cache, k_lens=seqlens, causal=causal, **kw)
+
+
+def gather_pages(cache: NDArray, block_table: NDArray) -> F64:
+    """Logical per-sequence cache from pages: token t of sequence b is cache[block_table[b, t // page], t % page].
+
+    cache: (num_blocks, page, h_kv, d); block_table: (b, max_blocks) int
+    returns: (b, max_blocks * page, h_kv, d)
+    """
+    bt = np.asarray(block_table, dtype=np.int64)
+    g = np.asarray(cache, dtype=np.float64)[bt]  # b, max_blocks, page, h_kv, d
+    return g.reshape(bt.shape[0], bt.shape[1] * cache.shape[1], *cache.shape[2:])
+
+
+def decode_paged(q: NDArray, k_cache: NDArray, v_cache: NDArray, block_table: NDArray, seqlens: NDArray,
+                 **kw) -> tuple[F64, F64, F64]:
+    """Decode over a paged cache (FlashMLA / vLLM layout).
+
+    q: (b, s_q, h_q, d); k_cache: (num_blocks, page, h_kv, d); v_cache: (num_blocks, page, h_kv, d_v)
+    block_table: (b, max_blocks) int32; seqlens: (b,) int32
+    returns: as `decode`
+    """
+    return decode(q, gather_pages(k_cache, block_table), gather_pages(v_cache, block_table), seqlens, **kw)
+
+
+def split_bounds(seqlens: NDArray, splits: int) -> tuple[I64, I64]:
+    """(start, end) of each split's key range per sequence, each (splits, b).
+
+    Split s of sequence b covers keys [s C_b, min((s + 1) C_b, L_b)) with C_b = ceil(L_b / splits):
+    every split has work when L_b >= splits; the rest are empty (LSE -inf).
+    """
+    L = np.asarray(seqlens, dtype=np.int64)
+    c = -(-L // splits)  # ceil
+    s = np.arange(splits)[:, None]
+    start = np.minimum(s * c[None, :], L[None, :])
+    return start, np.minimum(start + c[None, :], L[None, :])
+
+
+def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArray, splits: int, *,
+                 causal: str = "bottom_right", window: tuple[int, int] = (-1, -1), sinks: NDArray | None = None,
+                 **kw) -> tuple[F64, F64, F64, F64, F64]:
+    """Flash decoding: per-split partial states over a contiguous cache, merged with `lse_combine`.
+
+    q, k_cache, v_cache, seqlens: as `decode`; splits: number of key ranges (`split_bounds`)
+    returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q), lse_sink (b, h_q, s_q),
+             o_parts (splits, b, s_q, h_q, d_v) (NaN for an empty split: any value is right there),
+             lse_parts (splits, b, h_q, s_q) (-inf for an empty split).
+    Each split sees its row's mask (causal / window on global positions) cut to its key range;
+    the sink enters after the merge, as one more term of the denominator.
+    """
+    b, s_q = np.shape(q)[:2]
+    s_max = np.shape(k_cache)[1]
+    L = np.asarray(seqlens, dtype=np.int64)
+    keep = mask(s_q, s_max, np.full(b, s_q), L, causal, window)  # b, s_q, s_max
+    start, end = split_bounds(L, splits)
+    j = np.arange(s_max)
+    o_parts, lse_parts = [], []
+    for sp in range(splits):  # a loop over a small, fixed number of splits
+        in_split = (j[None, :] >= start[sp][:, None]) & (j[None, :] < end[sp][:, None])  # b, s_max
+        o, lse, _ = masked_attention(q, k_cache, v_cache, keep & in_split[:, None, :], **kw)
+        o_parts.append(o)
+        lse_parts.append(lse)
+    o_parts_a = np.stack(o_parts)  # splits, b, s_q, h_q, d_v
+    lse_parts_a = np.stack(lse_parts)  # splits, b, h_q, s_q
+    lse_rows = lse_parts_a.transpose(0, 1, 3, 2)  # splits, b, s_q, h_q: rows aligned with o_parts
+    o, lse_bsh = lse_combine(o_parts_a, lse_rows)
+    lse = lse_bsh.transpose(0, 2, 1)  # b, h_q, s_q
+    lse_sink = lse
+    if sinks is not None:
+        lse_sink = np.logaddexp(lse, np.asarray(sinks, dtype=np.float64)[None, :, None])
+        fin = np.isfinite(lse_sink)
+        w = np.where(fin, np.exp(lse - np.where(fin, lse_sink, 0.0)), 0.0)  # b, h_q, s_q
+        o = o * w.transpose(0, 2, 1)[..., None]
+    o_parts_a = np.where(np.isneginf(lse_rows)[..., None], np.nan, o_parts_a)
+    return o, lse, lse_sink, o_parts_a, lse_parts_a
