@@ -45,6 +45,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-recheck", action="store_true", help="do not re-run borderline cases on fresh seeds")
     p.add_argument("--quiet", "-q", action="store_true", help="print only the summary line")
+    p.add_argument("--scale", default="auto", choices=["auto", "real", "cpu"],
+                   help="suite sizes: real, the entries' cpu overrides, or auto (real when a CUDA GPU is present)")
     p.add_argument("--known-failures", metavar="TOML", default=None,
                    help="known-failures file (default: the package's conformance/known_failures.toml)")
 
@@ -61,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", action="append", default=[])
     p.add_argument("--dtype", action="append", default=[])
     p.add_argument("--dist", action="append", default=[])
+    p.add_argument("--scale", default="auto", choices=["auto", "real", "cpu"])
 
     _add_run_args(sub.add_parser("run", help="run a suite and write reports"))
     p = sub.add_parser("gate", help="run, diff against a baseline, exit 1 on failure")
@@ -108,6 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("parity: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `parity list cases | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

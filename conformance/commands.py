@@ -30,7 +30,8 @@ def make_registry(backend_args: list[str]) -> tuple[Registry, list[str]]:
 
 def select_cases(args: Any, registry: Registry, backend_names: list[str]) -> tuple[str, list[Case]]:
     suite = args.suite or suites.DEFAULT_SUITE
-    filters = Filters(tuple(args.op), tuple(backend_names), tuple(args.dtype), tuple(args.dist))
+    filters = Filters(tuple(args.op), tuple(backend_names), tuple(args.dtype), tuple(args.dist),
+                      getattr(args, "scale", "auto"))
     cases = suites.cases(suite, filters)
     for name in dict.fromkeys(c.backend for c in cases):
         registry.get(name)

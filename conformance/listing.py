@@ -36,7 +36,7 @@ def list_things(args: Any) -> int:
         for name in suites.names():
             print(f"  {name:<10} {len(suites.cases(name)):>6} cases  {suites.description(name)}")
     if what == "cases":
-        filters = Filters(tuple(args.op), tuple(args.backend), tuple(args.dtype), tuple(args.dist))
+        filters = Filters(tuple(args.op), tuple(args.backend), tuple(args.dtype), tuple(args.dist), args.scale)
         for c in suites.cases(args.suite or suites.DEFAULT_SUITE, filters):
             print(c.id)
     return EXIT_OK

@@ -111,7 +111,7 @@ class Runner:
         try:
             t0 = time.perf_counter()
             raw = backend.run(case, inputs, req)
-            outputs = {k: _to_numpy(v) for k, v in (raw or {}).items()}
+            outputs = {k: to_numpy(v) for k, v in (raw or {}).items()}
             timing["kernel_s"] = time.perf_counter() - t0
         except Exception as e:
             return self._error(case, f"{type(e).__name__}: {_first_line(e)}", traceback.format_exc(), timing, origin)
@@ -182,7 +182,7 @@ def _baseline_from(rec: dict) -> dict[str, float]:
     return {k: o["metrics"]["max_abs"] for k, o in rec["outputs"].items() if "metrics" in o and not o.get("exact")}
 
 
-def _to_numpy(v: Any) -> Any:
+def to_numpy(v: Any) -> Any:
     if isinstance(v, (np.ndarray, NotProvided)):
         return v
     if hasattr(v, "detach") and hasattr(v, "dtype"):

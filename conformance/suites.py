@@ -11,6 +11,8 @@
     seeds = [0]
     params = [{rows = 3, n = 113, pad = 0}, ...]     # explicit parameter sets, and/or
     grid = {rows = [1, 3], n = [1, 113], pad = [0]}  # a cartesian product
+    cpu = {sq = 64, sk = 64}                         # overrides at `--scale cpu` (real head
+                                                     # configs, sizes a CPU can afford)
 
 A case entry expands to params x dtypes x dists x seeds x backends. Every case is validated
 against its op spec when the suite loads; a bad entry is an error naming the file and entry.
@@ -38,12 +40,26 @@ SUITE_DIR = Path(__file__).parent / "suites"
 DEFAULT_SUITE = "ci"
 
 
+SCALES = ("auto", "real", "cpu")
+
+
 @dataclass(frozen=True)
 class Filters:
     ops: tuple[str, ...] = ()
     backends: tuple[str, ...] = ()  # replaces each entry's backend list when given
     dtypes: tuple[str, ...] = ()
     dists: tuple[str, ...] = ()
+    scale: str = "auto"  # "real" sizes, the entries' "cpu" overrides, or auto: real with a CUDA GPU
+
+
+def resolve_scale(scale: str) -> str:
+    if scale not in SCALES:
+        raise UsageError(f"--scale {scale!r} must be one of {', '.join(SCALES)}")
+    if scale != "auto":
+        return scale
+    from conformance.backends._torch import cuda_available
+
+    return "real" if cuda_available() else "cpu"
 
 
 def names() -> list[str]:
@@ -81,6 +97,7 @@ def cases(name: str, filters: Filters = Filters(), _seen: tuple[str, ...] = ()) 
     for inc in doc.get("include", []):
         out.extend(cases(inc, filters, _seen + (name,)))
     wanted_ops = {s.name for s in ops.match(list(filters.ops))} if filters.ops else None
+    scale = None
     want_dtypes = {dt.canonical(d) for d in filters.dtypes} if filters.dtypes else None
     for i, entry in enumerate(doc.get("cases", [])):
         where = f"suite {name!r} case entry {i + 1}"
@@ -97,7 +114,12 @@ def cases(name: str, filters: Filters = Filters(), _seen: tuple[str, ...] = ()) 
         dtypes = [dt.canonical(d) for d in entry.get("dtypes", list(spec.dtypes))]
         dists = entry.get("dists", ["normal"])
         seeds = entry.get("seeds", [0])
+        cpu = entry.get("cpu")
+        if cpu and scale is None:
+            scale = resolve_scale(filters.scale)
         for p in _param_sets(entry, where):
+            if cpu and scale == "cpu":
+                p = {**p, **cpu}
             for dtype, dist, seed, backend in itertools.product(dtypes, dists, seeds, backends):
                 if want_dtypes is not None and dtype not in want_dtypes:
                     continue

@@ -8,7 +8,7 @@ case id and a failure is replayable with `parity repro`. `bounds` narrows a para
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from hypothesis import assume
 from hypothesis import strategies as st
@@ -26,6 +26,8 @@ def param(name: str, p: Int | OneOf, bound: tuple[int, int] | list | None) -> st
     if isinstance(p, OneOf):
         values = [v for v in p.values if bound is None or v in bound]
         return st.sampled_from(values)
+    if isinstance(bound, list):  # explicit values (repeats weight them)
+        return st.sampled_from([v for v in bound if p.lo <= v <= p.hi])
     lo, hi = (p.lo, p.hi) if bound is None else (max(p.lo, bound[0]), min(p.hi, bound[1]))
     edges = [v for v in p.edge_values() if lo <= v <= hi]
     # Edges most of the time, the whole range the rest: bugs live at boundaries.
@@ -34,10 +36,17 @@ def param(name: str, p: Int | OneOf, bound: tuple[int, int] | list | None) -> st
 
 @st.composite
 def cases(draw: Any, op: str, backend: str = PENDING, dtypes: tuple[str, ...] | None = None,
-          dists: tuple[str, ...] | None = None, max_numel: int | None = None, **bounds: Any) -> Case:
-    """A valid case of `op` on `backend`; `bounds` maps a parameter to (lo, hi) or a list of values."""
+          dists: tuple[str, ...] | None = None, max_numel: int | None = None,
+          transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None, **bounds: Any) -> Case:
+    """A valid case of `op` on `backend`; `bounds` maps a parameter to (lo, hi) or a list of values.
+
+    `transform` derives parameters from the drawn ones before validation (e.g. hq = hkv x group),
+    so related parameters are drawn valid instead of rejected.
+    """
     spec = ops.get(op)
     params = {name: draw(param(name, p, bounds.get(name)), label=name) for name, p in spec.params.params.items()}
+    if transform is not None:
+        params = transform(params)
     dtype = draw(st.sampled_from(list(dtypes or spec.dtypes)), label="dtype")
     dist = draw(st.sampled_from(list(dists or spec.dists)), label="dist")
     seed = draw(st.integers(0, SEED_MAX), label="seed")

@@ -11,12 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import refimpl.combine as ref
-from conformance import ops
-from conformance.backends import Registry
 from conformance.dtypes import get as get_dtype
 from conformance.metrics import compare
-from conformance.poison import OutputRequest
 from conformance.tolerance import GOLDEN_SELF_CHECK
+from property_tests import runs
 from property_tests.strategies import cases
 
 BACKENDS = ("triton", "cpu", "torch")
@@ -43,19 +41,6 @@ def test_combine_of_one_split_is_that_split(parity, backend, case):
         f"LSE of a one-split combine differs from the split's LSE\n  repro: {rec['repro']}")
 
 
-_REGISTRY = Registry()
-
-
-def _run_kernel(backend, case, inputs):
-    spec = ops.get(case.op)
-    shapes = spec.output_shapes(case.p)
-    req = OutputRequest(shapes, {k: o.resolve(case.dtype) for k, o in spec.outputs.items()})
-    out = _REGISTRY.get(backend).run(case, inputs, req)
-    from conformance.runner import _to_numpy
-
-    return {k: _to_numpy(v) for k, v in out.items()}
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(case=cases("combine.lse_combine", splits=(2, 20), rows=(1, 20), dv=(1, 130)), perm_seed=st.integers(0, 2**32 - 1))
 def test_combine_independent_of_split_order(parity, backend, case, perm_seed):
@@ -65,15 +50,7 @@ def test_combine_independent_of_split_order(parity, backend, case, perm_seed):
         pytest.skip(rec["reason"])
     perm = np.random.default_rng(perm_seed).permutation(case.p["splits"])
     permuted = {k: np.ascontiguousarray(v[perm]) for k, v in a["inputs"].items()}
-    got = _run_kernel(backend, case, permuted)
-    spec = ops.get(case.op)
-    for name, ref_out in a["outputs"].items():
-        d = spec.outputs[name].resolve(case.dtype)
-        lim = spec.tolerance.limits(name, d, case.p)
-        cmp = compare(got[name], ref_out.astype(np.float64), d, lim)
-        assert cmp.anomaly_mismatch == 0 and cmp.elem_ratio <= 1.0, (
-            f"{backend} {name} changed when the splits were permuted by {perm.tolist()}: "
-            f"{cmp.anomaly_detail or cmp.metrics}\n  repro: {rec['repro']}")
+    runs.assert_close(case, runs.run(case, permuted), a["outputs"], f"the splits were permuted by {perm.tolist()}")
 
 
 @st.composite

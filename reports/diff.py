@@ -24,10 +24,12 @@ FLOORS: dict[str, float] = {
     # 1e-6 x max(1, |ref| max): about 8 fp32 ulp at unit scale; scaled by the output's magnitude
     # so logits of size 1e3 don't flag fp32 reordering noise.
     "max_abs": 1e-6,
-    # relative rms error 1e-6 (nmse is squared): above fp32 rounding (~1e-14), below bf16 (~1e-5).
-    "nmse": 1e-12,
-    # 1 - cos ~ nmse / 2 for small errors: same scale as nmse.
-    "cos_diff": 1e-12,
+    # relative rms error 1e-7 (nmse is squared): one fp32 rounding. fp32 limits are ~1e-12, so
+    # growth well inside an fp32 budget still shows; float64-vs-float64 noise (~1e-30) never does.
+    "nmse": 1e-14,
+    # 1 - cos ~ nmse / 2 for small errors: same scale as nmse; well above float64's 1e-16
+    # cancellation in 1 - cos.
+    "cos_diff": 1e-14,
     # a few ulp move with any reordering of a reduction.
     "max_ulp": 4.0,
     # 1% of the tolerance budget (norm_err is already error / limit).
@@ -91,7 +93,8 @@ class Diff:
             yield "regression", c.id, _change_text(c)
         for g in sorted(self.grew, key=_growth_order):
             where = f"{g.output}.{g.metric}" if g.output is not None else g.metric
-            ratio = "nan" if math.isnan(g.ratio) else f"{g.ratio:.3g}x"
+            ratio = ("nan" if math.isnan(g.ratio) else "was 0" if math.isinf(g.ratio)
+                     else f"{g.ratio:.3g}x")
             yield "grew", g.id, f"{where} {_num(g.old)} -> {_num(g.new)} ({ratio})"
         for kind, changes in (("changed", self.changed), ("removed", self.removed),
                               ("added", self.added), ("fixed", self.fixed)):
@@ -101,7 +104,7 @@ class Diff:
     def summary_line(self) -> str:
         base = self.old_header.get("git_commit") or "?"
         head = self.new_header.get("git_commit") or "?"
-        parts = ", ".join(f"{n} {k}" for k, n in self.counts().items())
+        parts = ", ".join(f"{k}: {n}" for k, n in self.counts().items())
         return f"baseline diff {base[:12]} -> {head[:12]} (growth > {self.growth:g}x): {parts}"
 
     def render_text(self) -> str:

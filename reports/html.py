@@ -115,7 +115,7 @@ def _record_view(r: dict) -> dict:
         "dtype": records.cell_key(r)[2],
         "kind": r.get("kind"), "reason": r.get("reason"), "message": r.get("message"),
         "repro": r.get("repro"), "norm_err": r.get("norm_err"),
-        "layers": r.get("layers") or {}, "recheck": r.get("recheck"),
+        "layers": r.get("layers") or {}, "recheck": r.get("recheck"), "known": r.get("known") or {},
         "kernel_s": timing.get("kernel_s"), "total_s": timing.get("total_s"),
         "outputs": outputs, "numel": numel,
         # all-cases table: per metric, (sort key = worst over outputs, [(output, value), ...])
@@ -132,11 +132,13 @@ def _severity(v: dict) -> tuple:
             -err, v["id"])
 
 
-def _skips(views: list[dict]) -> list[dict]:
+def _grouped(views: list[dict], verdict: str) -> list[dict]:
+    """Records of `verdict` grouped by reason (xfail: the known-failures entry's reason)."""
     groups: dict[str, list[str]] = {}
     for v in views:
-        if v["verdict"] == "skip":
-            groups.setdefault(v["reason"] or "no reason given", []).append(v["id"])
+        if v["verdict"] == verdict:
+            reason = v["known"].get("reason") if verdict == "xfail" else None
+            groups.setdefault(reason or v["reason"] or "no reason given", []).append(v["id"])
     return [{"reason": k, "count": len(ids), "examples": ids[:SKIP_EXAMPLES]}
             for k, ids in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
 
@@ -144,6 +146,7 @@ def _skips(views: list[dict]) -> list[dict]:
 # Error-vs-size plots: geometry computed here, drawn by the template (so it is autoescaped).
 
 PLOT_W, PLOT_H = 300, 170
+PLOT_Y_MIN = -6  # decades: norm_err below 1e-6 of the limit is drawn hollow on the bottom edge
 _ML, _MR, _MT, _MB = 44, 10, 10, 28  # margins: left, right, top, bottom
 
 
@@ -162,7 +165,7 @@ def _plot(points: list[tuple[float, Any, str, str]]) -> dict:
     ys = [math.log10(p[1]) for p in points if _is_num(p[1]) and math.isfinite(p[1]) and p[1] > 0]
     xlo, xhi = math.floor(min(xs)), math.ceil(max(xs))
     xhi = max(xhi, xlo + 1)
-    ylo = max(min(math.floor(min(ys)) if ys else -3, -1), -20)
+    ylo = max(min(math.floor(min(ys)) if ys else -3, -1), PLOT_Y_MIN)
     yhi = max(math.ceil(max(ys)) if ys else 1, 1)
     pw, ph = PLOT_W - _ML - _MR, PLOT_H - _MT - _MB
 
@@ -194,7 +197,7 @@ def _plots(views: list[dict], order: list[tuple[str, str, str]]) -> list[dict]:
     groups: dict[tuple[str, str, str], list] = {}
     for v in views:
         numeric = any(not o["exact"] for o in v["outputs"])
-        if v["verdict"] in NO_PLOT or not numeric or not _is_num(v["norm_err"]) or v["numel"] <= 0:
+        if NO_PLOT & {v["verdict"], v["known"].get("verdict")} or not numeric or not _is_num(v["norm_err"]) or v["numel"] <= 0:
             continue
         groups.setdefault((v["op"], v["backend"], v["dtype"]), []).append(
             (v["numel"], v["norm_err"], v["verdict"], v["id"]))
@@ -228,7 +231,8 @@ def render(doc: dict, diff: Any = None) -> str:
         counts=[(v, counts[v]) for v in records.VERDICTS if counts.get(v)],
         ops=ops, columns=columns, cells=cells,
         failures=[v for v in views if v["verdict"] in records.FAILING],
-        open_failures=OPEN_FAILURES, skips=_skips(views), cases=views,
+        open_failures=OPEN_FAILURES, skips=_grouped(views, "skip"), known=_grouped(views, "xfail"),
+        cases=views,
         table_metrics=TABLE_METRICS, metric_columns=METRIC_COLUMNS,
         plots=_plots(views, order), diff=diff, verdicts=records.VERDICTS,
         version=header.get("package_version") or "",

@@ -120,6 +120,22 @@ def test_html_error_vs_size_plot() -> None:
     assert html.render(make_doc(recs[:2])).count("<svg") == 0  # fewer than 3 numeric cases
 
 
+def test_known_failures_xfail_and_xpass() -> None:
+    xfail = make_record(n=1, verdict="xfail", reason="known failure (cuDNN masked rows): y off")
+    xfail["known"] = {"reason": "cuDNN masked rows", "seen": "torch 2.11, H200", "verdict": "fail"}
+    xpass = make_record(n=2, verdict="xpass", reason="listed as a known failure but passes")
+    doc = make_doc([xfail, xpass, make_record(n=3)])
+    page = html.render(doc)
+    assert '<span class="badge FAIL">FAIL</span>' in page
+    assert page.index('id="failures"') < page.index(xpass["id"]) < page.index('id="known"')
+    assert page.index('id="known"') < page.index("cuDNN masked rows") < page.index('id="skipped"')
+    cell = re.search(r'<td class="c v-(\w+)" title="softmax\.softmax / triton / fp16[^>]*>([^<]*)<', page)
+    assert cell is not None and cell.groups() == ("xpass", "1 xpass / 3 · 1 xfail")
+    root = ET.fromstring(junit.render(doc))
+    assert {k: root.get(k) for k in ("tests", "failures", "errors", "skipped")} == \
+        {"tests": "3", "failures": "1", "errors": "0", "skipped": "1"}
+
+
 def test_html_passing_run_has_pass_badge() -> None:
     page = html.render(make_doc([make_record(), make_record(verdict="skip", reason="no GPU", n=7)]))
     assert '<span class="badge PASS">PASS</span>' in page and 'id="failures"' in page

@@ -43,7 +43,7 @@
 #include "common.h"
 
 enum { BLOCK_N = 64 };          /* keys per online-softmax step */
-enum { PREFILL_ROWS = 64 };     /* rows per prefill item: K/V block reuse vs scratch in L1/L2 */
+enum { ITEM_ROWS = 64 };        /* rows per work item: K/V reuse vs running state in L1/L2 */
 enum { MAX_THREADS = 64 };
 
 typedef struct {                /* mirrored by kernels/cpu/attention.py (_Params) */
@@ -63,15 +63,16 @@ typedef struct {                /* mirrored by kernels/cpu/attention.py (_Params
 } attn_params;
 
 typedef struct {                /* one thread's buffers, sized for the largest item */
-    float *qf, *acc, *pv, *s, *kbuf, *vbuf, *m, *alpha;
+    float *qf, *acc, *s, *kbuf, *vblk, *m, *alpha;
     double *l;
     int64_t *lo, *hi;
-    const char *kr[2][BLOCK_N], *vr[2][BLOCK_N];
+    const char *kr[BLOCK_N], *vr[BLOCK_N];
+    const float *vp[BLOCK_N];                       /* fp32 V rows of one kv head */
 } scratch;
 
 typedef struct {
     const attn_params *p;
-    int64_t bm, items;
+    int64_t bm, nqb, chunks, items;     /* query rows per item, query blocks, kv-head chunks */
     atomic_llong next;
     scratch w[MAX_THREADS];
 } shared;
@@ -99,31 +100,78 @@ KP_INLINE float softcap_logit(float s, float cap) {
     return cap * (z < 0.625f ? small : large);
 }
 
-/* a . b over d elements: 16 lanes (lane k takes c = k mod 16 in order), pairwise lane sum, then
- * the tail in order. Bitwise the same on every ISA path (no FMA, fixed order). */
-KP_INLINE float dot(const float *a, const float *b, int64_t d) {
-    float acc[KP_LANES] = {0};
-    int64_t dv = d - d % KP_LANES, c = 0;
-    for (; c < dv; c += KP_LANES)
-        KP_FOR_LANES(k) acc[k] += a[c + k] * b[c + k];
-    for (int w = KP_LANES / 2; w > 0; w /= 2)
-        for (int k = 0; k < w; k++) acc[k] += acc[k + w];
-    float s = acc[0];
-    for (; c < d; c++) s += a[c] * b[c];
-    return s;
+/* 16 fp32 lanes as a GCC/Clang generic vector: one zmm, two ymm or four xmm, so each ISA path
+ * runs the same lane-wise IEEE operations (no FMA under -ffp-contract=off) and gives the same
+ * bits; written out because the auto-vectoriser spills the lane sums of a dot product to the
+ * stack and reloads P V accumulators through memory on every key. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+KP_INLINE v16 ld16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+
+/* Lane sum in a fixed pairwise order: lane k + 8, then + 4, + 2, + 1. */
+KP_INLINE float hsum(v16 a) {
+    v8 h = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7)
+         + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 x = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (x[0] + x[2]) + (x[1] + x[3]);
 }
 
-/* Row pointers (bytes) of keys j0 .. j0 + n - 1 of sequence bi, kv head g. */
-KP_INLINE void key_rows(const attn_params *p, int64_t bi, int64_t g, int64_t j0, int64_t n,
-                        const char **kr, const char **vr, int64_t size) {
+/* s[t * BLOCK_N] = q_t . k for NR rows of q (d apart) sharing one load of k: lane k of 16 takes
+ * c = k mod 16 in order, then hsum, then the tail c >= d - d % 16 in order. */
+KP_INLINE void dot_tile(const float *q, const float *k, int64_t d, float *s, int NR) {
+    v16 a[4] = {0};
+    int64_t d16 = d - d % 16, c = 0;
+    for (; c < d16; c += 16) {
+        v16 kv = ld16(k + c);
+        for (int t = 0; t < NR; t++) a[t] += ld16(q + t * d + c) * kv;
+    }
+    for (int t = 0; t < NR; t++) {
+        float x = hsum(a[t]);
+        for (int64_t cc = d16; cc < d; cc++) x += q[t * d + cc] * k[cc];
+        s[t * BLOCK_N] = x;
+    }
+}
+
+/* acc_t = acc_t * alpha_t + sum_{jj in [ja, n)} p_t[jj] v_jj for NR rows (p rows BLOCK_N apart,
+ * acc rows dv apart): the block's sum is formed in registers, in key order, then added once. */
+KP_INLINE void pv_tile(const float *p, const float *const *v, int64_t ja, int64_t n, int64_t dv,
+                       float *acc, const float *alpha, int NR) {
+    int64_t d16 = dv - dv % 16;
+    for (int64_t c = 0; c < d16; c += 16) {
+        v16 a[4] = {0};
+        for (int64_t jj = ja; jj < n; jj++) {
+            v16 x = ld16(v[jj] + c);
+            for (int t = 0; t < NR; t++) a[t] += p[t * BLOCK_N + jj] * x;
+        }
+        for (int t = 0; t < NR; t++) {
+            if (alpha[t] < 0.0f) continue;          /* no key of this row in the block */
+            v16 o = ld16(acc + t * dv + c) * alpha[t] + a[t];
+            memcpy(acc + t * dv + c, &o, sizeof o);
+        }
+    }
+    for (int t = 0; t < NR; t++) {
+        if (alpha[t] < 0.0f) continue;
+        for (int64_t c = d16; c < dv; c++) {
+            float x = 0.0f;
+            for (int64_t jj = ja; jj < n; jj++) x += p[t * BLOCK_N + jj] * v[jj][c];
+            acc[t * dv + c] = acc[t * dv + c] * alpha[t] + x;
+        }
+    }
+}
+
+/* Token rows (bytes, kv head 0) of keys j0 .. j0 + n - 1 of sequence bi. */
+KP_INLINE void key_rows(const attn_params *p, int64_t bi, int64_t j0, int64_t n, const char **kr,
+                        const char **vr, int64_t size) {
     for (int64_t jj = 0; jj < n; jj++) {
         int64_t t = j0 + jj, blk = bi, slot = t;
         if (p->page) {
             blk = p->block_table[bi * p->stride_bt_b + t / p->page * p->stride_bt_p];
             slot = t % p->page;
         }
-        kr[jj] = (const char *)p->k + (blk * p->stride_k_b + slot * p->stride_k_s + g * p->stride_k_h) * size;
-        vr[jj] = (const char *)p->v + (blk * p->stride_v_b + slot * p->stride_v_s + g * p->stride_v_h) * size;
+        kr[jj] = (const char *)p->k + (blk * p->stride_k_b + slot * p->stride_k_s) * size;
+        vr[jj] = (const char *)p->v + (blk * p->stride_v_b + slot * p->stride_v_s) * size;
     }
 }
 
@@ -138,27 +186,33 @@ KP_INLINE const float *widen(const char *row, float *buf, int64_t n, int dt) {
     return buf;
 }
 
-/* One key block [j0, j0 + n) for the R rows of an item; (kn, vn, nn): the next block, prefetched. */
-KP_INLINE void attend_block(const attn_params *p, scratch *w, int64_t R, int64_t j0, int64_t n,
-                            const char **kr, const char **vr, const char **kn, const char **vn,
-                            int64_t nn, int dt) {
-    const int64_t d = p->d, dv = p->d_v, size = kp_itemsize(dt);
+/* Rows of an item: r = (h - h0) * nq + (i - i0), so the rows of one kv head are contiguous. */
+typedef struct { int64_t bi, i0, nq, h0, g0, g1, R, RG; } item_rows;
+
+/* One key block [j0, j0 + n) for the rows of an item, which reads keys ja .. n - 1 of it. */
+KP_INLINE void attend_block(const attn_params *p, scratch *w, const item_rows *it, int64_t j0,
+                            int64_t ja, int64_t n, const char **kr, const char **vr, int dt) {
+    const int64_t d = p->d, dv = p->d_v, size = kp_itemsize(dt), R = it->R, RG = it->RG;
     const float scale = (float)p->scale, cap = (float)p->softcap;
-    for (int64_t jj = 0; jj < n; jj++) {            /* scores: each K row loaded once, R dots */
-        if (jj < nn) prefetch_row(kn[jj], d * size);
-        const float *kf = widen(kr[jj], w->kbuf, d, dt);
-        for (int64_t r = 0; r < R; r++) {
-            int64_t j = j0 + jj;
-            w->s[r * BLOCK_N + jj] = j < w->lo[r] || j > w->hi[r] ? -INFINITY : dot(w->qf + r * d, kf, d);
+    for (int64_t jj = ja; jj < n; jj++) {           /* scores: each K row loaded once per group */
+        for (int64_t g = it->g0, r0 = 0; g < it->g1; g++, r0 += RG) {
+            prefetch_row(vr[jj] + g * p->stride_v_h * size, dv * size);   /* token order, for P V */
+            const float *kf = widen(kr[jj] + g * p->stride_k_h * size, w->kbuf, d, dt);
+            int64_t r = r0;
+            for (; r + 4 <= r0 + RG; r += 4) dot_tile(w->qf + r * d, kf, d, w->s + r * BLOCK_N + jj, 4);
+            for (; r < r0 + RG; r++) dot_tile(w->qf + r * d, kf, d, w->s + r * BLOCK_N + jj, 1);
         }
     }
-    for (int64_t r = 0; r < R; r++) {               /* online softmax, per row */
+    for (int64_t r = 0; r < R; r++) {               /* online softmax, per row; s becomes p */
         float *s = w->s + r * BLOCK_N;
         const int64_t lo = w->lo[r], hi = w->hi[r];
         w->alpha[r] = -1.0f;                        /* marks a row with no key in this block */
-        if (hi < j0 || lo >= j0 + n || lo > hi) continue;
+        if (hi < j0 || lo >= j0 + n || lo > hi) {
+            for (int64_t jj = 0; jj < n; jj++) s[jj] = 0.0f;
+            continue;
+        }
         float bm = -INFINITY;
-        for (int64_t jj = 0; jj < n; jj++) {
+        for (int64_t jj = 0; jj < n; jj++) {       /* keys before ja are masked for every row */
             float x = s[jj] * scale;
             if (cap > 0.0f) x = softcap_logit(x, cap);
             x = j0 + jj >= lo && j0 + jj <= hi ? x : -INFINITY;
@@ -183,62 +237,59 @@ KP_INLINE void attend_block(const attn_params *p, scratch *w, int64_t R, int64_t
         for (int k = 0; k < KP_LANES; k++) bs += part[k];
         w->l[r] = w->l[r] * w->alpha[r] + bs;
         w->m[r] = m_new;
-        for (int64_t c = 0; c < dv; c++) w->pv[r * dv + c] = 0.0f;
     }
-    for (int64_t jj = 0; jj < n; jj++) {            /* P V: each V row loaded once */
-        if (jj < nn) prefetch_row(vn[jj], dv * size);
-        const float *vf = widen(vr[jj], w->vbuf, dv, dt);
-        for (int64_t r = 0; r < R; r++) {
-            float pj = w->s[r * BLOCK_N + jj];
-            if (w->alpha[r] < 0.0f || pj == 0.0f) continue;   /* masked or underflowed: no term */
-            float *pv = w->pv + r * dv;
-            for (int64_t c = 0; c < dv; c++) pv[c] += pj * vf[c];
+    for (int64_t g = it->g0, r0 = 0; g < it->g1; g++, r0 += RG) {   /* P V, one kv head at a time */
+        for (int64_t jj = ja; jj < n; jj++) {
+            const char *row = vr[jj] + g * p->stride_v_h * size;
+            w->vp[jj] = dt == KP_F32 ? (const float *)row : widen(row, w->vblk + jj * dv, dv, dt);
         }
-    }
-    for (int64_t r = 0; r < R; r++) {
-        float a = w->alpha[r], *acc = w->acc + r * dv;
-        const float *pv = w->pv + r * dv;
-        if (a < 0.0f) continue;
-        if (a == 1.0f)
-            for (int64_t c = 0; c < dv; c++) acc[c] += pv[c];
-        else
-            for (int64_t c = 0; c < dv; c++) acc[c] = acc[c] * a + pv[c];
+        int64_t r = r0;
+        for (; r + 4 <= r0 + RG; r += 4)
+            pv_tile(w->s + r * BLOCK_N, w->vp, ja, n, dv, w->acc + r * dv, w->alpha + r, 4);
+        for (; r < r0 + RG; r++)
+            pv_tile(w->s + r * BLOCK_N, w->vp, ja, n, dv, w->acc + r * dv, w->alpha + r, 1);
     }
 }
 
-KP_INLINE void run_item(const attn_params *p, scratch *w, int64_t bm, int64_t item, int dt) {
-    const int64_t G = p->h_q / p->h_kv, nqb = (p->s_q + bm - 1) / bm, size = kp_itemsize(dt);
-    const int64_t bi = item / (p->h_kv * nqb), g = item / nqb % p->h_kv, i0 = item % nqb * bm;
-    const int64_t nq = p->s_q - i0 < bm ? p->s_q - i0 : bm, R = nq * G, d = p->d, dv = p->d_v;
-    const int64_t L = p->seqlens ? p->seqlens[bi * p->stride_sl] : p->s_k;
+KP_INLINE void run_item(const attn_params *p, scratch *w, const shared *sh, int64_t item, int dt) {
+    const int64_t G = p->h_q / p->h_kv, size = kp_itemsize(dt), d = p->d, dv = p->d_v;
+    const int64_t gpc = (p->h_kv + sh->chunks - 1) / sh->chunks;     /* kv heads per chunk */
+    item_rows it;
+    it.bi = item / (sh->nqb * sh->chunks);
+    it.i0 = item / sh->chunks % sh->nqb * sh->bm;
+    it.g0 = item % sh->chunks * gpc;
+    it.g1 = it.g0 + gpc < p->h_kv ? it.g0 + gpc : p->h_kv;
+    it.nq = p->s_q - it.i0 < sh->bm ? p->s_q - it.i0 : sh->bm;
+    it.h0 = it.g0 * G;
+    it.RG = G * it.nq;
+    it.R = (it.g1 - it.g0) * it.RG;
+    if (it.R <= 0) return;
+    const int64_t L = p->seqlens ? p->seqlens[it.bi * p->stride_sl] : p->s_k;
     int64_t jlo = INT64_MAX, jhi = -1;
-    for (int64_t r = 0; r < R; r++) {
-        int64_t i = i0 + r / G, h = g * G + r % G;
+    for (int64_t r = 0; r < it.R; r++) {
+        int64_t i = it.i0 + r % it.nq, h = it.h0 + r / it.nq;
         key_range(p, i, L, &w->lo[r], &w->hi[r]);
         if (w->lo[r] <= w->hi[r]) {
             jlo = w->lo[r] < jlo ? w->lo[r] : jlo;
             jhi = w->hi[r] > jhi ? w->hi[r] : jhi;
         }
-        const char *qrow = (const char *)p->q + (bi * p->stride_q_b + i * p->stride_q_s + h * p->stride_q_h) * size;
+        const char *qrow = (const char *)p->q + (it.bi * p->stride_q_b + i * p->stride_q_s + h * p->stride_q_h) * size;
         for (int64_t c = 0; c < d; c++) w->qf[r * d + c] = kp_load(qrow, c, dt);
         for (int64_t c = 0; c < dv; c++) w->acc[r * dv + c] = 0.0f;
         w->m[r] = -INFINITY;
         w->l[r] = 0.0;
     }
-    int cur = 0;
-    if (jlo <= jhi) key_rows(p, bi, g, jlo, jhi - jlo + 1 < BLOCK_N ? jhi - jlo + 1 : BLOCK_N,
-                             w->kr[0], w->vr[0], size);
-    for (int64_t j0 = jlo; j0 <= jhi; j0 += BLOCK_N, cur ^= 1) {
-        int64_t n = jhi + 1 - j0 < BLOCK_N ? jhi + 1 - j0 : BLOCK_N;
-        int64_t j1 = j0 + n, nn = jhi + 1 - j1 < BLOCK_N ? jhi + 1 - j1 : BLOCK_N;
-        nn = nn > 0 ? nn : 0;
-        key_rows(p, bi, g, j1, nn, w->kr[cur ^ 1], w->vr[cur ^ 1], size);
-        attend_block(p, w, R, j0, n, w->kr[cur], w->vr[cur], w->kr[cur ^ 1], w->vr[cur ^ 1], nn, dt);
+    /* blocks sit at multiples of BLOCK_N, so a row's arithmetic does not depend on which rows
+     * share its item: the bits are the same however items are split */
+    for (int64_t j0 = jlo - jlo % BLOCK_N; j0 <= jhi; j0 += BLOCK_N) {
+        int64_t a = j0 > jlo ? j0 : jlo, n = jhi + 1 - j0 < BLOCK_N ? jhi + 1 - j0 : BLOCK_N;
+        key_rows(p, it.bi, a, j0 + n - a, w->kr + (a - j0), w->vr + (a - j0), size);
+        attend_block(p, w, &it, j0, a - j0, n, w->kr, w->vr, dt);
     }
-    for (int64_t r = 0; r < R; r++) {
-        int64_t i = i0 + r / G, h = g * G + r % G;
-        char *orow = (char *)p->o + (bi * p->stride_o_b + i * p->stride_o_s + h * p->stride_o_h) * size;
-        float *lse = p->lse + bi * p->stride_lse_b + h * p->stride_lse_h + i * p->stride_lse_s;
+    for (int64_t r = 0; r < it.R; r++) {
+        int64_t i = it.i0 + r % it.nq, h = it.h0 + r / it.nq;
+        char *orow = (char *)p->o + (it.bi * p->stride_o_b + i * p->stride_o_s + h * p->stride_o_h) * size;
+        float *lse = p->lse + it.bi * p->stride_lse_b + h * p->stride_lse_h + i * p->stride_lse_s;
         const float *acc = w->acc + r * dv;
         double m = w->m[r], l = w->l[r], wt;
         if (m == -INFINITY) {                       /* no key: O = 0, LSE = -inf */
@@ -265,9 +316,9 @@ KP_INLINE void work(worker_arg *a) {
         int64_t item = atomic_fetch_add(&sh->next, 1);
         if (item >= sh->items) return;
         /* one instantiation per dtype, so loads and stores inline as constants */
-        if (dt == KP_F16) run_item(sh->p, w, sh->bm, item, KP_F16);
-        else if (dt == KP_BF16) run_item(sh->p, w, sh->bm, item, KP_BF16);
-        else run_item(sh->p, w, sh->bm, item, KP_F32);
+        if (dt == KP_F16) run_item(sh->p, w, sh, item, KP_F16);
+        else if (dt == KP_BF16) run_item(sh->p, w, sh, item, KP_BF16);
+        else run_item(sh->p, w, sh, item, KP_F32);
     }
 }
 
@@ -288,17 +339,30 @@ KP_EXPORT int attention_kernel(const attn_params *p) {
 #endif
     shared *sh = calloc(1, sizeof(shared));
     if (!sh) return KP_ERR_NOMEM;
+    /* Items: (sequence, query block, chunk of kv heads), about ITEM_ROWS rows each, so the
+     * running state stays in L1/L2; a decode keeps all of a sequence's heads in one item when
+     * they fit, reading each token's K/V row (h_kv * d elements) in one sequential stream, and
+     * splits heads only to give every thread an item. Any split gives the same bits (run_item). */
     const int64_t G = p->h_q / p->h_kv;
-    sh->p = p;
-    sh->bm = p->seqlens ? p->s_q : (PREFILL_ROWS / G > 1 ? PREFILL_ROWS / G : 1);
-    sh->bm = sh->bm < p->s_q ? sh->bm : p->s_q;
-    sh->items = p->b * p->h_kv * ((p->s_q + sh->bm - 1) / sh->bm);
-    atomic_init(&sh->next, 0);
-    int64_t nt = p->threads < 1 ? 1 : p->threads;
+    int64_t nt = p->threads < 1 ? 1 : p->threads, bm = p->s_q, gpc;
     nt = nt < MAX_THREADS ? nt : MAX_THREADS;
+    if (!p->seqlens) bm = ITEM_ROWS / G > 1 ? (ITEM_ROWS / G < bm ? ITEM_ROWS / G : bm) : 1;
+    const int64_t nqb = (p->s_q + bm - 1) / bm, base = p->b * nqb;
+    gpc = ITEM_ROWS / (G * bm);
+    gpc = gpc < 1 ? 1 : gpc > p->h_kv ? p->h_kv : gpc;
+    if (base * ((p->h_kv + gpc - 1) / gpc) < nt) {
+        int64_t want = (nt + base - 1) / base;
+        gpc = p->h_kv / want > 1 ? p->h_kv / want : 1;
+    }
+    sh->p = p;
+    sh->bm = bm;
+    sh->nqb = nqb;
+    sh->chunks = (p->h_kv + gpc - 1) / gpc;
+    sh->items = base * sh->chunks;
+    atomic_init(&sh->next, 0);
     nt = nt < sh->items ? nt : sh->items;
-    const int64_t R = sh->bm * G, d = p->d, dv = p->d_v;
-    const size_t floats = (size_t)(R * d + 2 * R * dv + R * BLOCK_N + d + dv + 2 * R);
+    const int64_t R = bm * G * gpc, d = p->d, dv = p->d_v;
+    const size_t floats = (size_t)(R * d + R * dv + R * BLOCK_N + d + BLOCK_N * dv + 2 * R);
     int status = KP_OK;
     for (int64_t t = 0; t < nt && status == KP_OK; t++) {   /* all buffers before any work */
         scratch *w = &sh->w[t];
@@ -309,11 +373,10 @@ KP_EXPORT int attention_kernel(const attn_params *p) {
         w->hi = w->lo + R;
         w->qf = (float *)(w->hi + R);
         w->acc = w->qf + R * d;
-        w->pv = w->acc + R * dv;
-        w->s = w->pv + R * dv;
+        w->s = w->acc + R * dv;
         w->kbuf = w->s + R * BLOCK_N;
-        w->vbuf = w->kbuf + d;
-        w->m = w->vbuf + dv;
+        w->vblk = w->kbuf + d;
+        w->m = w->vblk + BLOCK_N * dv;
         w->alpha = w->m + R;
     }
     if (status == KP_OK) {

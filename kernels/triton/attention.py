@@ -225,7 +225,7 @@ def _check_common(q, k, v, causal, window, softcap, sinks, h_axis: int) -> tuple
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{name} dtype {t.dtype} not supported; expected one of {SUPPORTED_DTYPES}")
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
+        if t.shape[-1] > 1 and t.numel() > 0 and t.stride(-1) != 1:
             raise ValueError(f"{name} must have last-dim stride 1, got strides {tuple(t.stride())}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
@@ -260,7 +260,7 @@ def _check_out(out, shape, dtype, device, name: str, unit_last: bool = False) ->
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
         raise ValueError(f"{name} must be {tuple(shape)} {dtype} on {device}, "
                          f"got {tuple(out.shape)} {out.dtype} on {out.device}")
-    if unit_last and shape[-1] > 1 and out.stride(-1) != 1:
+    if unit_last and shape[-1] > 1 and out.numel() > 0 and out.stride(-1) != 1:
         raise ValueError(f"{name} must have last-dim stride 1, got strides {tuple(out.stride())}")
 
 

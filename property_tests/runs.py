@@ -1,0 +1,72 @@
+"""Running a backend on hand-modified inputs, for metamorphic (invariant) tests.
+
+A metamorphic test builds a case's inputs, transforms them (repeat the KV heads, permute the
+pages, change masked keys), runs the same backend on both, and compares the two outputs: bit
+for bit where the arithmetic must be identical, within the op's own limits where it may be
+reordered. Every assertion names both repro commands.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conformance import ops
+from conformance.backends import NotProvided, Registry
+from conformance.case import Case
+from conformance.metrics import compare
+from conformance.runner import Prepared, to_numpy
+from conformance.poison import OutputRequest
+
+_REGISTRY = Registry()
+
+
+def inputs_of(case: Case) -> dict[str, np.ndarray]:
+    return Prepared(ops.get(case.op), case).inputs
+
+
+def run(case: Case, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Outputs of case.backend on `inputs` (skips the test if the backend cannot run the case)."""
+    backend = _REGISTRY.get(case.backend)
+    why = backend.available() or backend.supports(case)
+    if why:
+        from hypothesis import assume
+        from hypothesis.control import currently_in_test_context
+
+        if currently_in_test_context():
+            assume(False)  # an unsupported draw is rejected, not a pass
+        pytest.skip(why)
+    spec = ops.get(case.op)
+    shapes = {k: tuple(v) for k, v in spec.output_shapes(case.p).items()}
+    req = OutputRequest(shapes, {k: o.resolve(case.dtype) for k, o in spec.outputs.items()})
+    out = backend.run(case, inputs, req)
+    return {k: to_numpy(v) for k, v in out.items()}
+
+
+def assert_same_bits(case: Case, a: dict, b: dict, what: str, names: tuple[str, ...] | None = None) -> None:
+    for name in names or tuple(a):
+        if isinstance(a[name], NotProvided):
+            continue
+        x, y = np.ascontiguousarray(a[name]), np.ascontiguousarray(b[name])
+        bad = int(np.count_nonzero(x.view(np.uint8) != y.view(np.uint8)))
+        assert bad == 0, f"{case.backend} {case.op} {name} changed bits when {what}\n  repro: parity repro {case.id}"
+
+
+def assert_close(case: Case, got: dict, ref: dict, what: str) -> None:
+    """got vs ref (both kernel outputs) within the op's limits for each output."""
+    spec = ops.get(case.op)
+    for name, out in spec.outputs.items():
+        if name not in got or isinstance(got[name], NotProvided):
+            continue
+        tol_dtype = out.tolerance_dtype(case.dtype)
+        lim = spec.tolerance.limits(name, tol_dtype, case.p)
+        r = ref[name].astype(np.float64)
+        g = got[name]
+        if out.nan_is_any:
+            g = np.where(np.isnan(r), np.array(np.nan, dtype=g.dtype), g)
+        cmp = compare(g, r, out.resolve(case.dtype), lim, tol_dtype)
+        assert cmp.anomaly_mismatch == 0 and cmp.elem_ratio <= 1.0, (
+            f"{case.backend} {case.op} {name} changed beyond its limits when {what}: "
+            f"{cmp.anomaly_detail or cmp.metrics}\n  repro: parity repro {case.id}")
