@@ -10,7 +10,8 @@
 A case that matches and fails (fail/error/crash/timeout/flaky) becomes `xfail`: it is still run,
 shown and counted, but does not fail the gate. A case that matches and passes becomes `xpass`,
 which fails the gate: the entry is out of date and must go. An entry whose op and backend ran
-but which matched no case at all is `stale`, which also fails the gate.
+(some case of the pair was not skipped) but which matched no case at all is `stale`, which also
+fails the gate.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def load(path: str | Path | None = None) -> list[Entry]:
 
 def apply(results: list[dict], entries: list[Entry]) -> list[str]:
     """Mark matching results xfail/xpass in place; return the labels of stale entries."""
-    ran = {(r["op"], r["backend"]) for r in results}
+    ran = {(r["op"], r["backend"]) for r in results if r["verdict"] != "skip"}  # skipped pairs did not run
     hits = {e: 0 for e in entries}
     for rec in results:
         for e in entries:

@@ -262,4 +262,5 @@ def test_writers_write_atomically(tmp_path, doc: dict) -> None:
     for module, name in ((html, "r.html"), (junit, "r.xml"), (markdown, "r.md")):
         module.write(tmp_path / name, doc)
         assert (tmp_path / name).read_text(encoding="utf-8") == module.render(doc)
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o644
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.html", "r.md", "r.xml"]

@@ -91,3 +91,30 @@ class FactoryBackend(Backend):
 
     def __init__(self) -> None:
         super().__init__(name="np_class", device="cpu", ops={"softmax.softmax": GOOD.ops["softmax.softmax"]})
+
+
+# -- attention backends with one classic semantic bug each (for the diagnosis) -----------------
+def _attention(name: str, causal: str | None = None, tiled: bool = False, no_scale: bool = False) -> Backend:
+    def prefill(case, inputs, out):
+        import torch
+
+        from kernels.torch import attention as k
+
+        p = case.p
+        q, kk, vv = (torch.from_numpy(inputs[n].astype(np.float32)) for n in ("q", "k", "v"))
+        if tiled:  # k.repeat instead of repeat_interleave: query head h reads kv head h % h_kv
+            g = p["hq"] // p["hkv"]
+            kk, vv = kk.repeat(1, 1, g, 1), vv.repeat(1, 1, g, 1)
+        o, lse = k.attention(q, kk, vv, causal=causal or p["causal"], window=(p["wl"], p["wr"]),
+                             softcap=float(p["cap"]), scale=1.0 if no_scale else None)
+        ob, lb = out.numpy("o"), out.numpy("lse")
+        ob[...] = o.numpy().astype(ob.dtype)
+        lb[...] = lse.numpy()
+        return {"o": ob, "lse": lb}
+
+    return Backend(name=name, device="cpu", dtypes=("fp32",), ops={"attention.prefill": prefill})
+
+
+ATTN_TOP_LEFT = _attention("attn_top_left", causal="top_left")
+ATTN_TILED = _attention("attn_tiled", tiled=True)
+ATTN_NO_SCALE = _attention("attn_no_scale", no_scale=True)

@@ -1,0 +1,114 @@
+"""Framework features that the attention family brought: diagnoses, known failures, outputs a
+backend does not provide, "any value" outputs, the SDPA plugin's supports() table, the
+interpreter fixes."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conformance import known, ops
+from conformance.backends import Registry
+from conformance.cli import main
+from conformance.runner import Runner
+
+PREFILL = "attention.prefill/{b}/fp32/b=2,sq=5,sk=9,hq=4,hkv=2,d=16,causal=bottom_right,wl=-1,wr=-1,cap=0,sink=0/normal/seed=0"
+
+
+@pytest.mark.parametrize("obj, name, label", [
+    ("ATTN_TOP_LEFT", "attn_top_left", "matches the other causal alignment: alignment bug"),
+    ("ATTN_TILED", "attn_tiled", "matches kv head h % h_kv: GQA head-mapping bug"),
+    ("ATTN_NO_SCALE", "attn_no_scale", "matches scale 1 (no 1/sqrt(d)): scale bug"),
+])
+def test_a_failing_attention_kernel_is_diagnosed(obj, name, label, capsys):
+    case_id = PREFILL.format(b=name)
+    assert main(["repro", case_id, "--backend", f"tests.third_party:{obj}"]) == 1
+    out = capsys.readouterr().out
+    assert f"diagnosis: {label}" in out
+    rec = Runner(Registry(extra=[f"tests.third_party:{obj}"])).evaluate(ops.parse_case(case_id))
+    assert rec["verdict"] == "fail" and rec["diagnosis"][0].startswith(label)
+    assert len(rec["diagnosis"]) == 1  # the other alternatives do not match
+
+
+def _rec(op, backend, rest, verdict):
+    return {"id": f"{op}/{backend}/{rest}", "op": op, "backend": backend, "verdict": verdict, "reason": "r"}
+
+
+def test_known_failures_xfail_xpass_and_stale():
+    entries = [known.Entry("attention.prefill", "sdpa-cudnn", "*/masked*", "bool-mask rows"),
+               known.Entry("attention.prefill", "sdpa-cudnn", "fp16/*", "fixed upstream"),
+               known.Entry("attention.prefill", "sdpa-cudnn", "bf16/*/nope/*", "matches nothing"),
+               known.Entry("attention.decode", "sdpa-flash", "*", "did not run")]
+    results = [_rec("attention.prefill", "sdpa-cudnn", "bf16/b=1/masked/seed=0", "fail"),
+               _rec("attention.prefill", "sdpa-cudnn", "fp16/b=1/normal/seed=0", "pass"),
+               _rec("attention.prefill", "sdpa-math", "bf16/b=1/masked/seed=0", "fail")]
+    stale = known.apply(results, entries)
+    assert [r["verdict"] for r in results] == ["xfail", "xpass", "fail"]
+    assert results[0]["known"]["verdict"] == "fail"
+    assert stale == ["attention.prefill/sdpa-cudnn/bf16/*/nope/*"]  # the decode entry is out of scope
+
+
+def test_known_failures_file_drives_the_gate(tmp_path):
+    case = "softmax.softmax"
+    table = tmp_path / "known.toml"
+    table.write_text('[[known]]\nop = "softmax.softmax"\nbackend = "np_noisy"\nmatch = "fp16/*"\n'
+                     'reason = "a test entry"\n')
+    out = tmp_path / "r.json"
+    common = ["gate", "--suite", "smoke", "--op", case, "--backend", "tests.third_party:NOISY", "--no-progress",
+              "-q", "--json", str(out), "--known-failures", str(table)]
+    assert main(common + ["--dtype", "fp16"]) == 0  # every failure is a listed one
+    assert {r["verdict"] for r in json.loads(out.read_text())["results"]} == {"xfail"}
+    assert main(common) == 1  # fp32 and bf16 failures are not listed
+    good = ["gate", "--suite", "smoke", "--op", case, "--backend", "tests.third_party:GOOD", "--no-progress", "-q",
+            "--known-failures", str(table)]
+    table.write_text(table.read_text().replace("np_noisy", "np_good"))
+    assert main(good) == 1  # xpass: the entry must go
+
+
+def test_not_provided_outputs_are_recorded_not_judged():
+    registry = Registry()
+    case = ops.parse_case(PREFILL.format(b="sdpa-cpu"))
+    rec = Runner(registry).evaluate(case)
+    assert rec["verdict"] == "pass"
+    assert rec["outputs"]["lse"]["not_provided"] == "the public SDPA API returns no LSE"
+    assert "metrics" in rec["outputs"]["o"]
+
+
+@pytest.mark.parametrize("params, reason", [
+    ("cap=30,sink=0", "SDPA has no logit softcap"),
+    ("cap=0,sink=1", "SDPA has no attention sinks"),
+])
+def test_sdpa_supports_states_its_limits(params, reason):
+    case = ops.parse_case(PREFILL.format(b="sdpa-cpu").replace("cap=0,sink=0", params))
+    assert Registry().get("sdpa-cpu").supports(case) == reason
+
+
+def test_sdpa_gpu_backends_skip_without_a_gpu():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    for name in ("sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"):
+        assert Registry().get(name).available() == f"{name} needs a CUDA GPU"
+
+
+def test_empty_split_partials_accept_any_value():
+    case = ops.parse_case("attention.decode_split/torch/fp32/b=2,sq=1,kv=5,hq=4,hkv=2,d=64,lens=full,splits=16,"
+                          "causal=bottom_right,wl=-1,wr=-1,cap=0,sink=0/normal/seed=0")
+    runner = Runner()
+    runner.capture = {}
+    rec = runner.evaluate(case)
+    assert rec["verdict"] == "pass"
+    golden = runner.capture[case.id]["golden"]["o_parts"]
+    assert np.isnan(golden).any()  # 16 splits over 5 keys: most are empty
+
+
+def test_triton_interpreter_is_fixed_for_bf16():
+    pytest.importorskip("triton")
+    backend = Registry().get("triton")
+    if not backend.interpreter:
+        pytest.skip("a GPU is present: nothing to fix")
+    assert backend.available() is None
+    assert "fp32->bf16 rounding fixed" in backend.describe() and "bf16 dot" in backend.describe()
+    from conformance.backends.triton_interpreter import _PROBE_RNE, _probe, _probe_dot
+
+    assert _probe() == _PROBE_RNE and _probe_dot()
