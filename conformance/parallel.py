@@ -21,9 +21,9 @@ from conformance.runner import group_cases, repro_command
 _POLL_S = 0.5
 
 
-def _worker_main(conn, extra_backends: list[str], recheck: bool, single_thread: bool) -> None:
-    if single_thread:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")  # N workers on N cores: no oversubscription
+def _worker_main(conn, extra_backends: list[str], recheck: bool, threads: int) -> None:
+    if threads:
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # cores / workers: no oversubscription
     from conformance import ops
     from conformance.backends import Registry
     from conformance.runner import Runner
@@ -43,9 +43,9 @@ def _worker_main(conn, extra_backends: list[str], recheck: bool, single_thread: 
 
 
 class _Worker:
-    def __init__(self, ctx, extra_backends: list[str], recheck: bool, single_thread: bool) -> None:
+    def __init__(self, ctx, extra_backends: list[str], recheck: bool, threads: int) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, extra_backends, recheck, single_thread), daemon=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, extra_backends, recheck, threads), daemon=True)
         self.proc.start()
         child.close()
         self.group: list[str] = []  # ids sent and not yet returned
@@ -78,6 +78,10 @@ def _dead_record(case_id: str, verdict: str, reason: str, origin_by_backend: dic
     }
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _exit_reason(code: int | None) -> str:
     if code is None:
         return "worker process stopped answering"
@@ -96,7 +100,8 @@ def run_isolated(cases: list[Case], *, jobs: int, extra_backends: list[str], rec
     pending = [[c.id for c in g] for g in group_cases(cases)]
     results: dict[str, dict] = {}
     origins = origins or {}
-    workers = [_Worker(ctx, extra_backends, recheck, jobs > 1) for _ in range(min(jobs, len(pending)) or 1)]
+    threads = max(1, _cores() // jobs) if jobs > 1 else 0
+    workers = [_Worker(ctx, extra_backends, recheck, threads) for _ in range(min(jobs, len(pending)) or 1)]
     idle = list(workers)
 
     def record(rec: dict) -> None:
@@ -113,7 +118,7 @@ def run_isolated(cases: list[Case], *, jobs: int, extra_backends: list[str], rec
             record(_dead_record(victim, verdict, reason, origins))
         if rest:
             pending.insert(0, rest)
-        fresh = _Worker(ctx, extra_backends, recheck, jobs > 1)
+        fresh = _Worker(ctx, extra_backends, recheck, threads)
         workers.append(fresh)
         idle.append(fresh)
 

@@ -95,6 +95,55 @@ def attention(q: NDArray, k: NDArray, v: NDArray, *, scale: float | None = None,
     return masked_attention(q, k, v, keep, scale=scale, softcap=softcap, sinks=sinks, head_map=head_map)
 
 
+def _logits(q: F64, k: F64, keep: NDArray, scale: float, softcap: float, head_map: str) -> F64:
+    """(b, h_q, s_q, s_k) scaled, softcapped logits, -inf where not kept.
+
+    With the grouped mapping the g query heads of a kv head are stacked into one matmul against
+    that kv head (no copy of K per query head)."""
+    b, s_q, h_q, d = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    if head_map == "grouped":
+        g = h_q // h_kv
+        qg = q.reshape(b, s_q, h_kv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, h_kv, g * s_q, d)
+        s = (qg @ k.transpose(0, 2, 3, 1)).reshape(b, h_q, s_q, s_k)  # q head kv*g + r
+    else:
+        kv_idx = kv_head_index(h_q, h_kv, head_map)
+        s = q.transpose(0, 2, 1, 3) @ k[:, :, kv_idx, :].transpose(0, 2, 3, 1)  # b, h_q, s_q, s_k
+    s = s * scale
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    return np.where(keep[:, None], s, -np.inf)
+
+
+def _times_v(p: F64, v: F64, head_map: str) -> F64:
+    """(b, h_q, s_q, s_k) weights times values (b, s_k, h_kv, d_v) -> (b, s_q, h_q, d_v)."""
+    b, h_q, s_q, s_k = p.shape
+    h_kv, d_v = v.shape[2], v.shape[3]
+    if head_map == "grouped":
+        g = h_q // h_kv
+        o = p.reshape(b, h_kv, g * s_q, s_k) @ v.transpose(0, 2, 1, 3)  # b, h_kv, g*s_q, d_v
+        return o.reshape(b, h_kv, g, s_q, d_v).transpose(0, 3, 1, 2, 4).reshape(b, s_q, h_q, d_v)
+    kv_idx = kv_head_index(h_q, h_kv, head_map)
+    return (p @ v[:, :, kv_idx, :].transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+
+
+def _stats(s: F64) -> tuple[F64, F64]:
+    """Row max (0 where the row is empty) and LSE (-inf where empty) over the last axis."""
+    m = np.max(s, axis=-1, keepdims=True)
+    live = np.isfinite(m)
+    m = np.where(live, m, 0.0)
+    tot = np.sum(np.exp(s - m), axis=-1)  # exp(-inf) = 0; -inf - -inf never formed
+    with np.errstate(divide="ignore"):
+        lse = np.where(live[..., 0], m[..., 0] + np.log(np.where(live[..., 0], tot, 1.0)), -np.inf)
+    return m, lse
+
+
+def _read_only_kept(x: NDArray, keep: NDArray) -> F64:
+    """x (b, s_k, h, d) as float64 with every key no query keeps zeroed (it may hold NaN poison)."""
+    read = keep.any(axis=1)[:, :, None, None]  # b, s_k, 1, 1
+    return np.where(read, np.asarray(x, dtype=np.float64), 0.0)
+
+
 def masked_attention(q: NDArray, k: NDArray, v: NDArray, keep: NDArray, *, scale: float | None = None,
                      softcap: float = 0.0, sinks: NDArray | None = None,
                      head_map: str = "grouped") -> tuple[F64, F64, F64]:
@@ -104,27 +153,17 @@ def masked_attention(q: NDArray, k: NDArray, v: NDArray, keep: NDArray, *, scale
     keep: (b, s_q, s_k) bool, True where query i may attend key j
     returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q), lse_sink (b, h_q, s_q)
     """
-    q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
+    q = np.asarray(q, dtype=np.float64)
     h_q, d = q.shape[2], q.shape[3]
+    kv_head_index(h_q, np.shape(k)[2], head_map)  # validates h_q % h_kv
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    kv_idx = kv_head_index(h_q, k.shape[2], head_map)
-    read = keep.any(axis=1)[:, :, None, None]  # b, s_k, 1, 1: keys some query reads
-    k, v = np.where(read, k, 0.0), np.where(read, v, 0.0)  # the rest may hold NaN poison
-    s = (q.transpose(0, 2, 1, 3) @ k[:, :, kv_idx, :].transpose(0, 2, 3, 1)) * scale  # b, h_q, s_q, s_k
-    if softcap:
-        s = softcap * np.tanh(s / softcap)
-    s = np.where(keep[:, None], s, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True)
-    live = np.isfinite(m)
-    e = np.exp(s - np.where(live, m, 0.0))  # exp(-inf) = 0; -inf - -inf never formed
-    tot = np.sum(e, axis=-1)
-    with np.errstate(divide="ignore"):
-        lse = np.where(live[..., 0], m[..., 0] + np.log(np.where(live[..., 0], tot, 1.0)), -np.inf)  # b, h_q, s_q
+    k, v = _read_only_kept(k, keep), _read_only_kept(v, keep)
+    s = _logits(q, k, keep, scale, softcap, head_map)
+    _, lse = _stats(s)  # b, h_q, s_q
     lse_sink = lse if sinks is None else np.logaddexp(lse, np.asarray(sinks, dtype=np.float64)[None, :, None])
     norm = np.where(np.isfinite(lse_sink), lse_sink, 0.0)[..., None]
-    p = np.where(keep[:, None], np.exp(s - norm), 0.0)  # a row with no key and no sink: 0
-    o = (p @ v[:, :, kv_idx, :].transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # b, s_q, h_q, d_v
-    return o, lse, lse_sink
+    p = np.exp(s - norm)  # a row with no key and no sink: exp(-inf) = 0
+    return _times_v(p, v, head_map), lse, lse_sink
 
 
 def prefill(q: NDArray, k: NDArray, v: NDArray, **kw) -> tuple[F64, F64, F64]:
@@ -209,7 +248,8 @@ def split_bounds(seqlens: NDArray, splits: int) -> tuple[I64, I64]:
 
 def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArray, splits: int, *,
                  causal: str = "bottom_right", window: tuple[int, int] = (-1, -1), sinks: NDArray | None = None,
-                 **kw) -> tuple[F64, F64, F64, F64, F64]:
+                 scale: float | None = None, softcap: float = 0.0,
+                 head_map: str = "grouped") -> tuple[F64, F64, F64, F64, F64]:
     """Flash decoding: per-split partial states over a contiguous cache, merged with `lse_combine`.
 
     q, k_cache, v_cache, seqlens: as `decode`; splits: number of key ranges (`split_bounds`)
@@ -217,30 +257,40 @@ def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArra
              o_parts (splits, b, s_q, h_q, d_v) (NaN for an empty split: any value is right there),
              lse_parts (splits, b, h_q, s_q) (-inf for an empty split).
     Each split sees its row's mask (causal / window on global positions) cut to its key range;
-    the sink enters after the merge, as one more term of the denominator.
+    the sink enters after the merge, as one more term of the denominator. The logits are computed
+    once; each split's statistics come from its slice (gathered into a padded chunk axis).
     """
-    b, s_q = np.shape(q)[:2]
+    q = np.asarray(q, dtype=np.float64)
+    b, s_q, h_q, d = q.shape
     s_max = np.shape(k_cache)[1]
     L = np.asarray(seqlens, dtype=np.int64)
     keep = mask(s_q, s_max, np.full(b, s_q), L, causal, window)  # b, s_q, s_max
-    start, end = split_bounds(L, splits)
-    j = np.arange(s_max)
-    o_parts, lse_parts = [], []
-    for sp in range(splits):  # a loop over a small, fixed number of splits
-        in_split = (j[None, :] >= start[sp][:, None]) & (j[None, :] < end[sp][:, None])  # b, s_max
-        o, lse, _ = masked_attention(q, k_cache, v_cache, keep & in_split[:, None, :], **kw)
-        o_parts.append(o)
-        lse_parts.append(lse)
-    o_parts_a = np.stack(o_parts)  # splits, b, s_q, h_q, d_v
-    lse_parts_a = np.stack(lse_parts)  # splits, b, h_q, s_q
-    lse_rows = lse_parts_a.transpose(0, 1, 3, 2)  # splits, b, s_q, h_q: rows aligned with o_parts
-    o, lse_bsh = lse_combine(o_parts_a, lse_rows)
+    k, v = _read_only_kept(k_cache, keep), _read_only_kept(v_cache, keep)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    s = _logits(q, k, keep, scale, softcap, head_map)  # b, h_q, s_q, s_max
+    start, end = split_bounds(L, splits)  # splits, b
+    c_max = int(max((end - start).max(initial=0), 1))
+    j = start.T[:, :, None] + np.arange(c_max)[None, None, :]  # b, splits, c_max: key index
+    ok = j < end.T[:, :, None]
+    j = np.where(ok, j, 0)
+    idx = j.reshape(b, 1, 1, splits * c_max)
+    s_g = np.take_along_axis(s, np.broadcast_to(idx, (b, h_q, s_q, splits * c_max)), axis=-1)
+    s_g = np.where(ok.reshape(b, 1, 1, -1), s_g, -np.inf).reshape(b, h_q, s_q, splits, c_max)
+    m, lse_p = _stats(s_g)  # lse_p: b, h_q, s_q, splits
+    w = np.exp(s_g - np.where(np.isfinite(lse_p), lse_p, 0.0)[..., None])  # normalised per split
+    w = w.transpose(0, 1, 3, 2, 4).reshape(b, h_q, splits * s_q, c_max)  # b, h_q, splits*s_q, c_max
+    v_g = v[np.arange(b)[:, None, None], j]  # b, splits, c_max, h_kv, d_v
+    o_parts = np.stack([_times_v(w.reshape(b, h_q, splits, s_q, c_max)[:, :, sp], v_g[:, sp], head_map)
+                        for sp in range(splits)])  # splits, b, s_q, h_q, d_v
+    lse_parts = lse_p.transpose(3, 0, 1, 2)  # splits, b, h_q, s_q
+    lse_rows = lse_parts.transpose(0, 1, 3, 2)  # splits, b, s_q, h_q: rows aligned with o_parts
+    o, lse_bsh = lse_combine(o_parts, lse_rows)
     lse = lse_bsh.transpose(0, 2, 1)  # b, h_q, s_q
     lse_sink = lse
     if sinks is not None:
         lse_sink = np.logaddexp(lse, np.asarray(sinks, dtype=np.float64)[None, :, None])
         fin = np.isfinite(lse_sink)
-        w = np.where(fin, np.exp(lse - np.where(fin, lse_sink, 0.0)), 0.0)  # b, h_q, s_q
-        o = o * w.transpose(0, 2, 1)[..., None]
-    o_parts_a = np.where(np.isneginf(lse_rows)[..., None], np.nan, o_parts_a)
-    return o, lse, lse_sink, o_parts_a, lse_parts_a
+        f = np.where(fin, np.exp(lse - np.where(fin, lse_sink, 0.0)), 0.0)  # b, h_q, s_q
+        o = o * f.transpose(0, 2, 1)[..., None]
+    o_parts = np.where(np.isneginf(lse_rows)[..., None], np.nan, o_parts)
+    return o, lse, lse_sink, o_parts, lse_parts
