@@ -22,8 +22,9 @@ _POLL_S = 0.5
 
 
 def _worker_main(conn, extra_backends: list[str], recheck: bool, threads: int) -> None:
-    if threads:
-        os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # cores / workers: no oversubscription
+    if threads:  # cores / workers: BLAS and torch threads must not oversubscribe the cores
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, str(threads))
     from conformance import ops
     from conformance.backends import Registry
     from conformance.runner import Runner

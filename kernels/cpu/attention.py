@@ -23,8 +23,9 @@ inclusive on the same diagonal, -1 unbounded, causal forces right = 0. Query hea
 h // (h_q // h_kv). A fully masked row (s_q > seqlen under bottom_right, seqlen 0) gives O = 0,
 LSE = -inf. Cache slots at or past a sequence's length, and pages it does not use, are never read.
 Inputs may have any element strides except the last axis (stride 1): no copy is made.
-`threads` > 1 splits the (sequence, kv head, query block) items over threads; every item is
-computed by one thread, so the result bits do not depend on the thread count.
+`threads` (default 1) > 1 spreads work items (sequence, query block, kv-head chunk) over threads; a
+row's arithmetic does not depend on how items are split, so the bits do not depend on the thread
+count (nor on the ISA path: see attention.c).
 """
 
 from __future__ import annotations
@@ -49,12 +50,11 @@ _lib: ctypes.CDLL | None = None
 class _Params(ctypes.Structure):
     """attention.c's attn_params, field for field."""
     _fields_ = [("dtype", _I64),
-                *[(f"{n}{s}", t) for n in "qkv" for s, t in (("", _PTR), ("_sb", _I64), ("_ss", _I64),
-                                                             ("_sh", _I64))],
+                *[f for n in "qkv" for f in ((n, _PTR), *((f"stride_{n}_{x}", _I64) for x in "bsh"))],
                 ("block_table", _PTR), ("stride_bt_b", _I64), ("stride_bt_p", _I64), ("page", _I64),
                 ("seqlens", _PTR), ("stride_sl", _I64), ("sinks", _PTR), ("stride_sinks", _I64),
-                ("o", _PTR), ("o_sb", _I64), ("o_ss", _I64), ("o_sh", _I64),
-                ("lse", _PTR), ("lse_sb", _I64), ("lse_sh", _I64), ("lse_ss", _I64),
+                ("o", _PTR), *((f"stride_o_{x}", _I64) for x in "bsh"),
+                ("lse", _PTR), *((f"stride_lse_{x}", _I64) for x in "bhs"),
                 *[(n, _I64) for n in ("b", "s_q", "s_k", "h_q", "h_kv", "d", "d_v", "causal", "left",
                                       "right")],
                 ("scale", _F64), ("softcap", _F64), ("threads", _I64)]
@@ -94,14 +94,13 @@ def _check_qkv(q: object, k: object, v: object, kn: str, vn: str, layout: str) -
         raise ValueError(f"head dims must be >= 1, got d={q.shape[3]}, d_v={v.shape[3]}")
 
 
-def _check_lengths(name: str, a: object, b: int, capacity: int) -> tuple[int]:
+def _check_lengths(name: str, a: object, b: int, capacity: int) -> None:
     check_array(name, a, 1, "(b,)", (_I32,))
     if a.shape[0] != b:
         raise ValueError(f"{name} must have shape ({b},), got {a.shape}")
     if b and (a.min() < 0 or a.max() > capacity):
         raise ValueError(f"{name} must lie in [0, {capacity}] (cache capacity), got min {a.min()} "
                          f"max {a.max()}")
-    return element_strides(name, a)
 
 
 def _launch(q, k, v, *, seqlens, block_table, page, scale, causal, window, softcap, sinks, out,
@@ -111,7 +110,8 @@ def _launch(q, k, v, *, seqlens, block_table, page, scale, causal, window, softc
     if causal not in CAUSAL:
         raise ValueError(f"causal must be one of {tuple(CAUSAL)}, got {causal!r}")
     if (not isinstance(window, (tuple, list)) or len(window) != 2
-            or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= -1 for x in window)):
+            or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= -1
+                       for x in window)):
         raise ValueError(f"window must be (left, right) ints >= -1 (-1 unbounded), got {window!r}")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if not isinstance(scale, numbers.Real) or not math.isfinite(scale):
@@ -141,12 +141,13 @@ def _launch(q, k, v, *, seqlens, block_table, page, scale, causal, window, softc
     p = _Params(dtype=dtype_code(q.dtype), b=b, s_q=s_q, s_k=k.shape[1], h_q=h_q, h_kv=k.shape[2],
                 d=d, d_v=d_v, causal=CAUSAL[causal], left=int(window[0]), right=int(window[1]),
                 scale=float(scale), softcap=float(softcap), threads=int(threads), page=page)
-    for n, a in (("q", q), ("k", k), ("v", v), ("o", out)):
+    kv_names = ("k", "v") if seqlens is None else ("k_cache", "v_cache")
+    for n, name, a in (("q", "q", q), ("k", kv_names[0], k), ("v", kv_names[1], v), ("o", "out", out)):
         setattr(p, n, a.ctypes.data)
-        for axis, stride in zip(("_sb", "_ss", "_sh"), _rows("out" if n == "o" else n, a)):
-            setattr(p, n + axis, stride)
+        for axis, stride in zip("bsh", _rows(name, a)):
+            setattr(p, f"stride_{n}_{axis}", stride)
     p.lse = out_lse.ctypes.data
-    p.lse_sb, p.lse_sh, p.lse_ss = element_strides("out_lse", out_lse)
+    p.stride_lse_b, p.stride_lse_h, p.stride_lse_s = element_strides("out_lse", out_lse)
     if seqlens is not None:
         p.seqlens, (p.stride_sl,) = seqlens.ctypes.data, element_strides("seqlens", seqlens)
     if block_table is not None:

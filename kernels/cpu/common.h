@@ -17,6 +17,8 @@
  * - KP_LANES: reductions run in 16 independent fp32 lanes. GCC/Clang vectorise that without
  *   -fassociative-math, and the result is bitwise the same whichever ISA path ran (with
  *   -ffp-contract=off no FMA is formed either).
+ * - kp_v16 (generic 16-lane vectors) with kp_ld16, kp_ld16_bf16, kp_hsum16 and kp_hsum16x4, for
+ *   register tiles.
  * - KP_MULTIVERSION: compiles a kernel body for AVX-512, AVX2 and baseline x86-64 in one object and
  *   picks one at run time with __builtin_cpu_supports; other architectures get the baseline body.
  */
@@ -163,6 +165,62 @@ KP_INLINE float kp_lanes_max(const float *acc) {
     float m = acc[0];
     for (int k = 1; k < KP_LANES; k++) m = acc[k] > m ? acc[k] : m;
     return m;
+}
+
+/* ---- 16-lane generic vectors ---------------------------------------------------------------- */
+
+/* KP_LANES fp32 lanes as a GCC/Clang generic vector: one zmm, two ymm or four xmm, each operation
+ * lane-wise IEEE, so every ISA path gives the same bits. For register tiles (several dot products
+ * or axpys in flight) whose accumulators the auto-vectoriser would keep in memory. */
+typedef float kp_v16 __attribute__((vector_size(64)));
+typedef float kp_v8 __attribute__((vector_size(32)));
+typedef float kp_v4 __attribute__((vector_size(16)));
+typedef uint16_t kp_u16x16 __attribute__((vector_size(32)));
+typedef uint32_t kp_u32x16 __attribute__((vector_size(64)));
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"   /* the vector ABI note: these never cross a call */
+#endif
+
+KP_INLINE kp_v16 kp_ld16(const float *p) { kp_v16 v; memcpy(&v, p, sizeof v); return v; }
+KP_INLINE void kp_st16(float *p, kp_v16 v) { memcpy(p, &v, sizeof v); }
+
+/* 16 bf16 values widened to fp32 (exact: a shift). */
+KP_INLINE kp_v16 kp_ld16_bf16(const uint16_t *p) {
+    kp_u16x16 h;
+    memcpy(&h, p, sizeof h);
+    kp_u32x16 w = __builtin_convertvector(h, kp_u32x16) << 16;
+    kp_v16 f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+/* Lane sum in the fixed pairwise order of the KP_LANES reductions: lane k + 8, then + 4, + 2, + 1. */
+KP_INLINE float kp_hsum16(kp_v16 a) {
+    kp_v8 h = {a[0] + a[8], a[1] + a[9], a[2] + a[10], a[3] + a[11], a[4] + a[12], a[5] + a[13],
+               a[6] + a[14], a[7] + a[15]};
+    kp_v4 x = {h[0] + h[4], h[1] + h[5], h[2] + h[6], h[3] + h[7]};
+    return (x[0] + x[2]) + (x[1] + x[3]);
+}
+
+/* kp_hsum16 of four vectors at once, in the same order (so the same bits): 15 shuffles and adds
+ * instead of four separate reductions' 36. */
+KP_INLINE kp_v4 kp_hsum16x4(kp_v16 a0, kp_v16 a1, kp_v16 a2, kp_v16 a3) {
+#if defined(__clang__) || __GNUC__ >= 12
+#define KP_HALVES(a, b, o) __builtin_shufflevector(a, b, o, o + 1, o + 2, o + 3, o + 4, o + 5, o + 6, o + 7, \
+                                                   o + 16, o + 17, o + 18, o + 19, o + 20, o + 21, o + 22, o + 23)
+#define KP_QUARTERS(a, b, o) __builtin_shufflevector(a, b, o, o + 1, o + 2, o + 3, o + 8, o + 9, o + 10, o + 11, \
+                                                     o + 16, o + 17, o + 18, o + 19, o + 24, o + 25, o + 26, o + 27)
+    kp_v16 t01 = KP_HALVES(a0, a1, 0) + KP_HALVES(a0, a1, 8);        /* lanes k + 8: a0 | a1 */
+    kp_v16 t23 = KP_HALVES(a2, a3, 0) + KP_HALVES(a2, a3, 8);
+    kp_v16 u = KP_QUARTERS(t01, t23, 0) + KP_QUARTERS(t01, t23, 4);  /* + 4: a0 | a1 | a2 | a3 */
+    kp_v8 v = __builtin_shufflevector(u, u, 0, 1, 4, 5, 8, 9, 12, 13)
+            + __builtin_shufflevector(u, u, 2, 3, 6, 7, 10, 11, 14, 15);
+#undef KP_HALVES
+#undef KP_QUARTERS
+    return __builtin_shufflevector(v, v, 0, 2, 4, 6) + __builtin_shufflevector(v, v, 1, 3, 5, 7);
+#else
+    return (kp_v4){kp_hsum16(a0), kp_hsum16(a1), kp_hsum16(a2), kp_hsum16(a3)};
+#endif
 }
 
 /* ---- ISA dispatch ---------------------------------------------------------------------------- */

@@ -76,7 +76,8 @@ def update(cache: np.ndarray, new: np.ndarray, pos: np.ndarray, *,
     else:
         check_array("block_table", block_table, 2, "(b, max_blocks)", (_I32,))
         if block_table.shape[0] != b:
-            raise ValueError(f"block_table must have shape (b, max_blocks) with b = {b}, got {block_table.shape}")
+            raise ValueError(f"block_table must have shape (b, max_blocks) with b = {b}, "
+                             f"got {block_table.shape}")
         capacity, bt_strides = block_table.shape[1] * page, element_strides("block_table", block_table)
     if b and end.max() > capacity:
         i = int(end.argmax())

@@ -38,13 +38,19 @@ from .softmax import LN2, LOG2E
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CAUSAL = ("none", "bottom_right", "top_left")
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) by (padded head dim, element size). 16-bit d = 128 was
-# tuned on an H200 with Triton 3.6 (benchmarks/gpu_attention.py): BLOCK_M = 128 over 8 warps
-# puts two 64-row wgmma groups on each key tile; see that script's sweep for the alternatives.
-# fp32 runs its dots on the FMA units (ieee), so smaller tiles keep registers in bounds.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) by (padded head dim, element size). 16-bit rows were
+# measured on an H200 with Triton 3.6 (benchmarks/gpu_attention.py, causal, h_q=32, h_kv=8):
+# - d=128, b=16, s=4096: (128, 128, 8, 3) 438 TFLOP/s; (128, 64, 8, 3) 425; (128, 64, 8, 4) 422;
+#   (64, 64, 4, 3) 419; (128, 128, 8, 2) 401-403; (64, 128, 4, 3) 351. BLOCK_M = 128 over 8 warps
+#   gives each of two warpgroups a 64-row wgmma; three stages of 128-key K/V tiles (192 KB with
+#   Q) is the most that fits shared memory. tl.range(warp_specialize=True) measured the same.
+# - d=64, b=4, s=1024: (128, 64, 8, 3) 227; (128, 64, 4, 3) 219; (64, 64, 4, 3) 218; BLOCK_N=128 185.
+# - d=256, b=4, s=1024: (128, 64, 8, 2) 296; (64, 64, 4, 3) 246; (128, 64, 8, 1) 246; (128, 32, 8, 2) 231.
+# d <= 32 rows are unmeasured guesses. fp32 runs its dots on the FMA units (ieee), so smaller
+# tiles keep registers in bounds.
 PREFILL_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
-    (16, 2): (128, 64, 4, 3), (32, 2): (128, 64, 4, 3), (64, 2): (128, 64, 4, 3),
-    (128, 2): (128, 64, 8, 3), (256, 2): (128, 64, 8, 2),
+    (16, 2): (128, 64, 4, 3), (32, 2): (128, 64, 4, 3), (64, 2): (128, 64, 8, 3),
+    (128, 2): (128, 128, 8, 3), (256, 2): (128, 64, 8, 2),
     (16, 4): (64, 32, 4, 2), (32, 4): (64, 32, 4, 2), (64, 4): (64, 32, 4, 2),
     (128, 4): (64, 32, 4, 2), (256, 4): (32, 32, 4, 2),
 }
@@ -94,23 +100,31 @@ def _prefill_tiles(
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # fp32 accumulation
         if SOFTCAP:
             qk = _tanh(qk * qk_scale) * softcap_out  # qk_scale = scale / cap, softcap_out = cap * log2 e
-        else:
-            qk = qk * qk_scale  # scale * log2 e: log2-domain logits
         if MASK:
+            if not SOFTCAP:
+                qk = qk * qk_scale  # scale * log2 e: log2-domain logits
             keep = (cols < L_k)[None, :]
             if HAS_LEFT:
                 keep = keep & (cols[None, :] >= diag[:, None] - left)
             if HAS_RIGHT:
                 keep = keep & (cols[None, :] <= diag[:, None] + right)
             qk = tl.where(keep, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        if MASK:
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             # Rows with nothing seen yet keep m = -inf; a finite stand-in makes exp2 give 0
             # instead of evaluating -inf - -inf.
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
+            p = tl.exp2(qk - m_use[:, None])
+        elif SOFTCAP:
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             m_use = m_new
-        p = tl.exp2(qk - m_use[:, None])
+            p = tl.exp2(qk - m_use[:, None])
+        else:
+            # Interior tiles: only the row max is scaled (scale > 0 commutes with max), and the
+            # logits' scale and shift fuse into one FMA per element: the softmax, not the dots,
+            # is what limits FlashAttention on Hopper.
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+            m_use = m_new
+            p = tl.exp2(qk * qk_scale - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)  # fp32 running sum
         acc = acc * alpha[:, None]
@@ -218,7 +232,7 @@ def _attention_prefill_kernel(
     tl.store(Lse_ptr + l_off + offs_m * stride_ls, lse, mask=mask_m)
 
 
-def _check_common(q, k, v, causal, window, softcap, sinks, h_axis: int) -> tuple[int, int]:
+def _check_common(q, k, v, causal, window, softcap, sinks, h_axis: int, scale=None) -> tuple[int, int]:
     """Shared argument checks; returns the normalised (left, right) window."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -245,6 +259,8 @@ def _check_common(q, k, v, causal, window, softcap, sinks, h_axis: int) -> tuple
     left, right = (int(w) for w in window)
     if left < -1 or right < -1:
         raise ValueError(f"window {tuple(window)}: each bound must be >= 0 or -1 (unbounded)")
+    if scale is not None and not (float(scale) > 0.0 and math.isfinite(float(scale))):
+        raise ValueError(f"scale={scale} must be finite and > 0")
     if not softcap >= 0.0 or math.isinf(softcap):
         raise ValueError(f"softcap={softcap} must be finite and >= 0 (0 disables it)")
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (h_q,)
@@ -302,7 +318,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
     config: (BLOCK_M, BLOCK_N, num_warps, num_stages), for tuning only (default PREFILL_CONFIGS)
     returns: (out, out_lse); LSE natural log, excluding the sink
     """
-    left, right = _check_common(q, k, v, causal, window, softcap, sinks, h_axis=2)
+    left, right = _check_common(q, k, v, causal, window, softcap, sinks, h_axis=2, scale=scale)
     if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0]:
         raise ValueError(f"expected q (b, s_q, h_q, d), k/v (b, s_k, h_kv, d), got {tuple(q.shape)}, {tuple(k.shape)}")
     b, s_q, h_q, _ = q.shape
@@ -336,7 +352,7 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torc
     out: (total_q, h_q, d_v) q's dtype, last-dim stride 1; out_lse: (h_q, total_q) float32
     returns: (out, out_lse); zero-length sequences write nothing
     """
-    left, right = _check_common(q, k, v, causal, window, softcap, sinks, h_axis=1)
+    left, right = _check_common(q, k, v, causal, window, softcap, sinks, h_axis=1, scale=scale)
     if q.dim() != 3 or k.dim() != 3:
         raise ValueError(f"expected q (total_q, h_q, d), k/v (total_k, h_kv, d), got {tuple(q.shape)}, {tuple(k.shape)}")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):

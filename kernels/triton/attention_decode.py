@@ -40,16 +40,23 @@ from .combine import lse_combine
 from .softmax import LN2, LOG2E
 
 MAX_QUERIES = 16
-# (BLOCK_N, num_warps, num_stages) by (padded head dim, element size); 16-bit d = 128 measured on
-# an H200 with Triton 3.6 (benchmarks/gpu_attention.py).
+# (BLOCK_N, num_warps, num_stages) by (padded head dim, element size). 16-bit d = 128 measured on
+# an H200 with Triton 3.6 (benchmarks/gpu_attention.py; paged bf16, b=64, 8192 tokens, h_q=32,
+# h_kv=8, ms for pages of 16 / 64): (64, 4, 2) 0.493-0.497 / 0.487-0.496 (102-104% of copy
+# bandwidth, which counts read + write); (64, 2, 2) 0.496 / 0.494; (64, 4, 3) 0.501-0.504;
+# (128, 4, 3) 0.497-0.503; (32, 4, 3) 0.559 / 0.553; (128, 8, 3) 0.545 / 0.513. evict_first
+# loads and a tl.range-pipelined loop measured the same. Other rows are unmeasured guesses.
 DECODE_CONFIGS: dict[tuple[int, int], tuple[int, int, int]] = {
-    (16, 2): (128, 4, 3), (32, 2): (128, 4, 3), (64, 2): (128, 4, 3), (128, 2): (64, 4, 3), (256, 2): (32, 4, 3),
+    (16, 2): (128, 4, 3), (32, 2): (128, 4, 3), (64, 2): (128, 4, 3), (128, 2): (64, 4, 2), (256, 2): (32, 4, 3),
     (16, 4): (64, 4, 2), (32, 4): (64, 4, 2), (64, 4): (64, 4, 2), (128, 4): (32, 4, 2), (256, 4): (16, 4, 2),
 }
 # Rows of (query head, query) per program; a larger GQA group x s_q is tiled over grid axis 1.
 MAX_BLOCK_M = 64
-# Automatic splitting: aim for this many programs per SM, each split keeping >= MIN_SPLIT_KEYS.
-PROGRAMS_PER_SM = 2
+# Automatic splitting, only when b * h_kv programs leave SMs idle: about SPLIT_PROGRAMS_PER_SM
+# programs per SM, each split keeping >= MIN_SPLIT_KEYS keys. Measured on an H200 (b=8, 2048
+# tokens, h_kv=8: 64 programs), as CUDA-graph replays: 1 split 64 us, 2: 44, 4: 31, 5: 30, 8: 27
+# (cuDNN SDPA 23.5 us). At b=64 (512 programs) a second split cost 15% (0.575 vs 0.494 ms).
+SPLIT_PROGRAMS_PER_SM = 4
 MIN_SPLIT_KEYS = 256
 MAX_AUTO_SPLITS = 32
 
@@ -204,17 +211,19 @@ def _flat_rows(t: torch.Tensor, *tail: int) -> torch.Tensor | None:
 
 
 def _auto_splits(q: torch.Tensor, b: int, h_kv: int, n_m: int, max_keys: int) -> int:
-    if not q.is_cuda:
-        return 1
+    """1 on CPU and whenever the unsplit grid covers every SM; else enough splits to fill them.
+    max_keys is the cache capacity: seqlens stays on the device (reading it would synchronise)."""
     programs = b * h_kv * n_m
-    want = triton.cdiv(PROGRAMS_PER_SM * _sm_count(q.device), max(programs, 1))
+    if not q.is_cuda or programs >= _sm_count(q.device):
+        return 1
+    want = triton.cdiv(SPLIT_PROGRAMS_PER_SM * _sm_count(q.device), max(programs, 1))
     return max(1, min(want, max_keys // MIN_SPLIT_KEYS, MAX_AUTO_SPLITS))
 
 
 def _decode(q, k_cache, v_cache, seqlens, block_table, num_splits, split_api, *, scale, causal, window, softcap,
             sinks, out, out_lse, out_o_parts=None, out_lse_parts=None, config=None):
     """Checks, allocation and launches shared by the three entry points."""
-    left, right = _check_common(q, k_cache, v_cache, causal, window, softcap, sinks, h_axis=2)
+    left, right = _check_common(q, k_cache, v_cache, causal, window, softcap, sinks, h_axis=2, scale=scale)
     if q.dim() != 4 or k_cache.dim() != 4:
         raise ValueError(f"expected q (b, s_q, h_q, d) and 4-D caches, got {tuple(q.shape)}, {tuple(k_cache.shape)}")
     b, s_q, h_q, d = q.shape
