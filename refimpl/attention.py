@@ -186,18 +186,23 @@ def varlen(q: NDArray, k: NDArray, v: NDArray, cu_seqlens_q: NDArray, cu_seqlens
     s_q, s_k = int(max(lq.max(initial=0), 1)), int(max(lk.max(initial=0), 1))
     qi = np.arange(s_q)[None, :]
     ki = np.arange(s_k)[None, :]
-    q_rows = np.minimum(cq[:-1, None] + qi, q.shape[0] - 1)  # b, s_q; padding rows clamp, masked later
-    k_rows = np.minimum(ck[:-1, None] + ki, k.shape[0] - 1)
     q_ok, k_ok = qi < lq[:, None], ki < lk[:, None]
-    qd = np.where(q_ok[..., None, None], np.asarray(q, dtype=np.float64)[q_rows], 0.0)  # b, s_q, h_q, d
-    kd = np.where(k_ok[..., None, None], np.asarray(k, dtype=np.float64)[k_rows], 0.0)
-    vd = np.where(k_ok[..., None, None], np.asarray(v, dtype=np.float64)[k_rows], 0.0)
+    qd, kd, vd = (_unpack(t, cu, ok) for t, cu, ok in ((q, cq, q_ok), (k, ck, k_ok), (v, ck, k_ok)))
     o, lse, lse_sink = attention(qd, kd, vd, q_lens=lq, k_lens=lk, **kw)
     flat = q_ok.reshape(-1)
     o_p = o.reshape(b * s_q, *o.shape[2:])[flat]  # total_q, h_q, d_v
     lse_p = lse.transpose(0, 2, 1).reshape(b * s_q, -1)[flat].T  # h_q, total_q
     lse_sink_p = lse_sink.transpose(0, 2, 1).reshape(b * s_q, -1)[flat].T
     return o_p, lse_p, lse_sink_p
+
+
+def _unpack(x: NDArray, cu: I64, ok: NDArray) -> F64:
+    """Packed rows (total, h, d) -> padded (b, s, h, d) float64, zero where `ok` (b, s) is False."""
+    x = np.asarray(x, dtype=np.float64)
+    if x.shape[0] == 0:
+        return np.zeros(ok.shape + x.shape[1:])
+    rows = np.minimum(cu[:-1, None] + np.arange(ok.shape[1])[None, :], x.shape[0] - 1)  # padding clamps
+    return np.where(ok[..., None, None], x[rows], 0.0)
 
 
 def decode(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArray, *,
