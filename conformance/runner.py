@@ -120,7 +120,7 @@ class Runner:
         damage = req.damage()
         touched = [k for k in inputs if not same_bits(inputs[k], prep.inputs[k])]
         rec = judge_case(case, spec, prep, outputs, damage, touched, noise_base, repro_command(case, origin))
-        if rec["verdict"] == "fail" and spec.diagnoses:
+        if rec["verdict"] == "fail" and rec["kind"] in ("structural", "numeric") and spec.diagnoses:
             found = diagnose(case, spec, float64_view(prep.inputs), outputs)
             if found:
                 rec["diagnosis"] = found
@@ -136,7 +136,7 @@ class Runner:
 
     def _baseline_errors(self, case: Case, spec: OpSpec, prep: Prepared) -> dict[str, float] | None:
         """max_abs of the same-precision baseline per output (None: no noise layer)."""
-        if not spec.baseline or spec.tolerance.noise_k is None or case.backend == spec.baseline:
+        if not spec.baseline or spec.tolerance.noise_factor(case.p) is None or case.backend == spec.baseline:
             return None
         if prep.baseline_err is None:
             base_case = case.with_backend(spec.baseline)

@@ -71,7 +71,7 @@ class Tol:
     acc_len: Callable[[dict[str, Any], str], int] | None = None
     acc_coeff: float = 1.0
     overrides: tuple[Override, ...] = ()
-    noise_k: float | None = 2.0
+    noise_k: float | Callable[[dict[str, Any]], float] | None = 2.0  # a number, or one per case
     floor_ulps: float = 2.0
     borderline: float = 0.1
 
@@ -87,6 +87,9 @@ class Tol:
             n = max(1, int(self.acc_len(params, output)))
             base = replace(base, rtol=base.rtol + self.acc_coeff * DTYPES["fp32"].eps * math.sqrt(n))
         return base
+
+    def noise_factor(self, params: dict[str, Any]) -> float | None:
+        return self.noise_k(params) if callable(self.noise_k) else self.noise_k
 
     def noise_floor(self, out_dtype: DType, max_ref: float) -> float:
         return self.floor_ulps * out_dtype.eps * max(max_ref, out_dtype.tiny)

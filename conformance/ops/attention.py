@@ -172,8 +172,15 @@ def _acc(p, output):
     return keys + p["d"]  # a dot over d, then a softmax-weighted sum over the keys
 
 
+def _noise_k(p):
+    # FlashAttention's rule (hopper/test_flash_attn.py): 2x the same-precision error, 3x with a
+    # softcap, whose tanh a fused kernel approximates and whose saturated logits (|s| ~ cap) carry
+    # rounding of cap-sized numbers; seen on an H200: fp32 decode at cap 50 was 4x eager's max_abs.
+    return 3.0 if p.get("cap") else 2.0
+
+
 def _tol(*extra):
-    return Tol(acc_len=_acc, overrides=(_O_SCALE, *_O_AGGREGATES, *extra))
+    return Tol(acc_len=_acc, overrides=(_O_SCALE, *_O_AGGREGATES, *extra), noise_k=_noise_k)
 
 
 OUT = {
