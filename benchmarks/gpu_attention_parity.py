@@ -19,19 +19,10 @@ TOL = {"fp32": (3e-5, 3e-5), "fp16": (4e-3, 2e-3), "bf16": (3e-2, 1.5e-2)}
 
 
 def mask64(torch, s_q, s_k, q_lens, k_lens, causal, window, dev):
-    """(b, s_q, s_k) keep-mask: refimpl.attention.mask in torch."""
-    left, right = window
-    right = 0 if causal != "none" else right
-    i = torch.arange(s_q, device=dev)[None, :, None]
-    j = torch.arange(s_k, device=dev)[None, None, :]
-    lq, lk = q_lens[:, None, None], k_lens[:, None, None]
-    diag = i if causal == "top_left" else i + lk - lq
-    keep = (i < lq) & (j < lk)
-    if right >= 0:
-        keep = keep & (j <= diag + right)
-    if left >= 0:
-        keep = keep & (j >= diag - left)
-    return keep
+    """(b, s_q, s_k) keep-mask: refimpl.attention.mask, in torch (the eager baseline's own)."""
+    from kernels.torch.attention import keep_mask
+
+    return keep_mask(s_q, s_k, q_lens.to(dev), k_lens.to(dev), causal, window)
 
 
 def ref64(torch, q, k, v, keep, scale=None, softcap=0.0, sinks=None):

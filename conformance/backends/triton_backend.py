@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 from conformance.backends import Backend
@@ -14,6 +15,7 @@ from conformance.backends.builtin import collect
 class TritonBackend(Backend):
     interpreter: bool = False
     note: str | None = None
+    too_late: bool = False  # triton was imported before TRITON_INTERPRET=1 could be set
     _prepared: bool = False
 
     def available(self) -> str | None:
@@ -24,6 +26,10 @@ class TritonBackend(Backend):
             import triton  # noqa: F401
         except Exception as e:
             return f"triton is not importable ({type(e).__name__}: {e})"
+        if self.too_late:
+            return ("triton was imported before TRITON_INTERPRET=1 was set, so its own @jit helpers "
+                    "(tl.cdiv, tl.sum, ...) cannot run in the interpreter: set TRITON_INTERPRET=1 before "
+                    "starting, or let kernel-parity import triton first")
         if self.interpreter and not self._prepared:
             from conformance.backends.triton_interpreter import ensure_bf16
 
@@ -37,16 +43,24 @@ class TritonBackend(Backend):
         return f"triton (interpreter on CPU{'; ' + self.note if self.note else ''})"
 
 
+_too_late: bool | None = None  # decided by the first make() of the process
+
+
 def make() -> TritonBackend:
+    global _too_late
     interpreter = not cuda_available()
-    if interpreter:
-        # Read by triton.jit when kernels/triton/* is first imported (after this point).
+    if interpreter and _too_late is None:
+        # triton.jit reads it when a function is decorated: triton's own library at `import
+        # triton`, our kernels when kernels/triton/* is imported. Both must come after this.
+        _too_late = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    too_late = bool(interpreter and _too_late)
     device = "cpu" if interpreter else "cuda"
     return TritonBackend(
         name="triton",
         device=device,
         ops=collect("triton_ops", device),
         interpreter=interpreter,
+        too_late=too_late,
         doc="kernels/triton/*: Triton GPU kernels (interpreter mode on a machine without a GPU)",
     )
