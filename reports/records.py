@@ -181,7 +181,8 @@ class Cell:
 
     @property
     def worst(self) -> str:
-        return worst_verdict(list(self.counts))
+        """Colour of the cell: the worst verdict among the records that ran (skip if none ran)."""
+        return worst_verdict([v for v in self.counts if v != "skip"] or ["skip"])
 
     @property
     def ran(self) -> int:
