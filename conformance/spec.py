@@ -33,6 +33,13 @@ class Output:
     def resolve(self, case_dtype: str) -> dt.DType:
         return dt.get(case_dtype if self.dtype == "test" else self.dtype)
 
+    def accept_any(self, got: np.ndarray, ref: np.ndarray) -> np.ndarray:
+        """`got` with the golden's "any value" positions (its NaNs) made equal to it, when nan_is_any."""
+        if not self.nan_is_any:
+            return got
+        anywhere = np.isnan(ref)
+        return np.where(anywhere, np.array(np.nan, dtype=got.dtype), got) if anywhere.any() else got
+
     def tolerance_dtype(self, case_dtype: str) -> dt.DType:
         """Whose limits apply: fp32 partials of a bf16 computation carry bf16 error."""
         if self.tol_dtype is None:
