@@ -1,8 +1,10 @@
 """The `parity` command line.
 
     parity list [ops|backends|suites|cases]      what exists (cases: after filters)
-    parity run      run a suite (filters; --json/--html/--junit/--md; --jobs; progress bar)
+    parity run      run a suite (filters; --json/--html/--junit/--md; --jobs; progress bar;
+                    --resume FILE continues a killed run)
     parity gate     run + baseline diff; exit 1 on any failure or regression
+    parity sweep    fresh seeds over a suite's cases: failures, flaky verdicts, worst norm_err
     parity repro ID replay one case bit for bit: metrics, worst elements, verdict (--export DIR)
     parity report   render results JSON to --html/--junit/--md
     parity diff     per-case error diff of two results files
@@ -14,6 +16,7 @@ Exit codes: 0 pass, 1 parity failure or regression, 2 usage or input error (one 
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 from typing import Sequence
@@ -21,11 +24,42 @@ from typing import Sequence
 from conformance.errors import UsageError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+DEFAULT_TIMEOUT_S = 600.0  # per case, in a worker process: a hang is a `timeout`, never a stuck gate
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage otherwise)
         raise UsageError(message)
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds or a factor, got {text!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return v
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -39,11 +73,14 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--html", metavar="PATH", help="write the self-contained HTML report")
     p.add_argument("--junit", metavar="PATH", help="write JUnit XML")
     p.add_argument("--md", metavar="PATH", help="write a Markdown summary")
-    p.add_argument("--jobs", type=int, default=1, help="worker processes (each case isolated in a worker)")
-    p.add_argument("--isolate", action="store_true", help="run in a worker process: a crash is recorded, not fatal")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per case before it is a timeout (with workers)")
+    p.add_argument("--jobs", type=positive_int, default=1, help="worker processes running cases (default 1)")
+    p.add_argument("--no-isolate", action="store_true",
+                   help="run cases in this process (debugging only: a kernel that exits or crashes ends the run)")
+    p.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S,
+                   help=f"seconds per case before it is killed as a timeout (default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-recheck", action="store_true", help="do not re-run borderline cases on fresh seeds")
+    p.add_argument("--no-diagnose", action="store_true", help="do not re-run failed cases' goldens under alternative semantics")
     p.add_argument("--quiet", "-q", action="store_true", help="print only the summary line")
     p.add_argument("--scale", default="auto", choices=["auto", "real", "cpu"],
                    help="suite sizes: real, the entries' cpu overrides, or auto (real when a CUDA GPU is present)")
@@ -65,11 +102,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dist", action="append", default=[])
     p.add_argument("--scale", default="auto", choices=["auto", "real", "cpu"])
 
-    _add_run_args(sub.add_parser("run", help="run a suite and write reports"))
+    p = sub.add_parser("run", help="run a suite and write reports")
+    _add_run_args(p)
+    p.add_argument("--resume", metavar="FILE",
+                   help="continue the run whose --json results file this is (its selection, the missing cases)")
     p = sub.add_parser("gate", help="run, diff against a baseline, exit 1 on failure")
     _add_run_args(p)
     p.add_argument("--baseline", metavar="JSON", help="results of a previous run to diff against")
-    p.add_argument("--growth", type=float, default=4.0, help="flag errors that grew by more than this factor")
+    p.add_argument("--growth", type=positive_float, default=4.0, help="flag errors that grew by more than this factor")
+
+    p = sub.add_parser("sweep", help="fresh seeds over a suite's cases: false alarms and flaky verdicts")
+    _add_run_args(p)
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--seeds", type=positive_int, default=None, help="fresh seeds per (params, dtype, dist) combination")
+    how.add_argument("--per-op", type=positive_int, default=None, metavar="N",
+                     help="fresh-seed runs per op and backend, spread over its combinations (default 100)")
+    p.add_argument("--start", type=nonneg_int, default=None,
+                   help="first fresh seed (default: a random one, printed, so a sweep replays with --start)")
 
     p = sub.add_parser("repro", help="replay one case from its id")
     p.add_argument("case_id")
@@ -86,14 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("diff", help="compare two results files case by case")
     p.add_argument("old")
     p.add_argument("new")
-    p.add_argument("--growth", type=float, default=4.0)
+    p.add_argument("--growth", type=positive_float, default=4.0)
 
     p = sub.add_parser("calibrate", help="error quantiles over many seeds -> suggested limits")
     p.add_argument("op")
     p.add_argument("--suite", default=None, help="parameter sets from this suite (default: ci)")
     p.add_argument("--backend", action="append", default=[])
     p.add_argument("--dtype", action="append", default=[])
-    p.add_argument("--seeds", type=int, default=20, help="seeds per parameter set")
+    p.add_argument("--seeds", type=positive_int, default=20, help="seeds per parameter set")
     p.add_argument("--no-progress", action="store_true")
     return parser
 

@@ -1,20 +1,31 @@
-"""Implementations of the `parity` subcommands (argument parsing lives in cli.py)."""
+"""Implementations of the `parity` subcommands (argument parsing lives in cli.py).
+
+Every run streams its records to the --json results file as cases finish (JSON lines, a
+completion record at the end), so a run killed by an outer timeout keeps what it finished and
+`parity run --resume FILE` continues it. Cases run in worker processes unless --no-isolate: an
+exit, abort, segfault or hang inside a kernel is that case's `crash` or `timeout`. Output paths
+are checked before anything runs.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sys
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
-from conformance import env, suites
+from conformance import env, known, suites
 from conformance.backends import Registry
 from conformance.case import Case
 from conformance.cli import EXIT_FAIL, EXIT_OK
 from conformance.errors import UsageError
 from conformance.suites import Filters
-from reports import records
+from reports import files, records
 
 MAX_PRINTED_FAILURES = 20
+OUTPUT_FLAGS = ("json", "html", "junit", "md")
 
 
 # -- shared ---------------------------------------------------------------------------------
@@ -28,50 +39,192 @@ def make_registry(backend_args: list[str]) -> tuple[Registry, list[str]]:
     return registry, names
 
 
-def select_cases(args: Any, registry: Registry, backend_names: list[str]) -> tuple[str, list[Case]]:
-    suite = args.suite or suites.DEFAULT_SUITE
-    filters = Filters(tuple(args.op), tuple(backend_names), tuple(args.dtype), tuple(args.dist),
-                      getattr(args, "scale", "auto"))
-    cases = suites.cases(suite, filters)
+@dataclass(frozen=True)
+class Selection:
+    """What a run set out to do: enough to re-derive its cases (`--resume`)."""
+
+    suite: str
+    ops: tuple[str, ...] = ()
+    backends: tuple[str, ...] = ()  # names or module:object, as given
+    dtypes: tuple[str, ...] = ()
+    dists: tuple[str, ...] = ()
+    scale: str = "auto"
+
+    @staticmethod
+    def from_args(args: Any) -> "Selection":
+        suite = args.suite or suites.DEFAULT_SUITE
+        if os.path.exists(suite) and suite.endswith(".toml"):
+            suite = os.path.abspath(suite)
+        return Selection(suite, tuple(args.op), tuple(args.backend), tuple(args.dtype), tuple(args.dist),
+                         suites.resolve_scale(getattr(args, "scale", "auto")))
+
+    def to_json(self) -> dict:
+        return {"suite": self.suite, "ops": list(self.ops), "backends": list(self.backends),
+                "dtypes": list(self.dtypes), "dists": list(self.dists), "scale": self.scale}
+
+    @staticmethod
+    def from_json(d: Any, where: str) -> "Selection":
+        if not isinstance(d, dict) or not isinstance(d.get("suite"), str):
+            raise UsageError(f"{where} has no run selection in its header (it was not written by parity run)")
+        lists = {}
+        for k in ("ops", "backends", "dtypes", "dists"):
+            v = d.get(k, [])
+            if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                raise UsageError(f"{where}: header selection {k!r} must be a list of strings")
+            lists[k] = tuple(v)
+        scale = d.get("scale", "auto")
+        if scale not in suites.SCALES:
+            raise UsageError(f"{where}: header selection scale {scale!r} is not one of {', '.join(suites.SCALES)}")
+        return Selection(d["suite"], scale=scale, **lists)
+
+
+def select_cases(sel: Selection, registry: Registry, backend_names: list[str]) -> list[Case]:
+    filters = Filters(sel.ops, tuple(backend_names), sel.dtypes, sel.dists, sel.scale)
+    cases = suites.cases(sel.suite, filters)
     for name in dict.fromkeys(c.backend for c in cases):
         registry.get(name)
     if not cases:
-        raise UsageError(f"no cases in suite {suite!r} match the filters")
-    return suite, cases
+        raise UsageError(f"no cases in suite {sel.suite!r} match the filters")
+    return cases
 
 
-def execute(args: Any, command: str) -> tuple[dict, list[dict]]:
+def digest(cases: list[Case]) -> str:
+    h = hashlib.sha256()
+    for c in cases:
+        h.update(c.id.encode() + b"\n")
+    return h.hexdigest()[:16]
+
+
+def check_output_paths(args: Any, **inputs: str | None) -> None:
+    """Exit 2 (UsageError) before the run if any output path cannot be written or is an input."""
+    outputs = {f"--{k}": getattr(args, k, None) for k in OUTPUT_FLAGS}
+    try:
+        files.check_outputs(outputs, inputs)
+    except files.OutputPathError as e:
+        raise UsageError(str(e)) from None
+
+
+@dataclass
+class Run:
+    """One execution: its cases, where records stream, and what happens to each record."""
+
+    args: Any
+    command: str
+    registry: Registry
+    cases: list[Case]
+    header: dict
+    stream: records.Stream | None = None
+    entries: list = field(default_factory=list)  # known-failure entries
+    done: list[dict] = field(default_factory=list)  # records from a resumed file
+    setup: tuple | None = None  # (module, function, *args) run first in every worker
+
+    def execute(self, on_record: Callable[[dict], None] | None = None,
+                finish: Callable[[list[dict]], dict] | None = None) -> dict:
+        """Run the cases (those not in `done`), streaming each record; the finished document.
+
+        `finish(results)` may add fields to the completion record (a sweep's summary)."""
+        args = self.args
+        have = {r["id"] for r in self.done}
+        todo = [c for c in self.cases if c.id not in have]
+        t0 = time.perf_counter()
+        bar = _progress(len(todo), disable=args.no_progress)
+        fresh: list[dict] = []
+
+        def on_result(rec: dict) -> None:
+            known.apply_one(rec, self.entries)
+            fresh.append(rec)
+            if self.stream is not None:
+                self.stream.add(rec)
+            if on_record is not None:
+                on_record(rec)
+            bar.update(1)
+
+        try:
+            if getattr(args, "no_isolate", False):
+                from conformance.runner import Runner
+
+                Runner(self.registry, recheck=not args.no_recheck,
+                       diagnose=not getattr(args, "no_diagnose", False)).run(todo, on_result=on_result)
+            else:
+                from conformance.parallel import run_isolated
+
+                origins = {b.name: b.origin for b in self.registry.loaded() if b.origin}
+                run_isolated(todo, jobs=args.jobs, extra_backends=self.registry.extra_specs(),
+                             recheck=not args.no_recheck, timeout=args.timeout, on_result=on_result,
+                             origins=origins, diagnose=not getattr(args, "no_diagnose", False), setup=self.setup)
+        finally:
+            bar.close()
+        by_id = {r["id"]: r for r in self.done + fresh}
+        results = [by_id[c.id] for c in self.cases if c.id in by_id]
+        stale = known.stale(results, self.entries)
+        complete = {
+            "cases": len(results),
+            "elapsed_s": round(time.perf_counter() - t0, 3) + float(self.header.get("resumed_elapsed_s", 0.0)),
+            "known_failures": {"entries": len(self.entries), "stale": stale},
+            "backends": {n: self.registry.get(n).describe() for n in dict.fromkeys(c.backend for c in self.cases)},
+        }
+        if finish is not None:
+            complete.update(finish(results))
+        if self.stream is not None:
+            self.stream.finish(complete)
+        header = {**self.header, "elapsed_s": complete["elapsed_s"], "known_failures": complete["known_failures"],
+                  "backends": complete["backends"]}
+        return {"schema": records.SCHEMA, "header": header, "results": results, "complete": complete}
+
+
+def prepare(args: Any, command: str, cases: list[Case] | None = None, suite: str | None = None,
+            extra_inputs: dict[str, str | None] | None = None, header_extra: dict | None = None) -> Run:
+    """Everything before the first case: registry, cases, output checks, header, the stream."""
+    resume = getattr(args, "resume", None)
+    if resume:
+        return _prepare_resume(args, command)
     registry, names = make_registry(args.backend)
-    suite, cases = select_cases(args, registry, names)
-    t0 = time.perf_counter()
-    bar = _progress(len(cases), disable=args.no_progress)
-    if args.jobs > 1 or args.isolate or args.timeout:
-        from conformance.parallel import run_isolated
-
-        origins = {b.name: b.origin for b in registry.loaded() if b.origin}
-        results = run_isolated(cases, jobs=max(1, args.jobs), extra_backends=registry.extra_specs(),
-                               recheck=not args.no_recheck, timeout=args.timeout,
-                               on_result=lambda r: bar.update(1), origins=origins)
-    else:
-        from conformance.runner import Runner
-
-        results = Runner(registry, recheck=not args.no_recheck).run(cases, on_result=lambda r: bar.update(1))
-    bar.close()
-    from conformance import known
-
+    sel = Selection.from_args(args)
+    if cases is None:
+        cases = select_cases(sel, registry, names)
+    inputs = {"known-failures file": args.known_failures, "suite file": sel.suite if sel.suite.endswith(".toml") else None,
+              **(extra_inputs or {})}
+    check_output_paths(args, **inputs)
     entries = known.load(args.known_failures)
-    stale = known.apply(results, entries)
-    header = env.header(command, suite)
-    header["known_failures"] = {"entries": len(entries), "stale": stale}
-    header["elapsed_s"] = round(time.perf_counter() - t0, 3)
-    header["backends"] = {n: registry.get(n).describe() for n in dict.fromkeys(c.backend for c in cases)}
-    return header, results
+    header = env.header(command, suite or sel.suite)
+    header.update(planned=len(cases), planned_digest=digest(cases), selection=sel.to_json(), **(header_extra or {}))
+    stream = records.Stream.create(args.json, header) if args.json else None
+    return Run(args, command, registry, cases, header, stream, entries)
 
 
-def write_outputs(args: Any, header: dict, results: list[dict], diff: Any = None) -> None:
-    doc = {"schema": records.SCHEMA, "header": header, "results": results}
-    if getattr(args, "json", None):
-        records.write(args.json, header, results)
+def _prepare_resume(args: Any, command: str) -> Run:
+    path = args.resume
+    for flag, given in (("--suite", args.suite), ("--op", args.op), ("--backend", args.backend),
+                        ("--dtype", args.dtype), ("--dist", args.dist), ("--json", args.json)):
+        if given:
+            raise UsageError(f"--resume takes the selection and the results file from {path!r}: drop {flag}")
+    try:
+        doc = records.load(path)
+    except records.RecordsError as e:
+        raise UsageError(str(e)) from None
+    if doc["complete"] is not None:
+        raise UsageError(f"results file {path!r} is complete: nothing to resume")
+    header = doc["header"]
+    sel = Selection.from_json(header.get("selection"), f"results file {path!r}")
+    registry, names = make_registry(list(sel.backends))
+    cases = select_cases(sel, registry, names)
+    if header.get("planned_digest") not in (None, digest(cases)) or header.get("planned") not in (None, len(cases)):
+        raise UsageError(f"the cases of {path!r} no longer match its selection (the suite or the ops changed "
+                         f"since the run started): start a new run")
+    known_ids = {c.id for c in cases}
+    stray = [r["id"] for r in doc["results"] if r["id"] not in known_ids]
+    if stray:
+        raise UsageError(f"results file {path!r} holds case {stray[0]!r}, which its selection does not make")
+    args.json = None
+    check_output_paths(args, **{"resumed results file": path, "known-failures file": args.known_failures})
+    entries = known.load(args.known_failures)
+    stream = records.Stream.reopen(path)
+    header = {**header, "command": f"{header.get('command')} ; {command}"}
+    return Run(args, command, registry, cases, header, stream, entries, done=doc["results"])
+
+
+def write_outputs(args: Any, doc: dict, diff: Any = None) -> None:
+    """The rendered reports (the JSON results were streamed as the run went)."""
     if getattr(args, "html", None):
         from reports import html
 
@@ -86,8 +239,9 @@ def write_outputs(args: Any, header: dict, results: list[dict], diff: Any = None
         markdown.write(args.md, doc)
 
 
-def print_summary(header: dict, results: list[dict], quiet: bool = False) -> bool:
-    """Print failures (at most MAX_PRINTED_FAILURES) and the count line; True if all passed."""
+def print_summary(doc: dict, quiet: bool = False) -> bool:
+    """Print failures (at most MAX_PRINTED_FAILURES) and the count line; True if the gate passes."""
+    header, results = doc["header"], doc["results"]
     counts = records.summary(results)
     failing = [r for r in results if r["verdict"] in records.FAILING]
     if not quiet:
@@ -97,13 +251,16 @@ def print_summary(header: dict, results: list[dict], quiet: bool = False) -> boo
         if len(failing) > MAX_PRINTED_FAILURES:
             print(f"... and {len(failing) - MAX_PRINTED_FAILURES} more failing cases (see the reports)")
     parts = [f"{n} {v}" for v, n in counts.items() if n]
-    stale = (header.get("known_failures") or {}).get("stale") or []
-    for label in stale:
+    for label in records.stale_entries(doc):
         print(f"STALE known-failures entry matches no case that ran: {label}")
-    status = "FAIL" if failing or stale else "PASS"
-    print(f"parity: {status}: {len(results)} cases: {', '.join(parts)} in {header.get('elapsed_s', 0):.1f} s"
-          f" on {header.get('device')}")
-    return not failing and not stale
+    status = records.status_line(doc)
+    if status:
+        print(f"parity: {status}")
+    ok = records.doc_passed(doc)
+    elapsed = header.get("elapsed_s") or (doc.get("complete") or {}).get("elapsed_s") or 0
+    print(f"parity: {'PASS' if ok else 'FAIL'}: {len(results)} cases: {', '.join(parts) or 'none'} in "
+          f"{float(elapsed):.1f} s on {header.get('device')}")
+    return ok
 
 
 def _progress(total: int, disable: bool) -> Any:
@@ -113,28 +270,48 @@ def _progress(total: int, disable: bool) -> Any:
                 dynamic_ncols=True, leave=False)
 
 
+def load_input(path: str, what: str) -> dict:
+    """A results file given as an input (baseline, diff side, report source): exit 2 if unusable."""
+    try:
+        return records.load(path)
+    except records.RecordsError as e:
+        raise UsageError(f"{what}: {e}") from None
+
+
 # -- commands -------------------------------------------------------------------------------
 def cmd_run(args: Any, command: str) -> int:
-    header, results = execute(args, command)
-    write_outputs(args, header, results)
-    return EXIT_OK if print_summary(header, results, args.quiet) else EXIT_FAIL
+    doc = prepare(args, command).execute()
+    write_outputs(args, doc)
+    return EXIT_OK if print_summary(doc, args.quiet) else EXIT_FAIL
 
 
 def cmd_gate(args: Any, command: str) -> int:
+    old = None
+    if args.baseline:  # fail fast on a bad baseline, before the run
+        old = load_input(args.baseline, "--baseline")
+        status = records.status_line(old)
+        if status:
+            raise UsageError(f"--baseline {args.baseline!r} is {status}: finish it with parity run --resume")
+    run = prepare(args, command, extra_inputs={"--baseline file": args.baseline})
+    doc = run.execute()
     diff = None
-    old = records.load(args.baseline) if args.baseline else None  # fail fast on a bad baseline
-    header, results = execute(args, command)
     if old is not None:
         from reports.diff import compare
 
-        diff = compare(old, {"schema": records.SCHEMA, "header": header, "results": results}, growth=args.growth)
-        header["baseline"] = {"path": args.baseline, "git_commit": old["header"].get("git_commit")}
-    write_outputs(args, header, results, diff)
-    ok = print_summary(header, results, args.quiet)
+        diff = compare(old, doc, growth=args.growth)
+        doc["header"]["baseline"] = {"path": args.baseline, "git_commit": old["header"].get("git_commit")}
+    write_outputs(args, doc, diff)
+    ok = print_summary(doc, args.quiet)
     if diff is not None:
         print(diff.render_text())
         ok = ok and not diff.failed
     return EXIT_OK if ok else EXIT_FAIL
+
+
+def cmd_sweep(args: Any, command: str) -> int:
+    from conformance.sweep import sweep
+
+    return sweep(args, command)
 
 
 def cmd_list(args: Any, command: str) -> int:
@@ -150,23 +327,21 @@ def cmd_repro(args: Any, command: str) -> int:
 
 
 def cmd_report(args: Any, command: str) -> int:
-    try:
-        doc = records.load(args.results)
-    except records.RecordsError as e:
-        raise UsageError(str(e)) from None
     if not (args.html or args.junit or args.md):
         raise UsageError("report needs at least one of --html, --junit, --md")
-    write_outputs(args, doc["header"], doc["results"])
-    return EXIT_OK
+    check_output_paths(args, **{"results file": args.results})
+    doc = load_input(args.results, "report")
+    write_outputs(args, doc)
+    status = records.status_line(doc)
+    if status:
+        print(f"parity: {args.results}: {status}", file=sys.stderr)
+    return EXIT_OK if records.doc_passed(doc) else EXIT_FAIL
 
 
 def cmd_diff(args: Any, command: str) -> int:
     from reports.diff import compare
 
-    try:
-        old, new = records.load(args.old), records.load(args.new)
-    except records.RecordsError as e:
-        raise UsageError(str(e)) from None
+    old, new = load_input(args.old, "diff"), load_input(args.new, "diff")
     d = compare(old, new, growth=args.growth)
     print(d.render_text())
     return EXIT_FAIL if d.failed else EXIT_OK
@@ -176,4 +351,3 @@ def cmd_calibrate(args: Any, command: str) -> int:
     from conformance.calibrate import calibrate
 
     return calibrate(args)
-

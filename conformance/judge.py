@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -10,15 +11,20 @@ from conformance.backends import NotProvided
 from conformance.case import Case
 from conformance.metrics import compare, exact_mismatch
 from conformance.poison import is_poison
-from conformance.tolerance import LayerResult, OutputJudgement, noise_layer, numeric_layer, zero_output_passes
+from conformance.tolerance import (LayerResult, OutputJudgement, aggregate_limits, noise_layer, numeric_layer,
+                                   zero_output_passes)
 
 LAYERS = ("structure", "exact", "numeric", "noise", "trust")
 MAX_WORST_LINES = 5
 
 
 def judge_case(case: Case, spec: Any, prep: Any, outputs: dict[str, np.ndarray], damage: dict[str, str],
-               touched: list[str], noise_base: dict[str, float] | None, repro: str) -> dict:
+               touched: list[str], noise_base: dict[str, float] | None, repro: str, tier: str = "production",
+               excluded: dict[str, tuple[np.ndarray, str]] | None = None) -> dict:
+    """The record of one backend's outputs. `excluded`: output -> (mask, reason) of elements the
+    backend declares outside its contract; they are reported, not judged."""
     p = case.p
+    excluded = excluded or {}
     rec_outputs: dict[str, dict] = {}
     judgements: dict[str, OutputJudgement] = {}
     problems: list[tuple[str, str, str]] = []  # (kind, output, detail)
@@ -45,6 +51,8 @@ def judge_case(case: Case, spec: Any, prep: Any, outputs: dict[str, np.ndarray],
             continue
         ref = np.asarray(prep.golden[name])
         got = spec.outputs[name].accept_any(got, ref)
+        if name in excluded:
+            got, ref, orec["outside_contract"] = _exclude(name, got, ref, *excluded[name])
         structure = []
         if got.dtype != want_dtype.np:
             structure.append(f"dtype {got.dtype}, expected {want_dtype.name}")
@@ -68,7 +76,7 @@ def judge_case(case: Case, spec: Any, prep: Any, outputs: dict[str, np.ndarray],
             orec["layers"] = {k: {"ok": v.ok, "detail": v.detail} for k, v in j.layers.items()}
             continue
         tol_dtype = spec.outputs[name].tolerance_dtype(case.dtype)
-        lim = spec.tolerance.limits(name, tol_dtype, p)
+        lim = spec.tolerance.limits(name, tol_dtype, p, tier)
         cmp = compare(got, ref, want_dtype, lim, tol_dtype)
         if cmp.anomaly_mismatch:
             structure.append(cmp.anomaly_detail)
@@ -81,13 +89,14 @@ def judge_case(case: Case, spec: Any, prep: Any, outputs: dict[str, np.ndarray],
         if not num.ok:
             problems.append(("numeric", name, num.detail))
         orec["metrics"] = cmp.metrics
+        cos_eff, nmse_eff = aggregate_limits(cmp.metrics, lim)
         orec["limits"] = {"atol": cmp.metrics["atol_eff"], "rtol": lim.rtol, "cos_diff": lim.cos_diff,
-                          "nmse": lim.nmse}
+                          "nmse": lim.nmse, "cos_diff_eff": cos_eff, "nmse_eff": nmse_eff}
         orec["worst"] = cmp.worst
         orec["noise"] = None
         k = spec.tolerance.noise_factor(p)
         if noise_base and name in noise_base and k is not None:
-            floor = spec.tolerance.noise_floor(tol_dtype, cmp.metrics["max_ref"])
+            floor = spec.tolerance.noise_floor(tol_dtype, cmp.metrics["max_ref"], lim.atol, p, name)
             nl, nr = noise_layer(cmp.metrics["max_abs"], noise_base[name], k, floor)
             j.layers["noise"] = nl
             j.ratios.update(nr)
@@ -99,13 +108,29 @@ def judge_case(case: Case, spec: Any, prep: Any, outputs: dict[str, np.ndarray],
             j.layers["noise"] = LayerResult(None, "no same-precision baseline for this case")
         finite = np.isfinite(ref)
         has_nonzero = bool(np.any(ref[finite] != 0))
-        j.vacuous = zero_output_passes(cmp.metrics["max_ref"], cmp.metrics["atol_eff"], lim, has_nonzero)
+        n_fin = cmp.metrics["numel_finite"]
+        rms_ref = math.sqrt(cmp.metrics["sum_sq_ref"] / n_fin) if n_fin else 0.0
+        j.vacuous = zero_output_passes(cmp.metrics["max_ref"], cmp.metrics["atol_eff"], lim, has_nonzero, rms_ref)
         j.layers["trust"] = LayerResult(
             not j.vacuous, "an all-zero output would pass: the reference is below the tolerance" if j.vacuous else "")
         orec["layers"] = {k_: {"ok": v.ok, "detail": v.detail} for k_, v in j.layers.items()}
     if touched:
         problems.append(("structural", "inputs", f"the kernel wrote into input(s) {', '.join(touched)}"))
-    return _verdict(case, spec, prep, rec_outputs, judgements, problems, outputs, repro)
+    rec = _verdict(case, spec, prep, rec_outputs, judgements, problems, outputs, repro)
+    rec["tier"] = tier
+    return rec
+
+
+def _exclude(name: str, got: np.ndarray, ref: np.ndarray, mask: np.ndarray, reason: str) -> tuple:
+    """Elements outside a backend's declared contract are not judged: the golden takes the
+    kernel's value there (any value, NaN or unwritten included), and they are counted."""
+    m = np.broadcast_to(mask, ref.shape)
+    n = int(np.count_nonzero(m))
+    if n == 0:
+        return got, ref, None
+    with np.errstate(invalid="ignore"):
+        ref = np.where(m, np.asarray(got).astype(np.float64), ref)
+    return got, ref, {"elements": n, "reason": str(reason)}
 
 
 def _verdict(case, spec, prep, rec_outputs, judgements, problems, outputs, repro) -> dict:
@@ -159,15 +184,16 @@ def failure_message(case, spec, prep, rec_outputs, problems, repro) -> str:
     return "\n".join(lines)
 
 
-def diagnose(case: Case, spec: Any, inputs64: dict, outputs: dict[str, Any]) -> list[str]:
+def diagnose(case: Case, spec: Any, inputs64: dict, outputs: dict[str, Any], original: dict[str, Any],
+             tier: str = "production") -> list[str]:
     """Labels of the alternative semantics (spec.diagnoses) whose golden the kernel's outputs match.
 
     An output matches when its NaN/inf positions agree and it passes layer 3 against the
-    alternative golden; outputs the backend did not provide are ignored.
+    alternative golden; outputs the backend did not provide are ignored. `original` is the
+    golden already computed for the case (an alternative equal to it tells nothing apart).
     """
     p = case.p
     found = []
-    original = spec.reference(inputs64, p)
     for d in spec.diagnoses:
         alt = d.alter(p)
         if alt is None:
@@ -185,7 +211,7 @@ def diagnose(case: Case, spec: Any, inputs64: dict, outputs: dict[str, Any]) -> 
             if got is None or isinstance(got, NotProvided) or out.exact:
                 continue
             tol_dtype = out.tolerance_dtype(case.dtype)
-            lim = spec.tolerance.limits(name, tol_dtype, p)
+            lim = spec.tolerance.limits(name, tol_dtype, p, tier)
             ref = np.asarray(golden[name])
             got = out.accept_any(got, ref)
             cmp = compare(got, ref, out.resolve(case.dtype), lim, tol_dtype)

@@ -70,22 +70,31 @@ def load(path: str | Path | None = None) -> list[Entry]:
     return entries
 
 
+def apply_one(rec: dict, entries: list[Entry]) -> None:
+    """Mark one record xfail / xpass in place if an entry matches it (first match wins)."""
+    for e in entries:
+        if not e.matches(rec):
+            continue
+        if rec["verdict"] in FAILING:
+            rec["known"] = {"reason": e.reason, "seen": e.seen, "verdict": rec["verdict"]}
+            rec["verdict"] = "xfail"
+            rec["reason"] = f"known failure ({e.reason}): {rec.get('reason')}"
+        elif rec["verdict"] in ("pass", "vacuous"):
+            rec["known"] = {"reason": e.reason, "seen": e.seen, "verdict": rec["verdict"]}
+            rec["verdict"] = "xpass"
+            rec["reason"] = f"listed as a known failure ({e.reason}) but passes: remove the entry"
+        return
+
+
+def stale(results: list[dict], entries: list[Entry]) -> list[str]:
+    """Labels of entries whose op/backend pair ran (some case not skipped) but that matched nothing."""
+    ran = {(r["op"], r["backend"]) for r in results if r["verdict"] != "skip"}  # skipped pairs did not run
+    return [e.label for e in entries
+            if (e.op, e.backend) in ran and not any(e.matches(r) for r in results)]
+
+
 def apply(results: list[dict], entries: list[Entry]) -> list[str]:
     """Mark matching results xfail/xpass in place; return the labels of stale entries."""
-    ran = {(r["op"], r["backend"]) for r in results if r["verdict"] != "skip"}  # skipped pairs did not run
-    hits = {e: 0 for e in entries}
     for rec in results:
-        for e in entries:
-            if not e.matches(rec):
-                continue
-            hits[e] += 1
-            if rec["verdict"] in FAILING:
-                rec["known"] = {"reason": e.reason, "seen": e.seen, "verdict": rec["verdict"]}
-                rec["verdict"] = "xfail"
-                rec["reason"] = f"known failure ({e.reason}): {rec.get('reason')}"
-            elif rec["verdict"] in ("pass", "vacuous"):
-                rec["known"] = {"reason": e.reason, "seen": e.seen, "verdict": rec["verdict"]}
-                rec["verdict"] = "xpass"
-                rec["reason"] = f"listed as a known failure ({e.reason}) but passes: remove the entry"
-            break
-    return [e.label for e in entries if hits[e] == 0 and (e.op, e.backend) in ran]
+        apply_one(rec, entries)
+    return stale(results, entries)

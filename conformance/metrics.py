@@ -8,6 +8,7 @@
     max_ulp   = max ULP distance between a and b rounded to a's dtype, over elements with |b| > atol
                 (below atol the absolute error is what is judged, and subnormal ULPs mean little)
     mismatch  = count of |a - b| > atol + rtol |b|               (needs limits)
+    numel_finite, sum_sq_ref = sum(b^2), sum_sq_both = sum(a^2 + b^2)   over the compared elements
 
 a is the kernel output, b the golden. Values are compared only where both are finite; NaN,
 +inf and -inf positions are compared separately and must match exactly. FlashMLA clamps the
@@ -109,6 +110,7 @@ def compare(got: np.ndarray, ref: np.ndarray, dtype: DType, limits: Limits | Non
     else:
         max_abs = max_rel = rmse = nmse = cos_diff = max_ref = 0.0
         max_ulp = 0.0
+        bb = denom = 0.0
     allowed = atol + rtol * np.abs(bf)
     if n:
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -132,6 +134,10 @@ def compare(got: np.ndarray, ref: np.ndarray, dtype: DType, limits: Limits | Non
         "max_ref": max_ref,
         "atol_eff": atol,
         "nonfinite_ref": int(np.count_nonzero(cb != 0)),
+        # the sums behind nmse and cos_diff, for their absolute floor (tolerance.aggregate_limits)
+        "numel_finite": n,
+        "sum_sq_ref": bb,
+        "sum_sq_both": denom,
     }
     return Comparison(metrics, n_bad_anom, anomaly_detail, _worst(a, b, bad_anom, both, ratio, d), elem_ratio)
 

@@ -1,9 +1,10 @@
-"""Run cases in worker processes: parallel, and isolated from crashes and hangs.
+"""Run cases in worker processes: parallel, and isolated from crashes, exits and hangs.
 
-Each worker evaluates whole input groups and reports every case as it starts and ends. If
-a worker dies (segfault, abort, os._exit) the case it was running is recorded as `crash`; if
-a case runs past `timeout` seconds the worker is killed and the case is a `timeout`. Either
-way the rest of that group goes to a fresh worker and every completed result is kept.
+Each worker evaluates whole input groups and reports every case as it starts and as soon as it
+ends. If a worker dies (segfault, abort, exit(0) or any exit inside a kernel) the case it was
+running is recorded as `crash`; if a case runs past `timeout` seconds (inputs and golden
+included) the worker is killed and the case is a `timeout`. Either way the rest of that group
+goes to a fresh worker and every completed result is kept.
 """
 
 from __future__ import annotations
@@ -16,20 +17,25 @@ from multiprocessing.connection import wait
 from typing import Callable
 
 from conformance.case import Case
-from conformance.runner import group_cases, repro_command
+from conformance.runner import dead_record, group_cases
 
 _POLL_S = 0.5
 
 
-def _worker_main(conn, extra_backends: list[str], recheck: bool, threads: int) -> None:
+def _worker_main(conn, extra_backends: list[str], options: dict, threads: int, setup: tuple | None) -> None:
     if threads:  # cores / workers: BLAS and torch threads must not oversubscribe the cores
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ.setdefault(var, str(threads))
+    if setup is not None:  # e.g. a mutant's patched kernels, installed before anything imports them
+        import importlib
+
+        mod, fn, *args = setup
+        getattr(importlib.import_module(mod), fn)(*args)
     from conformance import ops
     from conformance.backends import Registry
     from conformance.runner import Runner
 
-    runner = Runner(Registry(extra=extra_backends), recheck=recheck)
+    runner = Runner(Registry(extra=extra_backends), **options)
     while True:
         try:
             ids = conn.recv()
@@ -38,15 +44,16 @@ def _worker_main(conn, extra_backends: list[str], recheck: bool, threads: int) -
         if ids is None:
             return
         cases = [ops.parse_case(i) for i in ids]
-        for rec in runner.evaluate_group(cases, on_start=lambda c: conn.send(("start", c.id))):
-            conn.send(("result", rec))
+        runner.evaluate_group(cases, on_start=lambda c: conn.send(("start", c.id)),
+                              on_result=lambda rec: conn.send(("result", rec)))
         conn.send(("done", None))
 
 
 class _Worker:
-    def __init__(self, ctx, extra_backends: list[str], recheck: bool, threads: int) -> None:
+    def __init__(self, ctx, extra_backends: list[str], options: dict, threads: int, setup: tuple | None) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, extra_backends, recheck, threads), daemon=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, extra_backends, options, threads, setup),
+                                daemon=True)
         self.proc.start()
         child.close()
         self.group: list[str] = []  # ids sent and not yet returned
@@ -69,14 +76,7 @@ def _dead_record(case_id: str, verdict: str, reason: str, origin_by_backend: dic
     from conformance import ops
 
     case = ops.parse_case(case_id)
-    return {
-        "id": case.id, "op": case.op, "backend": case.backend, "dtype": case.dtype, "params": case.p,
-        "dist": case.dist, "seed": case.seed, "verdict": verdict, "kind": None, "reason": reason,
-        "message": f"{case.op}[{case.backend}] {reason}\n  repro: "
-                   f"{repro_command(case, origin_by_backend.get(case.backend))}",
-        "repro": repro_command(case, origin_by_backend.get(case.backend)), "norm_err": None,
-        "outputs": {}, "layers": {}, "recheck": None, "timing": {},
-    }
+    return dead_record(case, verdict, reason, origin_by_backend.get(case.backend))
 
 
 def _cores() -> int:
@@ -96,13 +96,17 @@ def _exit_reason(code: int | None) -> str:
 
 def run_isolated(cases: list[Case], *, jobs: int, extra_backends: list[str], recheck: bool = True,
                  timeout: float | None = None, on_result: Callable[[dict], None] | None = None,
-                 origins: dict[str, str] | None = None) -> list[dict]:
+                 origins: dict[str, str] | None = None, diagnose: bool = True,
+                 setup: tuple | None = None) -> list[dict]:
+    """Evaluate `cases` in `jobs` worker processes; `setup` = (module, function, *args) runs first
+    in every worker (before any kernel is imported)."""
     ctx = mp.get_context("spawn")
     pending = [[c.id for c in g] for g in group_cases(cases)]
     results: dict[str, dict] = {}
     origins = origins or {}
     threads = max(1, _cores() // jobs) if jobs > 1 else 0
-    workers = [_Worker(ctx, extra_backends, recheck, threads) for _ in range(min(jobs, len(pending)) or 1)]
+    options = {"recheck": recheck, "diagnose": diagnose}
+    workers = [_Worker(ctx, extra_backends, options, threads, setup) for _ in range(min(jobs, len(pending)) or 1)]
     idle = list(workers)
 
     def record(rec: dict) -> None:
@@ -119,7 +123,7 @@ def run_isolated(cases: list[Case], *, jobs: int, extra_backends: list[str], rec
             record(_dead_record(victim, verdict, reason, origins))
         if rest:
             pending.insert(0, rest)
-        fresh = _Worker(ctx, extra_backends, recheck, threads)
+        fresh = _Worker(ctx, extra_backends, options, threads, setup)
         workers.append(fresh)
         idle.append(fresh)
 

@@ -66,6 +66,8 @@ class OutputRequest:
     dtypes: dict[str, dt.DType]
     pads: dict[str, int] = field(default_factory=dict)  # poisoned elements after each last-axis row
     buffers: dict[str, _Buffer] = field(default_factory=dict)
+    backend: Any = None  # the backend being run, for adapters that need it (or its device)
+    device: Any = "cpu"
 
     def numpy(self, name: str) -> np.ndarray:
         """A poisoned numpy output buffer (view between canaries, rows padded by `pad`)."""

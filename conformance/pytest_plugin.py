@@ -24,11 +24,32 @@ class ParityFailure(AssertionError):
 
 
 class Collector:
+    """Records of the cases checked in this session.
+
+    Inside a Hypothesis test, records wait until the test ends: a passing test keeps every
+    example; a failing one keeps the examples generated before its first failure and the final
+    (shrunk) failing example, not the shrinking steps in between."""
+
     def __init__(self) -> None:
         self.results: dict[str, dict] = {}  # by id: hypothesis may replay an example
+        self.pending: list[tuple[dict, bool]] | None = None  # (record, final example?) of the running test
 
-    def add(self, rec: dict) -> None:
-        self.results[rec["id"]] = rec
+    def add(self, rec: dict, final: bool | None = None) -> None:
+        if final is None or self.pending is None:
+            self.results[rec["id"]] = rec
+        else:
+            self.pending.append((rec, final))
+
+    def begin(self) -> None:
+        self.pending = []
+
+    def end(self) -> None:
+        pending, self.pending = self.pending or [], None
+        if any(final for _, final in pending):
+            first_bad = next((i for i, (r, _) in enumerate(pending) if r["verdict"] in records.FAILING), len(pending))
+            pending = pending[:first_bad] + [(r, f) for r, f in pending[first_bad:] if f]
+        for rec, _ in pending:
+            self.results[rec["id"]] = rec
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -43,6 +64,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if any(config.getoption(f"parity_{w}") for w in _OPTIONS):
         config.stash[_COLLECTOR] = Collector()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    collector = item.config.stash.get(_COLLECTOR, None)
+    if collector is not None:
+        collector.begin()
+    try:
+        yield
+    finally:
+        if collector is not None:
+            collector.end()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -103,7 +136,7 @@ class Parity:
         rec = self.runner.evaluate(case)
         collector = self.config.stash.get(_COLLECTOR, None)
         if collector is not None:
-            collector.add(rec)
+            collector.add(rec, _final_example())
         return rec
 
     def arrays(self, case: Any) -> tuple[dict, dict]:
@@ -119,12 +152,26 @@ class Parity:
     def check(self, case: Any) -> dict:
         """Run, record, steer hypothesis toward the worst error, and assert the verdict."""
         __tracebackhide__ = True
+        backend = self.runner.registry.get(case.backend)
+        if isinstance(getattr(backend, "ops", None), dict) and case.op not in backend.ops:
+            pytest.skip(f"{backend.name} has no kernel for {case.op}")  # the whole test, not one draw
         rec = self.evaluate(case)
         _hypothesis_hooks(rec)
         if rec["verdict"] == "skip":
             pytest.skip(rec["reason"])
         assert_verdict(rec)
         return rec
+
+
+def _final_example() -> bool | None:
+    """None outside a Hypothesis test; else whether this is the final (reported) example."""
+    try:
+        from hypothesis.control import current_build_context, currently_in_test_context
+    except ImportError:  # pragma: no cover - hypothesis is a test dependency
+        return None
+    if not currently_in_test_context():
+        return None
+    return bool(current_build_context().is_final)
 
 
 def _hypothesis_hooks(rec: dict) -> None:

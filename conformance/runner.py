@@ -1,9 +1,11 @@
 """Run cases: inputs -> golden -> backend -> metrics -> layered verdict -> result record.
 
 Cases that share inputs (same op, dtype, params, dist, seed; different backends) are
-evaluated as a group: inputs, golden and the same-precision baseline run once per group.
-A case that raises is recorded as `error` and the run goes on; crashes and timeouts are
-isolated by conformance.parallel when asked for.
+evaluated as a group: inputs, golden and the same-precision baseline run once per group, and
+only when some backend of the group supports the case (`supports()` is asked first, so an
+unsupported case costs no golden). A case that raises is recorded as `error` and the run goes
+on, whether the kernel, the plugin's `supports()`/`available()`/`precondition()` or the input
+builder raised; crashes, exits and hangs are isolated by conformance.parallel.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ def repro_command(case: Case, origin: str | None = None) -> str:
     return f"{cmd} --backend {origin}" if origin else cmd
 
 
+def tier_of(spec: OpSpec, backend: str) -> str:
+    """The tolerance tier a backend is judged by: only the op's own eager baseline is "baseline"."""
+    return "baseline" if spec.baseline is not None and backend == spec.baseline else "production"
+
+
 class Prepared:
     """Inputs and golden of one input group (computed once, shared by every backend)."""
 
@@ -42,7 +49,8 @@ class Prepared:
         rng = np.random.Generator(np.random.PCG64(case.seed))
         self.inputs = spec.make_inputs(p, case.dtype, case.dist, rng)
         t1 = time.perf_counter()
-        self.golden = spec.reference(float64_view(self.inputs), p)
+        self.inputs64 = float64_view(self.inputs)
+        self.golden = spec.reference(self.inputs64, p)
         t2 = time.perf_counter()
         self.inputs_s, self.golden_s = t1 - t0, t2 - t1
         self.shapes = {k: tuple(v) for k, v in spec.output_shapes(p).items()}
@@ -56,83 +64,149 @@ class Prepared:
         self.baseline_err: dict[str, float] | None = None
 
 
+class _Hook(Exception):
+    """A plugin hook (available, supports, precondition, outside_contract) raised."""
+
+    def __init__(self, hook: str, exc: BaseException) -> None:
+        super().__init__(f"{hook}() raised {type(exc).__name__}: {_first_line(exc)}")
+        self.tb = traceback.format_exc()
+
+
+def _call_hook(hook: str, fn: Callable, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # a plugin's bug is that case's error, never the run's end
+        raise _Hook(hook, e) from None
+
+
 class Runner:
-    def __init__(self, registry: Registry | None = None, *, recheck: bool = True, noise: bool = True) -> None:
+    def __init__(self, registry: Registry | None = None, *, recheck: bool = True, noise: bool = True,
+                 diagnose: bool = True) -> None:
         self.registry = registry or Registry()
         self.recheck = recheck
         self.noise = noise
+        self.diagnose = diagnose
         self.capture: dict[str, dict] | None = None  # case id -> arrays, for `parity repro --export`
 
     # -- public -------------------------------------------------------------------------
     def run(self, cases: Iterable[Case], on_result: Callable[[dict], None] | None = None) -> list[dict]:
         results = []
+
+        def keep(rec: dict) -> None:
+            results.append(rec)
+            if on_result:
+                on_result(rec)
+
         for group in group_cases(cases):
-            for rec in self.evaluate_group(group):
-                results.append(rec)
-                if on_result:
-                    on_result(rec)
+            self.evaluate_group(group, on_result=keep)
         return results
 
     def evaluate(self, case: Case) -> dict:
         return self.evaluate_group([case])[0]
 
-    def evaluate_group(self, cases: list[Case], on_start: Callable[[Case], None] | None = None) -> list[dict]:
+    def evaluate_group(self, cases: list[Case], on_start: Callable[[Case], None] | None = None,
+                       on_result: Callable[[dict], None] | None = None) -> list[dict]:
+        """Evaluate cases sharing one input key; each record is handed to `on_result` when done."""
         spec = ops.get(cases[0].op)
-        try:
-            prep = Prepared(spec, cases[0])
-        except SpecError:
-            raise
-        except Exception as e:  # the input builder or golden raised: every case of the group errors
-            msg = f"building inputs/golden raised {type(e).__name__}: {e}"
-            return [self._error(c, msg, traceback.format_exc(), {}) for c in cases]
+        out: dict[Case, dict] = {}
+        prep: Prepared | None = None
+        prep_error: tuple[str, str] | None = None
         ordered = sorted(cases, key=lambda c: c.backend != spec.baseline)  # baseline first
-        out = {}
         for case in ordered:
             if on_start:
                 on_start(case)
-            rec = self._one(case, spec, prep)
-            if self.recheck:
-                rec = self._recheck(case, rec)
+            rec = self._unsupported(case)
+            if rec is None:
+                if prep is None and prep_error is None:
+                    try:
+                        prep = Prepared(spec, case)
+                    except SpecError:
+                        raise
+                    except Exception as e:  # the input builder or golden raised: the group errors
+                        prep_error = (f"building inputs/golden raised {type(e).__name__}: {_first_line(e)}",
+                                      traceback.format_exc())
+                if prep_error is not None:
+                    rec = self._error(case, prep_error[0], prep_error[1], {})
+                else:
+                    rec = self._one(case, spec, prep)
+                    if self.recheck:
+                        rec = self._recheck(case, rec)
             out[case] = rec
+            if on_result:
+                on_result(rec)
         return [out[c] for c in cases]
 
     # -- one case -----------------------------------------------------------------------
+    def _unsupported(self, case: Case) -> dict | None:
+        """A skip (or error, if a hook raised) record when the backend cannot run the case."""
+        try:
+            backend = self.registry.get(case.backend)
+            origin = getattr(backend, "origin", None)
+            why = _call_hook("available", backend.available) or _call_hook("supports", backend.supports, case)
+        except _Hook as e:
+            return self._error(case, f"{case.backend}: {e}", e.tb, {}, getattr(backend, "origin", None))
+        if why:
+            return _record(case, "skip", None, str(why), None, origin)
+        return None
+
     def _one(self, case: Case, spec: OpSpec, prep: Prepared) -> dict:
         t_start = time.perf_counter()
         backend = self.registry.get(case.backend)
         origin = getattr(backend, "origin", None)
         timing = {"inputs_s": prep.inputs_s, "golden_s": prep.golden_s, "kernel_s": 0.0}
-        why = backend.available() or backend.supports(case)
+        try:
+            why = _call_hook("precondition", getattr(backend, "precondition", _no_precondition), case, prep.inputs)
+            excluded = _call_hook("outside_contract", _exclusions, backend, case, prep)
+        except _Hook as e:
+            return self._error(case, f"{case.backend}: {e}", e.tb, timing, origin)
         if why:
-            return _record(case, "skip", None, why, None, origin, timing=timing)
+            return _record(case, "skip", None, f"precondition: {why}", None, origin, timing=timing)
         noise_base = self._baseline_errors(case, spec, prep) if self.noise else None
         inputs = {k: clone(v) for k, v in prep.inputs.items()}
         req = OutputRequest(prep.shapes, prep.out_dtypes, dict(prep.pads))
+        req.backend, req.device = backend, getattr(backend, "device", "cpu")
         try:
             t0 = time.perf_counter()
             raw = backend.run(case, inputs, req)
             outputs = {k: to_numpy(v) for k, v in (raw or {}).items()}
             timing["kernel_s"] = time.perf_counter() - t0
-        except Exception as e:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # SystemExit too: a kernel that calls exit() is an error, not the run's end
             return self._error(case, f"{type(e).__name__}: {_first_line(e)}", traceback.format_exc(), timing, origin)
         if self.capture is not None:
             self.capture[case.id] = {"inputs": prep.inputs, "golden": prep.golden, "outputs": outputs}
         damage = req.damage()
         touched = [k for k in inputs if not same_bits(inputs[k], prep.inputs[k])]
-        rec = judge_case(case, spec, prep, outputs, damage, touched, noise_base, repro_command(case, origin))
+        tier = tier_of(spec, case.backend)
+        rec = judge_case(case, spec, prep, outputs, damage, touched, noise_base, repro_command(case, origin),
+                         tier=tier, excluded=excluded)
         if rec["verdict"] == "fail" and rec["kind"] in ("structural", "numeric") and spec.diagnoses:
-            found = diagnose(case, spec, float64_view(prep.inputs), outputs)
-            if found:
-                rec["diagnosis"] = found
-                rec["reason"] = f"{rec['reason']} [{found[0]}]"
-                rec["message"] = "\n".join([rec["message"].rsplit("\n", 1)[0]]
-                                           + [f"  diagnosis: {f}" for f in found]
-                                           + [rec["message"].rsplit("\n", 1)[1]])
+            self._diagnose(rec, case, spec, prep, outputs, tier)
         timing["total_s"] = time.perf_counter() - t_start
         rec["timing"] = timing
         if spec.baseline and case.backend == spec.baseline and prep.baseline_err is None:
             prep.baseline_err = _baseline_from(rec)
         return rec
+
+    def _diagnose(self, rec: dict, case: Case, spec: OpSpec, prep: Prepared, outputs: dict, tier: str) -> None:
+        """Name the alternative semantics the failing kernel matches (within the op's budget)."""
+        cost = prep.golden_s * len(spec.diagnoses)
+        if not self.diagnose:
+            rec["diagnosis_skipped"] = "diagnoses switched off (--no-diagnose)"
+            return
+        if cost > spec.diagnosis_budget_s:
+            rec["diagnosis_skipped"] = (f"{len(spec.diagnoses)} alternative goldens would take ~{cost:.1f} s, "
+                                        f"over the op's budget of {spec.diagnosis_budget_s:g} s")
+            return
+        found = diagnose(case, spec, prep.inputs64, outputs, prep.golden, tier)
+        if found:
+            rec["diagnosis"] = found
+            rec["reason"] = f"{rec['reason']} [{found[0]}]"
+            head, repro = rec["message"].rsplit("\n", 1)
+            rec["message"] = "\n".join([head] + [f"  diagnosis: {f}" for f in found] + [repro])
 
     def _baseline_errors(self, case: Case, spec: OpSpec, prep: Prepared) -> dict[str, float] | None:
         """max_abs of the same-precision baseline per output (None: no noise layer)."""
@@ -142,13 +216,10 @@ class Runner:
             base_case = case.with_backend(spec.baseline)
             try:
                 base = self.registry.get(spec.baseline)
+                unusable = base.available() or base.supports(base_case)
             except Exception:
-                prep.baseline_err = {}
-                return None
-            if base.available() or base.supports(base_case):
-                prep.baseline_err = {}
-            else:
-                prep.baseline_err = _baseline_from(self._one(base_case, spec, prep))
+                unusable = "the baseline backend cannot be asked"
+            prep.baseline_err = {} if unusable else _baseline_from(self._one(base_case, spec, prep))
         return prep.baseline_err or None
 
     def _recheck(self, case: Case, rec: dict) -> dict:
@@ -160,7 +231,7 @@ class Runner:
         if not numeric or ne is None or not (1.0 - band <= ne <= 1.0 + band):
             return rec
         seeds = [case.seed + k * RECHECK_STRIDE for k in range(1, RECHECK_SEEDS + 1)]
-        inner = Runner(self.registry, recheck=False, noise=self.noise)
+        inner = Runner(self.registry, recheck=False, noise=self.noise, diagnose=False)
         verdicts = [inner.evaluate(case.with_seed(s))["verdict"] for s in seeds]
         rec["recheck"] = {"seeds": seeds, "verdicts": verdicts}
         if any(v != rec["verdict"] for v in verdicts):
@@ -174,6 +245,29 @@ class Runner:
         tail = "\n".join(tb.strip().splitlines()[-12:])
         message = f"{case.op}[{case.backend}] raised {reason}\n{tail}\n  repro: {repro}"
         return _record(case, "error", None, reason, message, origin, timing=timing)
+
+
+def _no_precondition(case: Case, inputs: dict) -> None:
+    return None
+
+
+def _exclusions(backend: Any, case: Case, prep: Prepared) -> dict[str, tuple[np.ndarray, str]]:
+    """The backend's `outside_contract(case, inputs)`, checked: output -> (bool mask, reason)."""
+    fn = getattr(backend, "outside_contract", None)
+    declared = fn(case, prep.inputs) if fn is not None else None
+    out = {}
+    for name, entry in (declared or {}).items():
+        if name not in prep.shapes:
+            raise ValueError(f"outside_contract names no output {name!r} (outputs: {', '.join(prep.shapes)})")
+        mask, reason = entry
+        m = np.asarray(mask, dtype=bool)
+        try:
+            np.broadcast_to(m, prep.shapes[name])
+        except ValueError:
+            raise ValueError(f"outside_contract mask for {name!r} has shape {m.shape}, "
+                             f"not broadcastable to {prep.shapes[name]}") from None
+        out[name] = (m, str(reason))
+    return out
 
 
 def _baseline_from(rec: dict) -> dict[str, float]:
@@ -200,12 +294,18 @@ def _record(case: Case, verdict: str, kind: str | None, reason: str | None, mess
     rec = {
         "id": case.id, "op": case.op, "backend": case.backend, "dtype": case.dtype,
         "params": case.p, "dist": case.dist, "seed": case.seed,
-        "verdict": verdict, "kind": kind, "reason": reason, "message": message,
+        "verdict": verdict, "kind": kind, "tier": None, "reason": reason, "message": message,
         "repro": repro_command(case, origin), "norm_err": None, "outputs": {}, "layers": {},
         "recheck": None, "timing": {},
     }
     rec.update(extra)
     return rec
+
+
+def dead_record(case: Case, verdict: str, reason: str, origin: str | None) -> dict:
+    """The record of a case whose worker died (crash) or was killed (timeout)."""
+    repro = repro_command(case, origin)
+    return _record(case, verdict, None, reason, f"{case.op}[{case.backend}] {reason}\n  repro: {repro}", origin)
 
 
 def group_cases(cases: Iterable[Case]) -> list[list[Case]]:
@@ -214,4 +314,3 @@ def group_cases(cases: Iterable[Case]) -> list[list[Case]]:
     for c in cases:
         groups.setdefault(c.input_key, []).append(c)
     return list(groups.values())
-

@@ -75,7 +75,8 @@ class OpSpec:
     check: Callable[[dict[str, Any]], str | None] | None = None  # cross-parameter constraint
     output_pads: Callable[[dict[str, Any]], dict[str, int]] | None = None  # poisoned row padding per output
     diagnoses: tuple["Diagnosis", ...] = ()  # alternative semantics to name when a case fails
-    baseline: str | None = "torch"  # same-precision backend for the noise layer
+    baseline: str | None = "torch"  # same-precision backend: the noise layer, and the only "baseline" tier
+    diagnosis_budget_s: float = 30.0  # skip diagnoses when the alternative goldens would cost more
     backends: tuple[str, ...] = ("triton", "cpu", "torch")  # built-ins that must implement it
     doc: str = ""
 

@@ -17,10 +17,27 @@ from conformance import ops
 from conformance.backends import NotProvided, Registry
 from conformance.case import Case
 from conformance.metrics import compare
-from conformance.runner import Prepared, to_numpy
+from conformance.runner import Prepared, tier_of, to_numpy
 from conformance.poison import OutputRequest
 
 _REGISTRY = Registry()
+_PLUGINS: list[str] = []  # names of the --parity-backend plugins, when given
+
+
+def use_backends(specs: list[str]) -> None:
+    """Load --parity-backend module:object plugins; property tests then run on them alone."""
+    global _REGISTRY
+    _REGISTRY = Registry(extra=list(specs))
+    _PLUGINS[:] = [b.name for b in _REGISTRY.loaded()]
+
+
+def backends_for(builtin: tuple[str, ...]) -> list[str]:
+    """The backends a property test runs on: the plugins if any were given, else its built-ins."""
+    return list(_PLUGINS) or list(builtin)
+
+
+def registry() -> Registry:
+    return _REGISTRY
 
 
 def inputs_of(case: Case) -> dict[str, np.ndarray]:
@@ -30,6 +47,8 @@ def inputs_of(case: Case) -> dict[str, np.ndarray]:
 def run(case: Case, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
     """Outputs of case.backend on `inputs` (skips the test if the backend cannot run the case)."""
     backend = _REGISTRY.get(case.backend)
+    if isinstance(getattr(backend, "ops", None), dict) and case.op not in backend.ops:
+        pytest.skip(f"{backend.name} has no kernel for {case.op}")  # skips the whole test, not one draw
     why = backend.available() or backend.supports(case)
     if why:
         from hypothesis import assume
@@ -40,7 +59,8 @@ def run(case: Case, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
         pytest.skip(why)
     spec = ops.get(case.op)
     shapes = {k: tuple(v) for k, v in spec.output_shapes(case.p).items()}
-    req = OutputRequest(shapes, {k: o.resolve(case.dtype) for k, o in spec.outputs.items()})
+    req = OutputRequest(shapes, {k: o.resolve(case.dtype) for k, o in spec.outputs.items()},
+                        backend=backend, device=getattr(backend, "device", "cpu"))
     out = backend.run(case, inputs, req)
     return {k: to_numpy(v) for k, v in out.items()}
 
@@ -61,7 +81,7 @@ def assert_close(case: Case, got: dict, ref: dict, what: str) -> None:
         if name not in got or isinstance(got[name], NotProvided):
             continue
         tol_dtype = out.tolerance_dtype(case.dtype)
-        lim = spec.tolerance.limits(name, tol_dtype, case.p)
+        lim = spec.tolerance.limits(name, tol_dtype, case.p, tier_of(spec, case.backend))
         r = ref[name].astype(np.float64)
         g = out.accept_any(got[name], r)
         cmp = compare(g, r, out.resolve(case.dtype), lim, tol_dtype)

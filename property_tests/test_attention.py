@@ -53,21 +53,20 @@ BACKENDS = {
     "attention.decode_paged": ("triton", "cpu"),
     "attention.decode_split": ("triton",),
 }
-ALL = [(op, b) for op, bs in BACKENDS.items() for b in bs]
 
 
 def attn_cases(op, **over):
     return cases(op, transform=heads, **{**SMALL[op], **over})
 
 
-@pytest.mark.parametrize("op, backend", ALL)
+@pytest.mark.parity_backends(by_op=BACKENDS)
 @given(data=st.data())
 def test_attention(parity, op, backend, data):
     parity.check(data.draw(attn_cases(op)).with_backend(backend))
 
 
 # -- invariants on the kernels ------------------------------------------------------------------
-@pytest.mark.parametrize("backend", ["triton", "cpu", "torch"])
+@pytest.mark.parity_backends("triton", "cpu", "torch")
 @given(case=attn_cases("attention.decode", hkv=[2], hq=(2, 4)))
 def test_gqa_equals_mha_with_repeated_kv(backend, case):
     case = case.with_backend(backend)
@@ -78,7 +77,7 @@ def test_gqa_equals_mha_with_repeated_kv(backend, case):
     runs.assert_close(case, runs.run(mha, y), runs.run(case, x), f"the {case.p['hkv']} kv heads were repeated {g}x")
 
 
-@pytest.mark.parametrize("backend", ["triton", "cpu", "torch"])
+@pytest.mark.parity_backends("triton", "cpu", "torch")
 @given(case=attn_cases("attention.decode_paged"), perm_seed=st.integers(0, 2**32 - 1))
 def test_paged_equals_contiguous_and_page_order_is_irrelevant(backend, case, perm_seed):
     case = case.with_backend(backend)
@@ -100,7 +99,7 @@ def test_paged_equals_contiguous_and_page_order_is_irrelevant(backend, case, per
                       "the paged cache was laid out contiguously")
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parity_backends("triton", "torch")
 @given(case=attn_cases("attention.decode_split"), other=st.integers(1, 9))
 def test_split_kv_result_independent_of_splits(backend, case, other):
     case = case.with_backend(backend)
@@ -111,7 +110,7 @@ def test_split_kv_result_independent_of_splits(backend, case, other):
                       f"{other} splits were used instead of {case.p['splits']}")
 
 
-@pytest.mark.parametrize("backend", ["triton", "cpu", "torch"])
+@pytest.mark.parity_backends("triton", "cpu", "torch")
 @given(case=attn_cases("attention.prefill", causal=["bottom_right"]))
 def test_alignments_agree_when_square(backend, case):
     p = {**case.p, "sk": case.p["sq"]}
@@ -121,7 +120,7 @@ def test_alignments_agree_when_square(backend, case):
     runs.assert_close(br, runs.run(tl, x), runs.run(br, x), "top_left alignment was used with s_q == s_k")
 
 
-@pytest.mark.parametrize("backend", ["triton", "cpu", "torch", "sdpa-cpu"])
+@pytest.mark.parity_backends("triton", "cpu", "torch", "sdpa-cpu")
 @given(case=attn_cases("attention.prefill", causal=["bottom_right", "top_left", "none"]), seed=st.integers(0, 2**32 - 1))
 def test_masked_keys_change_nothing(backend, case, seed):
     case = case.with_backend(backend)

@@ -21,13 +21,13 @@ BACKENDS = ("triton", "cpu", "torch")
 SMALL = dict(splits=(1, 20), rows=(1, 40), dv=(1, 160))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parity_backends(*BACKENDS)
 @given(case=cases("combine.lse_combine", **SMALL))
 def test_lse_combine(parity, backend, case):
     parity.check(case.with_backend(backend))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parity_backends(*BACKENDS)
 @given(case=cases("combine.lse_combine", splits=(1, 1), rows=(1, 40), dv=(1, 160), dists=("normal", "spread", "neg_large")))
 def test_combine_of_one_split_is_that_split(parity, backend, case):
     rec, a = parity.arrays(case.with_backend(backend))
@@ -41,7 +41,7 @@ def test_combine_of_one_split_is_that_split(parity, backend, case):
         f"LSE of a one-split combine differs from the split's LSE\n  repro: {rec['repro']}")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parity_backends(*BACKENDS)
 @given(case=cases("combine.lse_combine", splits=(2, 20), rows=(1, 20), dv=(1, 130)), perm_seed=st.integers(0, 2**32 - 1))
 def test_combine_independent_of_split_order(parity, backend, case, perm_seed):
     case = case.with_backend(backend)

@@ -8,7 +8,7 @@ from property_tests.strategies import cases
 SMALL = dict(b=(1, 4), snew=(1, 8), hkv=(1, 4), d=[1, 16, 64, 96], smax=(1, 80))
 
 
-@pytest.mark.parametrize("backend", ["triton", "cpu", "torch"])
+@pytest.mark.parity_backends("triton", "cpu", "torch")
 @given(case=cases("kvcache.update", transform=lambda p: {**p, "smax": max(p["smax"], p["snew"])}, **SMALL))
 def test_kvcache_update(parity, backend, case):
     parity.check(case.with_backend(backend))

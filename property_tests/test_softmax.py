@@ -21,19 +21,19 @@ BACKENDS = ("triton", "cpu", "torch")
 SMALL = dict(rows=(1, 6), n=(1, 700))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parity_backends(*BACKENDS)
 @given(case=cases("softmax.softmax", **SMALL))
 def test_softmax(parity, backend, case):
     parity.check(case.with_backend(backend))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parity_backends(*BACKENDS)
 @given(case=cases("softmax.online_softmax", **SMALL))
 def test_online_softmax(parity, backend, case):
     parity.check(case.with_backend(backend))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parity_backends(*BACKENDS)
 @given(case=cases("softmax.softmax", dists=("grid",), **SMALL))
 def test_softmax_shift_invariance_bitwise(parity, backend, case):
     """softmax(x + 16) == softmax(x) bit for bit when x and x + 16 are exact: the kernel subtracts the max."""

@@ -227,7 +227,8 @@ def render(doc: dict, diff: Any = None) -> str:
     return _env().get_template("report.html.j2").render(
         header=[(label, header.get(key)) for key, label in HEADER_FIELDS],
         title=f"kernel-parity · {header.get('suite') or 'results'} · {header.get('device') or '?'}",
-        passed=records.passed(results), total=len(results),
+        passed=records.doc_passed(doc), total=len(results), incomplete=records.status_line(doc),
+        stale=records.stale_entries(doc),
         counts=[(v, counts[v]) for v in records.VERDICTS if counts.get(v)],
         ops=ops, columns=columns, cells=cells,
         failures=[v for v in views if v["verdict"] in records.FAILING],

@@ -2,7 +2,9 @@
 
 One <testsuite> per op, one <testcase classname="<op>.<backend>" name="<id>"> per record:
 fail and flaky -> <failure> (type = kind, or "flaky"), error/crash/timeout -> <error> (type =
-verdict), skip -> <skipped>, vacuous passes with a <system-out> saying so. Header fields become
+verdict), skip -> <skipped>, vacuous passes with a <system-out> saying so. An incomplete file adds
+an <error type="incomplete"> and each stale known-failures entry a <failure type="stale"> in a
+"kernel-parity.run" suite, so CI never reads an unfinished or stale run as green. Header fields become
 <properties> of every suite. ElementTree does the escaping; characters XML 1.0 cannot hold
 (ANSI escapes from a crash log, NUL) are written as \\xNN.
 """
@@ -95,6 +97,18 @@ def to_element(doc: dict) -> ET.Element:
             if header.get(key) is not None:
                 ET.SubElement(props, "property", name=key, value=_clean(header[key]))
         suite.extend(_testcase(r) for r in by_op[op])
+    status, stale = records.status_line(doc), records.stale_entries(doc)
+    if status or stale:  # the run itself did not pass: CI must see a failing test for it
+        suite = ET.SubElement(root, "testsuite", name="kernel-parity.run", tests=str(bool(status) + len(stale)),
+                              failures=str(len(stale)), errors=str(int(bool(status))), skipped="0", time="0")
+        if status:
+            tc = ET.SubElement(suite, "testcase", classname="kernel-parity.run", name="complete", time="0")
+            ET.SubElement(tc, "error", message=_clean(status), type="incomplete").text = _clean(status)
+        for label in stale:
+            tc = ET.SubElement(suite, "testcase", classname="kernel-parity.run", name=_clean(f"known:{label}"),
+                               time="0")
+            ET.SubElement(tc, "failure", message="stale known-failures entry: it matches no case that ran",
+                          type="stale").text = _clean(label)
     return root
 
 

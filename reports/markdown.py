@@ -56,10 +56,15 @@ def render(doc: dict) -> str:
     header = doc.get("header") or {}
     results = doc.get("results") or []
     counts = records.summary(results)
-    ok = records.passed(results)
+    ok = records.doc_passed(doc)
     badge = "✅ **PASS**" if ok else "❌ **FAIL**"
     suite = _text(header.get("suite") or "results")
     lines = [f"### kernel-parity {suite}: {badge}", ""]
+    status = records.status_line(doc)
+    if status:
+        lines += [f"**{_text(status)}**", ""]
+    for label in records.stale_entries(doc):
+        lines += [f"**stale known-failures entry:** {_code(label)}", ""]
     where = [f"{_text(header[k])}" for k in ("device", "driver") if header.get(k)]
     if header.get("git_commit"):
         where.append(f"commit {_code(str(header['git_commit'])[:12])}")

@@ -1,17 +1,21 @@
-"""Result records: the JSON document every report is rendered from.
+"""Result records: the results file every report is rendered from.
 
 Writers in reports/ read this document only; they never import the runner or the kernels.
 
-Schema `kernel-parity/results/1`:
+A results file (schema `kernel-parity/results/2`) is JSON lines, streamed as cases finish, so a
+run that is killed keeps every case it finished:
 
-    {
-      "schema": "kernel-parity/results/1",
-      "header": {
-        "package_version", "git_commit", "device", "driver", "python", "platform",
-        "numpy", "torch", "triton", "time" (UTC ISO-8601), "command", "suite"
-      },
-      "results": [ record, ... ]
-    }
+    {"schema": "kernel-parity/results/2", "header": {...}}      first line
+    {record}                                                     one line per finished case
+    ...
+    {"complete": {"cases": N, "elapsed_s": ..., ...}}           last line, only when the run ended
+
+The header holds package_version, git_commit, device, driver, python, platform, numpy, torch,
+triton, time (UTC ISO-8601), command, suite, and `planned` (the number of cases the run set out
+to do) with `selection` (what `parity run --resume` needs to re-derive them). A file without the
+completion line is *incomplete*: reports show "incomplete: N of M cases" and never PASS.
+Files of the previous schema `kernel-parity/results/1` (one JSON document with "results": [...],
+the committed baselines) are read as complete.
 
 One record per case:
 
@@ -20,6 +24,8 @@ One record per case:
     verdict     pass | fail | error | crash | timeout | skip | vacuous | flaky | xfail | xpass
                 (xfail: a listed known failure that still fails; xpass: one that now passes)
     kind        for fail: "structural" | "exact" | "numeric" | "noise"; else null
+    tier        the limits that judged it: "production" (our kernels and every plugin) or
+                "baseline" (the op's eager same-precision baseline); null when not judged
     reason      one line: why it failed / was skipped / raised (null for pass)
     message     the multi-line failure message (first line what, then where, then repro), or null
     repro       the shell command that replays the case
@@ -28,7 +34,7 @@ One record per case:
                    "dtype", "shape", "exact" (bool),
                    "metrics": {numel, max_abs, max_rel, rmse, nmse, cos_diff, max_ulp,
                                mismatch, mismatch_frac, max_ref, nonfinite_ref},
-                   "limits": {atol, rtol, cos_diff, nmse} (numeric outputs),
+                   "limits": {atol, rtol, cos_diff, nmse, cos_diff_eff, nmse_eff} (numeric outputs),
                    "layers": {layer: {"ok": bool | null, "detail": str}},
                    "worst": [{"index": [...], "got", "expected", "abs", "rel"}],   (at most 5)
                    "noise": {"err", "baseline_err", "k", "floor", "limit"} or null
@@ -38,7 +44,9 @@ One record per case:
     timing      {"inputs_s", "golden_s", "kernel_s", "total_s"}
 
 Floats are written with `repr` precision (json's default), so metrics round-trip to the bit;
-NaN and infinities are written as the strings "nan", "inf", "-inf".
+NaN and infinities are written as the strings "nan", "inf", "-inf". Every line is validated on
+read: a file that is not a results file, or a record of the wrong shape, is a RecordsError naming
+the file, the line and the key.
 """
 
 from __future__ import annotations
@@ -46,18 +54,22 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-SCHEMA = "kernel-parity/results/1"
+from reports import files
+
+SCHEMA = "kernel-parity/results/2"
+SCHEMA_V1 = "kernel-parity/results/1"  # read-only: one JSON document (committed baselines)
 VERDICTS = ("fail", "error", "crash", "timeout", "flaky", "xpass", "xfail", "vacuous", "skip", "pass")
 FAILING = frozenset({"fail", "error", "crash", "timeout", "flaky", "xpass"})
+KINDS = ("structural", "exact", "numeric", "noise")
+TIERS = ("production", "baseline")
 
 
 class RecordsError(ValueError):
-    """A results file that is not a kernel-parity results document."""
+    """A results file that is not a kernel-parity results document (one line, names the file)."""
 
 
 def _encode(x: Any) -> Any:
@@ -91,47 +103,266 @@ def _decode_metrics(rec: dict) -> dict:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to `path` so that readers see the old file or the whole new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        # mkstemp makes 0600; a report is for others to read (CI artifacts, a web server)
-        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write `text` to `path`: atomically for a file, through a symlink, into a device or FIFO."""
+    files.write_text(path, text)
 
 
-def dump(header: dict, results: list[dict]) -> str:
-    """The document as JSON: header indented, one compact line per record (diffs stay readable)."""
-    head = json.dumps(_encode(header), indent=1, allow_nan=False).replace("\n", "\n ")
-    lines = [json.dumps(_encode(r), separators=(",", ":"), allow_nan=False) for r in results]
-    body = ",\n  ".join(lines)
-    return (f'{{\n "schema": {json.dumps(SCHEMA)},\n "header": {head},\n "results": [\n  {body}\n ]\n}}\n'
-            if lines else f'{{\n "schema": {json.dumps(SCHEMA)},\n "header": {head},\n "results": []\n}}\n')
+def _line(obj: Any) -> str:
+    return json.dumps(_encode(obj), separators=(",", ":"), allow_nan=False)
 
 
-def write(path: str | os.PathLike, header: dict, results: list[dict]) -> None:
-    atomic_write_text(path, dump(header, results))
+def dump(header: dict, results: list[dict], complete: dict | None = None) -> str:
+    """A whole results file as text: header line, one line per record, the completion line."""
+    if complete is None:
+        complete = {"cases": len(results)}
+    lines = [_line({"schema": SCHEMA, "header": header}), *(_line(r) for r in results),
+             _line({"complete": complete})]
+    return "\n".join(lines) + "\n"
+
+
+def write(path: str | os.PathLike, header: dict, results: list[dict], complete: dict | None = None) -> None:
+    """Write a finished run's results file in one go (atomically for a regular file)."""
+    atomic_write_text(path, dump(header, results, complete))
+
+
+class Stream:
+    """A results file written as the run goes: `add` each record, `finish` with the completion line.
+
+    Every line is flushed as it is written, so a process killed at any point leaves a file that
+    `load` reads as incomplete (a torn last line is ignored) and `parity run --resume` continues.
+    """
+
+    def __init__(self, f: IO[str]) -> None:
+        self._f = f
+
+    @classmethod
+    def create(cls, path: str | os.PathLike, header: dict) -> "Stream":
+        s = cls(files.open_stream(path))
+        s._write({"schema": SCHEMA, "header": header})
+        return s
+
+    @classmethod
+    def reopen(cls, path: str | os.PathLike) -> "Stream":
+        """Append to a file `load` read as incomplete, after cutting a torn last line."""
+        with open(path, "rb+") as f:
+            data = f.read()
+            keep = data.rfind(b"\n") + 1
+            f.truncate(keep)
+        return cls(files.open_stream(path, append=True))
+
+    def _write(self, obj: Any) -> None:
+        self._f.write(_line(obj) + "\n")
+        self._f.flush()
+
+    def add(self, rec: dict) -> None:
+        self._write(rec)
+
+    def finish(self, complete: dict) -> None:
+        self._write({"complete": complete})
+        self.close()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+
+# -- reading, with validation -------------------------------------------------------------------
+_STR = (str,)
+_OPT_STR = (str, type(None))
+_NUM = (int, float)
+_OPT_NUM = (int, float, type(None))
+_RECORD_KEYS: dict[str, tuple[type, ...]] = {
+    "id": _STR, "op": _STR, "backend": _STR, "dtype": _STR, "dist": _STR, "seed": (int,),
+    "params": (dict,), "verdict": _STR, "kind": _OPT_STR, "reason": _OPT_STR, "message": _OPT_STR,
+    "repro": _OPT_STR, "norm_err": _OPT_NUM, "outputs": (dict,), "layers": (dict,),
+    "recheck": (dict, type(None)), "timing": (dict,),
+}
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", dict: "an object", list: "a list",
+               type(None): "null", bool: "a boolean"}
+
+
+def _expect(types: tuple[type, ...]) -> str:
+    names = []
+    for t in types:
+        n = _TYPE_NAMES.get(t, t.__name__)
+        if n not in names and not (t is int and float in types):
+            names.append(n)
+    return " or ".join(names)
+
+
+def _is(x: Any, types: tuple[type, ...]) -> bool:
+    return isinstance(x, types) and not (isinstance(x, bool) and bool not in types)
+
+
+def check_record(rec: Any, where: str) -> dict:
+    """`rec` if it has the shape of a result record, else RecordsError naming `where` and the key."""
+    if not isinstance(rec, dict):
+        raise RecordsError(f"{where}: a record must be a JSON object, got {_TYPE_NAMES.get(type(rec), type(rec).__name__)}")
+    for key, types in _RECORD_KEYS.items():
+        if key not in rec:
+            raise RecordsError(f"{where}: record lacks {key!r}")
+        if not _is(rec[key], types) and not (key == "norm_err" and rec[key] in _SPECIAL):
+            raise RecordsError(f"{where}: record {key!r} must be {_expect(types)}, got {rec[key]!r:.60}")
+    if not rec["id"]:
+        raise RecordsError(f"{where}: record 'id' is empty")
+    if rec["verdict"] not in VERDICTS:
+        raise RecordsError(f"{where}: record 'verdict' {rec['verdict']!r} is not one of {', '.join(VERDICTS)}")
+    if rec["kind"] is not None and rec["kind"] not in KINDS:
+        raise RecordsError(f"{where}: record 'kind' {rec['kind']!r} is not one of {', '.join(KINDS)} or null")
+    if rec.get("tier") is not None and rec["tier"] not in TIERS:
+        raise RecordsError(f"{where}: record 'tier' {rec['tier']!r} is not one of {', '.join(TIERS)} or null")
+    if rec["seed"] < 0:
+        raise RecordsError(f"{where}: record 'seed' must be >= 0, got {rec['seed']}")
+    for name, out in rec["outputs"].items():
+        if not isinstance(out, dict):
+            raise RecordsError(f"{where}: output {name!r} must be an object")
+        for group in ("metrics", "limits", "noise"):
+            d = out.get(group)
+            if d is None:
+                continue
+            if not isinstance(d, dict):
+                raise RecordsError(f"{where}: output {name!r} {group!r} must be an object or null")
+            for k, v in d.items():
+                if not _is(v, _OPT_NUM) and not (isinstance(v, str) and v in _SPECIAL):
+                    raise RecordsError(f"{where}: output {name!r} {group}.{k} must be a number, got {v!r:.40}")
+        if not isinstance(out.get("worst", []), list) or not all(isinstance(w, dict) for w in out.get("worst", [])):
+            raise RecordsError(f"{where}: output {name!r} 'worst' must be a list of objects")
+        if not isinstance(out.get("layers", {}), dict):
+            raise RecordsError(f"{where}: output {name!r} 'layers' must be an object")
+    return _decode_metrics(rec)
+
+
+def _check_header(header: Any, where: str) -> dict:
+    if not isinstance(header, dict):
+        raise RecordsError(f"{where}: 'header' must be a JSON object")
+    planned = header.get("planned")
+    if planned is not None and (not _is(planned, (int,)) or planned < 0):
+        raise RecordsError(f"{where}: header 'planned' must be a non-negative integer or null, got {planned!r:.40}")
+    return header
 
 
 def load(path: str | os.PathLike) -> dict:
-    """Read a results document; raises RecordsError naming the file on anything else."""
+    """Read a results file: {"schema", "header", "results", "complete" (dict, or None if incomplete)}.
+
+    Raises RecordsError naming the file (and line) on anything that is not a results file.
+    """
+    name = str(path)
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = Path(path).read_bytes()
     except FileNotFoundError:
-        raise RecordsError(f"results file {str(path)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RecordsError(f"results file {str(path)!r} is not readable JSON: {e}") from None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-        found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
-        raise RecordsError(f"results file {str(path)!r} has schema {found!r}, expected {SCHEMA!r}")
-    doc["results"] = [_decode_metrics(r) for r in doc.get("results", [])]
-    return doc
+        raise RecordsError(f"results file {name!r} does not exist") from None
+    except IsADirectoryError:
+        raise RecordsError(f"results file {name!r} is a directory") from None
+    except OSError as e:
+        raise RecordsError(f"results file {name!r} is not readable: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RecordsError(f"results file {name!r} is not UTF-8 text") from None
+    if not text.strip():
+        raise RecordsError(f"results file {name!r} is empty")
+    first = text.lstrip()[:1]
+    if first != "{":
+        raise RecordsError(f"results file {name!r} is not a kernel-parity results file (it does not start with a JSON object)")
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        doc = None
+    if isinstance(doc, dict) and "results" in doc:
+        return _load_v1(doc, name)
+    if isinstance(doc, dict) and doc.get("schema") not in (SCHEMA, None):
+        raise RecordsError(f"results file {name!r} has schema {doc.get('schema')!r}, expected {SCHEMA!r}")
+    return _load_lines(text, name)
+
+
+def _load_v1(doc: dict, name: str) -> dict:
+    if doc.get("schema") != SCHEMA_V1:
+        raise RecordsError(f"results file {name!r} has schema {doc.get('schema')!r}, expected {SCHEMA!r}")
+    header = _check_header(doc.get("header", {}), f"results file {name!r}")
+    results = doc["results"]
+    if not isinstance(results, list):
+        raise RecordsError(f"results file {name!r}: 'results' must be a list")
+    if not results:
+        raise RecordsError(f"results file {name!r} holds no results")
+    recs = [check_record(r, f"results file {name!r} record {i + 1}") for i, r in enumerate(results)]
+    return {"schema": SCHEMA, "header": header, "results": recs, "complete": {"cases": len(recs)}}
+
+
+def _load_lines(text: str, name: str) -> dict:
+    lines = text.split("\n")
+    torn = lines[-1] != ""  # the last line of a killed run may be cut short
+    if not torn:
+        lines = lines[:-1]
+    header = None
+    results: dict[str, dict] = {}
+    complete = None
+    for n, line in enumerate(lines, 1):
+        where = f"results file {name!r} line {n}"
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            if torn and n == len(lines) and header is not None:
+                break  # a torn last line: the run was killed while writing it
+            raise RecordsError(f"{where} is not valid JSON: {e.msg}") from None
+        if header is None:
+            if not isinstance(obj, dict) or "schema" not in obj:
+                raise RecordsError(f"results file {name!r} has schema None, expected {SCHEMA!r}")
+            if obj["schema"] != SCHEMA:
+                raise RecordsError(f"results file {name!r} has schema {obj['schema']!r}, expected {SCHEMA!r}")
+            header = _check_header(obj.get("header", {}), where)
+            continue
+        if complete is not None:
+            raise RecordsError(f"{where}: a line after the completion record")
+        if isinstance(obj, dict) and set(obj) == {"complete"}:
+            if not isinstance(obj["complete"], dict):
+                raise RecordsError(f"{where}: 'complete' must be a JSON object")
+            complete = obj["complete"]
+            continue
+        rec = check_record(obj, where)
+        results[rec["id"]] = rec  # a case recorded twice (a resumed run) keeps its last record
+    if header is None:
+        raise RecordsError(f"results file {name!r} has no header line")
+    if complete is not None and not results:
+        raise RecordsError(f"results file {name!r} holds no results")
+    return {"schema": SCHEMA, "header": header, "results": list(results.values()), "complete": complete}
+
+
+def incomplete(doc: dict) -> tuple[int, int | None] | None:
+    """(cases done, cases planned or None) for a file without its completion record; else None.
+
+    A document is incomplete when it says so ("complete": None, as `load` returns for a file
+    without its completion line); in-memory documents without the key are finished runs."""
+    if "complete" not in doc or doc["complete"] is not None:
+        return None
+    planned = (doc.get("header") or {}).get("planned")
+    return len(doc.get("results") or []), planned
+
+
+def status_line(doc: dict) -> str | None:
+    """'incomplete: N of M cases' for an incomplete document, else None."""
+    inc = incomplete(doc)
+    if inc is None:
+        return None
+    done, planned = inc
+    return f"incomplete: {done} of {planned if planned is not None else '?'} cases (the run did not finish)"
+
+
+def stale_entries(doc: dict) -> list[str]:
+    """Known-failure entries that matched nothing (from the completion record or a v1 header)."""
+    for src in (doc.get("complete") or {}, doc.get("header") or {}):
+        kf = src.get("known_failures")
+        if isinstance(kf, dict) and isinstance(kf.get("stale"), list):
+            return [str(s) for s in kf["stale"]]
+    return []
+
+
+def doc_passed(doc: dict) -> bool:
+    """The gate's verdict on a whole document: complete, not empty, nothing failing, nothing stale."""
+    results = doc.get("results") or []
+    return (incomplete(doc) is None and bool(results) and passed(results)
+            and not stale_entries(doc))
 
 
 def worst_verdict(verdicts: list[str]) -> str:

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from reports import records
 from conformance import known, ops
 from conformance.backends import Registry
 from conformance.cli import main
@@ -57,7 +58,7 @@ def test_known_failures_file_drives_the_gate(tmp_path):
     common = ["gate", "--suite", "smoke", "--op", case, "--backend", "tests.third_party:NOISY", "--no-progress",
               "-q", "--json", str(out), "--known-failures", str(table)]
     assert main(common + ["--dtype", "fp16"]) == 0  # every failure is a listed one
-    assert {r["verdict"] for r in json.loads(out.read_text())["results"]} == {"xfail"}
+    assert {r["verdict"] for r in records.load(out)["results"]} == {"xfail"}
     assert main(common) == 1  # fp32 and bf16 failures are not listed
     good = ["gate", "--suite", "smoke", "--op", case, "--backend", "tests.third_party:GOOD", "--no-progress", "-q",
             "--known-failures", str(table)]

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from reports import records
 from conformance.cli import main
 
 SMOKE = ["--suite", "smoke", "--op", "softmax.softmax", "--no-progress", "-q"]
@@ -13,7 +14,7 @@ SMOKE = ["--suite", "smoke", "--op", "softmax.softmax", "--no-progress", "-q"]
 def gate(tmp_path, *extra):
     out = tmp_path / "r.json"
     code = main(["gate", *SMOKE, "--json", str(out), *extra])
-    return code, json.loads(out.read_text()) if out.exists() else None
+    return code, records.load(out) if out.exists() else None
 
 
 def test_good_third_party_backend_passes(tmp_path):
@@ -50,12 +51,12 @@ def test_missing_max_subtraction_is_caught_on_large_logits(tmp_path):
     code = main(["gate", "--suite", "ci", "--op", "softmax.softmax", "--dist", "large", "--dtype", "fp32",
                  "--backend", "tests.third_party:NO_MAX", "--no-progress", "-q", "--json", str(out)])
     assert code == 1
-    verdicts = {r["verdict"] for r in json.loads(out.read_text())["results"]}
+    verdicts = {r["verdict"] for r in records.load(out)["results"]}
     assert "fail" in verdicts
 
 
 def test_crash_is_isolated_and_recorded(tmp_path):
-    code, doc = gate(tmp_path, "--backend", "tests.third_party:CRASHES", "--isolate")
+    code, doc = gate(tmp_path, "--backend", "tests.third_party:CRASHES")
     assert code == 1
     assert len(doc["results"]) == 6
     assert {r["verdict"] for r in doc["results"]} == {"crash"}
@@ -67,7 +68,7 @@ def test_hang_is_a_timeout(tmp_path):
     code = main(["gate", "--suite", "smoke", "--op", "softmax.softmax", "--dtype", "fp32", "--dist", "normal",
                  "--backend", "tests.third_party:HANGS", "--timeout", "2", "--no-progress", "-q", "--json", str(out)])
     assert code == 1
-    (rec,) = json.loads(out.read_text())["results"]
+    (rec,) = records.load(out)["results"]
     assert rec["verdict"] == "timeout" and "2 s" in rec["reason"]
 
 

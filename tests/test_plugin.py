@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+from reports import records
+
 ROOT = Path(__file__).resolve().parent.parent
 
 TEST_FILE = '''
@@ -34,11 +36,14 @@ def test_plugin_writes_reports_and_failures_name_their_case(pytester, monkeypatc
     assert "repro: parity repro softmax.softmax/np_noisy/fp16/" in out
     assert "case softmax.softmax/np_noisy/fp16/rows=1,n=2,pad=0/normal/seed=0" in out  # shrunk to the smallest
     assert "kernel-parity:" in out and "-> r.json, r.html, r.xml" in out
-    doc = json.loads((pytester.path / "r.json").read_text())
+    doc = records.load(pytester.path / "r.json")
     verdicts = {r["backend"]: set() for r in doc["results"]}
     for r in doc["results"]:
         verdicts[r["backend"]].add(r["verdict"])
     assert verdicts["cpu"] == {"pass"} and "fail" in verdicts["np_noisy"]
+    # Only final examples are records: the shrunk failing example, not the shrinking steps.
+    noisy_fails = [r["id"] for r in doc["results"] if r["backend"] == "np_noisy" and r["verdict"] == "fail"]
+    assert noisy_fails == ["softmax.softmax/np_noisy/fp16/rows=1,n=2,pad=0/normal/seed=0"]
     assert (pytester.path / "r.html").read_text().startswith("<!DOCTYPE html>")
 
 
@@ -48,3 +53,33 @@ def test_plugin_is_inert_without_options(pytester, monkeypatch):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     assert "kernel-parity:" not in result.stdout.str()
+
+
+PINNED_TEST = '''
+import json, os
+from hypothesis import given, strategies as st
+from conformance import profiles
+
+profiles.load("ci")
+if os.environ.get("KP_EXTRA_MODULE"):
+    import extra_constants  # noqa: F401  (a local module full of constants, as a bigger selection imports)
+
+
+@given(st.integers(0, 10**9), st.floats(-1e6, 1e6), st.text(max_size=5))
+def test_draws(x, y, z):
+    with open("draws.jsonl", "a") as f:
+        f.write(json.dumps([x, y, z]) + "\\n")
+'''
+
+
+def test_ci_profile_draws_the_same_examples_whatever_else_is_imported(pytester, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    consts = "\n".join(f"C{i} = {123456789 + 7919 * i}\nF{i} = {i}.{i}25e3\nS{i} = 'kp{i}'" for i in range(300))
+    pytester.makepyfile(test_pinned=PINNED_TEST, extra_constants=consts)
+    draws = []
+    for extra in ("", "1"):
+        monkeypatch.setenv("KP_EXTRA_MODULE", extra)
+        (pytester.path / "draws.jsonl").unlink(missing_ok=True)
+        pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+        draws.append((pytester.path / "draws.jsonl").read_text())
+    assert draws[0] == draws[1] and draws[0].count("\n") >= 30

@@ -249,12 +249,12 @@ def test_records_round_trip_bit_exact(tmp_path) -> None:
 def test_records_load_rejects_other_files(tmp_path) -> None:
     other = tmp_path / "package.json"
     other.write_text('{"name": "not-results"}')
-    with pytest.raises(records.RecordsError, match=r"package\.json.*schema None.*kernel-parity/results/1"):
+    with pytest.raises(records.RecordsError, match=r"package\.json.*schema None.*kernel-parity/results/2"):
         records.load(other)
     with pytest.raises(records.RecordsError, match=r"does not exist"):
         records.load(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(records.RecordsError, match=r"not readable JSON"):
+    with pytest.raises(records.RecordsError, match=r"line 1 is not valid JSON"):
         records.load(tmp_path / "bad.json")
 
 

@@ -7,8 +7,8 @@ import pytest
 
 from conformance import dtypes as dt
 from conformance.metrics import Limits
-from conformance.tolerance import (DTYPE_DEFAULTS, Override, Tol, noise_layer, numeric_layer,
-                                   zero_output_passes)
+from conformance.tolerance import (AGG_FLOOR, DTYPE_DEFAULTS, Override, Tier, Tol, aggregate_limits, noise_layer,
+                                   numeric_layer, zero_output_passes)
 from conformance.metrics import compare
 
 F16 = dt.get("fp16")
@@ -59,6 +59,52 @@ def test_noise_layer_ratio_and_nonzero_floor():
     tol = Tol()
     assert tol.noise_floor(F16, 0.0) > 0  # never zero, even for an all-zero golden
     assert tol.noise_floor(F16, 2.0) == 2.0 * F16.eps * 2.0
+    assert tol.noise_floor(F16, 1e-9, atol=1e-5) == AGG_FLOOR * 1e-5  # the absolute floor
+
+
+def test_noise_floor_carries_the_fp32_accumulation_allowance():
+    tol = Tol(acc_len=lambda p, out: p["n"])
+    f32 = dt.get("fp32")
+    assert tol.noise_floor(f32, 1.0, 0.0, {"n": 256}, "o") == 2.0 * (f32.eps + f32.eps * 16) * 1.0
+    assert tol.noise_floor(F16, 1.0, 0.0, {"n": 256}, "o") == 2.0 * (F16.eps + f32.eps * 16) * 1.0
+
+
+def test_aggregate_limits_have_an_absolute_floor():
+    """One LSE value off by 3e-8 against atol 1e-5: elementwise passes by 300x, and so must the
+    aggregates (without the floor its cos_diff of 1.3e-11 fails the fp32 limit of 1e-12)."""
+    f32 = dt.get("fp32")
+    lim = DTYPE_DEFAULTS["fp32"]
+    ref = np.array([-0.005891263484954834])
+    c = compare(np.array([-0.005891233682632446], dtype=np.float32), ref, f32, lim)
+    assert c.metrics["cos_diff"] > lim.cos_diff and c.elem_ratio < 0.01
+    res, _ = numeric_layer(c.metrics, c.elem_ratio, lim)
+    assert res.ok
+    cos, nmse = aggregate_limits(c.metrics, lim)
+    assert cos > lim.cos_diff and nmse > lim.nmse
+    # At unit scale the floor is far below the declared limits: they stay in force.
+    big = np.linspace(-2, 2, 1000)
+    c = compare((big * (1 + 1e-5)).astype(np.float32), big, f32, lim)
+    assert aggregate_limits(c.metrics, lim) == (lim.cos_diff, lim.nmse)
+    res, _ = numeric_layer(c.metrics, c.elem_ratio, lim)
+    assert not res.ok and "cos_diff" in res.detail
+
+
+def test_tiers_are_declared_with_reasons_and_only_loosen_the_baseline():
+    base = Tier("eager rounds its logits", overrides=(Override("eager bf16", dtype="bf16", cos_diff=2.5e-4),))
+    tol = Tol(overrides=(Override("FlashMLA", dtype="bf16", cos_diff=1e-5),), baseline=base)
+    bf16 = dt.get("bf16")
+    assert tol.limits("o", bf16, {}).cos_diff == 1e-5
+    assert tol.limits("o", bf16, {}, "production").cos_diff == 1e-5
+    assert tol.limits("o", bf16, {}, "baseline").cos_diff == 2.5e-4
+    with pytest.raises(ValueError, match="reason"):
+        Tier(" ")
+    with pytest.raises(ValueError, match="unknown tolerance tier"):
+        tol.limits("o", bf16, {}, "lenient")
+
+
+def test_a_dtype_without_default_limits_is_an_error_not_limits_of_zero():
+    with pytest.raises(KeyError, match="no default limits for output dtype 'int32'"):
+        Tol().limits("y", dt.get("int32"), {})
 
 
 def test_trust_layer_flags_a_vacuous_reference():
@@ -68,6 +114,8 @@ def test_trust_layer_flags_a_vacuous_reference():
     assert not zero_output_passes(0.0, 1e-5, lim, has_nonzero=False)  # zero is the right answer
     with_cos = Limits(atol=1e-5, rtol=1e-3, cos_diff=1e-5)
     assert not zero_output_passes(1e-6, 1e-5, with_cos, has_nonzero=True)  # cos_diff of 0 vs b is 1
+    assert not zero_output_passes(1e-6, 1e-5, with_cos, True, rms_ref=5e-6)
+    assert zero_output_passes(1e-6, 1e-5, with_cos, True, rms_ref=5e-7)  # under the aggregates' floor
 
 
 def test_scale_aware_atol():

@@ -70,6 +70,37 @@ def _hangs(case, x, y):
     time.sleep(600)
 
 
+def _exits_zero(case, x, y):  # exit(0) from inside a kernel: must never read as a pass
+    os._exit(0)
+
+
+def _sys_exit(case, x, y):
+    raise SystemExit(0)
+
+
+def _segfaults(case, x, y):
+    import ctypes
+
+    ctypes.string_at(0)
+
+
+def _by_case(case, x, y):
+    """Different misbehaviour per case, for one gate run that must survive all of them."""
+    p = case.p
+    if p["rows"] == 1:
+        _exits_zero(case, x, y)
+    elif p["rows"] == 4:
+        _segfaults(case, x, y)
+    elif p["rows"] == 5:
+        time.sleep(600)
+    _good(case, x, y)
+
+
+def _slow(case, x, y):  # a correct kernel that takes its time (for the killed-run self-test)
+    time.sleep(float(os.environ.get("KP_TEST_SLOW_S", "0.3")))
+    _good(case, x, y)
+
+
 def _writes_input(case, x, y):
     y[...] = _softmax(x).astype(y.dtype)
     x[0, 0] = 0
@@ -84,6 +115,73 @@ RAISES = _make("np_raises", _raises)
 CRASHES = _make("np_crashes", _crashes)
 HANGS = _make("np_hangs", _hangs)
 WRITES_INPUT = _make("np_writes_input", _writes_input)
+EXITS_ZERO = _make("np_exits_zero", _exits_zero)
+SYS_EXIT = _make("np_sys_exit", _sys_exit)
+SEGFAULTS = _make("np_segfaults", _segfaults)
+BY_CASE = _make("np_by_case", _by_case)
+SLOW = _make("np_slow", _slow)
+NAMED_TRITON = _make("triton", _good)  # a plugin may not take a built-in backend's name
+
+
+def _factory_raises():
+    raise RuntimeError("cannot open the device")
+
+
+FACTORY_RAISES = _factory_raises
+
+
+class _HookRaises(Backend):
+    def __init__(self, name: str, hook: str) -> None:
+        super().__init__(name=name, device="cpu", ops={"softmax.softmax": GOOD.ops["softmax.softmax"]})
+        self.hook = hook
+
+    def available(self):
+        if self.hook == "available":
+            raise RuntimeError("driver query failed")
+        return None
+
+    def supports(self, case):
+        if self.hook == "supports":
+            raise KeyError("rows")
+        return super().supports(case)
+
+
+SUPPORTS_RAISES = _HookRaises("np_supports_raises", "supports")
+AVAILABLE_RAISES = _HookRaises("np_available_raises", "available")
+
+
+class _Contract(Backend):
+    """Rows whose every logit is -inf are outside this kernel's contract (it writes NaN there),
+    and it refuses, as a data-dependent precondition, inputs with a NaN in the padding."""
+
+    def __init__(self, name: str, declare: bool = True, precondition: bool = False) -> None:
+        super().__init__(name=name, device="cpu", ops={"softmax.softmax": self._softmax})
+        self.declare, self.needs = declare, precondition
+
+    def _softmax(self, case, inputs, out):
+        assert out.backend is self and out.device == "cpu"  # adapters receive the backend
+        y = out.numpy("y")
+        x = inputs["x"]
+        y[...] = _softmax(x).astype(y.dtype)
+        dead = np.all(np.isneginf(x.astype(np.float64)), axis=-1)
+        y[dead] = np.nan
+        return {"y": y}
+
+    def outside_contract(self, case, inputs):
+        if not self.declare:
+            return {}
+        dead = np.all(np.isneginf(inputs["x"].astype(np.float64)), axis=-1)
+        return {"y": (dead[:, None], "rows with no finite logit: this kernel returns NaN there")}
+
+    def precondition(self, case, inputs):
+        if self.needs and case.p["pad"]:
+            return "the kernel needs unpadded rows"
+        return None
+
+
+CONTRACT = _Contract("np_contract")
+NO_CONTRACT = _Contract("np_no_contract", declare=False)
+PRECONDITION = _Contract("np_precondition", precondition=True)
 
 
 class FactoryBackend(Backend):

@@ -7,7 +7,16 @@ an adapter `fn(case, inputs, out) -> {output name: array or tensor}`:
   give poisoned output buffers with canaries (using them is what lets the framework detect
   unwritten elements and out-of-bounds writes; returning fresh arrays is allowed).
 `supports(case)` returns None or the reason the case is not supported: an unsupported case is
-a *skip with that reason* in every report, never a silent pass.
+a *skip with that reason* in every report, never a silent pass. It is asked before the case's
+inputs and golden are built. Optional hooks:
+- `available() -> None | reason`: why the backend cannot run at all on this machine;
+- `precondition(case, inputs) -> None | reason`: a data-dependent requirement (e.g. "every
+  sequence has at least one visible key"); a reason makes the case a skip that says so;
+- `outside_contract(case, inputs) -> {output: (bool mask, reason)}`: elements the kernel does not
+  promise (e.g. rows with no visible key); they are reported as outside the contract, not judged.
+A hook that raises makes that case an `error` with the message; the run goes on. Adapters find
+the backend and its device on the request: `out.backend`, `out.device`. A plugin may not take the
+name of a built-in backend.
 
 Third-party backends register through the entry-point group `kernel_parity.backends`
 (name = "module:object") or `--backend module:object` on the command line. The object may be
@@ -77,8 +86,8 @@ def load_object(spec: str) -> Backend:
     mod_name, sep, obj_name = spec.partition(":")
     if not sep or not mod_name or not obj_name:
         raise UsageError(f"--backend {spec!r} must be a built-in name or module:object")
-    if os.getcwd() not in sys.path:  # like `python -m`: modules of the current directory resolve
-        sys.path.append(os.getcwd())
+    if os.getcwd() not in sys.path:  # like `python -m`: modules of the current directory resolve first
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(mod_name)
     except Exception as e:  # an import error in user code is a usage error here
@@ -94,10 +103,12 @@ def load_object(spec: str) -> Backend:
 
 
 def coerce(obj: Any, where: str) -> Backend:
-    if isinstance(obj, type):
-        obj = obj()
-    elif callable(obj) and not hasattr(obj, "run"):
-        obj = obj()
+    if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "run")):
+        try:
+            obj = obj()
+        except Exception as e:  # a plugin's broken factory is a usage error here, one line
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise UsageError(f"backend {where!r}: its factory raised {type(e).__name__}: {first}") from None
     missing = [a for a in ("name", "run", "supports") if not hasattr(obj, a)]
     if missing:
         raise UsageError(f"backend {where!r} is not a Backend: missing {', '.join(missing)}")
@@ -124,8 +135,18 @@ class Registry:
     def __init__(self, extra: list[str] | None = None) -> None:
         self._cache: dict[str, Backend] = {}
         self._eps = entry_points()
+        for name, spec in self._eps.items():
+            if name in BUILTIN:
+                raise UsageError(f"the installed backend entry point {name!r} ({spec}) takes the name of the "
+                                 f"built-in backend {name!r}: a plugin must choose another name")
         for spec in extra or []:
             b = load_object(spec)
+            if b.name in BUILTIN:
+                raise UsageError(f"backend {spec!r} is named {b.name!r}, the name of a built-in backend: "
+                                 f"a plugin must choose another name")
+            other = self._cache.get(b.name)
+            if other is not None and other.origin != spec:
+                raise UsageError(f"backends {other.origin!r} and {spec!r} are both named {b.name!r}")
             self._cache[b.name] = b
 
     def names(self) -> list[str]:
@@ -139,6 +160,9 @@ class Registry:
             b = _builtin(name)
         elif name in self._eps:
             b = load_object(self._eps[name])
+            if b.name != name:
+                raise UsageError(f"the backend entry point {name!r} ({self._eps[name]}) makes a backend named "
+                                 f"{b.name!r}: the names must agree")
             b.origin = None  # installed: resolvable by name alone
         else:
             raise UsageError(f"unknown backend {name!r} (known: {', '.join(self.names())}; or use module:object)")

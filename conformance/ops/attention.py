@@ -20,7 +20,7 @@ from conformance.ops.attention_inputs import (CACHE_SLACK, DISTS, contiguous_cac
                                               paged_cache, qkv, sinks)
 from conformance.params import Int, OneOf, Schema
 from conformance.spec import Diagnosis, OpSpec, Output
-from conformance.tolerance import Override, Tol
+from conformance.tolerance import Override, Tier, Tol
 
 HEADS = dict(
     hq=Int(1, 128, edges=(8, 32, 64), doc="query heads"),
@@ -149,21 +149,42 @@ DIAGNOSES = (
 _O_SCALE = Override("O sums weighted values with cancellation: absolute error relative to max|O|",
                     output="o", atol_max_eps=4.0)
 _PARTS_SCALE = Override("split partials sum weighted values like O", output="o_parts", atol_max_eps=4.0)
-# Aggregate limits of O admit a same-precision eager attention (logits and probabilities rounded
-# to the dtype, FlashAttention's baseline): over 648 ci-suite runs (`parity calibrate`, 6 seeds)
-# its worst cos_diff was 8.7e-5 (bf16), 1.4e-6 (fp16), 4.7e-13 (fp32); the limits leave 2-3x.
-# Fused kernels are held closer by the noise layer (<= 2x that eager error + floor).
-_O_AGGREGATES = tuple(
-    override
+# Tiers of the aggregate limits of O. Production (our kernels and every plugin): bf16 as strict as
+# FlashMLA's own test (cos_diff < 1e-5 for bf16 attention outputs); fp16 and fp32 keep the dtype
+# defaults (1e-6 and 1e-12), which the fused kernels meet with room: over 3,000 fresh-seed ci runs
+# (`parity sweep`) the C kernel reached cos_diff 2.4e-6 (bf16), 2.9e-8 (fp16), 6.8e-14 (fp32).
+_O_PRODUCTION = tuple(
+    Override("FlashMLA's own test holds bf16 attention outputs to cos_diff < 1e-5", output=out, dtype="bf16",
+             cos_diff=1e-5, nmse=2e-5)
     for out in ("o", "o_parts")
-    for override in (
-        Override("eager bf16 attention reaches cos_diff 8.7e-5 (calibrated)", output=out, dtype="bf16",
-                 cos_diff=2.5e-4, nmse=5e-4),
-        Override("eager fp16 attention reaches cos_diff 1.4e-6 (calibrated)", output=out, dtype="fp16",
-                 cos_diff=4e-6, nmse=8e-6),
-        Override("fp32 attention accumulates over keys: eager reaches 4.7e-13 (calibrated)", output=out,
-                 dtype="fp32", cos_diff=1e-11, nmse=2e-11),
-    )
+)
+# The eager baseline rounds the logits and the probabilities to the test dtype (FlashAttention's
+# same-precision reference, attention_ref(upcast=False)), which no fused kernel does: over the ci
+# suite's fresh seeds it reached cos_diff 8.2e-5 (bf16), 1.4e-6 (fp16), 3.5e-13 (fp32). Its tier
+# leaves 2-3x; fused kernels are held by production's limits and by the noise layer (<= k x this
+# baseline's error), never by these.
+BASELINE_TIER = Tier(
+    "eager attention rounds logits and probabilities to the test dtype (FlashAttention's same-precision "
+    "baseline): bf16 cos_diff up to 8.2e-5, fp16 1.4e-6, fp32 3.5e-13 over the ci suite's fresh seeds",
+    overrides=tuple(
+        override
+        for out in ("o", "o_parts")
+        for override in (
+            Override("eager bf16 attention reaches cos_diff 8.2e-5", output=out, dtype="bf16",
+                     cos_diff=2.5e-4, nmse=5e-4),
+            Override("eager fp16 attention reaches cos_diff 1.4e-6", output=out, dtype="fp16",
+                     cos_diff=4e-6, nmse=8e-6),
+            Override("eager fp32 attention reaches cos_diff 3.5e-13", output=out, dtype="fp32",
+                     cos_diff=1e-11, nmse=2e-11),
+        )
+    ) + tuple(
+        # A capped logit (|s| ~ cap) rounded to the dtype is off by up to ulp(cap) / 2 (bf16 at
+        # cap 50: 0.125), so eager O reached 6.1 eps x max|O| elementwise (4.7 in fp16) over
+        # 3,000 fresh seeds per op, where production's atol is 4 eps x max|O| (the C kernel: <= 0.5).
+        Override("eager rounds capped logits to the dtype: O off by up to 6.1 eps x max|O| (measured)",
+                 output=out, dtype=d, atol_max_eps=12.0)
+        for out in ("o", "o_parts") for d in ("bf16", "fp16")
+    ),
 )
 
 
@@ -180,7 +201,7 @@ def _noise_k(p):
 
 
 def _tol(*extra):
-    return Tol(acc_len=_acc, overrides=(_O_SCALE, *_O_AGGREGATES, *extra), noise_k=_noise_k)
+    return Tol(acc_len=_acc, overrides=(_O_SCALE, *_O_PRODUCTION, *extra), baseline=BASELINE_TIER, noise_k=_noise_k)
 
 
 OUT = {
