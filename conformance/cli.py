@@ -8,6 +8,7 @@
     parity repro ID replay one case bit for bit: metrics, worst elements, verdict (--export DIR)
     parity report   render results JSON to --html/--junit/--md
     parity diff     per-case error diff of two results files
+    parity mutants  seeded bugs in our own kernels: killed or survived, by which case and layer
     parity calibrate  measure error quantiles over seeds and print the limits they suggest
 
 Exit codes: 0 pass, 1 parity failure or regression, 2 usage or input error (one line).
@@ -126,8 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export", metavar="DIR", help="write inputs/expected/actual .npz and a standalone script")
     p.add_argument("--json", metavar="PATH", help="write the one-record results document")
 
-    p = sub.add_parser("report", help="render a results file")
+    p = sub.add_parser("report", help="render a results file (exit 1 if it does not pass the gate)")
     p.add_argument("results")
+    p.add_argument("--mutants", metavar="JSON", help="a `parity mutants --json` file: its kill table joins the HTML")
     p.add_argument("--html", metavar="PATH")
     p.add_argument("--junit", metavar="PATH")
     p.add_argument("--md", metavar="PATH")
@@ -136,6 +138,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("old")
     p.add_argument("new")
     p.add_argument("--growth", type=positive_float, default=4.0)
+
+    p = sub.add_parser("mutants", help="seeded bugs in our kernels: does the gate kill each one?")
+    p.add_argument("--suite", default=None, help="suite whose cases must kill the mutants (default: ci)")
+    p.add_argument("--props", action="store_true", help="also run the property tests on mutants the gate lets through")
+    p.add_argument("--mutant", action="append", default=[], help="only this mutant id; repeatable")
+    p.add_argument("--bug", action="append", default=[], help="only mutants of this bug class; repeatable")
+    p.add_argument("--backend", action="append", default=[], choices=["triton", "cpu", "torch"],
+                   help="only mutants of this backend's kernels; repeatable")
+    p.add_argument("--jobs", type=positive_int, default=2, help="worker processes per mutant (default 2)")
+    p.add_argument("--timeout", type=positive_float, default=120.0,
+                   help="seconds per case before it is a timeout (a mutant that hangs is killed by it)")
+    p.add_argument("--json", metavar="PATH", help="write the kill table (JSON)")
+    p.add_argument("--html", metavar="PATH", help="write the kill table as an HTML report")
+    p.add_argument("--list", action="store_true", help="list the catalogue and exit")
+    p.add_argument("--quiet", "-q", action="store_true", help="print only the table and the summary")
 
     p = sub.add_parser("calibrate", help="error quantiles over many seeds -> suggested limits")
     p.add_argument("op")

@@ -223,12 +223,12 @@ def _prepare_resume(args: Any, command: str) -> Run:
     return Run(args, command, registry, cases, header, stream, entries, done=doc["results"])
 
 
-def write_outputs(args: Any, doc: dict, diff: Any = None) -> None:
+def write_outputs(args: Any, doc: dict, diff: Any = None, mutants: dict | None = None) -> None:
     """The rendered reports (the JSON results were streamed as the run went)."""
     if getattr(args, "html", None):
         from reports import html
 
-        html.write(args.html, doc, diff=diff)
+        html.write(args.html, doc, diff=diff, mutants=mutants)
     if getattr(args, "junit", None):
         from reports import junit
 
@@ -314,6 +314,16 @@ def cmd_sweep(args: Any, command: str) -> int:
     return sweep(args, command)
 
 
+def cmd_mutants(args: Any, command: str) -> int:
+    from conformance.mutants import MutantError
+    from conformance.mutants.run import mutants_command
+
+    try:
+        return mutants_command(args, command)
+    except MutantError as e:
+        raise UsageError(str(e)) from None
+
+
 def cmd_list(args: Any, command: str) -> int:
     from conformance.listing import list_things
 
@@ -329,13 +339,32 @@ def cmd_repro(args: Any, command: str) -> int:
 def cmd_report(args: Any, command: str) -> int:
     if not (args.html or args.junit or args.md):
         raise UsageError("report needs at least one of --html, --junit, --md")
-    check_output_paths(args, **{"results file": args.results})
+    check_output_paths(args, **{"results file": args.results, "mutants file": args.mutants})
     doc = load_input(args.results, "report")
-    write_outputs(args, doc)
+    mutants = _load_mutants(args.mutants) if args.mutants else None
+    write_outputs(args, doc, mutants=mutants)
     status = records.status_line(doc)
     if status:
         print(f"parity: {args.results}: {status}", file=sys.stderr)
     return EXIT_OK if records.doc_passed(doc) else EXIT_FAIL
+
+
+def _load_mutants(path: str) -> dict:
+    import json
+
+    from conformance.mutants.run import SCHEMA
+
+    try:
+        doc = json.loads(open(path, encoding="utf-8").read())
+    except FileNotFoundError:
+        raise UsageError(f"--mutants file {path!r} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"--mutants file {path!r} is not readable JSON: {e}") from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("mutants"), list) \
+            or not all(isinstance(m, dict) and isinstance(m.get("id"), str) and isinstance(m.get("status"), str)
+                       for m in doc["mutants"]):
+        raise UsageError(f"--mutants file {path!r} is not a {SCHEMA!r} document with a list of mutants")
+    return doc
 
 
 def cmd_diff(args: Any, command: str) -> int:

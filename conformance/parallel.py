@@ -97,9 +97,10 @@ def _exit_reason(code: int | None) -> str:
 def run_isolated(cases: list[Case], *, jobs: int, extra_backends: list[str], recheck: bool = True,
                  timeout: float | None = None, on_result: Callable[[dict], None] | None = None,
                  origins: dict[str, str] | None = None, diagnose: bool = True,
-                 setup: tuple | None = None) -> list[dict]:
+                 setup: tuple | None = None, stop: Callable[[], bool] | None = None) -> list[dict]:
     """Evaluate `cases` in `jobs` worker processes; `setup` = (module, function, *args) runs first
-    in every worker (before any kernel is imported)."""
+    in every worker (before any kernel is imported). When `stop()` turns true (checked after each
+    record) the run ends early: the workers are killed and the records so far returned."""
     ctx = mp.get_context("spawn")
     pending = [[c.id for c in g] for g in group_cases(cases)]
     results: dict[str, dict] = {}
@@ -128,7 +129,7 @@ def run_isolated(cases: list[Case], *, jobs: int, extra_backends: list[str], rec
         idle.append(fresh)
 
     try:
-        while pending or len(idle) < len(workers):
+        while (pending or len(idle) < len(workers)) and not (stop is not None and stop()):
             while pending and idle:
                 idle.pop().send(pending.pop(0))
             busy = [w for w in workers if w not in idle]

@@ -59,9 +59,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                         help=f"write the kernel-parity {what.upper()} report of the cases checked in this run")
     group.addoption("--parity-backend", metavar="MODULE:OBJECT", action="append", default=[],
                     help="make a third-party backend available to the `parity` fixture (repeatable)")
+    group.addoption("--parity-mutant", metavar="ID", default=None,
+                    help="run against a seeded bug of our kernels (conformance/mutants; used by parity mutants --props)")
+    group.addoption("--parity-mutant-root", metavar="DIR", default=None, help="where --parity-mutant's patched copy lives")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    mutant = config.getoption("parity_mutant")
+    if mutant:  # before any test module imports a kernel
+        import tempfile
+
+        from conformance.mutants import install
+
+        root = config.getoption("parity_mutant_root") or tempfile.mkdtemp(prefix="kp-mutant-")
+        install(mutant, root)
     if any(config.getoption(f"parity_{w}") for w in _OPTIONS):
         config.stash[_COLLECTOR] = Collector()
 

@@ -216,8 +216,29 @@ def _env() -> jinja2.Environment:
     return env
 
 
-def render(doc: dict, diff: Any = None) -> str:
-    """The HTML page for a results document; `diff` (a reports.diff.Diff) adds a baseline section."""
+def _mutants_view(mdoc: dict | None) -> dict | None:
+    if not mdoc:
+        return None
+    return {"rows": list(mdoc.get("mutants") or []), "summary": dict(mdoc.get("summary") or {}),
+            "props": bool((mdoc.get("header") or {}).get("props"))}
+
+
+def render_mutants(mdoc: dict) -> str:
+    """A page with the mutant kill table alone (`parity mutants --html`)."""
+    header = mdoc.get("header") or {}
+    return _env().get_template("report.html.j2").render(
+        only_mutants=True, mutants=_mutants_view(mdoc), version=header.get("package_version") or "",
+        title=f"kernel-parity · mutants · {header.get('suite') or ''} · {header.get('device') or '?'}",
+        command=header.get("command") or "")
+
+
+def write_mutants(path: str | os.PathLike, mdoc: dict) -> None:
+    records.atomic_write_text(path, render_mutants(mdoc))
+
+
+def render(doc: dict, diff: Any = None, mutants: dict | None = None) -> str:
+    """The HTML page for a results document; `diff` (a reports.diff.Diff) adds a baseline section,
+    `mutants` (a `parity mutants` document) the kill table."""
     header = doc.get("header") or {}
     results = doc.get("results") or []
     views = sorted((_record_view(r) for r in results), key=_severity)
@@ -235,15 +256,15 @@ def render(doc: dict, diff: Any = None) -> str:
         open_failures=OPEN_FAILURES, skips=_grouped(views, "skip"), known=_grouped(views, "xfail"),
         cases=views,
         table_metrics=TABLE_METRICS, metric_columns=METRIC_COLUMNS,
-        plots=_plots(views, order), diff=diff, verdicts=records.VERDICTS,
+        plots=_plots(views, order), diff=diff, verdicts=records.VERDICTS, mutants=_mutants_view(mutants),
         version=header.get("package_version") or "",
         diff_entries=list(diff.entries()) if diff is not None else [],
     )
 
 
-def write(path: str | os.PathLike, doc: dict, diff: Any = None) -> None:
+def write(path: str | os.PathLike, doc: dict, diff: Any = None, mutants: dict | None = None) -> None:
     """Render `doc` and write it to `path` atomically."""
-    records.atomic_write_text(path, render(doc, diff))
+    records.atomic_write_text(path, render(doc, diff, mutants))
 
 
 def render_diff_section(diff: Any) -> str:

@@ -1,0 +1,200 @@
+"""`parity mutants`: does the gate catch each seeded bug of the catalogue?
+
+For every mutant (conformance/mutants/catalogue.toml), in worker processes that load the patched
+kernels: the suite's cases of the mutated backend run, those of the mutated file's op family
+first, until one fails (killed by the gate: which case, which layer, and whether a diagnosis named
+the bug). With --props, a mutant the gate let through then meets the property tests of that
+backend under the ci Hypothesis profile (killed by props: which test). A mutant nothing kills
+*survived*, and fails the command. Mutants declared equivalent are listed with their reason and not
+run; GPU-only ones run only where a CUDA GPU is.
+
+    parity mutants [--suite ci] [--props] [--mutant ID ...] [--bug CLASS ...] [--backend B ...]
+                   [--jobs N] [--timeout S] [--json PATH] [--html PATH]
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from conformance import env, suites
+from conformance.case import Case
+from conformance.cli import EXIT_FAIL, EXIT_OK
+from conformance.errors import UsageError
+from conformance.mutants import CLASSES, Mutant, MutantError, catalogue, materialise
+from conformance.suites import Filters
+from reports import files, records
+
+SCHEMA = "kernel-parity/mutants/1"
+ROOT = Path(__file__).resolve().parent.parent.parent
+_FAILED_TEST = re.compile(r"^FAILED (\S+)", re.MULTILINE)
+
+
+def select(args: Any) -> list[Mutant]:
+    muts = list(catalogue())
+    if args.mutant:
+        known = {m.id for m in muts}
+        for i in args.mutant:
+            if i not in known:
+                raise UsageError(f"unknown mutant {i!r} (parity mutants --list shows them)")
+        muts = [m for m in muts if m.id in args.mutant]
+    if args.bug:
+        for b in args.bug:
+            if b not in CLASSES:
+                raise UsageError(f"unknown bug class {b!r} (known: {', '.join(CLASSES)})")
+        muts = [m for m in muts if m.bug in args.bug]
+    if args.backend:
+        muts = [m for m in muts if m.backend in args.backend]
+    if not muts:
+        raise UsageError("no mutant matches the filters")
+    return muts
+
+
+def gate_cases(mutant: Mutant, suite: str) -> list[Case]:
+    """The suite's cases of the mutant's backend, its own op family first."""
+    mine = [c for c in suites.cases(suite, Filters(scale="cpu" if not _gpu() else "auto"))
+            if c.backend == mutant.backend]
+    return sorted(mine, key=lambda c: c.op.split(".", 1)[0] != mutant.stem)
+
+
+def _gpu() -> bool:
+    from conformance.backends._torch import cuda_available
+
+    return cuda_available()
+
+
+def run_gate(mutant: Mutant, cases: list[Case], root: Path, jobs: int, timeout: float) -> dict | None:
+    """The first failing record of `cases` under the mutant (None: every case passed or skipped)."""
+    from conformance.parallel import run_isolated
+
+    found: list[dict] = []
+
+    def on_result(rec: dict) -> None:
+        if rec["verdict"] in records.FAILING and not found:
+            found.append(rec)
+
+    run_isolated(cases, jobs=jobs, extra_backends=[], recheck=False, timeout=timeout, on_result=on_result,
+                 setup=("conformance.mutants", "install", mutant.id, str(root)), stop=lambda: bool(found))
+    return found[0] if found else None
+
+
+def run_props(mutant: Mutant, root: Path, timeout: float) -> tuple[str | None, str]:
+    """(the first failing property test or None, a one-line note) under the ci profile."""
+    cmd = [sys.executable, "-m", "pytest", str(ROOT / "property_tests"), "-q", "-x", "-p", "no:cacheprovider",
+           "-k", mutant.backend, "--parity-mutant", mutant.id, "--parity-mutant-root", str(root)]
+    env_ = {**os.environ, "PARITY_PROFILE": "ci"}
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env_, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "property tests (timed out)", f"the property tests ran longer than {timeout:g} s"
+    out = proc.stdout + proc.stderr
+    if proc.returncode == 1:
+        m = _FAILED_TEST.search(out)
+        return (m.group(1) if m else "property tests"), "a property test failed"
+    if proc.returncode == 0:
+        return None, "every property test passed"
+    if proc.returncode == 5:
+        raise MutantError(f"mutant {mutant.id!r}: pytest collected no property test for backend {mutant.backend!r}")
+    tail = " ".join(out.strip().splitlines()[-1:])
+    raise MutantError(f"mutant {mutant.id!r}: the property tests could not run (exit {proc.returncode}): {tail}")
+
+
+def evaluate(mutant: Mutant, args: Any, root: Path) -> dict:
+    res: dict[str, Any] = {"id": mutant.id, "bug": mutant.bug, "file": mutant.file, "backend": mutant.backend,
+                           "doc": mutant.doc, "status": None, "by": None, "case": None, "verdict": None,
+                           "layer": None, "diagnosis": None, "test": None, "elapsed_s": 0.0, "note": None}
+    if mutant.equivalent:
+        res.update(status="equivalent", note=mutant.equivalent)
+        return res
+    if mutant.gpu_only and not _gpu():
+        res.update(status="gpu-only", note=mutant.gpu_only)
+        return res
+    t0 = time.perf_counter()
+    materialise(mutant, root)
+    if mutant.backend == "cpu":  # a C mutant must build: a compile error would only skip every case
+        _check_builds(mutant, root)
+    rec = run_gate(mutant, gate_cases(mutant, args.suite or suites.DEFAULT_SUITE), root, args.jobs, args.timeout)
+    if rec is not None:
+        res.update(status="killed", by="gate", case=rec["id"], verdict=rec["verdict"],
+                   layer=rec.get("kind") or rec["verdict"], diagnosis=(rec.get("diagnosis") or [None])[0],
+                   note=(rec.get("reason") or "")[:300])
+    elif args.props:
+        test, note = run_props(mutant, root, max(args.timeout, 600.0))
+        res.update(status="killed" if test else "survived", by="props" if test else None, test=test, note=note)
+    else:
+        res.update(status="survived", note="every gate case passed")
+    res["elapsed_s"] = round(time.perf_counter() - t0, 2)
+    return res
+
+
+def _check_builds(mutant: Mutant, root: Path) -> None:
+    stems = [Path(mutant.file).stem] if mutant.file.endswith(".c") else \
+        sorted(p.stem for p in (materialise(mutant, root) / "cpu").glob("*.c"))
+    code = (f"from conformance.mutants import install; install({mutant.id!r}, {str(root)!r}); "
+            f"from kernels.cpu.loader import load; [load(s) for s in {stems!r}]")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        raise MutantError(f"mutant {mutant.id!r}: the patched C source does not build: {last}")
+
+
+def render_table(rows: list[dict]) -> str:
+    lines = [f"{'mutant':<40} {'bug':<26} {'status':<10} {'by':<5} {'layer':<10} {'diag':<4} {'s':>6}  case / test / note"]
+    for r in rows:
+        what = r["case"] or r["test"] or r["note"] or ""
+        lines.append(f"{r['id']:<40} {r['bug']:<26} {r['status']:<10} {r['by'] or '':<5} {r['layer'] or '':<10} "
+                     f"{'yes' if r['diagnosis'] else '':<4} {r['elapsed_s']:>6.1f}  {what[:110]}")
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in rows:
+        out[r["status"]] = out.get(r["status"], 0) + 1
+    return out
+
+
+def mutants_command(args: Any, command: str) -> int:
+    if args.list:
+        for m in catalogue():
+            flag = " [equivalent]" if m.equivalent else " [gpu only]" if m.gpu_only else ""
+            print(f"{m.id:<40} {m.bug:<26} {m.file:<26} {m.doc}{flag}")
+        return EXIT_OK
+    muts = select(args)
+    try:
+        files.check_outputs({"--json": args.json, "--html": args.html})
+    except files.OutputPathError as e:
+        raise UsageError(str(e)) from None
+    header = env.header(command, args.suite or suites.DEFAULT_SUITE)
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kp-mutants-") as tmp:
+        root = Path(tmp)
+        for m in muts:
+            rows.append(evaluate(m, args, root))
+            if not args.quiet:
+                r = rows[-1]
+                print(f"{r['status']:<10} {r['id']:<40} {r['by'] or '':<5} {r['case'] or r['test'] or r['note'] or ''}"[:200],
+                      flush=True)
+    doc = {"schema": SCHEMA, "header": {**header, "elapsed_s": round(time.perf_counter() - t0, 1),
+                                         "props": bool(args.props)},
+           "mutants": rows, "summary": summary(rows)}
+    if args.json:
+        import json
+
+        files.write_text(args.json, json.dumps(records.encode(doc), indent=1) + "\n")
+    if args.html:
+        from reports import html
+
+        html.write_mutants(args.html, doc)
+    print(render_table(rows))
+    s = doc["summary"]
+    print(f"parity mutants: {len(rows)} mutants: " + ", ".join(f"{n} {k}" for k, n in s.items())
+          + f" in {doc['header']['elapsed_s']:.0f} s")
+    return EXIT_FAIL if s.get("survived") else EXIT_OK
