@@ -20,13 +20,13 @@ $(STAMP): pyproject.toml Makefile
 
 # The gate on the default suite (ci), with the HTML report.
 demo: $(STAMP)
-	$(PARITY) gate --no-progress --jobs 2 --json $(OUT)/demo.json --html $(OUT)/report.html --md $(OUT)/report.md
+	$(PARITY) gate --no-progress --jobs 2 --json $(OUT)/demo.jsonl --html $(OUT)/report.html --md $(OUT)/report.md
 	@echo "HTML report: $(OUT)/report.html"
 
 # Self-tests and property tests (derandomized), then the gate on the ci suite.
 test: $(STAMP)
 	PARITY_PROFILE=ci $(PY) -m pytest -q -p no:cacheprovider
-	$(PARITY) gate --suite ci --no-progress -q --jobs 2 --json $(OUT)/ci.json --junit $(OUT)/ci.xml --html $(OUT)/ci.html
+	$(PARITY) gate --suite ci --no-progress -q --jobs 2 --json $(OUT)/ci.jsonl --junit $(OUT)/ci.xml --html $(OUT)/ci.html
 
 bench: $(STAMP)
 	$(PY) -m pytest -q benchmarks --benchmark-only -p no:cacheprovider

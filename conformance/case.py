@@ -88,7 +88,8 @@ def split_id(text: str) -> tuple[str, str, str, str, str, int]:
     for what, v in (("op", op), ("backend", backend), ("dtype", dtype), ("dist", dist)):
         if not v or not _SAFE.match(v):
             raise UsageError(f"malformed case id {text!r}: bad {what} field {v!r}")
-    m = re.fullmatch(r"seed=(\d+)", seed)
-    if not m:
-        raise UsageError(f"malformed case id {text!r}: last field must be seed=N, got {seed!r}")
+    m = re.fullmatch(r"seed=(0|[1-9][0-9]{0,18})", seed)
+    if not m or int(m.group(1)) >= 2**63:
+        raise UsageError(f"malformed case id {text!r}: last field must be seed=N (N a non-negative decimal "
+                         f"integer below 2**63), got {seed!r}")
     return op, backend, dtype, params, dist, int(m.group(1))

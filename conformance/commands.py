@@ -79,10 +79,20 @@ class Selection:
 
 
 def select_cases(sel: Selection, registry: Registry, backend_names: list[str]) -> list[Case]:
+    from conformance import ops
+
+    known_dists = {d for spec in ops.match(list(sel.ops) or None) for d in spec.dists}
+    for d in sel.dists:
+        if d not in known_dists:
+            raise UsageError(f"--dist {d!r} is no value distribution of the selected ops "
+                             f"(known: {', '.join(sorted(known_dists))})")
     filters = Filters(sel.ops, tuple(backend_names), sel.dtypes, sel.dists, sel.scale)
     cases = suites.cases(sel.suite, filters)
     for name in dict.fromkeys(c.backend for c in cases):
-        registry.get(name)
+        try:
+            registry.get(name)
+        except UsageError as e:  # names given with --backend were checked already: this one is the suite's
+            raise UsageError(f"suite {sel.suite!r} names a backend that does not exist: {e}") from None
     if not cases:
         raise UsageError(f"no cases in suite {sel.suite!r} match the filters")
     return cases

@@ -52,6 +52,8 @@ class Entry:
 
 
 def load(path: str | Path | None = None) -> list[Entry]:
+    if path is not None and (not str(path) or "\0" in str(path)):
+        raise UsageError(f"--known-failures {str(path)!r} is not a file path")
     path = Path(path) if path else DEFAULT_FILE
     if not path.exists():
         if path == DEFAULT_FILE:
@@ -61,11 +63,25 @@ def load(path: str | Path | None = None) -> list[Entry]:
         doc = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"known-failures file {str(path)!r} is not valid TOML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"known-failures file {str(path)!r} cannot be read: {getattr(e, 'strerror', None) or e}") from None
+    unknown = set(doc) - {"known"}
+    if unknown:
+        raise UsageError(f"known-failures file {str(path)!r}: unknown key {sorted(unknown)[0]!r} (expected [[known]] tables)")
+    table = doc.get("known", [])
+    if not isinstance(table, list) or not all(isinstance(e, dict) for e in table):
+        raise UsageError(f"known-failures file {str(path)!r}: 'known' must be a list of [[known]] tables")
     entries = []
-    for i, e in enumerate(doc.get("known", [])):
-        missing = [k for k in ("op", "backend", "match", "reason") if not str(e.get(k, "")).strip()]
-        if missing:
-            raise UsageError(f"known-failures entry {i + 1} in {str(path)!r} lacks {', '.join(missing)}")
+    for i, e in enumerate(table):
+        where = f"known-failures entry {i + 1} in {str(path)!r}"
+        extra = set(e) - {"op", "backend", "match", "reason", "seen"}
+        if extra:
+            raise UsageError(f"{where}: unknown key {sorted(extra)[0]!r} (expected op, backend, match, reason, seen)")
+        bad = [k for k in ("op", "backend", "match", "reason") if not isinstance(e.get(k), str) or not e[k].strip()]
+        if bad:
+            raise UsageError(f"{where}: {', '.join(bad)} must be non-empty string(s)")
+        if not isinstance(e.get("seen", ""), str):
+            raise UsageError(f"{where}: seen must be a string")
         entries.append(Entry(e["op"], e["backend"], e["match"], e["reason"], e.get("seen", "")))
     return entries
 

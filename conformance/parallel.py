@@ -22,15 +22,28 @@ from conformance.runner import dead_record, group_cases
 _POLL_S = 0.5
 
 
+class WorkerSetupError(RuntimeError):
+    """A worker's setup (e.g. installing a mutant) failed: no case result would mean anything."""
+
+
 def _worker_main(conn, extra_backends: list[str], options: dict, threads: int, setup: tuple | None) -> None:
     if threads:  # cores / workers: BLAS and torch threads must not oversubscribe the cores
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ.setdefault(var, str(threads))
+    import warnings
+
+    # NaN and inf from a wrong kernel are the verdict's business, not a warning on stderr
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
     if setup is not None:  # e.g. a mutant's patched kernels, installed before anything imports them
         import importlib
+        import traceback
 
         mod, fn, *args = setup
-        getattr(importlib.import_module(mod), fn)(*args)
+        try:
+            getattr(importlib.import_module(mod), fn)(*args)
+        except Exception as e:  # the run cannot mean anything: tell the parent, never pass for a crash
+            conn.send(("fatal", f"worker setup {mod}.{fn} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            return
     from conformance import ops
     from conformance.backends import Registry
     from conformance.runner import Runner
@@ -143,6 +156,8 @@ def run_isolated(cases: list[Case], *, jobs: int, extra_backends: list[str], rec
                         w.proc.join(1)
                         replace(w, "crash", _exit_reason(w.proc.exitcode))
                         continue
+                    if kind == "fatal":
+                        raise WorkerSetupError(payload.splitlines()[0])
                     if kind == "start":
                         w.current, w.started = payload, now
                     elif kind == "result":

@@ -6,11 +6,13 @@ and its edge values (1, primes, 2^k - 1, 2^k + 1, tile boundaries) that strategi
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from conformance.errors import UsageError
 
+_INT_TEXT = re.compile(r"^(-?[1-9][0-9]{0,17}|0|-1)$")
 PRIMES = (2, 3, 5, 7, 13, 17, 31, 61, 113, 127, 239, 251, 509, 1021, 2039, 4093, 8191, 16381, 65521)
 
 
@@ -36,10 +38,9 @@ class Int:
     doc: str = ""
 
     def parse(self, name: str, text: str) -> int:
-        try:
-            return int(text)
-        except ValueError:
-            raise UsageError(f"parameter {name}={text!r} is not an integer") from None
+        if not _INT_TEXT.match(text):  # decimal digits only: no "+5", " 5", "5_0", "05"
+            raise UsageError(f"parameter {name}={text!r} is not an integer (expected decimal digits, e.g. {name}={self.lo})")
+        return int(text)
 
     def check(self, name: str, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int):

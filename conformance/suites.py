@@ -67,11 +67,15 @@ def names() -> list[str]:
 
 
 def path_of(name: str) -> Path:
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise UsageError(f"suite {name!r} is not a suite name or a path to a .toml file")
     p = Path(name)
-    if p.suffix == ".toml" and p.exists():
+    if p.suffix == ".toml" and p.is_file():
         return p
+    if p.suffix == ".toml" and p.exists():
+        raise UsageError(f"suite {name!r} is not a file")
     q = SUITE_DIR / f"{name}.toml"
-    if q.exists():
+    if "/" not in name and q.is_file():
         return q
     raise UsageError(f"unknown suite {name!r} (known: {', '.join(names())}; or a path to a .toml file)")
 
@@ -79,9 +83,66 @@ def path_of(name: str) -> Path:
 def load_doc(name: str) -> dict[str, Any]:
     path = path_of(name)
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"suite {str(path)!r} is not valid TOML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"suite {str(path)!r} cannot be read: {getattr(e, 'strerror', None) or e}") from None
+    _check_doc(doc, f"suite {str(path)!r}")
+    return doc
+
+
+_TOP_KEYS = {"description": "a string", "include": "a list of suite names", "cases": "a list of [[cases]] tables"}
+_ENTRY_KEYS = {
+    "op": "an op name", "backends": "a list of backend names", "dtypes": "a list of dtype names",
+    "dists": "a list of distribution names", "seeds": "a list of non-negative integers",
+    "params": "a list of {name = value} tables", "grid": "a table of name = value or [values]",
+    "cpu": "a table of name = value overrides",
+}
+
+
+def _is_str_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) and x for x in v)
+
+
+def _is_scalar(v: Any) -> bool:
+    return isinstance(v, (str, int)) and not isinstance(v, float)
+
+
+def _check_doc(doc: dict[str, Any], where: str) -> None:
+    """Every key of a suite document has the type the loader expects (UsageError naming it)."""
+    for k, v in doc.items():
+        if k not in _TOP_KEYS:
+            raise UsageError(f"{where}: unknown key {k!r} (expected: {', '.join(_TOP_KEYS)})")
+    if "description" in doc and not isinstance(doc["description"], str):
+        raise UsageError(f"{where}: 'description' must be {_TOP_KEYS['description']}")
+    if "include" in doc and not _is_str_list(doc["include"]):
+        raise UsageError(f"{where}: 'include' must be {_TOP_KEYS['include']}")
+    entries = doc.get("cases", [])
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise UsageError(f"{where}: 'cases' must be {_TOP_KEYS['cases']}")
+    for i, e in enumerate(entries):
+        at = f"{where} case entry {i + 1}"
+        for k in e:
+            if k not in _ENTRY_KEYS:
+                raise UsageError(f"{at}: unknown key {k!r} (expected: {', '.join(_ENTRY_KEYS)})")
+        if not isinstance(e.get("op"), str) or not e.get("op"):
+            raise UsageError(f"{at}: 'op' must be {_ENTRY_KEYS['op']}")
+        for k in ("backends", "dtypes", "dists"):
+            if k in e and (not _is_str_list(e[k]) or not e[k]):
+                raise UsageError(f"{at}: {k!r} must be {_ENTRY_KEYS[k]} (non-empty), got {e[k]!r:.60}")
+        if "seeds" in e and (not isinstance(e["seeds"], list) or not e["seeds"] or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in e["seeds"])):
+            raise UsageError(f"{at}: 'seeds' must be {_ENTRY_KEYS['seeds']} (non-empty), got {e['seeds']!r:.60}")
+        if "params" in e and (not isinstance(e["params"], list) or not all(
+                isinstance(p, dict) and all(_is_scalar(x) for x in p.values()) for p in e["params"])):
+            raise UsageError(f"{at}: 'params' must be {_ENTRY_KEYS['params']} with integer or string values")
+        if "grid" in e and (not isinstance(e["grid"], dict) or not all(
+                _is_scalar(v) or (isinstance(v, list) and v and all(_is_scalar(x) for x in v))
+                for v in e["grid"].values())):
+            raise UsageError(f"{at}: 'grid' must be {_ENTRY_KEYS['grid']} (integers or strings)")
+        if "cpu" in e and (not isinstance(e["cpu"], dict) or not all(_is_scalar(x) for x in e["cpu"].values())):
+            raise UsageError(f"{at}: 'cpu' must be {_ENTRY_KEYS['cpu']} (integers or strings)")
 
 
 def description(name: str) -> str:
@@ -92,6 +153,8 @@ def cases(name: str, filters: Filters = Filters(), _seen: tuple[str, ...] = ()) 
     """The suite's cases after filters, deduplicated, in file order."""
     if name in _seen:
         raise UsageError(f"suite {name!r} includes itself (through {' -> '.join(_seen)})")
+    if len(_seen) > 16:
+        raise UsageError(f"suite {name!r}: includes nest more than 16 deep (through {' -> '.join(_seen)})")
     doc = load_doc(name)
     out: list[Case] = []
     for inc in doc.get("include", []):
@@ -111,7 +174,10 @@ def cases(name: str, filters: Filters = Filters(), _seen: tuple[str, ...] = ()) 
         if wanted_ops is not None and op not in wanted_ops:
             continue
         backends = list(filters.backends) or entry.get("backends", ["triton", "cpu", "torch"])
-        dtypes = [dt.canonical(d) for d in entry.get("dtypes", list(spec.dtypes))]
+        try:
+            dtypes = [dt.canonical(d) for d in entry.get("dtypes", list(spec.dtypes))]
+        except UsageError as e:
+            raise UsageError(f"{where}: {e}") from None
         dists = entry.get("dists", ["normal"])
         seeds = entry.get("seeds", [0])
         cpu = entry.get("cpu")

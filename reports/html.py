@@ -113,7 +113,7 @@ def _record_view(r: dict) -> dict:
         "id": str(r.get("id") or "?"), "verdict": r.get("verdict") or "error",
         "op": records.cell_key(r)[0], "backend": records.cell_key(r)[1],
         "dtype": records.cell_key(r)[2],
-        "kind": r.get("kind"), "reason": r.get("reason"), "message": r.get("message"),
+        "kind": r.get("kind"), "tier": r.get("tier"), "reason": r.get("reason"), "message": r.get("message"),
         "repro": r.get("repro"), "norm_err": r.get("norm_err"),
         "layers": r.get("layers") or {}, "recheck": r.get("recheck"), "known": r.get("known") or {},
         "kernel_s": timing.get("kernel_s"), "total_s": timing.get("total_s"),

@@ -201,7 +201,7 @@ def check_record(rec: Any, where: str) -> dict:
     for key, types in _RECORD_KEYS.items():
         if key not in rec:
             raise RecordsError(f"{where}: record lacks {key!r}")
-        if not _is(rec[key], types) and not (key == "norm_err" and rec[key] in _SPECIAL):
+        if not _is(rec[key], types) and not (key == "norm_err" and isinstance(rec[key], str) and rec[key] in _SPECIAL):
             raise RecordsError(f"{where}: record {key!r} must be {_expect(types)}, got {rec[key]!r:.60}")
     if not rec["id"]:
         raise RecordsError(f"{where}: record 'id' is empty")

@@ -1,1 +1,5 @@
 pytest_plugins = ["pytester"]
+
+from conformance import profiles  # noqa: E402  (the same Hypothesis profile as the property tests)
+
+profiles.load()

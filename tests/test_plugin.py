@@ -83,3 +83,25 @@ def test_ci_profile_draws_the_same_examples_whatever_else_is_imported(pytester, 
         pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
         draws.append((pytester.path / "draws.jsonl").read_text())
     assert draws[0] == draws[1] and draws[0].count("\n") >= 30
+
+
+def test_property_tests_run_against_a_plugin_backend(pytester, monkeypatch):
+    """`pytest property_tests --parity-backend module:object`: every property test takes the plugin
+    instead of our backends; tests of ops it lacks are skipped whole, and its defect is caught."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("PARITY_PROFILE", "ci")
+    result = pytester.runpytest_subprocess(
+        str(ROOT / "property_tests" / "test_softmax.py"), str(ROOT / "property_tests" / "test_combine.py"),
+        "-p", "no:cacheprovider", "--parity-backend", "tests.third_party:NOISY", "-v", "--rootdir", str(ROOT))
+    out = result.stdout.str()
+    assert "test_softmax[np_noisy] FAILED" in out
+    assert "[triton]" not in out and "[cpu]" not in out  # the plugin replaces our backends
+    assert "test_online_softmax[np_noisy] SKIPPED" in out  # an op it has no kernel for: skipped whole
+    assert "np_noisy has no kernel for softmax.online_softmax" in pytester.runpytest_subprocess(
+        str(ROOT / "property_tests" / "test_softmax.py"), "-p", "no:cacheprovider", "-rs", "--rootdir", str(ROOT),
+        "--parity-backend", "tests.third_party:NOISY", "-k", "online").stdout.str()
+    good = pytester.runpytest_subprocess(
+        str(ROOT / "property_tests" / "test_softmax.py") + "::test_softmax", "-p", "no:cacheprovider",
+        "--rootdir", str(ROOT), "--parity-backend", "tests.third_party:GOOD", "-v")
+    good.assert_outcomes(passed=1)
+    assert "test_softmax[np_good] PASSED" in good.stdout.str()

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from conformance import suites
 from conformance.cli import main
 from reports import records
 
 ROOT = Path(__file__).resolve().parent.parent
 SOFTMAX_CI = ["--suite", "ci", "--op", "softmax.softmax", "--dtype", "fp32", "--dist", "normal", "--no-progress", "-q"]
+N_SOFTMAX_CI = len(suites.cases("ci", suites.Filters(ops=("softmax.softmax",), backends=("cpu",), dtypes=("fp32",), dists=("normal",))))
 
 
 def test_exit_segfault_and_hang_in_one_gate_run_are_their_cases_verdicts(tmp_path):
@@ -29,7 +31,7 @@ def test_exit_segfault_and_hang_in_one_gate_run_are_their_cases_verdicts(tmp_pat
     by_rows = {}
     for r in doc["results"]:
         by_rows.setdefault(r["params"]["rows"], []).append(r)
-    assert len(doc["results"]) == 10  # every case of the selection, whatever happened to the others
+    assert len(doc["results"]) == N_SOFTMAX_CI  # every case of the selection, whatever happened to the others
     assert {r["verdict"] for r in by_rows[1]} == {"crash"}
     assert "exited with code 0" in by_rows[1][0]["reason"]  # exit(0) is never a pass
     assert {r["verdict"] for r in by_rows[4]} == {"crash"} and "SIGSEGV" in by_rows[4][0]["reason"]
@@ -69,18 +71,18 @@ def test_a_killed_run_is_incomplete_and_resume_completes_it(tmp_path):
     proc.wait()
     doc = records.load(out)
     done = len(doc["results"])
-    assert doc["complete"] is None and 3 <= done < 10
-    assert records.status_line(doc) == f"incomplete: {done} of 10 cases (the run did not finish)"
+    assert doc["complete"] is None and 3 <= done < N_SOFTMAX_CI
+    assert records.status_line(doc) == f"incomplete: {done} of {N_SOFTMAX_CI} cases (the run did not finish)"
     html = tmp_path / "r.html"
     assert main(["report", str(out), "--html", str(html)]) == 1  # an incomplete file never passes
     page = html.read_text()
-    assert f"incomplete: {done} of 10 cases" in page and 'class="badge FAIL"' in page
+    assert f"incomplete: {done} of {N_SOFTMAX_CI} cases" in page and 'class="badge FAIL"' in page
     code = subprocess.run([sys.executable, "-m", "conformance.cli", "run", "--resume", str(out), "--no-progress",
                            "-q"], cwd=tmp_path, env={**env, "KP_TEST_SLOW_S": "0"}, capture_output=True, text=True)
     assert code.returncode == 0, code.stderr
     doc = records.load(out)
-    assert doc["complete"] is not None and doc["complete"]["cases"] == 10
-    assert len(doc["results"]) == 10 and {r["verdict"] for r in doc["results"]} == {"pass"}
+    assert doc["complete"] is not None and doc["complete"]["cases"] == N_SOFTMAX_CI
+    assert len(doc["results"]) == N_SOFTMAX_CI and {r["verdict"] for r in doc["results"]} == {"pass"}
     assert main(["report", str(out), "--html", str(html)]) == 0
 
 
@@ -141,7 +143,7 @@ def test_writers_write_through_symlinks_and_into_devices(tmp_path):
                  "--junit", os.devnull]) == 0
     assert link.is_symlink() and json_link.is_symlink()  # the links stay, their targets are written
     assert target.read_text().startswith("### kernel-parity")
-    assert records.load(json_target)["complete"]["cases"] == 10
+    assert records.load(json_target)["complete"]["cases"] == N_SOFTMAX_CI
     assert Path(os.devnull).exists() and not Path(os.devnull).is_file()  # the device is still a device
 
 

@@ -190,16 +190,20 @@ def materialise(mutant: Mutant, root: Path) -> Path:
 def install(mutant_id: str, root: str) -> None:
     """In a fresh process: make `import kernels.<...>` load the mutant's patched copy.
 
-    Runs before any kernel module is imported (a worker's setup, or the pytest plugin's
-    configure); C kernels compile from the patched copy into a cache under `root`."""
+    Runs before any kernel module is imported (the pytest plugin's configure); C kernels compile
+    from the patched copy into a cache under `root`."""
+    use_copy(str(materialise(get(mutant_id), Path(root))), str(Path(root) / "cache"))
+
+
+def use_copy(kernels_dir: str, cache: str) -> None:
+    """Point the `kernels` package at an already patched copy (a worker's setup: the parent
+    process materialised it, so workers never re-read the catalogue)."""
     import os
 
-    mutant = get(mutant_id)
     loaded = sorted(n for n in sys.modules if n.startswith("kernels."))
     if loaded:
-        raise MutantError(f"cannot install mutant {mutant_id!r}: kernel modules already imported ({loaded[0]}, ...)")
-    dst = materialise(mutant, Path(root))
-    os.environ["KERNEL_PARITY_CACHE"] = str(Path(root) / "cache")
+        raise MutantError(f"cannot install a mutant: kernel modules already imported ({loaded[0]}, ...)")
+    os.environ["KERNEL_PARITY_CACHE"] = cache
     import kernels
 
-    kernels.__path__[:] = [str(dst)]
+    kernels.__path__[:] = [kernels_dir]

@@ -79,8 +79,9 @@ def run_gate(mutant: Mutant, cases: list[Case], root: Path, jobs: int, timeout: 
         if rec["verdict"] in records.FAILING and not found:
             found.append(rec)
 
+    copy = materialise(mutant, root)
     run_isolated(cases, jobs=jobs, extra_backends=[], recheck=False, timeout=timeout, on_result=on_result,
-                 setup=("conformance.mutants", "install", mutant.id, str(root)), stop=lambda: bool(found))
+                 setup=("conformance.mutants", "use_copy", str(copy), str(root / "cache")), stop=lambda: bool(found))
     return found[0] if found else None
 
 
@@ -119,7 +120,12 @@ def evaluate(mutant: Mutant, args: Any, root: Path) -> dict:
     materialise(mutant, root)
     if mutant.backend == "cpu":  # a C mutant must build: a compile error would only skip every case
         _check_builds(mutant, root)
-    rec = run_gate(mutant, gate_cases(mutant, args.suite or suites.DEFAULT_SUITE), root, args.jobs, args.timeout)
+    from conformance.parallel import WorkerSetupError
+
+    try:
+        rec = run_gate(mutant, gate_cases(mutant, args.suite or suites.DEFAULT_SUITE), root, args.jobs, args.timeout)
+    except WorkerSetupError as e:
+        raise MutantError(f"mutant {mutant.id!r}: {e}") from None
     if rec is not None:
         res.update(status="killed", by="gate", case=rec["id"], verdict=rec["verdict"],
                    layer=rec.get("kind") or rec["verdict"], diagnosis=(rec.get("diagnosis") or [None])[0],

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device-machine call: install the project, then (each step optional, by name in $STEPS)
+#   ci      parity gate --suite ci            -> $OUT/ci-<device>.jsonl
+#   models  parity run --suite models         -> $OUT/models-<device>.jsonl
+#   tf32    parity mutants of the gpu-only (tf32) mutants -> $OUT/mutants-gpu-<device>.json
+#   sweep   parity sweep --suite models --backend triton (+ torch) -> $OUT/sweep-models-<device>.jsonl
+# Usage (on the device machine, repository root): STEPS="ci models" bash benchmarks/gpu_gate.sh
+set -uo pipefail
+: "${OUT:?OUT must name the output folder}"
+STEPS="${STEPS:-ci models tf32 sweep}"
+JOBS="${JOBS:-8}"
+PER_OP="${PER_OP:-40}"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
+PARITY="python3 -m conformance.cli"
+DEV=$(python3 -c "import torch; n = torch.cuda.get_device_name(0).lower(); print('h200' if 'h200' in n else 'h100' if 'h100' in n else n.replace(' ', '-'))")
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+rc=0
+for step in $STEPS; do
+  t0=$(date +%s)
+  case $step in
+    ci) $PARITY gate --suite ci --no-progress -q --jobs "$JOBS" --json "$OUT/ci-$DEV.jsonl" || rc=1 ;;
+    models) $PARITY run --suite models --no-progress -q --jobs "$JOBS" --json "$OUT/models-$DEV.jsonl" || rc=1 ;;
+    tf32) $PARITY mutants --bug tf32 --json "$OUT/mutants-gpu-$DEV.json" || rc=1 ;;
+    sweep) $PARITY sweep --suite models --backend triton --per-op "$PER_OP" --no-progress -q --jobs "$JOBS" \
+             --json "$OUT/sweep-models-$DEV.jsonl" || rc=1 ;;
+    *) echo "unknown step $step"; rc=2 ;;
+  esac
+  echo "step $step: $(( $(date +%s) - t0 )) s"
+done
+exit $rc
