@@ -33,34 +33,24 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
+def _number(cast: type, lowest: float, strict: bool, what: str):
+    """An argparse type: `cast(text)`, finite, above `lowest` (or at least it, if not strict)."""
+    def parse(text: str):
+        try:
+            v = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(v) or (v <= lowest if strict else v < lowest):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return v
+
+    parse.__name__ = what
+    return parse
 
 
-def nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return v
-
-
-def positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds or a factor, got {text!r}") from None
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return v
+positive_int = _number(int, 0, True, "a positive integer")
+nonneg_int = _number(int, 0, False, "a non-negative integer")
+positive_float = _number(float, 0.0, True, "a finite number > 0")
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:

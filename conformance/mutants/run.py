@@ -6,7 +6,8 @@ first, until one fails (killed by the gate: which case, which layer, and whether
 the bug). With --props, a mutant the gate let through then meets the property tests of that
 backend under the ci Hypothesis profile (killed by props: which test). A mutant nothing kills
 *survived*, and fails the command. Mutants declared equivalent are listed with their reason and not
-run; GPU-only ones run only where a CUDA GPU is.
+run; GPU-only ones run only where a CUDA GPU is. A mutant that cannot be applied or built is an
+`error` row (its message says why) and fails the command too; the others still run.
 
     parity mutants [--suite ci] [--props] [--mutant ID ...] [--bug CLASS ...] [--backend B ...]
                    [--jobs N] [--timeout S] [--json PATH] [--html PATH]
@@ -183,7 +184,12 @@ def mutants_command(args: Any, command: str) -> int:
     with tempfile.TemporaryDirectory(prefix="kp-mutants-") as tmp:
         root = Path(tmp)
         for m in muts:
-            rows.append(evaluate(m, args, root))
+            try:
+                rows.append(evaluate(m, args, root))
+            except MutantError as e:  # a broken entry is loud, but the other mutants still run
+                rows.append({"id": m.id, "bug": m.bug, "file": m.file, "backend": m.backend, "doc": m.doc,
+                             "status": "error", "by": None, "case": None, "verdict": None, "layer": None,
+                             "diagnosis": None, "test": None, "elapsed_s": 0.0, "note": str(e)})
             if not args.quiet:
                 r = rows[-1]
                 print(f"{r['status']:<10} {r['id']:<40} {r['by'] or '':<5} {r['case'] or r['test'] or r['note'] or ''}"[:200],
@@ -203,4 +209,4 @@ def mutants_command(args: Any, command: str) -> int:
     s = doc["summary"]
     print(f"parity mutants: {len(rows)} mutants: " + ", ".join(f"{n} {k}" for k, n in s.items())
           + f" in {doc['header']['elapsed_s']:.0f} s")
-    return EXIT_FAIL if s.get("survived") else EXIT_OK
+    return EXIT_FAIL if s.get("survived") or s.get("error") else EXIT_OK

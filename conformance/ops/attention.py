@@ -171,22 +171,25 @@ _LSE_PRODUCTION = tuple(
     for out in ("lse", "lse_parts")
 )
 # The eager baseline rounds the logits and the probabilities to the test dtype (FlashAttention's
-# same-precision reference, attention_ref(upcast=False)), which no fused kernel does: over the ci
-# suite's fresh seeds it reached cos_diff 8.2e-5 (bf16), 1.4e-6 (fp16), 3.5e-13 (fp32). Its tier
-# leaves 2-3x; fused kernels are held by production's limits and by the noise layer (<= k x this
-# baseline's error), never by these.
+# same-precision reference, attention_ref(upcast=False)), which no fused kernel does. Its error has a
+# heavy tail on outliers (values x 20, with cancellation) and under a softcap (a capped logit |s| ~
+# cap rounded to bf16 is off by up to 0.125 at cap 50): over 6,000 fresh-seed ci runs per op it reached
+# cos_diff 3.2e-4 (bf16, softcap over outliers; 1.3e-4 without a softcap), 3.6e-6 (fp16), 2.3e-12
+# (fp32). Its tier leaves ~3x; fused kernels are held by production's limits and by the noise layer
+# (<= k x this baseline's error), never by these.
 BASELINE_TIER = Tier(
     "eager attention rounds logits and probabilities to the test dtype (FlashAttention's same-precision "
-    "baseline): bf16 cos_diff up to 8.2e-5, fp16 1.4e-6, fp32 3.5e-13 over the ci suite's fresh seeds",
+    "baseline): bf16 cos_diff up to 3.2e-4 (softcap over outliers), fp16 3.6e-6, fp32 2.3e-12 over 6,000 "
+    "fresh seeds per op",
     overrides=tuple(
         override
         for out in ("o", "o_parts")
         for override in (
-            Override("eager bf16 attention reaches cos_diff 8.2e-5", output=out, dtype="bf16",
-                     cos_diff=2.5e-4, nmse=5e-4),
-            Override("eager fp16 attention reaches cos_diff 1.4e-6", output=out, dtype="fp16",
-                     cos_diff=4e-6, nmse=8e-6),
-            Override("eager fp32 attention reaches cos_diff 3.5e-13", output=out, dtype="fp32",
+            Override("eager bf16 attention reaches cos_diff 3.2e-4 (softcap over outliers)", output=out,
+                     dtype="bf16", cos_diff=1e-3, nmse=2e-3),
+            Override("eager fp16 attention reaches cos_diff 3.6e-6", output=out, dtype="fp16",
+                     cos_diff=1.2e-5, nmse=2.4e-5),
+            Override("eager fp32 attention reaches cos_diff 2.3e-12", output=out, dtype="fp32",
                      cos_diff=1e-11, nmse=2e-11),
         )
     ) + tuple(
@@ -201,6 +204,13 @@ BASELINE_TIER = Tier(
         Override("eager rounds capped logits to the dtype: O off by up to 6.1 eps x max|O| (measured)",
                  output=out, dtype=d, atol_max_eps=12.0)
         for out in ("o", "o_parts") for d in ("bf16", "fp16")
+    ) + tuple(
+        # fp32 eager forms cap * tanh(s / cap) and exp(s - m) as separate fp32 ops over the whole
+        # logit (|s| up to cap): seen 22 eps32 x max|O| (outliers x 20, cap 50), where a fused
+        # kernel keeps 4 (the C kernel: under 1 eps32 x max|O|, rounding once at the end).
+        Override("eager fp32 rounds every logit op separately: O off by up to 22 eps32 x max|O| (measured)",
+                 output=out, dtype="fp32", atol_max_eps=64.0)
+        for out in ("o", "o_parts")
     ),
 )
 
