@@ -86,8 +86,8 @@ def _sweep(ctx, name, configs, call, ref, rate) -> None:
 
 def tune(ctx) -> None:
     """Block-config sweeps at the target shapes; the bench section then uses the fastest."""
-    from kernels.triton import attention as A
-    from kernels.triton import attention_decode as D
+    from kernel_parity.kernels.triton import attention as A
+    from kernel_parity.kernels.triton import attention_decode as D
     torch, hq, hkv, d = ctx.torch, 32, 8, 128
     b, s = 16, 4096
     q, k, v = _prefill_data(ctx, b, s, hq, hkv, d)
@@ -148,9 +148,9 @@ def record(ctx, op, shape, config, ms, err, ok, sdpa, nbytes=None, flops=None) -
 def bench(ctx) -> None:
     import numpy as np
 
-    from kernels.triton import attention as A
-    from kernels.triton import attention_decode as D
-    from refimpl import attention as R
+    from kernel_parity.kernels.triton import attention as A
+    from kernel_parity.kernels.triton import attention_decode as D
+    from kernel_parity.refimpl import attention as R
     torch = ctx.torch
     # The float64 torch reference used on the slices below, against the golden itself first.
     q, k, v = (torch.randn((2, n, h, 64), device=ctx.dev, generator=ctx.gen) for n, h in ((33, 8), (70, 2), (70, 2)))
@@ -265,8 +265,8 @@ def main() -> int:
     import triton
     from triton.testing import do_bench
 
-    from kernels.triton import attention as A
-    from kernels.triton import attention_decode as D
+    from kernel_parity.kernels.triton import attention as A
+    from kernel_parity.kernels.triton import attention_decode as D
 
     sections = set(args.sections.split(","))
     dev = torch.device("cuda")

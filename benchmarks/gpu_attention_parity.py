@@ -20,7 +20,7 @@ TOL = {"fp32": (3e-5, 3e-5), "fp16": (4e-3, 2e-3), "bf16": (3e-2, 1.5e-2)}
 
 def mask64(torch, s_q, s_k, q_lens, k_lens, causal, window, dev):
     """(b, s_q, s_k) keep-mask: refimpl.attention.mask, in torch (the eager baseline's own)."""
-    from kernels.torch.attention import keep_mask
+    from kernel_parity.kernels.torch.attention import keep_mask
 
     return keep_mask(s_q, s_k, q_lens.to(dev), k_lens.to(dev), causal, window)
 
@@ -84,11 +84,11 @@ def parity(ctx) -> None:
     them across the whole case matrix)."""
     import numpy as np
 
-    from kernels.triton import attention as A
-    from kernels.triton import attention_decode as D
-    from kernels.triton import kvcache as KV
-    from refimpl import attention as R
-    from refimpl import kvcache as RK
+    from kernel_parity.kernels.triton import attention as A
+    from kernel_parity.kernels.triton import attention_decode as D
+    from kernel_parity.kernels.triton import kvcache as KV
+    from kernel_parity.refimpl import attention as R
+    from kernel_parity.refimpl import kvcache as RK
     torch, dev, gen = ctx.torch, ctx.dev, ctx.gen
     dts = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     npy = lambda t: t.double().cpu().numpy()  # noqa: E731

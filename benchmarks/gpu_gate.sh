@@ -12,7 +12,7 @@ JOBS="${JOBS:-8}"
 PER_OP="${PER_OP:-40}"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
-PARITY="python3 -m conformance.cli"
+PARITY="python3 -m kernel_parity.conformance.cli"
 DEV=$(python3 -c "import torch; n = torch.cuda.get_device_name(0).lower(); print('h200' if 'h200' in n else 'h100' if 'h100' in n else n.replace(' ', '-'))")
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 rc=0

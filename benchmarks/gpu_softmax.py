@@ -59,8 +59,8 @@ def main() -> int:
     import triton
     from triton.testing import do_bench
 
-    from kernels.triton import softmax as sm
-    from kernels.triton.combine import lse_combine
+    from kernel_parity.kernels.triton import softmax as sm
+    from kernel_parity.kernels.triton.combine import lse_combine
 
     dev = torch.device("cuda")
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -27,8 +27,8 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from kernels.cpu import loader  # noqa: E402
-from refimpl import attention as golden  # noqa: E402
+from kernel_parity.kernels.cpu import loader  # noqa: E402
+from kernel_parity.refimpl import attention as golden  # noqa: E402
 
 DTYPES = {"f32": (np.float32, torch.float32), "bf16": (ml_dtypes.bfloat16, torch.bfloat16)}
 DECODE = dict(b=8, hq=32, hkv=8, d=128, kv=2048, sq=1)
@@ -42,7 +42,7 @@ TORCH_DECODE = ["torch_gqa_view", "torch_gqa_bhsd", "torch_expanded"]
 @pytest.fixture(scope="module")
 def cpu_attention():
     try:
-        from kernels.cpu import attention
+        from kernel_parity.kernels.cpu import attention
 
         loader.load("attention")
     except loader.CompilerUnavailable as e:

@@ -19,9 +19,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kernels.cpu import loader  # noqa: E402
-from refimpl import combine as golden_combine  # noqa: E402
-from refimpl import softmax as golden_softmax  # noqa: E402
+from kernel_parity.kernels.cpu import loader  # noqa: E402
+from kernel_parity.refimpl import combine as golden_combine  # noqa: E402
+from kernel_parity.refimpl import softmax as golden_softmax  # noqa: E402
 
 DTYPES = {"f32": (np.float32, torch.float32), "bf16": (ml_dtypes.bfloat16, torch.bfloat16)}
 SOFTMAX_SHAPES = [(4096, 4096), (1024, 32768)]
@@ -32,8 +32,8 @@ TORCH_MODES = ["torch", "torch_1thread"]
 @pytest.fixture(scope="module")
 def cpu_kernels():
     try:
-        from kernels.cpu.combine import lse_combine
-        from kernels.cpu.softmax import online_softmax, softmax
+        from kernel_parity.kernels.cpu.combine import lse_combine
+        from kernel_parity.kernels.cpu.softmax import online_softmax, softmax
 
         loader.load("softmax")
         loader.load("combine")

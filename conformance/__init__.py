@@ -1,3 +1,3 @@
-"""kernel-parity: cases, op specs, backends, metrics, tolerance, runner, gate, CLI, pytest plugin."""
+"""The framework: cases, op specs, backends, metrics, tolerance, runner, gate, CLI, pytest plugin."""
 
-__version__ = "0.1.0"
+from kernel_parity import __version__  # noqa: F401  (kept for `from kernel_parity.conformance import __version__`)

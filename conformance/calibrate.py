@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from conformance import ops, suites
-from conformance.cli import EXIT_OK
-from conformance.commands import _progress, make_registry
-from conformance.errors import UsageError
-from conformance.runner import Runner
-from conformance.suites import Filters
+from kernel_parity.conformance import ops, suites
+from kernel_parity.conformance.cli import EXIT_OK
+from kernel_parity.conformance.commands import _progress, make_registry
+from kernel_parity.conformance.errors import UsageError
+from kernel_parity.conformance.runner import Runner
+from kernel_parity.conformance.suites import Filters
 
 
 def _needed_rtol(got: np.ndarray, ref: np.ndarray, atol: float) -> float:

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from conformance.errors import UsageError
+from kernel_parity.conformance.errors import UsageError
 
 _SAFE = re.compile(r"^[A-Za-z0-9_.+\-]+$")
 _SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.+\-]*$")

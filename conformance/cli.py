@@ -22,7 +22,7 @@ import shlex
 import sys
 from typing import Sequence
 
-from conformance.errors import UsageError
+from kernel_parity.conformance.errors import UsageError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 DEFAULT_TIMEOUT_S = 600.0  # per case, in a worker process: a hang is a `timeout`, never a stuck gate
@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)
-        from conformance import commands
+        from kernel_parity.conformance import commands
 
         return getattr(commands, f"cmd_{args.command}")(args, "parity " + " ".join(shlex.quote(a) for a in argv))
     except UsageError as e:

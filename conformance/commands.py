@@ -16,13 +16,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from conformance import env, known, suites
-from conformance.backends import Registry
-from conformance.case import Case
-from conformance.cli import EXIT_FAIL, EXIT_OK
-from conformance.errors import UsageError
-from conformance.suites import Filters
-from reports import files, records
+from kernel_parity.conformance import env, known, suites
+from kernel_parity.conformance.backends import Registry
+from kernel_parity.conformance.case import Case
+from kernel_parity.conformance.cli import EXIT_FAIL, EXIT_OK
+from kernel_parity.conformance.errors import UsageError
+from kernel_parity.conformance.suites import Filters
+from kernel_parity.reports import files, records
 
 MAX_PRINTED_FAILURES = 20
 OUTPUT_FLAGS = ("json", "html", "junit", "md")
@@ -79,7 +79,7 @@ class Selection:
 
 
 def select_cases(sel: Selection, registry: Registry, backend_names: list[str]) -> list[Case]:
-    from conformance import ops
+    from kernel_parity.conformance import ops
 
     known_dists = {d for spec in ops.match(list(sel.ops) or None) for d in spec.dists}
     for d in sel.dists:
@@ -151,12 +151,12 @@ class Run:
 
         try:
             if getattr(args, "no_isolate", False):
-                from conformance.runner import Runner
+                from kernel_parity.conformance.runner import Runner
 
                 Runner(self.registry, recheck=not args.no_recheck,
                        diagnose=not getattr(args, "no_diagnose", False)).run(todo, on_result=on_result)
             else:
-                from conformance.parallel import run_isolated
+                from kernel_parity.conformance.parallel import run_isolated
 
                 origins = {b.name: b.origin for b in self.registry.loaded() if b.origin}
                 run_isolated(todo, jobs=args.jobs, extra_backends=self.registry.extra_specs(),
@@ -236,15 +236,15 @@ def _prepare_resume(args: Any, command: str) -> Run:
 def write_outputs(args: Any, doc: dict, diff: Any = None, mutants: dict | None = None) -> None:
     """The rendered reports (the JSON results were streamed as the run went)."""
     if getattr(args, "html", None):
-        from reports import html
+        from kernel_parity.reports import html
 
         html.write(args.html, doc, diff=diff, mutants=mutants)
     if getattr(args, "junit", None):
-        from reports import junit
+        from kernel_parity.reports import junit
 
         junit.write(args.junit, doc)
     if getattr(args, "md", None):
-        from reports import markdown
+        from kernel_parity.reports import markdown
 
         markdown.write(args.md, doc)
 
@@ -306,7 +306,7 @@ def cmd_gate(args: Any, command: str) -> int:
     doc = run.execute()
     diff = None
     if old is not None:
-        from reports.diff import compare
+        from kernel_parity.reports.diff import compare
 
         diff = compare(old, doc, growth=args.growth)
         doc["header"]["baseline"] = {"path": args.baseline, "git_commit": old["header"].get("git_commit")}
@@ -319,14 +319,14 @@ def cmd_gate(args: Any, command: str) -> int:
 
 
 def cmd_sweep(args: Any, command: str) -> int:
-    from conformance.sweep import sweep
+    from kernel_parity.conformance.sweep import sweep
 
     return sweep(args, command)
 
 
 def cmd_mutants(args: Any, command: str) -> int:
-    from conformance.mutants import MutantError
-    from conformance.mutants.run import mutants_command
+    from kernel_parity.conformance.mutants import MutantError
+    from kernel_parity.conformance.mutants.run import mutants_command
 
     try:
         return mutants_command(args, command)
@@ -335,13 +335,13 @@ def cmd_mutants(args: Any, command: str) -> int:
 
 
 def cmd_list(args: Any, command: str) -> int:
-    from conformance.listing import list_things
+    from kernel_parity.conformance.listing import list_things
 
     return list_things(args)
 
 
 def cmd_repro(args: Any, command: str) -> int:
-    from conformance.repro import repro
+    from kernel_parity.conformance.repro import repro
 
     return repro(args)
 
@@ -362,7 +362,7 @@ def cmd_report(args: Any, command: str) -> int:
 def _load_mutants(path: str) -> dict:
     import json
 
-    from conformance.mutants.run import SCHEMA
+    from kernel_parity.conformance.mutants.run import SCHEMA
 
     try:
         doc = json.loads(open(path, encoding="utf-8").read())
@@ -378,7 +378,7 @@ def _load_mutants(path: str) -> dict:
 
 
 def cmd_diff(args: Any, command: str) -> int:
-    from reports.diff import compare
+    from kernel_parity.reports.diff import compare
 
     old, new = load_input(args.old, "diff"), load_input(args.new, "diff")
     d = compare(old, new, growth=args.growth)
@@ -387,6 +387,6 @@ def cmd_diff(args: Any, command: str) -> int:
 
 
 def cmd_calibrate(args: Any, command: str) -> int:
-    from conformance.calibrate import calibrate
+    from kernel_parity.conformance.calibrate import calibrate
 
     return calibrate(args)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from conformance.errors import UsageError
+from kernel_parity.conformance.errors import UsageError
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from conformance import __version__
+from kernel_parity.conformance import __version__
 
 
 def _version(dist: str) -> str | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance import dtypes as dt
+from kernel_parity.conformance import dtypes as dt
 
 
 def draw(rng: np.random.Generator, shape: tuple[int, ...], kind: str, scale: float = 1.0) -> np.ndarray:

@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from conformance.backends import NotProvided
-from conformance.case import Case
-from conformance.metrics import compare, exact_mismatch
-from conformance.poison import is_poison
-from conformance.tolerance import (LayerResult, OutputJudgement, aggregate_limits, noise_layer, numeric_layer,
+from kernel_parity.conformance.backends import NotProvided
+from kernel_parity.conformance.case import Case
+from kernel_parity.conformance.metrics import compare, exact_mismatch
+from kernel_parity.conformance.poison import is_poison
+from kernel_parity.conformance.tolerance import (LayerResult, OutputJudgement, aggregate_limits, noise_layer, numeric_layer,
                                    zero_output_passes)
 
 LAYERS = ("structure", "exact", "numeric", "noise", "trust")

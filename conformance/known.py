@@ -21,8 +21,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from conformance.errors import UsageError
-from reports.records import FAILING
+from kernel_parity.conformance.errors import UsageError
+from kernel_parity.reports.records import FAILING
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from conformance import ops, suites
-from conformance.backends import Registry
-from conformance.cli import EXIT_OK
-from conformance.suites import Filters
+from kernel_parity.conformance import ops, suites
+from kernel_parity.conformance.backends import Registry
+from kernel_parity.conformance.cli import EXIT_OK
+from kernel_parity.conformance.suites import Filters
 
 
 def list_things(args: Any) -> int:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from conformance.dtypes import DType, ulp_distance
+from kernel_parity.conformance.dtypes import DType, ulp_distance
 
 TINY = float(np.finfo(np.float64).tiny)
 WORST_K = 5

@@ -16,8 +16,8 @@ import time
 from multiprocessing.connection import wait
 from typing import Callable
 
-from conformance.case import Case
-from conformance.runner import dead_record, group_cases
+from kernel_parity.conformance.case import Case
+from kernel_parity.conformance.runner import dead_record, group_cases
 
 _POLL_S = 0.5
 
@@ -44,9 +44,9 @@ def _worker_main(conn, extra_backends: list[str], options: dict, threads: int, s
         except Exception as e:  # the run cannot mean anything: tell the parent, never pass for a crash
             conn.send(("fatal", f"worker setup {mod}.{fn} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
             return
-    from conformance import ops
-    from conformance.backends import Registry
-    from conformance.runner import Runner
+    from kernel_parity.conformance import ops
+    from kernel_parity.conformance.backends import Registry
+    from kernel_parity.conformance.runner import Runner
 
     runner = Runner(Registry(extra=extra_backends), **options)
     while True:
@@ -86,7 +86,7 @@ class _Worker:
 
 
 def _dead_record(case_id: str, verdict: str, reason: str, origin_by_backend: dict[str, str]) -> dict:
-    from conformance import ops
+    from kernel_parity.conformance import ops
 
     case = ops.parse_case(case_id)
     return dead_record(case, verdict, reason, origin_by_backend.get(case.backend))

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from conformance.errors import UsageError
+from kernel_parity.conformance.errors import UsageError
 
 _INT_TEXT = re.compile(r"^(-?[1-9][0-9]{0,17}|0|-1)$")
 PRIMES = (2, 3, 5, 7, 13, 17, 31, 61, 113, 127, 239, 251, 509, 1021, 2039, 4093, 8191, 16381, 65521)

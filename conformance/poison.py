@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance import dtypes as dt
+from kernel_parity.conformance import dtypes as dt
 
 CANARY = 64  # elements on each side of every output
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from reports import records
+from kernel_parity.reports import records
 
 _COLLECTOR = pytest.StashKey["Collector"]()
 _RUNNER = pytest.StashKey[Any]()
@@ -69,7 +69,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if mutant:  # before any test module imports a kernel
         import tempfile
 
-        from conformance.mutants import install
+        from kernel_parity.conformance.mutants import install
 
         root = config.getoption("parity_mutant_root") or tempfile.mkdtemp(prefix="kp-mutant-")
         install(mutant, root)
@@ -94,7 +94,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     collector = config.stash.get(_COLLECTOR, None)
     if collector is None:
         return
-    from conformance import env
+    from kernel_parity.conformance import env
 
     header = env.header("pytest " + " ".join(config.invocation_params.args), None)
     results = list(collector.results.values())
@@ -102,15 +102,15 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if config.getoption("parity_json"):
         records.write(config.getoption("parity_json"), header, results)
     if config.getoption("parity_html"):
-        from reports import html
+        from kernel_parity.reports import html
 
         html.write(config.getoption("parity_html"), doc)
     if config.getoption("parity_junit"):
-        from reports import junit
+        from kernel_parity.reports import junit
 
         junit.write(config.getoption("parity_junit"), doc)
     if config.getoption("parity_md"):
-        from reports import markdown
+        from kernel_parity.reports import markdown
 
         markdown.write(config.getoption("parity_md"), doc)
 
@@ -135,8 +135,8 @@ class Parity:
     def runner(self) -> Any:
         runner = self.config.stash.get(_RUNNER, None)
         if runner is None:
-            from conformance.backends import Registry
-            from conformance.runner import Runner
+            from kernel_parity.conformance.backends import Registry
+            from kernel_parity.conformance.runner import Runner
 
             runner = Runner(Registry(extra=self.config.getoption("parity_backend")))
             self.config.stash[_RUNNER] = runner

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from conformance import ops
-from conformance.cli import EXIT_FAIL, EXIT_OK
-from conformance.commands import make_registry
-from conformance.runner import Runner
-from reports import records
+from kernel_parity.conformance import ops
+from kernel_parity.conformance.cli import EXIT_FAIL, EXIT_OK
+from kernel_parity.conformance.commands import make_registry
+from kernel_parity.conformance.runner import Runner
+from kernel_parity.reports import records
 
 _METRICS = ("max_abs", "max_rel", "rmse", "nmse", "cos_diff", "max_ulp", "mismatch", "max_ref")
 
@@ -55,7 +55,7 @@ def repro(args: Any) -> int:
     print(f"verdict  {rec['verdict']}{' (' + rec['kind'] + ')' if rec.get('kind') else ''}"
           f"{': ' + rec['reason'] if rec.get('reason') else ''}")
     if args.json:
-        from conformance import env
+        from kernel_parity.conformance import env
 
         records.write(args.json, env.header(f"parity repro {case.id}"), [rec])
     if args.export:

@@ -16,14 +16,14 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from conformance import ops
-from conformance.backends import NotProvided, Registry
-from conformance.case import Case
-from conformance.errors import SpecError
-from conformance.inputs import clone, same_bits
-from conformance.judge import diagnose, judge_case
-from conformance.poison import OutputRequest, tensor_to_numpy
-from conformance.spec import OpSpec, float64_view
+from kernel_parity.conformance import ops
+from kernel_parity.conformance.backends import NotProvided, Registry
+from kernel_parity.conformance.case import Case
+from kernel_parity.conformance.errors import SpecError
+from kernel_parity.conformance.inputs import clone, same_bits
+from kernel_parity.conformance.judge import diagnose, judge_case
+from kernel_parity.conformance.poison import OutputRequest, tensor_to_numpy
+from kernel_parity.conformance.spec import OpSpec, float64_view
 
 RECHECK_SEEDS = 3
 RECHECK_STRIDE = 1_000_003  # fresh seed k of a case with seed s is s + k * RECHECK_STRIDE

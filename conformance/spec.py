@@ -12,10 +12,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from conformance import dtypes as dt
-from conformance.errors import UsageError
-from conformance.params import Schema
-from conformance.tolerance import Tol
+from kernel_parity.conformance import dtypes as dt
+from kernel_parity.conformance.errors import UsageError
+from kernel_parity.conformance.params import Schema
+from kernel_parity.conformance.tolerance import Tol
 
 Inputs = dict[str, np.ndarray]
 

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conformance import dtypes as dt
-from conformance import ops
-from conformance.case import Case
-from conformance.errors import UsageError
+from kernel_parity.conformance import dtypes as dt
+from kernel_parity.conformance import ops
+from kernel_parity.conformance.case import Case
+from kernel_parity.conformance.errors import UsageError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -57,7 +57,7 @@ def resolve_scale(scale: str) -> str:
         raise UsageError(f"--scale {scale!r} must be one of {', '.join(SCALES)}")
     if scale != "auto":
         return scale
-    from conformance.backends._torch import cuda_available
+    from kernel_parity.conformance.backends._torch import cuda_available
 
     return "real" if cuda_available() else "cpu"
 

@@ -24,12 +24,12 @@ import random
 from collections import defaultdict
 from typing import Any
 
-from conformance import suites
-from conformance.case import Case
-from conformance.cli import EXIT_FAIL, EXIT_OK
-from conformance.commands import Selection, make_registry, prepare, print_summary, select_cases, write_outputs
-from conformance.errors import UsageError
-from reports import records
+from kernel_parity.conformance import suites
+from kernel_parity.conformance.case import Case
+from kernel_parity.conformance.cli import EXIT_FAIL, EXIT_OK
+from kernel_parity.conformance.commands import Selection, make_registry, prepare, print_summary, select_cases, write_outputs
+from kernel_parity.conformance.errors import UsageError
+from kernel_parity.reports import records
 
 DEFAULT_PER_OP = 100
 

@@ -33,8 +33,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from conformance.dtypes import DTYPES, DType
-from conformance.metrics import Limits
+from kernel_parity.conformance.dtypes import DTYPES, DType
+from kernel_parity.conformance.metrics import Limits
 
 # Per output dtype. atol/rtol: torch.testing.assert_close defaults (PyTorch's per-dtype table).
 # cos_diff: about 8x the worst case of one correct rounding to the dtype ((eps/2)^2 / 2) for

@@ -10,8 +10,8 @@ property test, the metamorphic ones included, checks a third-party kernel.
 
 import pytest
 
-from conformance import profiles
-from property_tests import runs
+from kernel_parity.conformance import profiles
+from kernel_parity.property_tests import runs
 
 profiles.load()
 

@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conformance import ops
-from conformance.backends import NotProvided, Registry
-from conformance.case import Case
-from conformance.metrics import compare
-from conformance.runner import Prepared, tier_of, to_numpy
-from conformance.poison import OutputRequest
+from kernel_parity.conformance import ops
+from kernel_parity.conformance.backends import NotProvided, Registry
+from kernel_parity.conformance.case import Case
+from kernel_parity.conformance.metrics import compare
+from kernel_parity.conformance.runner import Prepared, tier_of, to_numpy
+from kernel_parity.conformance.poison import OutputRequest
 
 _REGISTRY = Registry()
 _PLUGINS: list[str] = []  # names of the --parity-backend plugins, when given

@@ -13,10 +13,10 @@ from typing import Any, Callable
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from conformance import ops
-from conformance.case import Case
-from conformance.errors import UsageError
-from conformance.params import Int, OneOf
+from kernel_parity.conformance import ops
+from kernel_parity.conformance.case import Case
+from kernel_parity.conformance.errors import UsageError
+from kernel_parity.conformance.params import Int, OneOf
 
 SEED_MAX = 2**32 - 1
 PENDING = "pending"  # placeholder backend: tests parametrized over backends call case.with_backend()

@@ -20,13 +20,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import refimpl.attention as ref
-from conformance import ops
-from conformance.dtypes import get as get_dtype
-from conformance.metrics import compare
-from conformance.tolerance import GOLDEN_SELF_CHECK
-from property_tests import runs
-from property_tests.strategies import cases
+import kernel_parity.refimpl.attention as ref
+from kernel_parity.conformance import ops
+from kernel_parity.conformance.dtypes import get as get_dtype
+from kernel_parity.conformance.metrics import compare
+from kernel_parity.conformance.tolerance import GOLDEN_SELF_CHECK
+from kernel_parity.property_tests import runs
+from kernel_parity.property_tests.strategies import cases
 
 
 def heads(p):

@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import given
 
-from property_tests.strategies import cases
+from kernel_parity.property_tests.strategies import cases
 
 SMALL = dict(b=(1, 4), snew=(1, 8), hkv=(1, 4), d=[1, 16, 64, 96], smax=(1, 80))
 

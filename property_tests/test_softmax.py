@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import refimpl.softmax as ref
-from conformance import ops
-from conformance.dtypes import get as get_dtype
-from conformance.metrics import compare
-from conformance.tolerance import GOLDEN_SELF_CHECK
-from property_tests.strategies import cases
+import kernel_parity.refimpl.softmax as ref
+from kernel_parity.conformance import ops
+from kernel_parity.conformance.dtypes import get as get_dtype
+from kernel_parity.conformance.metrics import compare
+from kernel_parity.conformance.tolerance import GOLDEN_SELF_CHECK
+from kernel_parity.property_tests.strategies import cases
 
 BACKENDS = ("triton", "cpu", "torch")
 SMALL = dict(rows=(1, 6), n=(1, 700))
@@ -58,7 +58,7 @@ def _golden_close(got, want, what):
 @st.composite
 def golden_logits(draw):
     """float64 logits of a spec distribution (the golden self-tests need no dtype rounding)."""
-    from conformance.ops.softmax import logits
+    from kernel_parity.conformance.ops.softmax import logits
 
     rows, n = draw(st.integers(1, 5), label="rows"), draw(st.integers(1, 300), label="n")
     dist = draw(st.sampled_from(["normal", "masked", "large", "neg_large"]), label="dist")

@@ -31,7 +31,7 @@ import math
 import numpy as np
 from numpy.typing import NDArray
 
-from refimpl.combine import lse_combine
+from kernel_parity.refimpl.combine import lse_combine
 
 F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from refimpl.softmax import logsumexp, softmax
+from kernel_parity.refimpl.softmax import logsumexp, softmax
 
 F64 = NDArray[np.float64]
 

@@ -17,7 +17,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
-from reports import records
+from kernel_parity.reports import records
 
 # Growth below these values is rounding noise, not a trend worth a line in the diff:
 FLOORS: dict[str, float] = {
@@ -209,6 +209,6 @@ def compare(old: dict, new: dict, *, growth: float = 4.0) -> Diff:
 
 def render_html_section(diff: Diff) -> str:
     """The "Baseline diff" section alone (html.render(doc, diff) embeds the same section)."""
-    from reports import html  # local: html imports nothing from here
+    from kernel_parity.reports import html  # local: html imports nothing from here
 
     return html.render_diff_section(diff)

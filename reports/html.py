@@ -18,7 +18,7 @@ from typing import Any
 
 import jinja2
 
-from reports import records
+from kernel_parity.reports import records
 
 HEADER_FIELDS = (
     ("suite", "suite"), ("device", "device"), ("driver", "driver"),

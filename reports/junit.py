@@ -16,7 +16,7 @@ import os
 import re
 import xml.etree.ElementTree as ET
 
-from reports import records
+from kernel_parity.reports import records
 
 HEADER_PROPERTIES = ("package_version", "git_commit", "device", "driver", "python", "platform",
                      "numpy", "torch", "triton", "time", "command", "suite")

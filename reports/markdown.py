@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 
-from reports import records
+from kernel_parity.reports import records
 
 MAX_FAILURES = 20
 MARK = {"pass": "✅", "fail": "❌", "error": "🟠", "crash": "💥", "timeout": "⏱️",

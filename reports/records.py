@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from reports import files
+from kernel_parity.reports import files
 
 SCHEMA = "kernel-parity/results/2"
 SCHEMA_V1 = "kernel-parity/results/1"  # read-only: one JSON document (committed baselines)

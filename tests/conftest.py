@@ -1,5 +1,5 @@
 pytest_plugins = ["pytester"]
 
-from conformance import profiles  # noqa: E402  (the same Hypothesis profile as the property tests)
+from kernel_parity.conformance import profiles  # noqa: E402  (the same Hypothesis profile as the property tests)
 
 profiles.load()

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from reports import records
-from conformance import known, ops
-from conformance.backends import Registry
-from conformance.cli import main
-from conformance.runner import Runner
+from kernel_parity.reports import records
+from kernel_parity.conformance import known, ops
+from kernel_parity.conformance.backends import Registry
+from kernel_parity.conformance.cli import main
+from kernel_parity.conformance.runner import Runner
 
 PREFILL = "attention.prefill/{b}/fp32/b=2,sq=5,sk=9,hq=4,hkv=2,d=16,causal=bottom_right,wl=-1,wr=-1,cap=0,sink=0/normal/seed=0"
 
@@ -113,7 +113,7 @@ def test_triton_interpreter_is_fixed_for_bf16():
         pytest.skip("a GPU is present: nothing to fix")
     assert backend.available() is None
     assert "fp32->bf16 rounding fixed" in backend.describe() and "bf16 dot" in backend.describe()
-    from conformance.backends.triton_interpreter import _PROBE_RNE, _probe, _probe_dot
+    from kernel_parity.conformance.backends.triton_interpreter import _PROBE_RNE, _probe, _probe_dot
 
     assert _probe() == _PROBE_RNE and _probe_dot()
 

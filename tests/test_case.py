@@ -4,10 +4,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance import ops
-from conformance.case import Case
-from conformance.errors import UsageError
-from property_tests.strategies import cases
+from kernel_parity.conformance import ops
+from kernel_parity.conformance.case import Case
+from kernel_parity.conformance.errors import UsageError
+from kernel_parity.property_tests.strategies import cases
 
 
 @pytest.mark.parametrize("op", sorted(ops.all_specs()))

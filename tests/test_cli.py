@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from conformance.cli import main
-from reports import records
+from kernel_parity.conformance.cli import main
+from kernel_parity.reports import records
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from reports import records
-from conformance.cli import main
+from kernel_parity.reports import records
+from kernel_parity.conformance.cli import main
 
 SMOKE = ["--suite", "smoke", "--op", "softmax.softmax", "--no-progress", "-q"]
 

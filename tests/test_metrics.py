@@ -5,8 +5,8 @@ import math
 import ml_dtypes
 import numpy as np
 
-from conformance import dtypes as dt
-from conformance.metrics import Limits, compare, exact_mismatch
+from kernel_parity.conformance import dtypes as dt
+from kernel_parity.conformance.metrics import Limits, compare, exact_mismatch
 
 F32 = dt.get("fp32")
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conformance.cli import main
-from conformance.mutants import CLASSES, MutantError, catalogue, get, kernels_root
+from kernel_parity.conformance.cli import main
+from kernel_parity.conformance.mutants import CLASSES, MutantError, catalogue, get, kernels_root
 
 ROOT = Path(__file__).resolve().parent.parent
 # The bug classes the gate must be shown to catch (issue: "cover at least").
@@ -54,7 +54,7 @@ def test_a_patch_whose_target_is_gone_fails_loudly(tmp_path):
 def test_install_loads_the_patched_copy_in_a_fresh_process(tmp_path):
     m = get("tri-softmax-masked-row-nan")
     code = ("import inspect; from conformance.mutants import install; "
-            f"install({m.id!r}, {str(tmp_path)!r}); import kernels.triton.softmax as k; "
+            f"install({m.id!r}, {str(tmp_path)!r}); import kernel_parity.kernels.triton.softmax as k; "
             "print(k.__file__); print('inv = 1.0 / s' in inspect.getsource(k))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     path, has_bug = out.split()

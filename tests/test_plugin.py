@@ -3,13 +3,13 @@
 import json
 from pathlib import Path
 
-from reports import records
+from kernel_parity.reports import records
 
 ROOT = Path(__file__).resolve().parent.parent
 
 TEST_FILE = '''
 from hypothesis import given, settings
-from property_tests.strategies import cases
+from kernel_parity.property_tests.strategies import cases
 
 
 @settings(max_examples=4, derandomize=True, database=None, deadline=None)
@@ -58,7 +58,7 @@ def test_plugin_is_inert_without_options(pytester, monkeypatch):
 PINNED_TEST = '''
 import json, os
 from hypothesis import given, strategies as st
-from conformance import profiles
+from kernel_parity.conformance import profiles
 
 profiles.load("ci")
 if os.environ.get("KP_EXTRA_MODULE"):

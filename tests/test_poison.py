@@ -4,8 +4,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conformance import dtypes as dt
-from conformance.poison import CANARY, OutputRequest, is_poison, poison_array
+from kernel_parity.conformance import dtypes as dt
+from kernel_parity.conformance.poison import CANARY, OutputRequest, is_poison, poison_array
 
 
 @pytest.mark.parametrize("name", ["fp32", "fp16", "bf16", "fp64"])
@@ -58,7 +58,7 @@ def test_torch_buffers_are_poisoned_the_same_way():
     req = _request({"y": 1})
     y = req.torch("y", "cpu")
     assert y.dtype == torch.bfloat16 and y.stride() == (6, 1)
-    from conformance.poison import tensor_to_numpy
+    from kernel_parity.conformance.poison import tensor_to_numpy
 
     assert np.all(is_poison(tensor_to_numpy(y, dt.get("bf16")), dt.get("bf16")))
     y.fill_(1.0)

@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from reports import diff, html, junit, markdown, records
+from kernel_parity.reports import diff, html, junit, markdown, records
 
 HEADER = {
     "package_version": "0.1.0", "git_commit": "0123456789abcdef", "device": "NVIDIA H100 80GB HBM3",

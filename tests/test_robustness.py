@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conformance import suites
-from conformance.cli import main
-from reports import records
+from kernel_parity.conformance import suites
+from kernel_parity.conformance.cli import main
+from kernel_parity.reports import records
 
 ROOT = Path(__file__).resolve().parent.parent
 SOFTMAX_CI = ["--suite", "ci", "--op", "softmax.softmax", "--dtype", "fp32", "--dist", "normal", "--no-progress", "-q"]
@@ -60,7 +60,7 @@ def _lines(path: Path) -> int:
 def test_a_killed_run_is_incomplete_and_resume_completes_it(tmp_path):
     out = tmp_path / "r.jsonl"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KP_TEST_SLOW_S": "0.4"}
-    argv = [sys.executable, "-m", "conformance.cli", "run", *SOFTMAX_CI, "--backend", "tests.third_party:SLOW",
+    argv = [sys.executable, "-m", "kernel_parity.conformance.cli", "run", *SOFTMAX_CI, "--backend", "tests.third_party:SLOW",
             "--json", str(out)]
     proc = subprocess.Popen(argv, cwd=tmp_path, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -77,7 +77,7 @@ def test_a_killed_run_is_incomplete_and_resume_completes_it(tmp_path):
     assert main(["report", str(out), "--html", str(html)]) == 1  # an incomplete file never passes
     page = html.read_text()
     assert f"incomplete: {done} of {N_SOFTMAX_CI} cases" in page and 'class="badge FAIL"' in page
-    code = subprocess.run([sys.executable, "-m", "conformance.cli", "run", "--resume", str(out), "--no-progress",
+    code = subprocess.run([sys.executable, "-m", "kernel_parity.conformance.cli", "run", "--resume", str(out), "--no-progress",
                            "-q"], cwd=tmp_path, env={**env, "KP_TEST_SLOW_S": "0"}, capture_output=True, text=True)
     assert code.returncode == 0, code.stderr
     doc = records.load(out)

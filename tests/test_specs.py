@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance import ops, suites
-from conformance.backends import BUILTIN, Registry
-from conformance.runner import Prepared
+from kernel_parity.conformance import ops, suites
+from kernel_parity.conformance.backends import BUILTIN, Registry
+from kernel_parity.conformance.runner import Prepared
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted(ops.all_specs())
@@ -17,7 +17,7 @@ SPECS = sorted(ops.all_specs())
 @pytest.mark.parametrize("name", SPECS)
 def test_op_has_golden_and_stem_files(name):
     spec = ops.get(name)
-    golden = getattr(importlib.import_module(f"refimpl.{spec.stem}"), spec.function, None)
+    golden = getattr(importlib.import_module(f"kernel_parity.refimpl.{spec.stem}"), spec.function, None)
     assert golden is not None and golden is spec.golden, f"refimpl.{spec.stem}.{spec.function} is not the golden"
     assert (ROOT / "conformance" / "ops" / f"{spec.stem}.py").exists()
     assert (ROOT / "property_tests" / f"test_{spec.stem}.py").exists()
@@ -86,9 +86,42 @@ def test_nothing_happens_at_import():
     import sys
 
     code = ("import os, sys; os.environ.pop('TRITON_INTERPRET', None);"
-            "import refimpl.softmax, refimpl.combine, conformance.cli, conformance.runner, conformance.ops;"
-            "conformance.ops.all_specs();"
+            "import kernel_parity.refimpl.softmax, kernel_parity.refimpl.combine, kernel_parity.conformance.cli;"
+            "import kernel_parity.conformance.runner, kernel_parity.conformance.ops as ops;"
+            "ops.all_specs();"
             "assert 'TRITON_INTERPRET' not in os.environ;"
             "assert 'torch' not in sys.modules and 'triton' not in sys.modules, sorted(m for m in sys.modules if m.split('.')[0] in ('torch','triton'))")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+PACKAGE_FOLDERS = {"refimpl": "kernel_parity.refimpl", "kernels": "kernel_parity.kernels",
+                   "conformance": "kernel_parity.conformance", "reports": "kernel_parity.reports",
+                   "property_tests": "kernel_parity.property_tests"}
+
+
+def test_one_import_namespace():
+    """Every package folder installs under kernel_parity (pyproject's list is complete), and no
+    source imports a bare top-level name (`import conformance`) that a user's repo may own."""
+    import ast
+    import sys
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"kernel_parity"}
+    for folder, pkg in PACKAGE_FOLDERS.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((pkg, *rel)))
+    assert declared == found
+    bare = set(PACKAGE_FOLDERS)
+    for folder in (*PACKAGE_FOLDERS, "tests", "benchmarks", "kernel_parity"):
+        for src in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(src.read_text(), str(src))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+                for n in names:
+                    assert n.split(".")[0] not in bare, f"{src.relative_to(ROOT)} imports {n}: use kernel_parity.{n}"

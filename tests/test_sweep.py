@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from conformance import suites
-from conformance.cli import main
-from conformance.sweep import summarize, sweep_cases
-from reports import records
+from kernel_parity.conformance import suites
+from kernel_parity.conformance.cli import main
+from kernel_parity.conformance.sweep import summarize, sweep_cases
+from kernel_parity.reports import records
 
 
 def test_sweep_cases_spread_fresh_seeds_and_share_them_across_backends():

@@ -5,11 +5,11 @@ import math
 import numpy as np
 import pytest
 
-from conformance import dtypes as dt
-from conformance.metrics import Limits
-from conformance.tolerance import (AGG_FLOOR, DTYPE_DEFAULTS, Override, Tier, Tol, aggregate_limits, noise_layer,
+from kernel_parity.conformance import dtypes as dt
+from kernel_parity.conformance.metrics import Limits
+from kernel_parity.conformance.tolerance import (AGG_FLOOR, DTYPE_DEFAULTS, Override, Tier, Tol, aggregate_limits, noise_layer,
                                    numeric_layer, zero_output_passes)
-from conformance.metrics import compare
+from kernel_parity.conformance.metrics import compare
 
 F16 = dt.get("fp16")
 

@@ -10,9 +10,9 @@ import time
 
 import numpy as np
 
-from conformance import dtypes as dt
-from conformance.backends import Backend
-from conformance.poison import poison_array
+from kernel_parity.conformance import dtypes as dt
+from kernel_parity.conformance.backends import Backend
+from kernel_parity.conformance.poison import poison_array
 
 
 def _softmax(x: np.ndarray, subtract_max: bool = True) -> np.ndarray:
@@ -196,7 +196,7 @@ def _attention(name: str, causal: str | None = None, tiled: bool = False, no_sca
     def prefill(case, inputs, out):
         import torch
 
-        from kernels.torch import attention as k
+        from kernel_parity.kernels.torch import attention as k
 
         p = case.p
         q, kk, vv = (torch.from_numpy(inputs[n].astype(np.float32)) for n in ("q", "k", "v"))

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Callable
 
-from conformance.errors import UsageError
+from kernel_parity.conformance.errors import UsageError
 
 ENTRY_POINT_GROUP = "kernel_parity.backends"
 BUILTIN = ("triton", "cpu", "torch")
@@ -77,7 +77,7 @@ class Backend:
 
 
 def _builtin(name: str) -> Backend:
-    module = importlib.import_module(f"conformance.backends.{name}_backend")
+    module = importlib.import_module(f"kernel_parity.conformance.backends.{name}_backend")
     return module.make()
 
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from conformance import dtypes as dt
-from conformance.inputs import storage
+from kernel_parity.conformance import dtypes as dt
+from kernel_parity.conformance.inputs import storage
 
 _SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 

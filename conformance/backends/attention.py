@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from conformance.backends._torch import to_torch
+from kernel_parity.conformance.backends._torch import to_torch
 
 DECODE_OPS = ("attention.decode", "attention.decode_paged")
 
@@ -40,8 +40,8 @@ def _max_lens(inputs) -> tuple[int, int]:
 
 def triton_ops(device: str) -> dict[str, Callable]:
     def run(case, inputs, out):
-        from kernels.triton import attention as fa
-        from kernels.triton import attention_decode as dec
+        from kernel_parity.kernels.triton import attention as fa
+        from kernel_parity.kernels.triton import attention_decode as dec
 
         args, kw = _torch_args(case, inputs, device)
         o, lse = out.torch("o", device), out.torch("lse", device)
@@ -65,7 +65,7 @@ def triton_ops(device: str) -> dict[str, Callable]:
 
 def cpu_ops() -> dict[str, Callable]:
     def run(case, inputs, out):
-        from kernels.cpu import attention as k
+        from kernel_parity.kernels.cpu import attention as k
 
         kw = _kw(case, inputs.get("sinks"))
         o, lse = out.numpy("o"), out.numpy("lse")
@@ -83,7 +83,7 @@ def cpu_ops() -> dict[str, Callable]:
 
 def torch_ops(device: str) -> dict[str, Callable]:
     def run(case, inputs, out):
-        from kernels.torch import attention as k
+        from kernel_parity.kernels.torch import attention as k
 
         args, kw = _torch_args(case, inputs, device)
         fn = {"attention.prefill": k.attention, "attention.varlen": k.varlen, "attention.decode": k.decode,

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from conformance.backends._torch import to_torch
+from kernel_parity.conformance.backends._torch import to_torch
 
 
 def triton_ops(device: str) -> dict[str, Any]:
     def lse_combine(case, inputs, out):
-        from kernels.triton import combine as k
+        from kernel_parity.kernels.triton import combine as k
 
         o, lse = out.torch("o", device), out.torch("lse", device)
         k.lse_combine(to_torch(inputs["o_parts"], device), to_torch(inputs["lse_parts"], device), out=o, out_lse=lse)
@@ -20,7 +20,7 @@ def triton_ops(device: str) -> dict[str, Any]:
 
 def cpu_ops() -> dict[str, Any]:
     def lse_combine(case, inputs, out):
-        from kernels.cpu import combine as k
+        from kernel_parity.kernels.cpu import combine as k
 
         o, lse = out.numpy("o"), out.numpy("lse")
         k.lse_combine(inputs["o_parts"], inputs["lse_parts"], out=o, out_lse=lse)
@@ -31,7 +31,7 @@ def cpu_ops() -> dict[str, Any]:
 
 def torch_ops(device: str) -> dict[str, Any]:
     def lse_combine(case, inputs, out):
-        from kernels.torch import combine as k
+        from kernel_parity.kernels.torch import combine as k
 
         o, lse = out.torch("o", device), out.torch("lse", device)
         o_, lse_ = k.lse_combine(to_torch(inputs["o_parts"], device), to_torch(inputs["lse_parts"], device))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conformance.backends import Backend
-from conformance.backends.builtin import collect
+from kernel_parity.conformance.backends import Backend
+from kernel_parity.conformance.backends.builtin import collect
 
 
 @dataclass
@@ -14,7 +14,7 @@ class CpuBackend(Backend):
         why = super().supports(case)
         if why:
             return why
-        from kernels.cpu.loader import CompilerUnavailable, load
+        from kernel_parity.kernels.cpu.loader import CompilerUnavailable, load
 
         try:
             load(case.op.split(".", 1)[0])

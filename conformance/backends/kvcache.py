@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from conformance.backends._torch import to_torch
+from kernel_parity.conformance.backends._torch import to_torch
 
 
 def _torch_run(device: str, kernel: Callable[[], Any]) -> Callable:
@@ -28,7 +28,7 @@ def _torch_run(device: str, kernel: Callable[[], Any]) -> Callable:
 
 def triton_ops(device: str) -> dict[str, Callable]:
     def kernel():
-        from kernels.triton.kvcache import update
+        from kernel_parity.kernels.triton.kvcache import update
 
         return update
 
@@ -37,7 +37,7 @@ def triton_ops(device: str) -> dict[str, Callable]:
 
 def torch_ops(device: str) -> dict[str, Callable]:
     def kernel():
-        from kernels.torch.kvcache import update
+        from kernel_parity.kernels.torch.kvcache import update
 
         return update
 
@@ -46,7 +46,7 @@ def torch_ops(device: str) -> dict[str, Callable]:
 
 def cpu_ops() -> dict[str, Callable]:
     def run(case, inputs, out):
-        from kernels.cpu.kvcache import update
+        from kernel_parity.kernels.cpu.kvcache import update
 
         res = {}
         for name, new in (("k_cache", "k_new"), ("v_cache", "v_new")):

@@ -25,8 +25,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from conformance.backends import Backend, NotProvided
-from conformance.backends._torch import cuda_available, to_torch, torch_available
+from kernel_parity.conformance.backends import Backend, NotProvided
+from kernel_parity.conformance.backends._torch import cuda_available, to_torch, torch_available
 
 OPS = ("attention.prefill", "attention.decode")
 UNSUPPORTED_OPS = {
@@ -133,7 +133,7 @@ def _why_mask(case: Any) -> str:
 def _bool_mask(case: Any, s_q: int, s_k: int, dev: Any) -> Any:
     import torch
 
-    from kernels.torch.attention import keep_mask
+    from kernel_parity.kernels.torch.attention import keep_mask
 
     b = case.p["b"]
     keep = keep_mask(s_q, s_k, torch.full((b,), s_q, device=dev), torch.full((b,), s_k, device=dev),

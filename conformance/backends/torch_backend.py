@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conformance.backends import Backend
-from conformance.backends._torch import cuda_available, torch_available
-from conformance.backends.builtin import collect
+from kernel_parity.conformance.backends import Backend
+from kernel_parity.conformance.backends._torch import cuda_available, torch_available
+from kernel_parity.conformance.backends.builtin import collect
 
 
 @dataclass

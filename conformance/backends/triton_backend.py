@@ -6,9 +6,9 @@ import os
 import sys
 from dataclasses import dataclass
 
-from conformance.backends import Backend
-from conformance.backends._torch import cuda_available, torch_available
-from conformance.backends.builtin import collect
+from kernel_parity.conformance.backends import Backend
+from kernel_parity.conformance.backends._torch import cuda_available, torch_available
+from kernel_parity.conformance.backends.builtin import collect
 
 
 @dataclass
@@ -31,7 +31,7 @@ class TritonBackend(Backend):
                     "(tl.cdiv, tl.sum, ...) cannot run in the interpreter: set TRITON_INTERPRET=1 before "
                     "starting, or let kernel-parity import triton first")
         if self.interpreter and not self._prepared:
-            from conformance.backends.triton_interpreter import ensure_bf16
+            from kernel_parity.conformance.backends.triton_interpreter import ensure_bf16
 
             self.note = ensure_bf16()
             self._prepared = True

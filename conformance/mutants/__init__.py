@@ -113,7 +113,7 @@ class Mutant:
 
 def kernels_root() -> Path:
     """The kernels package directory (the unpatched one, until `install` repoints it)."""
-    import kernels
+    from kernel_parity import kernels
 
     return Path(list(kernels.__path__)[0])
 
@@ -188,7 +188,7 @@ def materialise(mutant: Mutant, root: Path) -> Path:
 
 
 def install(mutant_id: str, root: str) -> None:
-    """In a fresh process: make `import kernels.<...>` load the mutant's patched copy.
+    """In a fresh process: make `import kernel_parity.kernels.<...>` load the mutant's patched copy.
 
     Runs before any kernel module is imported (the pytest plugin's configure); C kernels compile
     from the patched copy into a cache under `root`."""
@@ -200,10 +200,10 @@ def use_copy(kernels_dir: str, cache: str) -> None:
     process materialised it, so workers never re-read the catalogue)."""
     import os
 
-    loaded = sorted(n for n in sys.modules if n.startswith("kernels."))
+    loaded = sorted(n for n in sys.modules if n.startswith("kernel_parity.kernels."))
     if loaded:
         raise MutantError(f"cannot install a mutant: kernel modules already imported ({loaded[0]}, ...)")
     os.environ["KERNEL_PARITY_CACHE"] = cache
-    import kernels
+    from kernel_parity import kernels
 
     kernels.__path__[:] = [kernels_dir]

@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conformance import env, suites
-from conformance.case import Case
-from conformance.cli import EXIT_FAIL, EXIT_OK
-from conformance.errors import UsageError
-from conformance.mutants import CLASSES, Mutant, MutantError, catalogue, materialise
-from conformance.suites import Filters
-from reports import files, records
+from kernel_parity.conformance import env, suites
+from kernel_parity.conformance.case import Case
+from kernel_parity.conformance.cli import EXIT_FAIL, EXIT_OK
+from kernel_parity.conformance.errors import UsageError
+from kernel_parity.conformance.mutants import CLASSES, Mutant, MutantError, catalogue, materialise
+from kernel_parity.conformance.suites import Filters
+from kernel_parity.reports import files, records
 
 SCHEMA = "kernel-parity/mutants/1"
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -65,14 +65,14 @@ def gate_cases(mutant: Mutant, suite: str) -> list[Case]:
 
 
 def _gpu() -> bool:
-    from conformance.backends._torch import cuda_available
+    from kernel_parity.conformance.backends._torch import cuda_available
 
     return cuda_available()
 
 
 def run_gate(mutant: Mutant, cases: list[Case], root: Path, jobs: int, timeout: float) -> dict | None:
     """The first failing record of `cases` under the mutant (None: every case passed or skipped)."""
-    from conformance.parallel import run_isolated
+    from kernel_parity.conformance.parallel import run_isolated
 
     found: list[dict] = []
 
@@ -82,7 +82,7 @@ def run_gate(mutant: Mutant, cases: list[Case], root: Path, jobs: int, timeout: 
 
     copy = materialise(mutant, root)
     run_isolated(cases, jobs=jobs, extra_backends=[], recheck=False, timeout=timeout, on_result=on_result,
-                 setup=("conformance.mutants", "use_copy", str(copy), str(root / "cache")), stop=lambda: bool(found))
+                 setup=("kernel_parity.conformance.mutants", "use_copy", str(copy), str(root / "cache")), stop=lambda: bool(found))
     return found[0] if found else None
 
 
@@ -121,7 +121,7 @@ def evaluate(mutant: Mutant, args: Any, root: Path) -> dict:
     materialise(mutant, root)
     if mutant.backend == "cpu":  # a C mutant must build: a compile error would only skip every case
         _check_builds(mutant, root)
-    from conformance.parallel import WorkerSetupError
+    from kernel_parity.conformance.parallel import WorkerSetupError
 
     try:
         rec = run_gate(mutant, gate_cases(mutant, args.suite or suites.DEFAULT_SUITE), root, args.jobs, args.timeout)
@@ -144,7 +144,7 @@ def _check_builds(mutant: Mutant, root: Path) -> None:
     stems = [Path(mutant.file).stem] if mutant.file.endswith(".c") else \
         sorted(p.stem for p in (materialise(mutant, root) / "cpu").glob("*.c"))
     code = (f"from conformance.mutants import install; install({mutant.id!r}, {str(root)!r}); "
-            f"from kernels.cpu.loader import load; [load(s) for s in {stems!r}]")
+            f"from kernel_parity.kernels.cpu.loader import load; [load(s) for s in {stems!r}]")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["?"])[-1]
@@ -202,7 +202,7 @@ def mutants_command(args: Any, command: str) -> int:
 
         files.write_text(args.json, json.dumps(records.encode(doc), indent=1) + "\n")
     if args.html:
-        from reports import html
+        from kernel_parity.reports import html
 
         html.write_mutants(args.html, doc)
     print(render_table(rows))

@@ -1,4 +1,9 @@
-"""The op registry: one module per stem, each exporting SPECS."""
+"""The op registry: op families register through the entry-point group `kernel_parity.ops`.
+
+Each entry point names a module (or module:attribute) that exports `SPECS`, a tuple of OpSpecs;
+the entry point's name is the family's stem. Our own families (softmax, combine, attention,
+kvcache) register there exactly as an outside repo's do (pyproject.toml), so adding a family never
+means editing a list here. `register()` adds specs programmatically (self-tests)."""
 
 from __future__ import annotations
 
@@ -6,21 +11,62 @@ import fnmatch
 import importlib
 from functools import lru_cache
 
-from conformance import dtypes as dt
-from conformance.case import Case, split_id
-from conformance.errors import UsageError
-from conformance.spec import OpSpec
+from kernel_parity.conformance import dtypes as dt
+from kernel_parity.conformance.case import Case, split_id
+from kernel_parity.conformance.errors import UsageError
+from kernel_parity.conformance.spec import OpSpec
 
-STEMS = ("softmax", "combine", "attention", "kvcache")
+ENTRY_POINT_GROUP = "kernel_parity.ops"
+_EXTRA: dict[str, OpSpec] = {}  # registered programmatically
+
+
+def families() -> dict[str, str]:
+    """stem -> "module[:attribute]" of every installed op family."""
+    from importlib import metadata
+
+    return {ep.name: ep.value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _load_family(stem: str, target: str) -> tuple[OpSpec, ...]:
+    mod_name, _, attr = target.partition(":")
+    try:
+        obj = importlib.import_module(mod_name)
+        for part in (attr or "SPECS").split("."):
+            obj = getattr(obj, part)
+    except Exception as e:  # a broken family is a one-line usage error, naming the entry point
+        raise UsageError(f"op family {stem!r} ({target}) cannot be loaded: {type(e).__name__}: {e}") from None
+    specs = tuple(obj)
+    if not all(isinstance(sp, OpSpec) for sp in specs):
+        raise UsageError(f"op family {stem!r} ({target}): SPECS must be a tuple of OpSpec")
+    return specs
 
 
 @lru_cache(maxsize=None)
-def all_specs() -> dict[str, OpSpec]:
+def _installed() -> dict[str, OpSpec]:
     specs: dict[str, OpSpec] = {}
-    for stem in STEMS:
-        for spec in importlib.import_module(f"conformance.ops.{stem}").SPECS:
+    for stem, target in sorted(families().items()):
+        for spec in _load_family(stem, target):
+            if spec.name in specs:
+                raise UsageError(f"op {spec.name!r} is registered twice (family {stem!r} and another)")
             specs[spec.name] = spec
     return specs
+
+
+def all_specs() -> dict[str, OpSpec]:
+    return {**_installed(), **_EXTRA}
+
+
+def register(specs: tuple[OpSpec, ...] | list[OpSpec]) -> None:
+    """Add op specs to this process's registry (self-tests; installed families use entry points)."""
+    for spec in specs:
+        if spec.name in _installed():
+            raise UsageError(f"op {spec.name!r} is already registered by an installed family")
+        _EXTRA[spec.name] = spec
+
+
+def unregister(names: list[str]) -> None:
+    for n in names:
+        _EXTRA.pop(n, None)
 
 
 def get(name: str) -> OpSpec:

@@ -14,13 +14,13 @@ from typing import Any
 
 import numpy as np
 
-import refimpl.attention as ref
-from conformance import dtypes as dt
-from conformance.ops.attention_inputs import (CACHE_SLACK, DISTS, contiguous_cache, cu_seqlens, lengths,
+import kernel_parity.refimpl.attention as ref
+from kernel_parity.conformance import dtypes as dt
+from kernel_parity.conformance.ops.attention_inputs import (CACHE_SLACK, DISTS, contiguous_cache, cu_seqlens, lengths,
                                               paged_cache, qkv, sinks)
-from conformance.params import Int, OneOf, Schema
-from conformance.spec import Diagnosis, OpSpec, Output
-from conformance.tolerance import Override, Tier, Tol
+from kernel_parity.conformance.params import Int, OneOf, Schema
+from kernel_parity.conformance.spec import Diagnosis, OpSpec, Output
+from kernel_parity.conformance.tolerance import Override, Tier, Tol
 
 HEADS = dict(
     hq=Int(1, 128, edges=(8, 32, 64), doc="query heads"),

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from conformance import dtypes as dt
-from conformance.inputs import draw
+from kernel_parity.conformance import dtypes as dt
+from kernel_parity.conformance.inputs import draw
 
 DISTS = {
     "normal": "q, k, v ~ N(0, 1)",

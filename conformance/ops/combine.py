@@ -12,12 +12,13 @@ from typing import Any
 
 import numpy as np
 
-import refimpl.combine
-from conformance import dtypes as dt
-from conformance.inputs import draw
-from conformance.params import Int, Schema
-from conformance.spec import OpSpec, Output
-from conformance.tolerance import Tol
+from kernel_parity import refimpl
+import kernel_parity.refimpl.combine  # noqa: F401  (refimpl.combine below)
+from kernel_parity.conformance import dtypes as dt
+from kernel_parity.conformance.inputs import draw
+from kernel_parity.conformance.params import Int, Schema
+from kernel_parity.conformance.spec import OpSpec, Output
+from kernel_parity.conformance.tolerance import Tol
 
 DISTS = {
     "normal": "O_i ~ N(0, 1), LSE_i ~ N(0, 3)",

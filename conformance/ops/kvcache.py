@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
-import refimpl.kvcache as ref
-from conformance import dtypes as dt
-from conformance.inputs import draw
-from conformance.params import Int, OneOf, Schema
-from conformance.spec import OpSpec, Output
-from conformance.tolerance import Tol
+import kernel_parity.refimpl.kvcache as ref
+from kernel_parity.conformance import dtypes as dt
+from kernel_parity.conformance.inputs import draw
+from kernel_parity.conformance.params import Int, OneOf, Schema
+from kernel_parity.conformance.spec import OpSpec, Output
+from kernel_parity.conformance.tolerance import Tol
 
 LAYOUTS = {"contiguous": None, "paged16": 16, "paged64": 64}
 DISTS = {"normal": "old cache and new tokens ~ N(0, 1)"}

@@ -12,12 +12,13 @@ from typing import Any
 
 import numpy as np
 
-import refimpl.softmax
-from conformance import dtypes as dt
-from conformance.inputs import draw, padded
-from conformance.params import Int, OneOf, Schema
-from conformance.spec import OpSpec, Output
-from conformance.tolerance import Tol
+from kernel_parity import refimpl
+import kernel_parity.refimpl.softmax  # noqa: F401  (refimpl.softmax below)
+from kernel_parity.conformance import dtypes as dt
+from kernel_parity.conformance.inputs import draw, padded
+from kernel_parity.conformance.params import Int, OneOf, Schema
+from kernel_parity.conformance.spec import OpSpec, Output
+from kernel_parity.conformance.tolerance import Tol
 
 DISTS = {
     "normal": "N(0, 1) logits",

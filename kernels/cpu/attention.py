@@ -36,7 +36,7 @@ import numbers
 
 import numpy as np
 
-from kernels.cpu.loader import (DTYPE_CODES, check_array, check_output, check_status, dtype_code,
+from kernel_parity.kernels.cpu.loader import (DTYPE_CODES, check_array, check_output, check_status, dtype_code,
                                 element_strides, load)
 
 __all__ = ["prefill", "decode", "decode_paged"]

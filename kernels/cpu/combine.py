@@ -22,7 +22,7 @@ import ctypes
 
 import numpy as np
 
-from kernels.cpu.loader import (DTYPE_CODES, check_array, check_output, check_status, dtype_code,
+from kernel_parity.kernels.cpu.loader import (DTYPE_CODES, check_array, check_output, check_status, dtype_code,
                                 element_strides, load)
 
 __all__ = ["lse_combine"]

@@ -20,7 +20,7 @@ import ctypes
 
 import numpy as np
 
-from kernels.cpu.loader import check_array, check_status, element_strides, load
+from kernel_parity.kernels.cpu.loader import check_array, check_status, element_strides, load
 
 __all__ = ["update"]
 

@@ -124,7 +124,7 @@ def decode_split(q, k_cache, v_cache, seqlens, num_splits: int, *, causal: str =
     Split s of sequence b covers keys [s C_b, min((s + 1) C_b, L_b)), C_b = ceil(L_b / num_splits).
     o_parts (splits, b, s_q, h_q, d) fp32, lse_parts (splits, b, h_q, s_q) fp32.
     """
-    from kernels.torch.combine import lse_combine
+    from kernel_parity.kernels.torch.combine import lse_combine
 
     b, s_q = q.shape[:2]
     s_max = k_cache.shape[1]
