@@ -49,6 +49,7 @@ def calibrate(args: Any) -> int:
 
     def collect(rec: dict) -> None:
         bar.update(1)
+        rec = rec.to_json()
         arrays = runner.capture.pop(rec["id"], None)
         for name, o in rec["outputs"].items():
             key = (rec["backend"], name, o["dtype"])

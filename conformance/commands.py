@@ -21,6 +21,7 @@ from kernel_parity.conformance.backends import Registry
 from kernel_parity.conformance.case import Case
 from kernel_parity.conformance.cli import EXIT_FAIL, EXIT_OK
 from kernel_parity.conformance.errors import UsageError
+from kernel_parity.conformance.results import CaseResult
 from kernel_parity.conformance.suites import Filters
 from kernel_parity.reports import files, records
 
@@ -81,11 +82,17 @@ class Selection:
 def select_cases(sel: Selection, registry: Registry, backend_names: list[str]) -> list[Case]:
     from kernel_parity.conformance import ops
 
-    known_dists = {d for spec in ops.match(list(sel.ops) or None) for d in spec.dists}
+    specs = ops.match(list(sel.ops) or None)
+    known_dists = {d for spec in specs for d in spec.dists}
     for d in sel.dists:
         if d not in known_dists:
             raise UsageError(f"--dist {d!r} is no value distribution of the selected ops "
                              f"(known: {', '.join(sorted(known_dists))})")
+    known_dtypes = {d for spec in specs for d in spec.dtypes}
+    for d in sel.dtypes:
+        c = suites.canonical_filter_dtype(d)
+        if c not in known_dtypes:
+            raise UsageError(f"--dtype {d!r} is no dtype of the selected ops (they take: {', '.join(sorted(known_dtypes))})")
     filters = Filters(sel.ops, tuple(backend_names), sel.dtypes, sel.dists, sel.scale)
     cases = suites.cases(sel.suite, filters)
     for name in dict.fromkeys(c.backend for c in cases):
@@ -125,26 +132,26 @@ class Run:
     header: dict
     stream: records.Stream | None = None
     entries: list = field(default_factory=list)  # known-failure entries
-    done: list[dict] = field(default_factory=list)  # records from a resumed file
+    done: list[CaseResult] = field(default_factory=list)  # records from a resumed file
     setup: tuple | None = None  # (module, function, *args) run first in every worker
 
-    def execute(self, on_record: Callable[[dict], None] | None = None,
-                finish: Callable[[list[dict]], dict] | None = None) -> dict:
+    def execute(self, on_record: Callable[[CaseResult], None] | None = None,
+                finish: Callable[[list[CaseResult]], dict] | None = None) -> dict:
         """Run the cases (those not in `done`), streaming each record; the finished document.
 
         `finish(results)` may add fields to the completion record (a sweep's summary)."""
         args = self.args
-        have = {r["id"] for r in self.done}
+        have = {r.id for r in self.done}
         todo = [c for c in self.cases if c.id not in have]
         t0 = time.perf_counter()
         bar = _progress(len(todo), disable=args.no_progress)
-        fresh: list[dict] = []
+        fresh: list[CaseResult] = []
 
-        def on_result(rec: dict) -> None:
+        def on_result(rec: CaseResult) -> None:
             known.apply_one(rec, self.entries)
             fresh.append(rec)
             if self.stream is not None:
-                self.stream.add(rec)
+                self.stream.add(rec.to_json())
             if on_record is not None:
                 on_record(rec)
             bar.update(1)
@@ -164,7 +171,7 @@ class Run:
                              origins=origins, diagnose=not getattr(args, "no_diagnose", False), setup=self.setup)
         finally:
             bar.close()
-        by_id = {r["id"]: r for r in self.done + fresh}
+        by_id = {r.id: r for r in self.done + fresh}
         results = [by_id[c.id] for c in self.cases if c.id in by_id]
         stale = known.stale(results, self.entries)
         complete = {
@@ -179,7 +186,8 @@ class Run:
             self.stream.finish(complete)
         header = {**self.header, "elapsed_s": complete["elapsed_s"], "known_failures": complete["known_failures"],
                   "backends": complete["backends"]}
-        return {"schema": records.SCHEMA, "header": header, "results": results, "complete": complete}
+        return {"schema": records.SCHEMA, "header": header, "results": [r.to_json() for r in results],
+                "complete": complete, "case_results": results}
 
 
 def prepare(args: Any, command: str, cases: list[Case] | None = None, suite: str | None = None,
@@ -223,6 +231,7 @@ def _prepare_resume(args: Any, command: str) -> Run:
                          f"since the run started): start a new run")
     known_ids = {c.id for c in cases}
     stray = [r["id"] for r in doc["results"] if r["id"] not in known_ids]
+    done = [CaseResult.from_json(r, f"results file {path!r}") for r in doc["results"]]
     if stray:
         raise UsageError(f"results file {path!r} holds case {stray[0]!r}, which its selection does not make")
     args.json = None
@@ -230,7 +239,7 @@ def _prepare_resume(args: Any, command: str) -> Run:
     entries = known.load(args.known_failures)
     stream = records.Stream.reopen(path)
     header = {**header, "command": f"{header.get('command')} ; {command}"}
-    return Run(args, command, registry, cases, header, stream, entries, done=doc["results"])
+    return Run(args, command, registry, cases, header, stream, entries, done=done)
 
 
 def write_outputs(args: Any, doc: dict, diff: Any = None, mutants: dict | None = None) -> None:

@@ -17,10 +17,8 @@ from kernel_parity.conformance.errors import UsageError
 @dataclass(frozen=True)
 class DType:
     name: str  # canonical short name used in case ids
-    np_type: type  # NumPy storage type
-    eps: float  # machine epsilon: spacing of numbers at 1.0
-    bits: int  # storage width, for ULP arithmetic
-    torch_name: str  # attribute of the torch module
+    np_type: type  # NumPy storage type (ml_dtypes for bf16, fp8, fp4, int4, e8m0)
+    torch_name: str | None  # attribute of the torch module (None: torch has no such dtype)
     is_float: bool = True
 
     @property
@@ -28,23 +26,55 @@ class DType:
         return np.dtype(self.np_type)
 
     @property
+    def _info(self):
+        return ml_dtypes.finfo(self.np_type) if self.is_float else ml_dtypes.iinfo(self.np_type)
+
+    @property
+    def eps(self) -> float:
+        """Machine epsilon (spacing at 1.0) from the library; 0 for integers (exact)."""
+        return float(self._info.eps) if self.is_float else 0.0
+
+    @property
     def tiny(self) -> float:
-        """Smallest positive normal number."""
-        return float(ml_dtypes.finfo(self.np_type).tiny) if self.is_float else 1.0
+        """Smallest positive normal number (1 for integers)."""
+        return float(self._info.tiny) if self.is_float else 1.0
 
     @property
     def max(self) -> float:
-        return float(ml_dtypes.finfo(self.np_type).max) if self.is_float else float(np.iinfo(self.np_type).max)
+        return float(self._info.max)
+
+    @property
+    def bits(self) -> int:
+        """Width of a value (4 for int4 / fp4, which numpy stores one to a byte)."""
+        return int(self._info.bits)
+
+    @property
+    def storage_bits(self) -> int:
+        return 8 * self.np.itemsize
+
+    @property
+    def poison_is_nan(self) -> bool:
+        """True when a NaN pattern no kernel computes by accident exists (16+ bits): one poison
+        suffices. For 8- and 4-bit types and integers every pattern is a value a kernel may
+        write, so an unwritten element is told apart by a second run under another poison."""
+        return self.is_float and self.storage_bits >= 16
 
 
 _ALL = [
-    DType("fp64", np.float64, 2.0**-52, 64, "float64"),
-    DType("fp32", np.float32, 2.0**-23, 32, "float32"),
-    DType("fp16", np.float16, 2.0**-10, 16, "float16"),
-    DType("bf16", ml_dtypes.bfloat16, 2.0**-7, 16, "bfloat16"),
-    DType("int32", np.int32, 0.0, 32, "int32", is_float=False),
-    DType("int64", np.int64, 0.0, 64, "int64", is_float=False),
-    DType("uint8", np.uint8, 0.0, 8, "uint8", is_float=False),
+    DType("fp64", np.float64, "float64"),
+    DType("fp32", np.float32, "float32"),
+    DType("fp16", np.float16, "float16"),
+    DType("bf16", ml_dtypes.bfloat16, "bfloat16"),
+    DType("fp8e4m3", ml_dtypes.float8_e4m3fn, "float8_e4m3fn"),
+    DType("fp8e5m2", ml_dtypes.float8_e5m2, "float8_e5m2"),
+    DType("e8m0", ml_dtypes.float8_e8m0fnu, "float8_e8m0fnu"),
+    DType("fp4e2m1", ml_dtypes.float4_e2m1fn, None),
+    DType("int64", np.int64, "int64", is_float=False),
+    DType("int32", np.int32, "int32", is_float=False),
+    DType("int8", np.int8, "int8", is_float=False),
+    DType("uint8", np.uint8, "uint8", is_float=False),
+    DType("int4", ml_dtypes.int4, None, is_float=False),
+    DType("uint4", ml_dtypes.uint4, None, is_float=False),
 ]
 DTYPES: dict[str, DType] = {d.name: d for d in _ALL}
 ALIASES = {
@@ -52,6 +82,10 @@ ALIASES = {
     "float32": "fp32", "f32": "fp32", "float": "fp32",
     "float16": "fp16", "f16": "fp16", "half": "fp16",
     "bfloat16": "bf16",
+    "float8_e4m3fn": "fp8e4m3", "e4m3": "fp8e4m3", "fp8": "fp8e4m3",
+    "float8_e5m2": "fp8e5m2", "e5m2": "fp8e5m2",
+    "float8_e8m0fnu": "e8m0", "ue8m0": "e8m0",
+    "float4_e2m1fn": "fp4e2m1", "fp4": "fp4e2m1", "e2m1": "fp4e2m1",
 }
 FLOAT_TEST_DTYPES = ("fp32", "fp16", "bf16")
 
@@ -86,8 +120,7 @@ def round_to(x: np.ndarray, dtype: str | DType) -> np.ndarray:
         return np.asarray(x, dtype=np.float64).astype(d.np)
 
 
-_UINT = {16: np.uint16, 32: np.uint32, 64: np.uint64}
-_INT = {16: np.int16, 32: np.int32, 64: np.int64}
+_UINT = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
 
 
 def _ordered(bits: np.ndarray, width: int) -> np.ndarray:
@@ -107,7 +140,7 @@ def ulp_distance(got: np.ndarray, expected_f64: np.ndarray, dtype: DType) -> np.
     Both arrays must hold finite values; returns float64 distances.
     """
     exp_rounded = round_to(expected_f64, dtype)
-    width = dtype.bits
+    width = dtype.storage_bits
     u = _UINT[width]
     a = _ordered(np.ascontiguousarray(got.astype(dtype.np)).view(u), width)
     b = _ordered(np.ascontiguousarray(exp_rounded).view(u), width)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kernel_parity.conformance.errors import UsageError
-from kernel_parity.reports.records import FAILING
+from kernel_parity.conformance.results import FAILING, CaseResult
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,10 +40,12 @@ class Entry:
     reason: str
     seen: str = ""
 
-    def matches(self, rec: dict) -> bool:
-        if rec["op"] != self.op or rec["backend"] != self.backend:
+    def matches(self, rec: CaseResult | dict) -> bool:
+        op, backend, rid = ((rec.op, rec.backend, rec.id) if isinstance(rec, CaseResult)
+                            else (rec["op"], rec["backend"], rec["id"]))
+        if op != self.op or backend != self.backend:
             return False
-        rest = rec["id"].split("/", 2)[2]  # dtype/params/dist/seed=N
+        rest = rid.split("/", 2)[2]  # dtype/params/dist/seed=N
         return fnmatch.fnmatchcase(rest, self.match)
 
     @property
@@ -86,30 +88,30 @@ def load(path: str | Path | None = None) -> list[Entry]:
     return entries
 
 
-def apply_one(rec: dict, entries: list[Entry]) -> None:
+def apply_one(rec: CaseResult, entries: list[Entry]) -> None:
     """Mark one record xfail / xpass in place if an entry matches it (first match wins)."""
     for e in entries:
         if not e.matches(rec):
             continue
-        if rec["verdict"] in FAILING:
-            rec["known"] = {"reason": e.reason, "seen": e.seen, "verdict": rec["verdict"]}
-            rec["verdict"] = "xfail"
-            rec["reason"] = f"known failure ({e.reason}): {rec.get('reason')}"
-        elif rec["verdict"] in ("pass", "vacuous"):
-            rec["known"] = {"reason": e.reason, "seen": e.seen, "verdict": rec["verdict"]}
-            rec["verdict"] = "xpass"
-            rec["reason"] = f"listed as a known failure ({e.reason}) but passes: remove the entry"
+        if rec.verdict in FAILING:
+            rec.known = {"reason": e.reason, "seen": e.seen, "verdict": rec.verdict}
+            rec.verdict = "xfail"
+            rec.reason = f"known failure ({e.reason}): {rec.reason}"
+        elif rec.verdict in ("pass", "vacuous"):
+            rec.known = {"reason": e.reason, "seen": e.seen, "verdict": rec.verdict}
+            rec.verdict = "xpass"
+            rec.reason = f"listed as a known failure ({e.reason}) but passes: remove the entry"
         return
 
 
-def stale(results: list[dict], entries: list[Entry]) -> list[str]:
+def stale(results: list[CaseResult], entries: list[Entry]) -> list[str]:
     """Labels of entries whose op/backend pair ran (some case not skipped) but that matched nothing."""
-    ran = {(r["op"], r["backend"]) for r in results if r["verdict"] != "skip"}  # skipped pairs did not run
+    ran = {(r.op, r.backend) for r in results if r.verdict != "skip"}  # skipped pairs did not run
     return [e.label for e in entries
             if (e.op, e.backend) in ran and not any(e.matches(r) for r in results)]
 
 
-def apply(results: list[dict], entries: list[Entry]) -> list[str]:
+def apply(results: list[CaseResult], entries: list[Entry]) -> list[str]:
     """Mark matching results xfail/xpass in place; return the labels of stale entries."""
     for rec in results:
         apply_one(rec, entries)

@@ -17,6 +17,7 @@ from multiprocessing.connection import wait
 from typing import Callable
 
 from kernel_parity.conformance.case import Case
+from kernel_parity.conformance.results import CaseResult
 from kernel_parity.conformance.runner import dead_record, group_cases
 
 _POLL_S = 0.5
@@ -85,7 +86,7 @@ class _Worker:
         self.conn.close()
 
 
-def _dead_record(case_id: str, verdict: str, reason: str, origin_by_backend: dict[str, str]) -> dict:
+def _dead_record(case_id: str, verdict: str, reason: str, origin_by_backend: dict[str, str]) -> CaseResult:
     from kernel_parity.conformance import ops
 
     case = ops.parse_case(case_id)
@@ -108,23 +109,23 @@ def _exit_reason(code: int | None) -> str:
 
 
 def run_isolated(cases: list[Case], *, jobs: int, extra_backends: list[str], recheck: bool = True,
-                 timeout: float | None = None, on_result: Callable[[dict], None] | None = None,
+                 timeout: float | None = None, on_result: Callable[[CaseResult], None] | None = None,
                  origins: dict[str, str] | None = None, diagnose: bool = True,
-                 setup: tuple | None = None, stop: Callable[[], bool] | None = None) -> list[dict]:
+                 setup: tuple | None = None, stop: Callable[[], bool] | None = None) -> list[CaseResult]:
     """Evaluate `cases` in `jobs` worker processes; `setup` = (module, function, *args) runs first
     in every worker (before any kernel is imported). When `stop()` turns true (checked after each
     record) the run ends early: the workers are killed and the records so far returned."""
     ctx = mp.get_context("spawn")
     pending = [[c.id for c in g] for g in group_cases(cases)]
-    results: dict[str, dict] = {}
+    results: dict[str, CaseResult] = {}
     origins = origins or {}
     threads = max(1, _cores() // jobs) if jobs > 1 else 0
     options = {"recheck": recheck, "diagnose": diagnose}
     workers = [_Worker(ctx, extra_backends, options, threads, setup) for _ in range(min(jobs, len(pending)) or 1)]
     idle = list(workers)
 
-    def record(rec: dict) -> None:
-        results[rec["id"]] = rec
+    def record(rec: CaseResult) -> None:
+        results[rec.id] = rec
         if on_result:
             on_result(rec)
 
@@ -161,7 +162,7 @@ def run_isolated(cases: list[Case], *, jobs: int, extra_backends: list[str], rec
                     if kind == "start":
                         w.current, w.started = payload, now
                     elif kind == "result":
-                        w.group = [i for i in w.group if i != payload["id"]]
+                        w.group = [i for i in w.group if i != payload.id]
                         w.current = None
                         record(payload)
                     elif kind == "done":

@@ -1,10 +1,16 @@
 """Poisoned output buffers with canaries.
 
 Backends ask the request for their output buffers: each is a view into a larger buffer
-whose every byte starts as a poison pattern (a NaN with payload 0xAA.. for floats, 0xAA for
-bytes). CANARY elements before and after the view, and any row padding, must still hold the
-poison after the kernel ran (an out-of-bounds write fails structurally); elements of the
-output that still hold the exact poison bits were never written.
+whose every byte starts as a poison pattern (a NaN with payload 0xAA.. for 16-bit and wider
+floats; the byte 0xAA for 8- and 4-bit types and integers). CANARY elements before and after the
+view, and any row padding, must still hold the poison after the kernel ran (an out-of-bounds write
+fails structurally); elements of the output that still hold the exact poison bits were never
+written.
+
+For 8- and 4-bit types and integers every byte is a value a kernel may legitimately write (0xAA
+is -0.3125 in fp8 e4m3), so an element equal to the poison is only *possibly* unwritten: the
+runner then runs the kernel once more into buffers poisoned with the alternate pattern (0x55), and
+an element that holds the poison in both runs was never written (`OutputRequest(alt=True)`).
 """
 
 from __future__ import annotations
@@ -24,22 +30,21 @@ _POISON_BF16 = 0x7FAA
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def poison_bits(d: dt.DType) -> int:
-    if d.name == "bf16":
-        return _POISON_BF16
-    if not d.is_float:
-        return int.from_bytes(b"\xaa" * (d.bits // 8), "little")
-    return POISON_BITS[d.bits]
+def poison_bits(d: dt.DType, alt: bool = False) -> int:
+    """The poison bit pattern of dtype d (alt: the second pattern of types with no spare NaN)."""
+    if d.poison_is_nan:
+        return _POISON_BF16 if d.name == "bf16" else POISON_BITS[d.storage_bits]
+    return int.from_bytes((b"\x55" if alt else b"\xaa") * d.np.itemsize, "little")
 
 
-def poison_array(n: int, d: dt.DType) -> np.ndarray:
+def poison_array(n: int, d: dt.DType, alt: bool = False) -> np.ndarray:
     u = _UINT[d.np.itemsize]
-    return np.full(n, poison_bits(d), dtype=u).view(d.np)
+    return np.full(n, poison_bits(d, alt), dtype=u).view(d.np)
 
 
-def is_poison(a: np.ndarray, d: dt.DType) -> np.ndarray:
+def is_poison(a: np.ndarray, d: dt.DType, alt: bool = False) -> np.ndarray:
     u = _UINT[a.dtype.itemsize]
-    return np.ascontiguousarray(a).view(u) == u(poison_bits(d))
+    return np.ascontiguousarray(a).view(u) == u(poison_bits(d, alt))
 
 
 @dataclass
@@ -68,12 +73,13 @@ class OutputRequest:
     buffers: dict[str, _Buffer] = field(default_factory=dict)
     backend: Any = None  # the backend being run, for adapters that need it (or its device)
     device: Any = "cpu"
+    alt: bool = False  # poison with the alternate pattern (the second run for 8-bit and smaller types)
 
     def numpy(self, name: str) -> np.ndarray:
         """A poisoned numpy output buffer (view between canaries, rows padded by `pad`)."""
         shape, d = self._get(name)
         rows, row_len = self._rows(name, shape)
-        whole = poison_array(2 * CANARY + rows * row_len, d)
+        whole = poison_array(2 * CANARY + rows * row_len, d, self.alt)
         view = _strided_view(whole, shape, row_len)
         self.buffers[name] = _Buffer(name, shape, d, row_len - (shape[-1] if shape else 1), whole, view)
         return view
@@ -84,8 +90,10 @@ class OutputRequest:
 
         shape, d = self._get(name)
         rows, row_len = self._rows(name, shape)
-        host = poison_array(2 * CANARY + rows * row_len, d)
+        host = poison_array(2 * CANARY + rows * row_len, d, self.alt)
         t_int = torch.from_numpy(host.view(_SIGNED[d.np.itemsize]))  # torch lacks some uint views
+        if d.torch_name is None:
+            raise TypeError(f"torch has no dtype for {d.name}: use out.numpy({name!r}) for this output")
         whole = t_int.to(device).view(getattr(torch, d.torch_name))
         strides = _strides(shape, row_len)
         view = whole.as_strided(shape, strides, CANARY)
@@ -98,7 +106,7 @@ class OutputRequest:
         for name, b in self.buffers.items():
             whole = _to_host(b.whole, b.dtype)
             rows, row_len = b.layout()
-            ok = is_poison(whole, b.dtype)
+            ok = is_poison(whole, b.dtype, self.alt)
             region = np.zeros(whole.shape, dtype=bool)
             region[:CANARY] = True
             region[CANARY + rows * row_len:] = True
@@ -157,6 +165,7 @@ def tensor_to_numpy(t: Any, d: dt.DType | None = None) -> np.ndarray:
     if d is None:
         d = dt.get(str(t.dtype).replace("torch.", ""))
     t = t.detach()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).cpu().numpy().view(d.np)
+    if d.np.kind == "V":  # bf16, fp8: numpy has no such type, ml_dtypes does: move the bits
+        ints = {1: torch.uint8, 2: torch.int16}[d.np.itemsize]
+        return t.view(ints).cpu().numpy().view(d.np)
     return t.cpu().numpy()

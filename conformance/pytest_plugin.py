@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from kernel_parity.conformance.results import CaseResult
 from kernel_parity.reports import records
 
 _COLLECTOR = pytest.StashKey["Collector"]()
@@ -34,9 +35,9 @@ class Collector:
         self.results: dict[str, dict] = {}  # by id: hypothesis may replay an example
         self.pending: list[tuple[dict, bool]] | None = None  # (record, final example?) of the running test
 
-    def add(self, rec: dict, final: bool | None = None) -> None:
+    def add(self, rec: CaseResult, final: bool | None = None) -> None:
         if final is None or self.pending is None:
-            self.results[rec["id"]] = rec
+            self.results[rec.id] = rec
         else:
             self.pending.append((rec, final))
 
@@ -46,10 +47,10 @@ class Collector:
     def end(self) -> None:
         pending, self.pending = self.pending or [], None
         if any(final for _, final in pending):
-            first_bad = next((i for i, (r, _) in enumerate(pending) if r["verdict"] in records.FAILING), len(pending))
+            first_bad = next((i for i, (r, _) in enumerate(pending) if r.failing), len(pending))
             pending = pending[:first_bad] + [(r, f) for r, f in pending[first_bad:] if f]
         for rec, _ in pending:
-            self.results[rec["id"]] = rec
+            self.results[rec.id] = rec
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -97,7 +98,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     from kernel_parity.conformance import env
 
     header = env.header("pytest " + " ".join(config.invocation_params.args), None)
-    results = list(collector.results.values())
+    results = [r.to_json() for r in collector.results.values()]
     doc = {"schema": records.SCHEMA, "header": header, "results": results}
     if config.getoption("parity_json"):
         records.write(config.getoption("parity_json"), header, results)
@@ -119,7 +120,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     collector = config.stash.get(_COLLECTOR, None)
     if collector is None:
         return
-    counts = records.summary(list(collector.results.values()))
+    counts = records.summary([r.to_json() for r in collector.results.values()])
     parts = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
     written = ", ".join(str(config.getoption(f"parity_{w}")) for w in _OPTIONS if config.getoption(f"parity_{w}"))
     terminalreporter.write_line(f"kernel-parity: {len(collector.results)} cases ({parts or 'none'}) -> {written}")
@@ -168,8 +169,8 @@ class Parity:
             pytest.skip(f"{backend.name} has no kernel for {case.op}")  # the whole test, not one draw
         rec = self.evaluate(case)
         _hypothesis_hooks(rec)
-        if rec["verdict"] == "skip":
-            pytest.skip(rec["reason"])
+        if rec.verdict == "skip":
+            pytest.skip(rec.reason)
         assert_verdict(rec)
         return rec
 
@@ -193,21 +194,21 @@ def _hypothesis_hooks(rec: dict) -> None:
         return
     if not currently_in_test_context():
         return
-    note(f"case {rec['id']}\n  repro: {rec['repro']}")
-    if rec["verdict"] == "skip":
+    note(f"case {rec.id}\n  repro: {rec.repro}")
+    if rec.verdict == "skip":
         assume(False)  # an unsupported draw is rejected, not counted as a pass
-    if rec.get("norm_err") is not None:
-        target(min(float(rec["norm_err"]), 1e6), label="normalised error")
+    if rec.norm_err is not None:
+        target(min(float(rec.norm_err), 1e6), label="normalised error")
 
 
-def assert_verdict(rec: dict) -> None:
+def assert_verdict(rec: CaseResult) -> None:
     """Raise ParityFailure unless the case passed (vacuous and skip do not fail)."""
     __tracebackhide__ = True
-    if rec["verdict"] in records.FAILING:
-        body = rec.get("message") or f"{rec['op']}[{rec['backend']}] {rec['verdict']}: {rec.get('reason')}"
+    if rec.failing:
+        body = rec.message or f"{rec.op}[{rec.backend}] {rec.verdict}: {rec.reason}"
         if "repro:" not in body:
-            body += f"\n  repro: {rec['repro']}"
-        raise ParityFailure(f"{rec['verdict']}: {rec['id']}\n{body}")
+            body += f"\n  repro: {rec.repro}"
+        raise ParityFailure(f"{rec.verdict}: {rec.id}\n{body}")
 
 
 @pytest.fixture(scope="session")

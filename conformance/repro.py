@@ -28,7 +28,7 @@ def repro(args: Any) -> int:
     backend = registry.get(case.backend)
     runner = Runner(registry)
     runner.capture = {} if args.export else None
-    rec = runner.evaluate(case)
+    rec = runner.evaluate(case).to_json()
     print(f"case     {case.id}")
     print(f"backend  {backend.describe()}")
     for name, o in rec["outputs"].items():

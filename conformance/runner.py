@@ -1,11 +1,18 @@
-"""Run cases: inputs -> golden -> backend -> metrics -> layered verdict -> result record.
+"""Run cases: inputs -> references -> backend -> layered verdict -> CaseResult.
 
 Cases that share inputs (same op, dtype, params, dist, seed; different backends) are
-evaluated as a group: inputs, golden and the same-precision baseline run once per group, and
-only when some backend of the group supports the case (`supports()` is asked first, so an
+evaluated as a group: inputs, references and the same-precision baseline run once per group,
+and only when some backend of the group supports the case (`supports()` is asked first, so an
 unsupported case costs no golden). A case that raises is recorded as `error` and the run goes
 on, whether the kernel, the plugin's `supports()`/`available()`/`precondition()` or the input
 builder raised; crashes, exits and hangs are isolated by conformance.parallel.
+
+Around the kernel call the runner gathers the evidence the judge needs: canaries and padding
+(`damage`), elements never written (for 8-bit and smaller types, whose every pattern is a value,
+a second run under another poison tells them apart), inputs written that must stay untouched (an
+op's declared in-place outputs excepted), elements the backend declares outside its contract, and
+the baseline's error per output. Ops with a VJP golden get their gradients the same way: the
+cotangents are drawn from the case seed and the backend's backward adapter fills gradient outputs.
 """
 
 from __future__ import annotations
@@ -16,17 +23,20 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance import ops
 from kernel_parity.conformance.backends import NotProvided, Registry
 from kernel_parity.conformance.case import Case
 from kernel_parity.conformance.errors import SpecError
 from kernel_parity.conformance.inputs import clone, same_bits
-from kernel_parity.conformance.judge import diagnose, judge_case
-from kernel_parity.conformance.poison import OutputRequest, tensor_to_numpy
+from kernel_parity.conformance.judge import Evidence, diagnose, judge_case
+from kernel_parity.conformance.poison import OutputRequest, is_poison, tensor_to_numpy
+from kernel_parity.conformance.results import CaseResult
 from kernel_parity.conformance.spec import OpSpec, float64_view
 
 RECHECK_SEEDS = 3
 RECHECK_STRIDE = 1_000_003  # fresh seed k of a case with seed s is s + k * RECHECK_STRIDE
+COTANGENT_STREAM = 0x636F74  # the cotangents of a case come from PCG64([seed, COTANGENT_STREAM])
 
 
 def repro_command(case: Case, origin: str | None = None) -> str:
@@ -40,7 +50,7 @@ def tier_of(spec: OpSpec, backend: str) -> str:
 
 
 class Prepared:
-    """Inputs and golden of one input group (computed once, shared by every backend)."""
+    """Inputs, references and (for ops with a VJP) cotangents of one input group, computed once."""
 
     def __init__(self, spec: OpSpec, case: Case) -> None:
         self.spec = spec
@@ -50,12 +60,22 @@ class Prepared:
         self.inputs = spec.make_inputs(p, case.dtype, case.dist, rng)
         t1 = time.perf_counter()
         self.inputs64 = float64_view(self.inputs)
-        self.golden = spec.reference(self.inputs64, p)
+        self.references = {name: dict(fn(self.inputs64, p)) for name, fn in spec.all_references().items()}
+        self.golden = self.references[spec.reference_name]
+        self.shapes = {k: tuple(v) for k, v in spec.output_shapes(p).items()}
+        self.cotangents: dict[str, np.ndarray] = {}
+        if spec.vjp is not None:
+            crng = np.random.Generator(np.random.PCG64([case.seed, COTANGENT_STREAM]))
+            for name in spec.cotangent_of:
+                draw = crng.standard_normal(self.shapes[name])
+                self.cotangents[name] = dt.round_to(draw, spec.out_dtype(name, case.dtype))
+            self.golden.update(spec.vjp(self.inputs64, p, float64_view(self.cotangents)))
+            self.shapes.update({k: tuple(v) for k, v in (spec.gradient_shapes or (lambda _: {}))(p).items()})
         t2 = time.perf_counter()
         self.inputs_s, self.golden_s = t1 - t0, t2 - t1
-        self.shapes = {k: tuple(v) for k, v in spec.output_shapes(p).items()}
-        self.out_dtypes = {k: o.resolve(case.dtype) for k, o in spec.outputs.items()}
+        self.out_dtypes = {k: spec.out_dtype(k, case.dtype) for k in self.shapes}
         self.pads = spec.output_pads(p) if spec.output_pads else {}
+        self.inplace = {n: o.inplace for n, o in spec.outputs.items() if o.inplace}
         for name, shape in self.shapes.items():
             g = self.golden.get(name)
             if g is None or tuple(np.shape(g)) != shape:
@@ -91,10 +111,10 @@ class Runner:
         self.capture: dict[str, dict] | None = None  # case id -> arrays, for `parity repro --export`
 
     # -- public -------------------------------------------------------------------------
-    def run(self, cases: Iterable[Case], on_result: Callable[[dict], None] | None = None) -> list[dict]:
+    def run(self, cases: Iterable[Case], on_result: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
         results = []
 
-        def keep(rec: dict) -> None:
+        def keep(rec: CaseResult) -> None:
             results.append(rec)
             if on_result:
                 on_result(rec)
@@ -103,14 +123,14 @@ class Runner:
             self.evaluate_group(group, on_result=keep)
         return results
 
-    def evaluate(self, case: Case) -> dict:
+    def evaluate(self, case: Case) -> CaseResult:
         return self.evaluate_group([case])[0]
 
     def evaluate_group(self, cases: list[Case], on_start: Callable[[Case], None] | None = None,
-                       on_result: Callable[[dict], None] | None = None) -> list[dict]:
+                       on_result: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
         """Evaluate cases sharing one input key; each record is handed to `on_result` when done."""
         spec = ops.get(cases[0].op)
-        out: dict[Case, dict] = {}
+        out: dict[Case, CaseResult] = {}
         prep: Prepared | None = None
         prep_error: tuple[str, str] | None = None
         ordered = sorted(cases, key=lambda c: c.backend != spec.baseline)  # baseline first
@@ -139,19 +159,33 @@ class Runner:
         return [out[c] for c in cases]
 
     # -- one case -----------------------------------------------------------------------
-    def _unsupported(self, case: Case) -> dict | None:
+    def _unsupported(self, case: Case) -> CaseResult | None:
         """A skip (or error, if a hook raised) record when the backend cannot run the case."""
+        backend = self.registry.get(case.backend)
+        origin = getattr(backend, "origin", None)
         try:
-            backend = self.registry.get(case.backend)
-            origin = getattr(backend, "origin", None)
             why = _call_hook("available", backend.available) or _call_hook("supports", backend.supports, case)
         except _Hook as e:
-            return self._error(case, f"{case.backend}: {e}", e.tb, {}, getattr(backend, "origin", None))
+            return self._error(case, f"{case.backend}: {e}", e.tb, {}, origin)
         if why:
             return _record(case, "skip", None, str(why), None, origin)
         return None
 
-    def _one(self, case: Case, spec: OpSpec, prep: Prepared) -> dict:
+    def _call(self, backend: Any, case: Case, prep: Prepared, alt: bool = False):
+        """Run the kernel once on fresh input copies: (outputs, request, the inputs it saw, kernel s)."""
+        inputs = {k: clone(v) for k, v in prep.inputs.items()}
+        req = OutputRequest({k: v for k, v in prep.shapes.items() if k in case_outputs(prep)},
+                            prep.out_dtypes, dict(prep.pads), backend=backend,
+                            device=getattr(backend, "device", "cpu"), alt=alt)
+        t0 = time.perf_counter()
+        raw = backend.run(case, inputs, req)
+        outputs = {k: to_numpy(v) for k, v in (raw or {}).items()}
+        for name, src in prep.inplace.items():  # the mutated input is the output, unless returned
+            if name not in outputs:
+                outputs[name] = inputs[src]
+        return outputs, req, inputs, time.perf_counter() - t0
+
+    def _one(self, case: Case, spec: OpSpec, prep: Prepared) -> CaseResult:
         t_start = time.perf_counter()
         backend = self.registry.get(case.backend)
         origin = getattr(backend, "origin", None)
@@ -164,49 +198,76 @@ class Runner:
         if why:
             return _record(case, "skip", None, f"precondition: {why}", None, origin, timing=timing)
         noise_base = self._baseline_errors(case, spec, prep) if self.noise else None
-        inputs = {k: clone(v) for k, v in prep.inputs.items()}
-        req = OutputRequest(prep.shapes, prep.out_dtypes, dict(prep.pads))
-        req.backend, req.device = backend, getattr(backend, "device", "cpu")
         try:
-            t0 = time.perf_counter()
-            raw = backend.run(case, inputs, req)
-            outputs = {k: to_numpy(v) for k, v in (raw or {}).items()}
-            timing["kernel_s"] = time.perf_counter() - t0
+            outputs, req, inputs, timing["kernel_s"] = self._call(backend, case, prep)
+            unwritten = self._unwritten(backend, case, prep, outputs)
+            if spec.vjp is not None:
+                outputs.update(self._gradients(backend, case, spec, prep, inputs))
         except KeyboardInterrupt:
             raise
         except BaseException as e:  # SystemExit too: a kernel that calls exit() is an error, not the run's end
             return self._error(case, f"{type(e).__name__}: {_first_line(e)}", traceback.format_exc(), timing, origin)
         if self.capture is not None:
             self.capture[case.id] = {"inputs": prep.inputs, "golden": prep.golden, "outputs": outputs}
-        damage = req.damage()
-        touched = [k for k in inputs if not same_bits(inputs[k], prep.inputs[k])]
+        touched = [k for k in inputs if k not in prep.inplace.values() and not same_bits(inputs[k], prep.inputs[k])]
         tier = tier_of(spec, case.backend)
-        rec = judge_case(case, spec, prep, outputs, damage, touched, noise_base, repro_command(case, origin),
-                         tier=tier, excluded=excluded)
-        if rec["verdict"] == "fail" and rec["kind"] in ("structural", "numeric") and spec.diagnoses:
-            self._diagnose(rec, case, spec, prep, outputs, tier)
+        ev = Evidence(damage=req.damage(), unwritten=unwritten, touched=touched, excluded=excluded,
+                      noise_base=noise_base, claimed=(getattr(backend, "claims", None) or {}).get(case.op))
+
+        def diagnosis() -> tuple[list[str], str | None]:
+            if not spec.diagnoses:
+                return [], None
+            if not self.diagnose:
+                return [], "diagnoses switched off (--no-diagnose)"
+            cost = prep.golden_s * len(spec.diagnoses)
+            if cost > spec.diagnosis_budget_s:
+                return [], (f"{len(spec.diagnoses)} alternative goldens would take ~{cost:.1f} s, "
+                            f"over the op's budget of {spec.diagnosis_budget_s:g} s")
+            return diagnose(case, spec, prep.inputs64, outputs, prep.golden, tier), None
+
+        rec = judge_case(case, spec, prep, outputs, ev, repro_command(case, origin), tier, diagnosis)
         timing["total_s"] = time.perf_counter() - t_start
-        rec["timing"] = timing
+        rec.timing = timing
         if spec.baseline and case.backend == spec.baseline and prep.baseline_err is None:
             prep.baseline_err = _baseline_from(rec)
         return rec
 
-    def _diagnose(self, rec: dict, case: Case, spec: OpSpec, prep: Prepared, outputs: dict, tier: str) -> None:
-        """Name the alternative semantics the failing kernel matches (within the op's budget)."""
-        cost = prep.golden_s * len(spec.diagnoses)
-        if not self.diagnose:
-            rec["diagnosis_skipped"] = "diagnoses switched off (--no-diagnose)"
-            return
-        if cost > spec.diagnosis_budget_s:
-            rec["diagnosis_skipped"] = (f"{len(spec.diagnoses)} alternative goldens would take ~{cost:.1f} s, "
-                                        f"over the op's budget of {spec.diagnosis_budget_s:g} s")
-            return
-        found = diagnose(case, spec, prep.inputs64, outputs, prep.golden, tier)
-        if found:
-            rec["diagnosis"] = found
-            rec["reason"] = f"{rec['reason']} [{found[0]}]"
-            head, repro = rec["message"].rsplit("\n", 1)
-            rec["message"] = "\n".join([head] + [f"  diagnosis: {f}" for f in found] + [repro])
+    def _unwritten(self, backend: Any, case: Case, prep: Prepared, outputs: dict) -> dict[str, int]:
+        """Elements of each output still holding the poison. Where the dtype has no spare NaN
+        pattern (8-bit and smaller, integers) a match may be a written value: those outputs are
+        checked again in a second run under the alternate poison, and only elements poisoned in
+        both runs count."""
+        found: dict[str, np.ndarray] = {}
+        for name, got in outputs.items():
+            d = prep.out_dtypes.get(name)
+            if d is None or name in prep.inplace or not isinstance(got, np.ndarray) or got.dtype != d.np:
+                continue
+            mask = is_poison(got, d)
+            if d.poison_is_nan:
+                mask &= ~np.isnan(np.asarray(prep.golden[name], dtype=np.float64))
+            if mask.any():
+                found[name] = mask
+        ambiguous = [n for n in found if not prep.out_dtypes[n].poison_is_nan]
+        if ambiguous:
+            again, _, _, _ = self._call(backend, case, prep, alt=True)
+            for name in ambiguous:
+                got2 = again.get(name)
+                if isinstance(got2, np.ndarray) and got2.shape == found[name].shape:
+                    found[name] &= is_poison(got2, prep.out_dtypes[name], alt=True)
+        return {n: int(m.sum()) for n, m in found.items() if m.any()}
+
+    def _gradients(self, backend: Any, case: Case, spec: OpSpec, prep: Prepared, inputs: dict) -> dict:
+        """The backend's gradients for the case's cotangents, or NotProvided without a backward adapter."""
+        fn = (getattr(backend, "backward", None) or {}).get(case.op)
+        if fn is None:
+            why = f"{case.backend} has no backward adapter for {case.op}"
+            return {g: NotProvided(why) for g in spec.gradients}
+        req = OutputRequest({g: prep.shapes[g] for g in spec.gradients}, prep.out_dtypes, backend=backend,
+                            device=getattr(backend, "device", "cpu"))
+        cot = {k: clone(v) for k, v in prep.cotangents.items()}
+        raw = fn(case, {k: clone(v) for k, v in prep.inputs.items()}, cot, req)
+        grads = {k: to_numpy(v) for k, v in (raw or {}).items()}
+        return grads
 
     def _baseline_errors(self, case: Case, spec: OpSpec, prep: Prepared) -> dict[str, float] | None:
         """max_abs of the same-precision baseline per output (None: no noise layer)."""
@@ -222,29 +283,34 @@ class Runner:
             prep.baseline_err = {} if unusable else _baseline_from(self._one(base_case, spec, prep))
         return prep.baseline_err or None
 
-    def _recheck(self, case: Case, rec: dict) -> dict:
+    def _recheck(self, case: Case, rec: CaseResult) -> CaseResult:
         """Re-run a case within `borderline` of a limit on fresh seeds; `flaky` if they disagree."""
         spec = ops.get(case.op)
         band = spec.tolerance.borderline
-        ne = rec.get("norm_err")
-        numeric = rec["verdict"] == "pass" or (rec["verdict"] == "fail" and rec.get("kind") in ("numeric", "noise"))
+        ne = rec.norm_err
+        numeric = rec.verdict == "pass" or (rec.verdict == "fail" and rec.kind in ("numeric", "noise"))
         if not numeric or ne is None or not (1.0 - band <= ne <= 1.0 + band):
             return rec
         seeds = [case.seed + k * RECHECK_STRIDE for k in range(1, RECHECK_SEEDS + 1)]
         inner = Runner(self.registry, recheck=False, noise=self.noise, diagnose=False)
-        verdicts = [inner.evaluate(case.with_seed(s))["verdict"] for s in seeds]
-        rec["recheck"] = {"seeds": seeds, "verdicts": verdicts}
-        if any(v != rec["verdict"] for v in verdicts):
-            rec["reason"] = (f"borderline (norm_err={ne:.3f}) and fresh seeds disagree: "
-                             f"{rec['verdict']} here, {', '.join(verdicts)} on seeds {', '.join(map(str, seeds))}")
-            rec["verdict"] = "flaky"
+        verdicts = [inner.evaluate(case.with_seed(s)).verdict for s in seeds]
+        rec.recheck = {"seeds": seeds, "verdicts": verdicts}
+        if any(v != rec.verdict for v in verdicts):
+            rec.reason = (f"borderline (norm_err={ne:.3f}) and fresh seeds disagree: "
+                          f"{rec.verdict} here, {', '.join(verdicts)} on seeds {', '.join(map(str, seeds))}")
+            rec.verdict = "flaky"
         return rec
 
-    def _error(self, case: Case, reason: str, tb: str, timing: dict, origin: str | None = None) -> dict:
+    def _error(self, case: Case, reason: str, tb: str, timing: dict, origin: str | None = None) -> CaseResult:
         repro = repro_command(case, origin)
         tail = "\n".join(tb.strip().splitlines()[-12:])
         message = f"{case.op}[{case.backend}] raised {reason}\n{tail}\n  repro: {repro}"
         return _record(case, "error", None, reason, message, origin, timing=timing)
+
+
+def case_outputs(prep: Prepared) -> set[str]:
+    """The outputs a forward call hands out buffers for (gradients come from the backward call)."""
+    return {k for k in prep.shapes if k not in prep.spec.gradients}
 
 
 def _no_precondition(case: Case, inputs: dict) -> None:
@@ -270,10 +336,10 @@ def _exclusions(backend: Any, case: Case, prep: Prepared) -> dict[str, tuple[np.
     return out
 
 
-def _baseline_from(rec: dict) -> dict[str, float]:
-    if rec["verdict"] not in ("pass", "vacuous", "fail") or rec["layers"].get("structure") == "fail":
+def _baseline_from(rec: CaseResult) -> dict[str, float]:
+    if rec.verdict not in ("pass", "vacuous", "fail") or rec.layers.get("structure") == "fail":
         return {}
-    return {k: o["metrics"]["max_abs"] for k, o in rec["outputs"].items() if "metrics" in o and not o.get("exact")}
+    return {k: o.metrics["max_abs"] for k, o in rec.outputs.items() if "max_abs" in o.metrics and not o.exact}
 
 
 def to_numpy(v: Any) -> Any:
@@ -290,19 +356,13 @@ def _first_line(e: BaseException) -> str:
 
 
 def _record(case: Case, verdict: str, kind: str | None, reason: str | None, message: str | None,
-            origin: str | None, **extra: Any) -> dict:
-    rec = {
-        "id": case.id, "op": case.op, "backend": case.backend, "dtype": case.dtype,
-        "params": case.p, "dist": case.dist, "seed": case.seed,
-        "verdict": verdict, "kind": kind, "tier": None, "reason": reason, "message": message,
-        "repro": repro_command(case, origin), "norm_err": None, "outputs": {}, "layers": {},
-        "recheck": None, "timing": {},
-    }
-    rec.update(extra)
-    return rec
+            origin: str | None, timing: dict | None = None) -> CaseResult:
+    return CaseResult(id=case.id, op=case.op, backend=case.backend, dtype=case.dtype, params=case.p,
+                      dist=case.dist, seed=case.seed, verdict=verdict, kind=kind, reason=reason, message=message,
+                      repro=repro_command(case, origin), timing=dict(timing or {}))
 
 
-def dead_record(case: Case, verdict: str, reason: str, origin: str | None) -> dict:
+def dead_record(case: Case, verdict: str, reason: str, origin: str | None) -> CaseResult:
     """The record of a case whose worker died (crash) or was killed (timeout)."""
     repro = repro_command(case, origin)
     return _record(case, verdict, None, reason, f"{case.op}[{case.backend}] {reason}\n  repro: {repro}", origin)

@@ -3,6 +3,20 @@
 An op is named `<stem>.<function>`: `refimpl.<stem>.<function>` is its golden and every other
 folder uses the same stem (conformance/ops/<stem>.py, kernels/*/<stem>.*,
 property_tests/test_<stem>.py). A self-test checks the rule for every registered spec.
+
+Contracts an op may declare, beyond one golden and one dtype:
+- per-tensor dtypes: `dtype_sets = {"w4a8": {"a": "fp8e4m3", "w": "int4", "y": "bf16"}}`; a case
+  whose dtype is a set's name gives each tensor (input or output) its own dtype;
+- several references: `references = {"emulated": fn}` besides the main one (`reference_name`);
+  every reference's error is recorded per output, `Output.reference` says which judges it, and a
+  backend may claim one for its kernel (`Backend.claims = {op: reference}`);
+- ordered intermediates: `stages = ("norm", "proj", ...)`, outputs of a fused op in pipeline
+  order; the record names the first stage that diverges from the composed golden;
+- in-place outputs: `Output(inplace="cache")` is that input as the kernel left it (every other
+  input must stay untouched);
+- gradients: `vjp(inputs64, params, cotangents) -> {grad: array}` is a float64 VJP golden; the
+  cotangents (of the outputs in `cotangent_of`) are drawn from the case seed; `gradients` declares
+  the gradient outputs, judged by the same layers (the noise layer with `Tol.grad_noise_k`).
 """
 
 from __future__ import annotations
@@ -13,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kernel_parity.conformance import dtypes as dt
-from kernel_parity.conformance.errors import UsageError
+from kernel_parity.conformance.errors import SpecError, UsageError
 from kernel_parity.conformance.params import Schema
 from kernel_parity.conformance.tolerance import Tol
 
@@ -22,15 +36,19 @@ Inputs = dict[str, np.ndarray]
 
 @dataclass(frozen=True)
 class Output:
-    """One output tensor. dtype "test" means the case's dtype; exact means bit-exact."""
+    """One output tensor. dtype "test" means the case's dtype (its own entry in a dtype set);
+    exact means bit-exact."""
 
     dtype: str = "test"
     exact: bool = False
     nan_is_any: bool = False  # the golden's NaN marks "any value is right here" (an empty split's O)
     tol_dtype: str | None = None  # judge with this dtype's limits ("test": the case's) instead of the output's
+    reference: str | None = None  # the reference that judges it (None: the op's main one)
+    inplace: str | None = None  # this output is the input of that name, as the kernel left it
     doc: str = ""
 
     def resolve(self, case_dtype: str) -> dt.DType:
+        """The output's dtype for a plain (single-dtype) case; OpSpec.out_dtype handles sets."""
         return dt.get(case_dtype if self.dtype == "test" else self.dtype)
 
     def accept_any(self, got: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -79,6 +97,47 @@ class OpSpec:
     diagnosis_budget_s: float = 30.0  # skip diagnoses when the alternative goldens would cost more
     backends: tuple[str, ...] = ("triton", "cpu", "torch")  # built-ins that must implement it
     doc: str = ""
+    dtype_sets: dict[str, dict[str, str]] = field(default_factory=dict)  # name -> {tensor: dtype}
+    references: dict[str, Callable[[Inputs, dict[str, Any]], dict[str, np.ndarray]]] = field(default_factory=dict)
+    reference_name: str = "golden"  # the name of `reference` among the references
+    stages: tuple[str, ...] = ()  # intermediate outputs, in pipeline order
+    vjp: Callable[[Inputs, dict[str, Any], dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
+    cotangent_of: tuple[str, ...] = ()  # forward outputs that receive a cotangent
+    gradients: dict[str, Output] = field(default_factory=dict)  # gradient outputs (judged like outputs)
+    gradient_shapes: Callable[[dict[str, Any]], dict[str, tuple[int, ...]]] | None = None
+
+    def canonical_dtype(self, name: str) -> str:
+        """A case dtype: the name of one of the op's dtype sets, or a dtype (aliases resolved)."""
+        return name if name in self.dtype_sets else dt.canonical(name)
+
+    def all_outputs(self) -> dict[str, Output]:
+        """Forward outputs (stages included) and gradient outputs."""
+        return {**self.outputs, **self.gradients}
+
+    def all_references(self) -> dict[str, Callable]:
+        return {self.reference_name: self.reference, **self.references}
+
+    def tensor_dtype(self, case_dtype: str, tensor: str) -> dt.DType:
+        """The dtype of one tensor (input or output) in a case of dtype `case_dtype`."""
+        dset = self.dtype_sets.get(case_dtype)
+        if dset is None:
+            return dt.get(case_dtype)
+        if tensor not in dset:
+            raise SpecError(f"{self.name}: dtype set {case_dtype!r} gives no dtype for tensor {tensor!r}")
+        return dt.get(dset[tensor])
+
+    def out_dtype(self, name: str, case_dtype: str) -> dt.DType:
+        o = self.all_outputs()[name]
+        return self.tensor_dtype(case_dtype, name) if o.dtype == "test" else dt.get(o.dtype)
+
+    def tol_dtype(self, name: str, case_dtype: str) -> dt.DType:
+        """Whose limits apply: fp32 partials of a bf16 computation carry bf16 error."""
+        o = self.all_outputs()[name]
+        if o.tol_dtype is None:
+            return self.out_dtype(name, case_dtype)
+        if o.tol_dtype == "test":
+            return self.tensor_dtype(case_dtype, name) if case_dtype in self.dtype_sets else dt.get(case_dtype)
+        return dt.get(o.tol_dtype)
 
     @property
     def stem(self) -> str:

@@ -52,6 +52,13 @@ class Filters:
     scale: str = "auto"  # "real" sizes, the entries' "cpu" overrides, or auto: real with a CUDA GPU
 
 
+def canonical_filter_dtype(name: str) -> str:
+    """--dtype value: a dtype (aliases resolved) or the name of some op's dtype set; else UsageError."""
+    if any(name in spec.dtype_sets for spec in ops.all_specs().values()):
+        return name
+    return dt.canonical(name)
+
+
 def resolve_scale(scale: str) -> str:
     if scale not in SCALES:
         raise UsageError(f"--scale {scale!r} must be one of {', '.join(SCALES)}")
@@ -161,7 +168,7 @@ def cases(name: str, filters: Filters = Filters(), _seen: tuple[str, ...] = ()) 
         out.extend(cases(inc, filters, _seen + (name,)))
     wanted_ops = {s.name for s in ops.match(list(filters.ops))} if filters.ops else None
     scale = None
-    want_dtypes = {dt.canonical(d) for d in filters.dtypes} if filters.dtypes else None
+    want_dtypes = {canonical_filter_dtype(d) for d in filters.dtypes} if filters.dtypes else None
     for i, entry in enumerate(doc.get("cases", [])):
         where = f"suite {name!r} case entry {i + 1}"
         op = entry.get("op")
@@ -175,7 +182,7 @@ def cases(name: str, filters: Filters = Filters(), _seen: tuple[str, ...] = ()) 
             continue
         backends = list(filters.backends) or entry.get("backends", ["triton", "cpu", "torch"])
         try:
-            dtypes = [dt.canonical(d) for d in entry.get("dtypes", list(spec.dtypes))]
+            dtypes = [spec.canonical_dtype(d) for d in entry.get("dtypes", list(spec.dtypes))]
         except UsageError as e:
             raise UsageError(f"{where}: {e}") from None
         dists = entry.get("dists", ["normal"])

@@ -29,6 +29,7 @@ from kernel_parity.conformance.case import Case
 from kernel_parity.conformance.cli import EXIT_FAIL, EXIT_OK
 from kernel_parity.conformance.commands import Selection, make_registry, prepare, print_summary, select_cases, write_outputs
 from kernel_parity.conformance.errors import UsageError
+from kernel_parity.conformance.results import CaseResult
 from kernel_parity.reports import records
 
 DEFAULT_PER_OP = 100
@@ -58,10 +59,11 @@ def sweep_cases(base: list[Case], start: int, seeds: int | None, per_op: int | N
     return out
 
 
-def summarize(results: list[dict]) -> list[dict]:
+def summarize(results: list[CaseResult] | list[dict]) -> list[dict]:
     """Per (op, backend): runs (not skipped), verdict counts, worst norm_err and its case."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
-    for r in results:
+    for res in results:
+        r = res.to_json() if isinstance(res, CaseResult) else res
         row = rows.setdefault((r["op"], r["backend"]), {
             "op": r["op"], "backend": r["backend"], "runs": 0, "skip": 0, "failures": 0, "flaky": 0,
             "counts": defaultdict(int), "worst": None, "worst_id": None})

@@ -31,14 +31,14 @@ def test_lse_combine(parity, backend, case):
 @given(case=cases("combine.lse_combine", splits=(1, 1), rows=(1, 40), dv=(1, 160), dists=("normal", "spread", "neg_large")))
 def test_combine_of_one_split_is_that_split(parity, backend, case):
     rec, a = parity.arrays(case.with_backend(backend))
-    if rec["verdict"] == "skip":
-        pytest.skip(rec["reason"])
+    if rec.verdict == "skip":
+        pytest.skip(rec.reason)
     o_in, lse_in = a["inputs"]["o_parts"][0], a["inputs"]["lse_parts"][0]
     o, lse = a["outputs"]["o"], a["outputs"]["lse"]
     assert np.array_equal(o.view(np.uint8), np.ascontiguousarray(o_in).view(np.uint8)), (
-        f"O of a one-split combine differs from the split's O\n  repro: {rec['repro']}")
+        f"O of a one-split combine differs from the split's O\n  repro: {rec.repro}")
     assert np.array_equal(lse.view(np.uint32), np.ascontiguousarray(lse_in).view(np.uint32)), (
-        f"LSE of a one-split combine differs from the split's LSE\n  repro: {rec['repro']}")
+        f"LSE of a one-split combine differs from the split's LSE\n  repro: {rec.repro}")
 
 
 @pytest.mark.parity_backends(*BACKENDS)
@@ -46,8 +46,8 @@ def test_combine_of_one_split_is_that_split(parity, backend, case):
 def test_combine_independent_of_split_order(parity, backend, case, perm_seed):
     case = case.with_backend(backend)
     rec, a = parity.arrays(case)
-    if rec["verdict"] == "skip":
-        pytest.skip(rec["reason"])
+    if rec.verdict == "skip":
+        pytest.skip(rec.reason)
     perm = np.random.default_rng(perm_seed).permutation(case.p["splits"])
     permuted = {k: np.ascontiguousarray(v[perm]) for k, v in a["inputs"].items()}
     runs.assert_close(case, runs.run(case, permuted), a["outputs"], f"the splits were permuted by {perm.tolist()}")

@@ -41,13 +41,13 @@ def test_softmax_shift_invariance_bitwise(parity, backend, case):
     shifted = ops.make_case(case.op, backend, case.dtype, case.p, "grid_shift16", case.seed)
     rec, a = parity.arrays(case)
     rec_s, b = parity.arrays(shifted)
-    if rec["verdict"] == "skip":
-        pytest.skip(rec["reason"])
+    if rec.verdict == "skip":
+        pytest.skip(rec.reason)
     assert np.array_equal(a["inputs"]["x"].astype(np.float64) + 16, b["inputs"]["x"].astype(np.float64))
     ya, yb = a["outputs"]["y"], b["outputs"]["y"]
     diff = np.flatnonzero(ya.view(np.uint8) != yb.view(np.uint8))
     assert diff.size == 0, (f"{backend} softmax changed under a +16 shift at {diff.size} bytes\n"
-                            f"  repro: {rec['repro']}\n  repro: {rec_s['repro']}")
+                            f"  repro: {rec.repro}\n  repro: {rec_s.repro}")
 
 
 def _golden_close(got, want, what):

@@ -58,14 +58,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from kernel_parity.conformance.results import (FAILING, KINDS, SCHEMA, TIERS, VERDICTS, CaseResult,  # noqa: F401
+                                               ResultsError)
+
 from kernel_parity.reports import files
 
-SCHEMA = "kernel-parity/results/2"
 SCHEMA_V1 = "kernel-parity/results/1"  # read-only: one JSON document (committed baselines)
-VERDICTS = ("fail", "error", "crash", "timeout", "flaky", "xpass", "xfail", "vacuous", "skip", "pass")
-FAILING = frozenset({"fail", "error", "crash", "timeout", "flaky", "xpass"})
-KINDS = ("structural", "exact", "numeric", "noise")
-TIERS = ("production", "baseline")
 
 
 class RecordsError(ValueError):
@@ -83,23 +81,6 @@ def _encode(x: Any) -> Any:
 
 
 _SPECIAL = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-
-
-def _decode_metrics(rec: dict) -> dict:
-    for out in rec.get("outputs", {}).values():
-        for group in ("metrics", "limits", "noise"):
-            d = out.get(group)
-            if isinstance(d, dict):
-                for k, v in d.items():
-                    if isinstance(v, str) and v in _SPECIAL:
-                        d[k] = _SPECIAL[v]
-        for w in out.get("worst", []):
-            for k in ("got", "expected", "abs", "rel"):
-                if isinstance(w.get(k), str) and w[k] in _SPECIAL:
-                    w[k] = _SPECIAL[w[k]]
-    if isinstance(rec.get("norm_err"), str) and rec["norm_err"] in _SPECIAL:
-        rec["norm_err"] = _SPECIAL[rec["norm_err"]]
-    return rec
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -167,76 +148,54 @@ class Stream:
 
 
 # -- reading, with validation -------------------------------------------------------------------
-_STR = (str,)
-_OPT_STR = (str, type(None))
-_NUM = (int, float)
-_OPT_NUM = (int, float, type(None))
-_RECORD_KEYS: dict[str, tuple[type, ...]] = {
-    "id": _STR, "op": _STR, "backend": _STR, "dtype": _STR, "dist": _STR, "seed": (int,),
-    "params": (dict,), "verdict": _STR, "kind": _OPT_STR, "reason": _OPT_STR, "message": _OPT_STR,
-    "repro": _OPT_STR, "norm_err": _OPT_NUM, "outputs": (dict,), "layers": (dict,),
-    "recheck": (dict, type(None)), "timing": (dict,),
-}
-_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", dict: "an object", list: "a list",
-               type(None): "null", bool: "a boolean"}
-
-
-def _expect(types: tuple[type, ...]) -> str:
-    names = []
-    for t in types:
-        n = _TYPE_NAMES.get(t, t.__name__)
-        if n not in names and not (t is int and float in types):
-            names.append(n)
-    return " or ".join(names)
-
-
-def _is(x: Any, types: tuple[type, ...]) -> bool:
-    return isinstance(x, types) and not (isinstance(x, bool) and bool not in types)
-
-
 def check_record(rec: Any, where: str) -> dict:
-    """`rec` if it has the shape of a result record, else RecordsError naming `where` and the key."""
-    if not isinstance(rec, dict):
-        raise RecordsError(f"{where}: a record must be a JSON object, got {_TYPE_NAMES.get(type(rec), type(rec).__name__)}")
-    for key, types in _RECORD_KEYS.items():
-        if key not in rec:
-            raise RecordsError(f"{where}: record lacks {key!r}")
-        if not _is(rec[key], types) and not (key == "norm_err" and isinstance(rec[key], str) and rec[key] in _SPECIAL):
-            raise RecordsError(f"{where}: record {key!r} must be {_expect(types)}, got {rec[key]!r:.60}")
-    if not rec["id"]:
-        raise RecordsError(f"{where}: record 'id' is empty")
-    if rec["verdict"] not in VERDICTS:
-        raise RecordsError(f"{where}: record 'verdict' {rec['verdict']!r} is not one of {', '.join(VERDICTS)}")
-    if rec["kind"] is not None and rec["kind"] not in KINDS:
-        raise RecordsError(f"{where}: record 'kind' {rec['kind']!r} is not one of {', '.join(KINDS)} or null")
-    if rec.get("tier") is not None and rec["tier"] not in TIERS:
-        raise RecordsError(f"{where}: record 'tier' {rec['tier']!r} is not one of {', '.join(TIERS)} or null")
-    if rec["seed"] < 0:
-        raise RecordsError(f"{where}: record 'seed' must be >= 0, got {rec['seed']}")
-    for name, out in rec["outputs"].items():
-        if not isinstance(out, dict):
-            raise RecordsError(f"{where}: output {name!r} must be an object")
-        for group in ("metrics", "limits", "noise"):
-            d = out.get(group)
-            if d is None:
+    """`rec` (a decoded JSON line) if it is a valid CaseResult, as its normalised JSON form;
+    RecordsError naming `where` and the key otherwise."""
+    if isinstance(rec, dict):
+        rec = _decode_metrics_safe(rec)
+    try:
+        return CaseResult.from_json(rec, where).to_json()
+    except ResultsError as e:
+        raise RecordsError(str(e)) from None
+
+
+def _decode_metrics_safe(rec: dict) -> dict:
+    """NaN / inf written as strings, back to floats, wherever the record has the expected shape."""
+    if isinstance(rec.get("norm_err"), str) and rec["norm_err"] in _SPECIAL:
+        rec["norm_err"] = _SPECIAL[rec["norm_err"]]
+    outs = rec.get("outputs")
+    if isinstance(outs, dict):
+        for out in outs.values():
+            if not isinstance(out, dict):
                 continue
-            if not isinstance(d, dict):
-                raise RecordsError(f"{where}: output {name!r} {group!r} must be an object or null")
-            for k, v in d.items():
-                if not _is(v, _OPT_NUM) and not (isinstance(v, str) and v in _SPECIAL):
-                    raise RecordsError(f"{where}: output {name!r} {group}.{k} must be a number, got {v!r:.40}")
-        if not isinstance(out.get("worst", []), list) or not all(isinstance(w, dict) for w in out.get("worst", [])):
-            raise RecordsError(f"{where}: output {name!r} 'worst' must be a list of objects")
-        if not isinstance(out.get("layers", {}), dict):
-            raise RecordsError(f"{where}: output {name!r} 'layers' must be an object")
-    return _decode_metrics(rec)
+            for group in ("metrics", "limits", "noise"):
+                d = out.get(group)
+                if isinstance(d, dict):
+                    for k, v in d.items():
+                        if isinstance(v, str) and v in _SPECIAL:
+                            d[k] = _SPECIAL[v]
+            refs = out.get("references")
+            if isinstance(refs, dict):
+                for d in refs.values():
+                    if isinstance(d, dict):
+                        for k, v in d.items():
+                            if isinstance(v, str) and v in _SPECIAL:
+                                d[k] = _SPECIAL[v]
+            worst = out.get("worst")
+            if isinstance(worst, list):
+                for w in worst:
+                    if isinstance(w, dict):
+                        for k in ("got", "expected", "abs", "rel"):
+                            if isinstance(w.get(k), str) and w[k] in _SPECIAL:
+                                w[k] = _SPECIAL[w[k]]
+    return rec
 
 
 def _check_header(header: Any, where: str) -> dict:
     if not isinstance(header, dict):
         raise RecordsError(f"{where}: 'header' must be a JSON object")
     planned = header.get("planned")
-    if planned is not None and (not _is(planned, (int,)) or planned < 0):
+    if planned is not None and (not isinstance(planned, int) or isinstance(planned, bool) or planned < 0):
         raise RecordsError(f"{where}: header 'planned' must be a non-negative integer or null, got {planned!r:.40}")
     return header
 
@@ -372,10 +331,9 @@ def worst_verdict(verdicts: list[str]) -> str:
 
 
 def summary(results: list[dict]) -> dict[str, int]:
-    counts = {v: 0 for v in VERDICTS}
-    for r in results:
-        counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
-    return counts
+    from kernel_parity.conformance.results import counts
+
+    return counts(results)
 
 
 def passed(results: list[dict]) -> bool:

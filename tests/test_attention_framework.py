@@ -11,6 +11,7 @@ from kernel_parity.reports import records
 from kernel_parity.conformance import known, ops
 from kernel_parity.conformance.backends import Registry
 from kernel_parity.conformance.cli import main
+from kernel_parity.conformance.results import CaseResult
 from kernel_parity.conformance.runner import Runner
 
 PREFILL = "attention.prefill/{b}/fp32/b=2,sq=5,sk=9,hq=4,hkv=2,d=16,causal=bottom_right,wl=-1,wr=-1,cap=0,sink=0/normal/seed=0"
@@ -27,12 +28,13 @@ def test_a_failing_attention_kernel_is_diagnosed(obj, name, label, capsys):
     out = capsys.readouterr().out
     assert f"diagnosis: {label}" in out
     rec = Runner(Registry(extra=[f"tests.third_party:{obj}"])).evaluate(ops.parse_case(case_id))
-    assert rec["verdict"] == "fail" and rec["diagnosis"][0].startswith(label)
-    assert len(rec["diagnosis"]) == 1  # the other alternatives do not match
+    assert rec.verdict == "fail" and rec.diagnosis[0].startswith(label)
+    assert len(rec.diagnosis) == 1  # the other alternatives do not match
 
 
 def _rec(op, backend, rest, verdict):
-    return {"id": f"{op}/{backend}/{rest}", "op": op, "backend": backend, "verdict": verdict, "reason": "r"}
+    return CaseResult(id=f"{op}/{backend}/{rest}", op=op, backend=backend, dtype="bf16", params={}, dist="normal",
+                      seed=0, verdict=verdict, reason="r")
 
 
 def test_known_failures_xfail_xpass_and_stale():
@@ -44,8 +46,8 @@ def test_known_failures_xfail_xpass_and_stale():
                _rec("attention.prefill", "sdpa-cudnn", "fp16/b=1/normal/seed=0", "pass"),
                _rec("attention.prefill", "sdpa-math", "bf16/b=1/masked/seed=0", "fail")]
     stale = known.apply(results, entries)
-    assert [r["verdict"] for r in results] == ["xfail", "xpass", "fail"]
-    assert results[0]["known"]["verdict"] == "fail"
+    assert [r.verdict for r in results] == ["xfail", "xpass", "fail"]
+    assert results[0].known["verdict"] == "fail"
     assert stale == ["attention.prefill/sdpa-cudnn/bf16/*/nope/*"]  # the decode entry is out of scope
 
 
@@ -70,9 +72,9 @@ def test_not_provided_outputs_are_recorded_not_judged():
     registry = Registry()
     case = ops.parse_case(PREFILL.format(b="sdpa-cpu"))
     rec = Runner(registry).evaluate(case)
-    assert rec["verdict"] == "pass"
-    assert rec["outputs"]["lse"]["not_provided"] == "the public SDPA API returns no LSE"
-    assert "metrics" in rec["outputs"]["o"]
+    assert rec.verdict == "pass"
+    assert rec.outputs["lse"].not_provided == "the public SDPA API returns no LSE"
+    assert rec.outputs["o"].metrics
 
 
 @pytest.mark.parametrize("params, reason", [
@@ -98,7 +100,7 @@ def test_empty_split_partials_accept_any_value():
     runner = Runner()
     runner.capture = {}
     rec = runner.evaluate(case)
-    assert rec["verdict"] == "pass"
+    assert rec.verdict == "pass"
     golden = runner.capture[case.id]["golden"]["o_parts"]
     assert np.isnan(golden).any()  # 16 splits over 5 keys: most are empty
 
@@ -124,7 +126,7 @@ def test_triton_imported_before_the_interpreter_flag_is_a_clear_skip():
     from pathlib import Path
 
     code = ("import os; os.environ.pop('TRITON_INTERPRET', None); import triton;"
-            "from conformance.backends import Registry; b = Registry().get('triton');"
+            "from kernel_parity.conformance.backends import Registry; b = Registry().get('triton');"
             "print(b.available() if b.interpreter else 'gpu')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=Path(__file__).resolve().parent.parent)

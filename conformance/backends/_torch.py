@@ -38,8 +38,11 @@ def to_torch(a: np.ndarray, device: Any) -> Any:
 
     base = storage(a)
     d = dt.of_array(a)
-    if d.name == "bf16":
-        t = torch.from_numpy(np.ascontiguousarray(base).view(np.int16)).to(device).view(torch.bfloat16)
+    if d.np.kind == "V":  # bf16, fp8 (ml_dtypes types): move the bits, view them as torch's type
+        if d.torch_name is None:
+            raise TypeError(f"torch has no dtype for {d.name}")
+        t = torch.from_numpy(np.ascontiguousarray(base).view(_SIGNED[d.np.itemsize])).to(device)
+        t = t.view(getattr(torch, d.torch_name))
     else:
         t = torch.from_numpy(np.ascontiguousarray(base)).to(device)
     if base is a:

@@ -28,6 +28,7 @@ from kernel_parity.conformance import env, suites
 from kernel_parity.conformance.case import Case
 from kernel_parity.conformance.cli import EXIT_FAIL, EXIT_OK
 from kernel_parity.conformance.errors import UsageError
+from kernel_parity.conformance.results import CaseResult
 from kernel_parity.conformance.mutants import CLASSES, Mutant, MutantError, catalogue, materialise
 from kernel_parity.conformance.suites import Filters
 from kernel_parity.reports import files, records
@@ -70,14 +71,14 @@ def _gpu() -> bool:
     return cuda_available()
 
 
-def run_gate(mutant: Mutant, cases: list[Case], root: Path, jobs: int, timeout: float) -> dict | None:
+def run_gate(mutant: Mutant, cases: list[Case], root: Path, jobs: int, timeout: float) -> CaseResult | None:
     """The first failing record of `cases` under the mutant (None: every case passed or skipped)."""
     from kernel_parity.conformance.parallel import run_isolated
 
-    found: list[dict] = []
+    found: list[CaseResult] = []
 
-    def on_result(rec: dict) -> None:
-        if rec["verdict"] in records.FAILING and not found:
+    def on_result(rec: CaseResult) -> None:
+        if rec.failing and not found:
             found.append(rec)
 
     copy = materialise(mutant, root)
@@ -128,9 +129,8 @@ def evaluate(mutant: Mutant, args: Any, root: Path) -> dict:
     except WorkerSetupError as e:
         raise MutantError(f"mutant {mutant.id!r}: {e}") from None
     if rec is not None:
-        res.update(status="killed", by="gate", case=rec["id"], verdict=rec["verdict"],
-                   layer=rec.get("kind") or rec["verdict"], diagnosis=(rec.get("diagnosis") or [None])[0],
-                   note=(rec.get("reason") or "")[:300])
+        res.update(status="killed", by="gate", case=rec.id, verdict=rec.verdict, layer=rec.kind or rec.verdict,
+                   diagnosis=(rec.diagnosis or [None])[0], note=(rec.reason or "")[:300])
     elif args.props:
         test, note = run_props(mutant, root, max(args.timeout, 600.0))
         res.update(status="killed" if test else "survived", by="props" if test else None, test=test, note=note)

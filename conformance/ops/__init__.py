@@ -94,7 +94,7 @@ def match(patterns: list[str] | None) -> list[OpSpec]:
 def make_case(op: str, backend: str, dtype: str, params: dict, dist: str, seed: int) -> Case:
     """A validated case (UsageError naming the bad field otherwise)."""
     spec = get(op)
-    dtype = dt.canonical(dtype)
+    dtype = spec.canonical_dtype(dtype)
     params = spec.validate(params, dtype, dist)
     return Case.make(op, backend, dtype, params, dist, seed)
 
