@@ -15,10 +15,9 @@ from typing import Any
 import numpy as np
 
 from kernel_parity.conformance import ops, suites
-from kernel_parity.conformance.cli import EXIT_OK
-from kernel_parity.conformance.commands import _progress, make_registry
+from kernel_parity.conformance.errors import EXIT_OK
+from kernel_parity.conformance.session import open_session, progress
 from kernel_parity.conformance.errors import UsageError
-from kernel_parity.conformance.runner import Runner
 from kernel_parity.conformance.suites import Filters
 
 
@@ -34,18 +33,19 @@ def _needed_rtol(got: np.ndarray, ref: np.ndarray, atol: float) -> float:
 
 def calibrate(args: Any) -> int:
     spec = ops.get(args.op)
-    registry, names = make_registry(args.backend)
+    session = open_session(args.backend)
+    names = session.backend_names
     base = suites.cases(args.suite or suites.DEFAULT_SUITE, Filters((spec.name,), tuple(names), tuple(args.dtype)))
     if not base:
         raise UsageError(f"no cases of {spec.name} in the suite match the filters")
     if args.seeds < 1:
         raise UsageError(f"--seeds must be >= 1, got {args.seeds}")
     cases = list(dict.fromkeys(c.with_seed(s) for c in base for s in range(args.seeds)))
-    runner = Runner(registry, recheck=False)
+    runner = session.runner(recheck=False)
     runner.capture = {}
     stats: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     verdicts: dict[tuple, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    bar = _progress(len(cases), disable=args.no_progress)
+    bar = progress(len(cases), disable=args.no_progress)
 
     def collect(rec: dict) -> None:
         bar.update(1)

@@ -7,6 +7,8 @@
     parity sweep    fresh seeds over a suite's cases: failures, flaky verdicts, worst norm_err
     parity repro ID replay one case bit for bit: metrics, worst elements, verdict (--export DIR)
     parity report   render results JSON to --html/--junit/--md
+    parity merge    join results files (CI shards) into one
+    parity config   the resolved [tool.kernel-parity] configuration and where each value came from
     parity diff     per-case error diff of two results files
     parity mutants  seeded bugs in our own kernels: killed or survived, by which case and layer
     parity calibrate  measure error quantiles over seeds and print the limits they suggest
@@ -22,9 +24,8 @@ import shlex
 import sys
 from typing import Sequence
 
-from kernel_parity.conformance.errors import UsageError
+from kernel_parity.conformance.errors import EXIT_FAIL, EXIT_OK, EXIT_USAGE, UsageError  # noqa: F401
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 DEFAULT_TIMEOUT_S = 600.0  # per case, in a worker process: a hang is a `timeout`, never a stuck gate
 
 
@@ -54,7 +55,8 @@ positive_float = _number(float, 0.0, True, "a finite number > 0")
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--suite", default=None, help="suite name or .toml path (default: ci)")
+    p.add_argument("--suite", default=None,
+                   help="suite name or .toml path (default: [tool.kernel-parity] suites, else ci)")
     p.add_argument("--op", action="append", default=[], help="op name, prefix (softmax) or glob; repeatable")
     p.add_argument("--backend", action="append", default=[],
                    help="backend name or module:object; repeatable; replaces the suite's backends")
@@ -76,7 +78,10 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", default="auto", choices=["auto", "real", "cpu"],
                    help="suite sizes: real, the entries' cpu overrides, or auto (real when a CUDA GPU is present)")
     p.add_argument("--known-failures", metavar="TOML", default=None,
-                   help="known-failures file (default: the package's conformance/known_failures.toml)")
+                   help="this repository's known-failures file (default: [tool.kernel-parity] known_failures); "
+                        "kernel-parity's own entries apply to its own backends in any case")
+    p.add_argument("--shard", metavar="I/N", default=None,
+                   help="run the I-th of N deterministic slices of the cases (CI matrices; parity merge joins them)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", action="append", default=[])
     p.add_argument("--dist", action="append", default=[])
     p.add_argument("--scale", default="auto", choices=["auto", "real", "cpu"])
+    p.add_argument("--shard", metavar="I/N", default=None)
 
     p = sub.add_parser("run", help="run a suite and write reports")
     _add_run_args(p)
@@ -110,6 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fresh-seed runs per op and backend, spread over its combinations (default 100)")
     p.add_argument("--start", type=nonneg_int, default=None,
                    help="first fresh seed (default: a random one, printed, so a sweep replays with --start)")
+
+    p = sub.add_parser("config", help="the resolved configuration, and where each value came from")
+    p.add_argument("--backend", action="append", default=[])
+    p.add_argument("--known-failures", metavar="TOML", default=None)
+
+    p = sub.add_parser("merge", help="join results files (shards of one run) into one results file and reports")
+    p.add_argument("results", nargs="+")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--html", metavar="PATH")
+    p.add_argument("--junit", metavar="PATH")
+    p.add_argument("--md", metavar="PATH")
+    p.add_argument("--quiet", "-q", action="store_true")
 
     p = sub.add_parser("repro", help="replay one case from its id")
     p.add_argument("case_id")

@@ -4,7 +4,9 @@ Every run streams its records to the --json results file as cases finish (JSON l
 completion record at the end), so a run killed by an outer timeout keeps what it finished and
 `parity run --resume FILE` continues it. Cases run in worker processes unless --no-isolate: an
 exit, abort, segfault or hang inside a kernel is that case's `crash` or `timeout`. Output paths
-are checked before anything runs.
+are checked before anything runs. The repository's `[tool.kernel-parity]` table supplies the
+backends, suites, baseline, known failures and tolerance overrides a flag does not
+(conformance/session.py).
 """
 
 from __future__ import annotations
@@ -17,11 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kernel_parity.conformance import env, known, suites
-from kernel_parity.conformance.backends import Registry
 from kernel_parity.conformance.case import Case
-from kernel_parity.conformance.cli import EXIT_FAIL, EXIT_OK
-from kernel_parity.conformance.errors import UsageError
+from kernel_parity.conformance.errors import EXIT_FAIL, EXIT_OK, UsageError
 from kernel_parity.conformance.results import CaseResult
+from kernel_parity.conformance.session import Session, open_session, progress
 from kernel_parity.conformance.suites import Filters
 from kernel_parity.reports import files, records
 
@@ -29,57 +30,88 @@ MAX_PRINTED_FAILURES = 20
 OUTPUT_FLAGS = ("json", "html", "junit", "md")
 
 
-# -- shared ---------------------------------------------------------------------------------
-def make_registry(backend_args: list[str]) -> tuple[Registry, list[str]]:
-    """Registry with any module:object backends loaded, and the backend names asked for."""
-    registry = Registry(extra=[b for b in backend_args if ":" in b])
-    by_origin = {b.origin: b.name for b in registry.loaded()}
-    names = [by_origin.get(b, b) for b in backend_args]
-    for n in names:
-        registry.get(n)  # UsageError for an unknown name
-    return registry, names
-
-
+# -- selection --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Selection:
     """What a run set out to do: enough to re-derive its cases (`--resume`)."""
 
-    suite: str
+    suites: tuple[str, ...]
     ops: tuple[str, ...] = ()
-    backends: tuple[str, ...] = ()  # names or module:object, as given
+    backends: tuple[str, ...] = ()  # names or module:object, as given (flags or configuration)
     dtypes: tuple[str, ...] = ()
     dists: tuple[str, ...] = ()
     scale: str = "auto"
+    shard: tuple[int, int] | None = None  # (i, n): the i-th of n deterministic slices, 1-based
+
+    @property
+    def label(self) -> str:
+        return "+".join(os.path.basename(s) if s.endswith(".toml") else s for s in self.suites)
 
     @staticmethod
-    def from_args(args: Any) -> "Selection":
-        suite = args.suite or suites.DEFAULT_SUITE
-        if os.path.exists(suite) and suite.endswith(".toml"):
-            suite = os.path.abspath(suite)
-        return Selection(suite, tuple(args.op), tuple(args.backend), tuple(args.dtype), tuple(args.dist),
-                         suites.resolve_scale(getattr(args, "scale", "auto")))
+    def from_args(args: Any, session: Session) -> "Selection":
+        given = [args.suite] if getattr(args, "suite", None) else list(session.config.suites) or [suites.DEFAULT_SUITE]
+        names = tuple(os.path.abspath(s) if s.endswith(".toml") and os.path.exists(s) else s for s in given)
+        return Selection(names, tuple(args.op), tuple(_backend_args(args, session)),
+                         tuple(args.dtype), tuple(args.dist), suites.resolve_scale(getattr(args, "scale", "auto")),
+                         parse_shard(getattr(args, "shard", None)))
 
     def to_json(self) -> dict:
-        return {"suite": self.suite, "ops": list(self.ops), "backends": list(self.backends),
-                "dtypes": list(self.dtypes), "dists": list(self.dists), "scale": self.scale}
+        return {"suites": list(self.suites), "ops": list(self.ops), "backends": list(self.backends),
+                "dtypes": list(self.dtypes), "dists": list(self.dists), "scale": self.scale,
+                "shard": list(self.shard) if self.shard else None}
 
     @staticmethod
     def from_json(d: Any, where: str) -> "Selection":
-        if not isinstance(d, dict) or not isinstance(d.get("suite"), str):
+        if not isinstance(d, dict) or not isinstance(d.get("suites", d.get("suite")), (list, str)):
             raise UsageError(f"{where} has no run selection in its header (it was not written by parity run)")
+        names = d.get("suites", d.get("suite"))
+        names = [names] if isinstance(names, str) else names
         lists = {}
         for k in ("ops", "backends", "dtypes", "dists"):
             v = d.get(k, [])
             if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
                 raise UsageError(f"{where}: header selection {k!r} must be a list of strings")
             lists[k] = tuple(v)
+        if not names or not all(isinstance(x, str) for x in names):
+            raise UsageError(f"{where}: header selection 'suites' must be a list of strings")
         scale = d.get("scale", "auto")
         if scale not in suites.SCALES:
             raise UsageError(f"{where}: header selection scale {scale!r} is not one of {', '.join(suites.SCALES)}")
-        return Selection(d["suite"], scale=scale, **lists)
+        shard = d.get("shard")
+        if shard is not None and (not isinstance(shard, list) or len(shard) != 2):
+            raise UsageError(f"{where}: header selection shard must be [i, n] or null")
+        return Selection(tuple(names), scale=scale, shard=tuple(shard) if shard else None, **lists)
 
 
-def select_cases(sel: Selection, registry: Registry, backend_names: list[str]) -> list[Case]:
+def _backend_args(args: Any, session: Session) -> list[str]:
+    """The backends as given (module:object kept, so a resumed run loads them again)."""
+    return list(args.backend) if args.backend else list(session.config.backends)
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise UsageError(f"--shard {text!r} must be i/N (e.g. 2/4)") from None
+    if not 1 <= i <= n:
+        raise UsageError(f"--shard {text!r}: i must be in 1..N")
+    return i, n
+
+
+def shard_of(cases: list[Case], shard: tuple[int, int] | None) -> list[Case]:
+    """The i-th of n slices: whole input groups dealt round-robin in suite order (deterministic, and
+    the backends of one input group stay together so its golden is built once)."""
+    if shard is None:
+        return cases
+    i, n = shard
+    from kernel_parity.conformance.runner import group_cases
+
+    return [c for k, g in enumerate(group_cases(cases)) if k % n == i - 1 for c in g]
+
+
+def select_cases(sel: Selection, session: Session) -> list[Case]:
     from kernel_parity.conformance import ops
 
     specs = ops.match(list(sel.ops) or None)
@@ -93,15 +125,20 @@ def select_cases(sel: Selection, registry: Registry, backend_names: list[str]) -
         c = suites.canonical_filter_dtype(d)
         if c not in known_dtypes:
             raise UsageError(f"--dtype {d!r} is no dtype of the selected ops (they take: {', '.join(sorted(known_dtypes))})")
-    filters = Filters(sel.ops, tuple(backend_names), sel.dtypes, sel.dists, sel.scale)
-    cases = suites.cases(sel.suite, filters)
+    filters = Filters(sel.ops, tuple(session.backend_names), sel.dtypes, sel.dists, sel.scale)
+    cases: list[Case] = []
+    for name in sel.suites:
+        cases.extend(suites.cases(name, filters))
+    cases = list(dict.fromkeys(cases))
     for name in dict.fromkeys(c.backend for c in cases):
         try:
-            registry.get(name)
+            session.registry.get(name)
         except UsageError as e:  # names given with --backend were checked already: this one is the suite's
-            raise UsageError(f"suite {sel.suite!r} names a backend that does not exist: {e}") from None
+            raise UsageError(f"suite {sel.label!r} names a backend that does not exist: {e}") from None
+    cases = shard_of(cases, sel.shard)
     if not cases:
-        raise UsageError(f"no cases in suite {sel.suite!r} match the filters")
+        raise UsageError(f"no cases in suite {sel.label!r} match the filters"
+                         + (f" in shard {sel.shard[0]}/{sel.shard[1]}" if sel.shard else ""))
     return cases
 
 
@@ -121,17 +158,17 @@ def check_output_paths(args: Any, **inputs: str | None) -> None:
         raise UsageError(str(e)) from None
 
 
+# -- a run ----------------------------------------------------------------------------------------
 @dataclass
 class Run:
     """One execution: its cases, where records stream, and what happens to each record."""
 
     args: Any
     command: str
-    registry: Registry
+    session: Session
     cases: list[Case]
     header: dict
     stream: records.Stream | None = None
-    entries: list = field(default_factory=list)  # known-failure entries
     done: list[CaseResult] = field(default_factory=list)  # records from a resumed file
     setup: tuple | None = None  # (module, function, *args) run first in every worker
 
@@ -140,15 +177,15 @@ class Run:
         """Run the cases (those not in `done`), streaming each record; the finished document.
 
         `finish(results)` may add fields to the completion record (a sweep's summary)."""
-        args = self.args
+        args, session = self.args, self.session
         have = {r.id for r in self.done}
         todo = [c for c in self.cases if c.id not in have]
         t0 = time.perf_counter()
-        bar = _progress(len(todo), disable=args.no_progress)
+        bar = progress(len(todo), disable=args.no_progress)
         fresh: list[CaseResult] = []
 
         def on_result(rec: CaseResult) -> None:
-            known.apply_one(rec, self.entries)
+            known.apply_one(rec, session.entries)
             fresh.append(rec)
             if self.stream is not None:
                 self.stream.add(rec.to_json())
@@ -156,29 +193,27 @@ class Run:
                 on_record(rec)
             bar.update(1)
 
+        diagnose = not getattr(args, "no_diagnose", False)
         try:
             if getattr(args, "no_isolate", False):
-                from kernel_parity.conformance.runner import Runner
-
-                Runner(self.registry, recheck=not args.no_recheck,
-                       diagnose=not getattr(args, "no_diagnose", False)).run(todo, on_result=on_result)
+                session.runner(recheck=not args.no_recheck, diagnose=diagnose).run(todo, on_result=on_result)
             else:
                 from kernel_parity.conformance.parallel import run_isolated
 
-                origins = {b.name: b.origin for b in self.registry.loaded() if b.origin}
-                run_isolated(todo, jobs=args.jobs, extra_backends=self.registry.extra_specs(),
+                origins = {b.name: b.origin for b in session.registry.loaded() if b.origin}
+                run_isolated(todo, jobs=args.jobs, extra_backends=session.registry.extra_specs(),
                              recheck=not args.no_recheck, timeout=args.timeout, on_result=on_result,
-                             origins=origins, diagnose=not getattr(args, "no_diagnose", False), setup=self.setup)
+                             origins=origins, diagnose=diagnose, setup=self.setup, overrides=session.overrides)
         finally:
             bar.close()
         by_id = {r.id: r for r in self.done + fresh}
         results = [by_id[c.id] for c in self.cases if c.id in by_id]
-        stale = known.stale(results, self.entries)
+        stale = known.stale(results, session.entries)
         complete = {
             "cases": len(results),
             "elapsed_s": round(time.perf_counter() - t0, 3) + float(self.header.get("resumed_elapsed_s", 0.0)),
-            "known_failures": {"entries": len(self.entries), "stale": stale},
-            "backends": {n: self.registry.get(n).describe() for n in dict.fromkeys(c.backend for c in self.cases)},
+            "known_failures": {"entries": len(session.entries), "stale": stale},
+            "backends": {n: session.registry.get(n).describe() for n in dict.fromkeys(c.backend for c in self.cases)},
         }
         if finish is not None:
             complete.update(finish(results))
@@ -190,30 +225,30 @@ class Run:
                 "complete": complete, "case_results": results}
 
 
-def prepare(args: Any, command: str, cases: list[Case] | None = None, suite: str | None = None,
-            extra_inputs: dict[str, str | None] | None = None, header_extra: dict | None = None) -> Run:
-    """Everything before the first case: registry, cases, output checks, header, the stream."""
-    resume = getattr(args, "resume", None)
-    if resume:
+def prepare(args: Any, command: str, cases: list[Case] | None = None, extra_inputs: dict[str, str | None] | None = None,
+            header_extra: dict | None = None) -> Run:
+    """Everything before the first case: session, cases, output checks, header, the stream."""
+    if getattr(args, "resume", None):
         return _prepare_resume(args, command)
-    registry, names = make_registry(args.backend)
-    sel = Selection.from_args(args)
+    session = open_session(args.backend, args.known_failures)
+    sel = Selection.from_args(args, session)
     if cases is None:
-        cases = select_cases(sel, registry, names)
-    inputs = {"known-failures file": args.known_failures, "suite file": sel.suite if sel.suite.endswith(".toml") else None,
-              **(extra_inputs or {})}
-    check_output_paths(args, **inputs)
-    entries = known.load(args.known_failures)
-    header = env.header(command, suite or sel.suite)
-    header.update(planned=len(cases), planned_digest=digest(cases), selection=sel.to_json(), **(header_extra or {}))
+        cases = select_cases(sel, session)
+    suite_files = {f"suite file {s}": s for s in sel.suites if s.endswith(".toml")}
+    check_output_paths(args, **{"known-failures file": session.known_file, **suite_files, **(extra_inputs or {})})
+    header = env.header(command, sel.label)
+    header.update(planned=len(cases), planned_digest=digest(cases), selection=sel.to_json(),
+                  tolerance_overrides=[t.to_json() for t in session.config.tolerance],
+                  config=str(session.config.path) if session.config.path else None, **(header_extra or {}))
     stream = records.Stream.create(args.json, header) if args.json else None
-    return Run(args, command, registry, cases, header, stream, entries)
+    return Run(args, command, session, cases, header, stream)
 
 
 def _prepare_resume(args: Any, command: str) -> Run:
     path = args.resume
     for flag, given in (("--suite", args.suite), ("--op", args.op), ("--backend", args.backend),
-                        ("--dtype", args.dtype), ("--dist", args.dist), ("--json", args.json)):
+                        ("--dtype", args.dtype), ("--dist", args.dist), ("--json", args.json),
+                        ("--shard", getattr(args, "shard", None))):
         if given:
             raise UsageError(f"--resume takes the selection and the results file from {path!r}: drop {flag}")
     try:
@@ -224,24 +259,24 @@ def _prepare_resume(args: Any, command: str) -> Run:
         raise UsageError(f"results file {path!r} is complete: nothing to resume")
     header = doc["header"]
     sel = Selection.from_json(header.get("selection"), f"results file {path!r}")
-    registry, names = make_registry(list(sel.backends))
-    cases = select_cases(sel, registry, names)
+    session = open_session(list(sel.backends), args.known_failures)
+    cases = select_cases(sel, session)
     if header.get("planned_digest") not in (None, digest(cases)) or header.get("planned") not in (None, len(cases)):
         raise UsageError(f"the cases of {path!r} no longer match its selection (the suite or the ops changed "
                          f"since the run started): start a new run")
     known_ids = {c.id for c in cases}
     stray = [r["id"] for r in doc["results"] if r["id"] not in known_ids]
-    done = [CaseResult.from_json(r, f"results file {path!r}") for r in doc["results"]]
     if stray:
         raise UsageError(f"results file {path!r} holds case {stray[0]!r}, which its selection does not make")
+    done = [CaseResult.from_json(r, f"results file {path!r}") for r in doc["results"]]
     args.json = None
-    check_output_paths(args, **{"resumed results file": path, "known-failures file": args.known_failures})
-    entries = known.load(args.known_failures)
+    check_output_paths(args, **{"resumed results file": path, "known-failures file": session.known_file})
     stream = records.Stream.reopen(path)
     header = {**header, "command": f"{header.get('command')} ; {command}"}
-    return Run(args, command, registry, cases, header, stream, entries, done=done)
+    return Run(args, command, session, cases, header, stream, done=done)
 
 
+# -- reporting -------------------------------------------------------------------------------------
 def write_outputs(args: Any, doc: dict, diff: Any = None, mutants: dict | None = None) -> None:
     """The rendered reports (the JSON results were streamed as the run went)."""
     if getattr(args, "html", None):
@@ -282,13 +317,6 @@ def print_summary(doc: dict, quiet: bool = False) -> bool:
     return ok
 
 
-def _progress(total: int, disable: bool) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="case", file=sys.stderr, disable=True if disable else None,
-                dynamic_ncols=True, leave=False)
-
-
 def load_input(path: str, what: str) -> dict:
     """A results file given as an input (baseline, diff side, report source): exit 2 if unusable."""
     try:
@@ -297,7 +325,7 @@ def load_input(path: str, what: str) -> dict:
         raise UsageError(f"{what}: {e}") from None
 
 
-# -- commands -------------------------------------------------------------------------------
+# -- commands -------------------------------------------------------------------------------------
 def cmd_run(args: Any, command: str) -> int:
     doc = prepare(args, command).execute()
     write_outputs(args, doc)
@@ -305,20 +333,27 @@ def cmd_run(args: Any, command: str) -> int:
 
 
 def cmd_gate(args: Any, command: str) -> int:
+    from kernel_parity.conformance import config as cfgmod
+
+    baseline = args.baseline
+    if baseline is None:
+        baseline = cfgmod.load().baseline
+        if baseline is not None and not os.path.exists(baseline):
+            raise UsageError(f"the configured baseline {baseline!r} ([tool.kernel-parity] baseline) does not exist")
     old = None
-    if args.baseline:  # fail fast on a bad baseline, before the run
-        old = load_input(args.baseline, "--baseline")
+    if baseline:  # fail fast on a bad baseline, before the run
+        old = load_input(baseline, "--baseline")
         status = records.status_line(old)
         if status:
-            raise UsageError(f"--baseline {args.baseline!r} is {status}: finish it with parity run --resume")
-    run = prepare(args, command, extra_inputs={"--baseline file": args.baseline})
+            raise UsageError(f"--baseline {baseline!r} is {status}: finish it with parity run --resume")
+    run = prepare(args, command, extra_inputs={"--baseline file": baseline})
     doc = run.execute()
     diff = None
     if old is not None:
         from kernel_parity.reports.diff import compare
 
         diff = compare(old, doc, growth=args.growth)
-        doc["header"]["baseline"] = {"path": args.baseline, "git_commit": old["header"].get("git_commit")}
+        doc["header"]["baseline"] = {"path": baseline, "git_commit": old["header"].get("git_commit")}
     write_outputs(args, doc, diff)
     ok = print_summary(doc, args.quiet)
     if diff is not None:
@@ -355,6 +390,13 @@ def cmd_repro(args: Any, command: str) -> int:
     return repro(args)
 
 
+def cmd_config(args: Any, command: str) -> int:
+    session = open_session(args.backend, args.known_failures)
+    for key, value, source in session.values():
+        print(f"{key:<15} {value!s:<60} ({source})")
+    return EXIT_OK
+
+
 def cmd_report(args: Any, command: str) -> int:
     if not (args.html or args.junit or args.md):
         raise UsageError("report needs at least one of --html, --junit, --md")
@@ -366,6 +408,38 @@ def cmd_report(args: Any, command: str) -> int:
     if status:
         print(f"parity: {args.results}: {status}", file=sys.stderr)
     return EXIT_OK if records.doc_passed(doc) else EXIT_FAIL
+
+
+def cmd_merge(args: Any, command: str) -> int:
+    """Join results files (the shards of one run, or any runs) into one results file and reports."""
+    inputs = {f"input {p}": p for p in args.results}
+    check_output_paths(args, **inputs)
+    if not (args.json or args.html or args.junit or args.md):
+        raise UsageError("merge needs at least one of --json, --html, --junit, --md")
+    docs = [(p, load_input(p, "merge")) for p in args.results]
+    merged: dict[str, dict] = {}
+    for p, d in docs:
+        for r in d["results"]:
+            old = merged.get(r["id"])
+            if old is not None and old["verdict"] != r["verdict"]:
+                raise UsageError(f"merge: case {r['id']!r} is {old['verdict']} in one file and {r['verdict']} in "
+                                 f"{p!r}: these are not shards of one run")
+            merged[r["id"]] = r
+    first = docs[0][1]["header"]
+    planned = [d["header"].get("planned") for _, d in docs]
+    header = {**first, "command": command, "merged_from": [p for p, _ in docs],
+              "planned": sum(planned) if all(isinstance(x, int) for x in planned) else None}
+    header.pop("planned_digest", None)
+    incomplete = [p for p, d in docs if d["complete"] is None]
+    stale = sorted({s for _, d in docs for s in records.stale_entries(d)})
+    results = list(merged.values())
+    complete = None if incomplete else {"cases": len(results), "known_failures": {"stale": stale},
+                                        "elapsed_s": sum(float(d["complete"].get("elapsed_s", 0)) for _, d in docs)}
+    if args.json:  # an incomplete input keeps the merge incomplete: no completion line
+        records.atomic_write_text(args.json, records.dump(header, results, complete, finished=complete is not None))
+    doc = {"schema": records.SCHEMA, "header": header, "results": results, "complete": complete}
+    write_outputs(args, doc)
+    return EXIT_OK if print_summary(doc, args.quiet) else EXIT_FAIL
 
 
 def _load_mutants(path: str) -> dict:

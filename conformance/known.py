@@ -17,6 +17,7 @@ fails the gate.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ class Entry:
     match: str
     reason: str
     seen: str = ""
+    package: bool = False  # kernel-parity's own file: applies to its own backends only
 
     def matches(self, rec: CaseResult | dict) -> bool:
         op, backend, rid = ((rec.op, rec.backend, rec.id) if isinstance(rec, CaseResult)
@@ -51,6 +53,12 @@ class Entry:
     @property
     def label(self) -> str:
         return f"{self.op}/{self.backend}/{self.match}"
+
+
+def entries(user_file: str | Path | None = None) -> list[Entry]:
+    """kernel-parity's own known failures (scoped to its own backends) and, if given, the user's."""
+    own = [Entry(e.op, e.backend, e.match, e.reason, e.seen, package=True) for e in load(DEFAULT_FILE)]
+    return own + (load(user_file) if user_file is not None else [])
 
 
 def load(path: str | Path | None = None) -> list[Entry]:
@@ -89,9 +97,10 @@ def load(path: str | Path | None = None) -> list[Entry]:
 
 
 def apply_one(rec: CaseResult, entries: list[Entry]) -> None:
-    """Mark one record xfail / xpass in place if an entry matches it (first match wins)."""
+    """Mark one record xfail / xpass in place if an entry matches it (first match wins).
+    kernel-parity's own entries apply to its own backends only, never to a user's plugin."""
     for e in entries:
-        if not e.matches(rec):
+        if not e.matches(rec) or (e.package and rec.backend not in own_backends()):
             continue
         if rec.verdict in FAILING:
             rec.known = {"reason": e.reason, "seen": e.seen, "verdict": rec.verdict}
@@ -108,7 +117,16 @@ def stale(results: list[CaseResult], entries: list[Entry]) -> list[str]:
     """Labels of entries whose op/backend pair ran (some case not skipped) but that matched nothing."""
     ran = {(r.op, r.backend) for r in results if r.verdict != "skip"}  # skipped pairs did not run
     return [e.label for e in entries
-            if (e.op, e.backend) in ran and not any(e.matches(r) for r in results)]
+            if (e.op, e.backend) in ran and not (e.package and e.backend not in own_backends())
+            and not any(e.matches(r) for r in results)]
+
+
+@functools.lru_cache(maxsize=1)
+def own_backends() -> frozenset[str]:
+    """Backends kernel-parity itself ships: the built-ins and its own entry-point plugins (torch SDPA)."""
+    from kernel_parity.conformance.backends import BUILTIN, entry_points
+
+    return frozenset(BUILTIN) | {n for n, v in entry_points().items() if v.startswith("kernel_parity.")}
 
 
 def apply(results: list[CaseResult], entries: list[Entry]) -> list[str]:

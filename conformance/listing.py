@@ -6,8 +6,7 @@ from typing import Any
 
 from kernel_parity.conformance import ops, suites
 from kernel_parity.conformance.backends import Registry
-from kernel_parity.conformance.cli import EXIT_OK
-from kernel_parity.conformance.suites import Filters
+from kernel_parity.conformance.errors import EXIT_OK
 
 
 def list_things(args: Any) -> int:
@@ -35,8 +34,12 @@ def list_things(args: Any) -> int:
         print("suites:")
         for name in suites.names():
             print(f"  {name:<10} {len(suites.cases(name)):>6} cases  {suites.description(name)}")
-    if what == "cases":
-        filters = Filters(tuple(args.op), tuple(args.backend), tuple(args.dtype), tuple(args.dist), args.scale)
-        for c in suites.cases(args.suite or suites.DEFAULT_SUITE, filters):
+    if what == "cases":  # the cases `parity run` with the same flags would run (configuration included)
+        from kernel_parity.conformance.commands import Selection, select_cases
+        from kernel_parity.conformance.session import open_session
+
+        session = open_session(args.backend)
+        args.shard = getattr(args, "shard", None)
+        for c in select_cases(Selection.from_args(args, session), session):
             print(c.id)
     return EXIT_OK

@@ -4,6 +4,12 @@ Tests check cases through the `parity` fixture; every result is collected and, w
 the options is given, written at the end of the session as the same reports `parity run`
 writes. Like pytest-html: the options always exist, the collector registers only when asked,
 state lives in `config.stash`, and one summary line is printed at the end.
+
+The fixture runs in the same session as the CLI (conformance/session.py): the repository's
+`[tool.kernel-parity]` table, its backends and tolerance overrides, and the known failures
+applied exactly as `parity gate` applies them (a listed failure is an xfail, a listed case that
+passes fails). Under pytest-xdist (`pytest -n N`) each worker sends its records to the controller
+(`workeroutput`), which merges them and writes the reports once.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from kernel_parity.conformance.results import CaseResult
 from kernel_parity.reports import records
 
 _COLLECTOR = pytest.StashKey["Collector"]()
+_SESSION = pytest.StashKey[Any]()
 _RUNNER = pytest.StashKey[Any]()
 _OPTIONS = ("json", "html", "junit", "md")
+_WORKER_KEY = "kernel_parity_records"
 
 
 class ParityFailure(AssertionError):
@@ -32,8 +40,8 @@ class Collector:
     (shrunk) failing example, not the shrinking steps in between."""
 
     def __init__(self) -> None:
-        self.results: dict[str, dict] = {}  # by id: hypothesis may replay an example
-        self.pending: list[tuple[dict, bool]] | None = None  # (record, final example?) of the running test
+        self.results: dict[str, CaseResult] = {}  # by id: hypothesis may replay an example
+        self.pending: list[tuple[CaseResult, bool]] | None = None  # (record, final example?) of the running test
 
     def add(self, rec: CaseResult, final: bool | None = None) -> None:
         if final is None or self.pending is None:
@@ -60,9 +68,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                         help=f"write the kernel-parity {what.upper()} report of the cases checked in this run")
     group.addoption("--parity-backend", metavar="MODULE:OBJECT", action="append", default=[],
                     help="make a third-party backend available to the `parity` fixture (repeatable)")
+    group.addoption("--parity-known-failures", metavar="TOML", default=None,
+                    help="this repository's known-failures file (default: [tool.kernel-parity] known_failures)")
     group.addoption("--parity-mutant", metavar="ID", default=None,
                     help="run against a seeded bug of our kernels (conformance/mutants; used by parity mutants --props)")
     group.addoption("--parity-mutant-root", metavar="DIR", default=None, help="where --parity-mutant's patched copy lives")
+
+
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -75,7 +89,34 @@ def pytest_configure(config: pytest.Config) -> None:
         root = config.getoption("parity_mutant_root") or tempfile.mkdtemp(prefix="kp-mutant-")
         install(mutant, root)
     if any(config.getoption(f"parity_{w}") for w in _OPTIONS):
+        if not _is_worker(config):  # a worker's records travel to the controller; only it writes
+            files_check = {f"--parity-{w}": config.getoption(f"parity_{w}") for w in _OPTIONS}
+            from kernel_parity.reports import files
+
+            try:
+                files.check_outputs(files_check)
+            except files.OutputPathError as e:
+                raise pytest.UsageError(str(e)) from None
         config.stash[_COLLECTOR] = Collector()
+        if config.pluginmanager.hasplugin("xdist") and not _is_worker(config):
+            config.pluginmanager.register(_XdistController(config), "kernel-parity-xdist")
+
+
+class _XdistController:
+    """Merges the records each xdist worker sends when it finishes."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        collector = self.config.stash.get(_COLLECTOR, None)
+        payload = getattr(node, "workeroutput", {}).get(_WORKER_KEY)
+        if collector is None or not payload:
+            return
+        for d in payload:
+            rec = CaseResult.from_json(d, f"xdist worker {getattr(node, 'gateway', None) and node.gateway.id}")
+            collector.results[rec.id] = rec
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -95,10 +136,13 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     collector = config.stash.get(_COLLECTOR, None)
     if collector is None:
         return
+    results = [r.to_json() for r in collector.results.values()]
+    if _is_worker(config):
+        config.workeroutput[_WORKER_KEY] = results
+        return
     from kernel_parity.conformance import env
 
     header = env.header("pytest " + " ".join(config.invocation_params.args), None)
-    results = [r.to_json() for r in collector.results.values()]
     doc = {"schema": records.SCHEMA, "header": header, "results": results}
     if config.getoption("parity_json"):
         records.write(config.getoption("parity_json"), header, results)
@@ -118,7 +162,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     collector = config.stash.get(_COLLECTOR, None)
-    if collector is None:
+    if collector is None or _is_worker(config):
         return
     counts = records.summary([r.to_json() for r in collector.results.values()])
     parts = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
@@ -133,25 +177,38 @@ class Parity:
         self.config = config
 
     @property
+    def session(self) -> Any:
+        s = self.config.stash.get(_SESSION, None)
+        if s is None:
+            from kernel_parity.conformance.errors import UsageError
+            from kernel_parity.conformance.session import open_session
+
+            try:
+                s = open_session(self.config.getoption("parity_backend"),
+                                 self.config.getoption("parity_known_failures"))
+            except UsageError as e:
+                raise pytest.UsageError(str(e)) from None
+            self.config.stash[_SESSION] = s
+            self.config.stash[_RUNNER] = s.runner()
+        return s
+
+    @property
     def runner(self) -> Any:
-        runner = self.config.stash.get(_RUNNER, None)
-        if runner is None:
-            from kernel_parity.conformance.backends import Registry
-            from kernel_parity.conformance.runner import Runner
+        self.session  # noqa: B018  (opens the session on first use)
+        return self.config.stash[_RUNNER]
 
-            runner = Runner(Registry(extra=self.config.getoption("parity_backend")))
-            self.config.stash[_RUNNER] = runner
-        return runner
+    def evaluate(self, case: Any) -> CaseResult:
+        """Run a case, apply the known failures as the CLI does, and record it (no assertion)."""
+        from kernel_parity.conformance import known
 
-    def evaluate(self, case: Any) -> dict:
-        """Run a case and record it (no assertion)."""
         rec = self.runner.evaluate(case)
+        known.apply_one(rec, self.session.entries)
         collector = self.config.stash.get(_COLLECTOR, None)
         if collector is not None:
             collector.add(rec, _final_example())
         return rec
 
-    def arrays(self, case: Any) -> tuple[dict, dict]:
+    def arrays(self, case: Any) -> tuple[CaseResult, dict]:
         """Run and record a case; also return its arrays {"inputs", "golden", "outputs"}."""
         runner = self.runner
         runner.capture = {}
@@ -161,7 +218,7 @@ class Parity:
         finally:
             runner.capture = None
 
-    def check(self, case: Any) -> dict:
+    def check(self, case: Any) -> CaseResult:
         """Run, record, steer hypothesis toward the worst error, and assert the verdict."""
         __tracebackhide__ = True
         backend = self.runner.registry.get(case.backend)
@@ -171,6 +228,8 @@ class Parity:
         _hypothesis_hooks(rec)
         if rec.verdict == "skip":
             pytest.skip(rec.reason)
+        if rec.verdict == "xfail":
+            pytest.xfail(rec.reason)
         assert_verdict(rec)
         return rec
 
@@ -186,7 +245,7 @@ def _final_example() -> bool | None:
     return bool(current_build_context().is_final)
 
 
-def _hypothesis_hooks(rec: dict) -> None:
+def _hypothesis_hooks(rec: CaseResult) -> None:
     try:
         from hypothesis import assume, note, target
         from hypothesis.control import currently_in_test_context
@@ -202,7 +261,7 @@ def _hypothesis_hooks(rec: dict) -> None:
 
 
 def assert_verdict(rec: CaseResult) -> None:
-    """Raise ParityFailure unless the case passed (vacuous and skip do not fail)."""
+    """Raise ParityFailure unless the case passed (vacuous, skip and xfail do not fail)."""
     __tracebackhide__ = True
     if rec.failing:
         body = rec.message or f"{rec.op}[{rec.backend}] {rec.verdict}: {rec.reason}"

@@ -14,19 +14,18 @@ from typing import Any
 import numpy as np
 
 from kernel_parity.conformance import ops
-from kernel_parity.conformance.cli import EXIT_FAIL, EXIT_OK
-from kernel_parity.conformance.commands import make_registry
-from kernel_parity.conformance.runner import Runner
+from kernel_parity.conformance.errors import EXIT_FAIL, EXIT_OK
+from kernel_parity.conformance.session import open_session
 from kernel_parity.reports import records
 
 _METRICS = ("max_abs", "max_rel", "rmse", "nmse", "cos_diff", "max_ulp", "mismatch", "max_ref")
 
 
 def repro(args: Any) -> int:
-    registry, _ = make_registry(args.backend)
+    session = open_session(args.backend)
     case = ops.parse_case(args.case_id)
-    backend = registry.get(case.backend)
-    runner = Runner(registry)
+    backend = session.registry.get(case.backend)
+    runner = session.runner()
     runner.capture = {} if args.export else None
     rec = runner.evaluate(case).to_json()
     print(f"case     {case.id}")

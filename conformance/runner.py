@@ -17,6 +17,7 @@ cotangents are drawn from the case seed and the backend's backward adapter fills
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import traceback
 from typing import Any, Callable, Iterable
@@ -103,12 +104,25 @@ def _call_hook(hook: str, fn: Callable, *args: Any) -> Any:
 
 class Runner:
     def __init__(self, registry: Registry | None = None, *, recheck: bool = True, noise: bool = True,
-                 diagnose: bool = True) -> None:
+                 diagnose: bool = True, overrides: dict[str, tuple] | None = None) -> None:
         self.registry = registry or Registry()
         self.recheck = recheck
         self.noise = noise
         self.diagnose = diagnose
+        self.overrides = dict(overrides or {})  # op -> a repo's tolerance overrides ([tool.kernel-parity])
         self.capture: dict[str, dict] | None = None  # case id -> arrays, for `parity repro --export`
+        self._specs: dict[str, OpSpec] = {}
+
+    def spec(self, op: str) -> OpSpec:
+        """The op's spec with the repository's tolerance overrides on top of its own limits."""
+        if op not in self._specs:
+            spec = ops.get(op)
+            extra = self.overrides.get(op)
+            if extra:
+                tol = dataclasses.replace(spec.tolerance, overrides=spec.tolerance.overrides + tuple(extra))
+                spec = dataclasses.replace(spec, tolerance=tol)
+            self._specs[op] = spec
+        return self._specs[op]
 
     # -- public -------------------------------------------------------------------------
     def run(self, cases: Iterable[Case], on_result: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
@@ -129,7 +143,7 @@ class Runner:
     def evaluate_group(self, cases: list[Case], on_start: Callable[[Case], None] | None = None,
                        on_result: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
         """Evaluate cases sharing one input key; each record is handed to `on_result` when done."""
-        spec = ops.get(cases[0].op)
+        spec = self.spec(cases[0].op)
         out: dict[Case, CaseResult] = {}
         prep: Prepared | None = None
         prep_error: tuple[str, str] | None = None
@@ -285,14 +299,14 @@ class Runner:
 
     def _recheck(self, case: Case, rec: CaseResult) -> CaseResult:
         """Re-run a case within `borderline` of a limit on fresh seeds; `flaky` if they disagree."""
-        spec = ops.get(case.op)
+        spec = self.spec(case.op)
         band = spec.tolerance.borderline
         ne = rec.norm_err
         numeric = rec.verdict == "pass" or (rec.verdict == "fail" and rec.kind in ("numeric", "noise"))
         if not numeric or ne is None or not (1.0 - band <= ne <= 1.0 + band):
             return rec
         seeds = [case.seed + k * RECHECK_STRIDE for k in range(1, RECHECK_SEEDS + 1)]
-        inner = Runner(self.registry, recheck=False, noise=self.noise, diagnose=False)
+        inner = Runner(self.registry, recheck=False, noise=self.noise, diagnose=False, overrides=self.overrides)
         verdicts = [inner.evaluate(case.with_seed(s)).verdict for s in seeds]
         rec.recheck = {"seeds": seeds, "verdicts": verdicts}
         if any(v != rec.verdict for v in verdicts):

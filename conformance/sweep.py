@@ -26,8 +26,9 @@ from typing import Any
 
 from kernel_parity.conformance import suites
 from kernel_parity.conformance.case import Case
-from kernel_parity.conformance.cli import EXIT_FAIL, EXIT_OK
-from kernel_parity.conformance.commands import Selection, make_registry, prepare, print_summary, select_cases, write_outputs
+from kernel_parity.conformance.commands import Selection, prepare, print_summary, select_cases, write_outputs
+from kernel_parity.conformance.errors import EXIT_FAIL, EXIT_OK
+from kernel_parity.conformance.session import open_session
 from kernel_parity.conformance.errors import UsageError
 from kernel_parity.conformance.results import CaseResult
 from kernel_parity.reports import records
@@ -99,14 +100,14 @@ def sweep(args: Any, command: str) -> int:
     if getattr(args, "resume", None):
         raise UsageError("sweep has no --resume: re-run it with the printed --start")
     start = args.start if args.start is not None else random.SystemRandom().randrange(10**7, 2**31)
-    registry, names = make_registry(args.backend)
-    base = select_cases(Selection.from_args(args), registry, names)
+    session = open_session(args.backend, args.known_failures)
+    base = select_cases(Selection.from_args(args, session), session)
     cases = sweep_cases(base, start, args.seeds, None if args.seeds else (args.per_op or DEFAULT_PER_OP))
     if not cases:
         raise UsageError("the sweep selected no cases")
     params = {"start": start, "seeds": args.seeds, "per_op": None if args.seeds else (args.per_op or DEFAULT_PER_OP),
               "combinations": len({(c.op, c.backend, c.dtype, c.params, c.dist) for c in base})}
-    run = prepare(args, command, cases=cases, suite=args.suite or suites.DEFAULT_SUITE, header_extra={"sweep": params})
+    run = prepare(args, command, cases=cases, header_extra={"sweep": params})
     print(f"parity sweep: {len(cases)} runs from start seed {start} (replay: --start {start})", flush=True)
     doc = run.execute(finish=lambda results: {"sweep": {**params, "rows": summarize(results)}})
     rows = doc["complete"]["sweep"]["rows"]

@@ -92,12 +92,14 @@ def _line(obj: Any) -> str:
     return json.dumps(_encode(obj), separators=(",", ":"), allow_nan=False)
 
 
-def dump(header: dict, results: list[dict], complete: dict | None = None) -> str:
-    """A whole results file as text: header line, one line per record, the completion line."""
+def dump(header: dict, results: list[dict], complete: dict | None = None, finished: bool = True) -> str:
+    """A whole results file as text: header line, one line per record, the completion line
+    (none when not `finished`: the file then reads as incomplete)."""
     if complete is None:
         complete = {"cases": len(results)}
-    lines = [_line({"schema": SCHEMA, "header": header}), *(_line(r) for r in results),
-             _line({"complete": complete})]
+    lines = [_line({"schema": SCHEMA, "header": header}), *(_line(r) for r in results)]
+    if finished:
+        lines.append(_line({"complete": complete}))
     return "\n".join(lines) + "\n"
 
 

@@ -105,3 +105,24 @@ def test_property_tests_run_against_a_plugin_backend(pytester, monkeypatch):
         "--rootdir", str(ROOT), "--parity-backend", "tests.third_party:GOOD", "-v")
     good.assert_outcomes(passed=1)
     assert "test_softmax[np_good] PASSED" in good.stdout.str()
+
+
+def test_a_plugin_of_triton_kernels_gets_the_interpreter_preparation(tmp_path):
+    """Our unmodified Triton prefill, wrapped by a plain plugin: declared (triton = True) it passes
+    every bf16 ci case on a CPU; undeclared, the interpreter's bf16 defects fail them all."""
+    from kernel_parity.conformance.backends._torch import cuda_available
+    from kernel_parity.conformance.cli import main
+
+    if cuda_available():
+        import pytest
+
+        pytest.skip("a GPU is present: the interpreter is not used")
+    common = ["run", "--suite", "ci", "--op", "attention.prefill", "--dtype", "bf16", "--no-progress", "-q",
+              "--jobs", "2"]
+    out = tmp_path / "declared.jsonl"
+    assert main(common + ["--backend", "tests.third_party:TRITON_PLUGIN", "--json", str(out)]) == 0
+    res = records.load(out)["results"]
+    assert len(res) >= 24 and {r["verdict"] for r in res} == {"pass"}
+    out = tmp_path / "plain.jsonl"
+    assert main(common + ["--backend", "tests.third_party:UNDECLARED_TRITON_PLUGIN", "--json", str(out)]) == 1
+    assert {r["verdict"] for r in records.load(out)["results"]} == {"fail"}

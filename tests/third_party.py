@@ -216,3 +216,43 @@ def _attention(name: str, causal: str | None = None, tiled: bool = False, no_sca
 ATTN_TOP_LEFT = _attention("attn_top_left", causal="top_left")
 ATTN_TILED = _attention("attn_tiled", tiled=True)
 ATTN_NO_SCALE = _attention("attn_no_scale", no_scale=True)
+
+
+
+# -- a plugin of Triton kernels (our own, unmodified): it declares triton = True and so gets the
+# interpreter preparation our own Triton backend gets (bf16 rounding and dot fixes) on a CPU.
+def _triton_prefill(case, inputs, out):
+    from kernel_parity.conformance.backends._torch import to_torch
+    from kernel_parity.kernels.triton import attention as fa
+
+    p = case.p
+    dev = out.device
+    o, lse = out.torch("o", dev), out.torch("lse", dev)
+    fa.prefill(*(to_torch(inputs[n], dev) for n in ("q", "k", "v")), causal=p["causal"], window=(p["wl"], p["wr"]),
+               softcap=float(p["cap"]), sinks=to_torch(inputs["sinks"], dev) if "sinks" in inputs else None,
+               out=o, out_lse=lse)
+    return {"o": o, "lse": lse}
+
+
+def _triton_device():
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class TritonPlugin(Backend):
+    def __init__(self) -> None:
+        super().__init__(name="np_triton", device=_triton_device(), ops={"attention.prefill": _triton_prefill},
+                         triton=True)
+
+
+TRITON_PLUGIN = TritonPlugin
+
+class UndeclaredTritonPlugin(Backend):
+    """The same Triton kernels without `triton = True`: no interpreter preparation on a CPU."""
+
+    def __init__(self) -> None:
+        super().__init__(name="np_triton_plain", device=_triton_device(), ops={"attention.prefill": _triton_prefill})
+
+
+UNDECLARED_TRITON_PLUGIN = UndeclaredTritonPlugin

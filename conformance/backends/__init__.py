@@ -57,6 +57,9 @@ class Backend:
     ops: dict[str, Adapter] = field(default_factory=dict)
     origin: str | None = None  # "module:object" for a third-party backend (goes into repro lines)
     doc: str = ""
+    triton: bool = False  # its kernels are Triton: prepared like ours (the interpreter on a machine without a GPU)
+    claims: dict[str, str] = field(default_factory=dict)  # op -> the reference its kernel claims to compute
+    backward: dict[str, Adapter] = field(default_factory=dict)  # op -> fn(case, inputs, cotangents, out)
 
     def available(self) -> str | None:
         """None, or why this backend cannot run at all on this machine (every case skips)."""
@@ -99,6 +102,27 @@ def load_object(spec: str) -> Backend:
         obj = getattr(obj, part)
     backend = coerce(obj, spec)
     backend.origin = spec
+    return _with_triton(backend)
+
+
+def _prepare_triton() -> None:
+    from kernel_parity.conformance.backends.triton_backend import prepare_environment
+
+    prepare_environment()
+
+
+def _with_triton(backend: Any) -> Any:
+    """A backend that declares Triton kernels gets our interpreter preparation in `available()`."""
+    if not getattr(backend, "triton", False):
+        return backend
+    from kernel_parity.conformance.backends.triton_backend import interpreter_ready
+
+    own = backend.available
+
+    def available() -> str | None:
+        return interpreter_ready() or own()
+
+    backend.available = available
     return backend
 
 
@@ -135,6 +159,8 @@ class Registry:
     def __init__(self, extra: list[str] | None = None) -> None:
         self._cache: dict[str, Backend] = {}
         self._eps = entry_points()
+        if extra:  # a plugin module may import triton or decorate Triton kernels when it loads
+            _prepare_triton()
         for name, spec in self._eps.items():
             if name in BUILTIN:
                 raise UsageError(f"the installed backend entry point {name!r} ({spec}) takes the name of the "
@@ -159,6 +185,7 @@ class Registry:
         if name in BUILTIN:
             b = _builtin(name)
         elif name in self._eps:
+            _prepare_triton()
             b = load_object(self._eps[name])
             if b.name != name:
                 raise UsageError(f"the backend entry point {name!r} ({self._eps[name]}) makes a backend named "

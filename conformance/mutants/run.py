@@ -26,7 +26,7 @@ from typing import Any
 
 from kernel_parity.conformance import env, suites
 from kernel_parity.conformance.case import Case
-from kernel_parity.conformance.cli import EXIT_FAIL, EXIT_OK
+from kernel_parity.conformance.errors import EXIT_FAIL, EXIT_OK
 from kernel_parity.conformance.errors import UsageError
 from kernel_parity.conformance.results import CaseResult
 from kernel_parity.conformance.mutants import CLASSES, Mutant, MutantError, catalogue, materialise
