@@ -58,12 +58,6 @@ class Output:
         anywhere = np.isnan(ref)
         return np.where(anywhere, np.array(np.nan, dtype=got.dtype), got) if anywhere.any() else got
 
-    def tolerance_dtype(self, case_dtype: str) -> dt.DType:
-        """Whose limits apply: fp32 partials of a bf16 computation carry bf16 error."""
-        if self.tol_dtype is None:
-            return self.resolve(case_dtype)
-        return dt.get(case_dtype if self.tol_dtype == "test" else self.tol_dtype)
-
 
 @dataclass(frozen=True)
 class Diagnosis:

@@ -59,7 +59,7 @@ def run(case: Case, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
         pytest.skip(why)
     spec = ops.get(case.op)
     shapes = {k: tuple(v) for k, v in spec.output_shapes(case.p).items()}
-    req = OutputRequest(shapes, {k: o.resolve(case.dtype) for k, o in spec.outputs.items()},
+    req = OutputRequest(shapes, {k: spec.out_dtype(k, case.dtype) for k in spec.outputs},
                         backend=backend, device=getattr(backend, "device", "cpu"))
     out = backend.run(case, inputs, req)
     return {k: to_numpy(v) for k, v in out.items()}
@@ -80,11 +80,11 @@ def assert_close(case: Case, got: dict, ref: dict, what: str) -> None:
     for name, out in spec.outputs.items():
         if name not in got or isinstance(got[name], NotProvided):
             continue
-        tol_dtype = out.tolerance_dtype(case.dtype)
+        tol_dtype = spec.tol_dtype(name, case.dtype)
         lim = spec.tolerance.limits(name, tol_dtype, case.p, tier_of(spec, case.backend))
         r = ref[name].astype(np.float64)
         g = out.accept_any(got[name], r)
-        cmp = compare(g, r, out.resolve(case.dtype), lim, tol_dtype)
+        cmp = compare(g, r, spec.out_dtype(name, case.dtype), lim, tol_dtype)
         assert cmp.anomaly_mismatch == 0 and cmp.elem_ratio <= 1.0, (
             f"{case.backend} {case.op} {name} changed beyond its limits when {what}: "
             f"{cmp.anomaly_detail or cmp.metrics}\n  repro: parity repro {case.id}")
