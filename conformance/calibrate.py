@@ -31,7 +31,7 @@ def _needed_rtol(got: np.ndarray, ref: np.ndarray, atol: float) -> float:
     return float(max(0.0, need.max()))
 
 
-def calibrate(args: Any) -> int:
+def calibrate(args: Any, command: str = "") -> int:
     spec = ops.get(args.op)
     session = open_session(args.backend)
     names = session.backend_names

@@ -362,34 +362,6 @@ def cmd_gate(args: Any, command: str) -> int:
     return EXIT_OK if ok else EXIT_FAIL
 
 
-def cmd_sweep(args: Any, command: str) -> int:
-    from kernel_parity.conformance.sweep import sweep
-
-    return sweep(args, command)
-
-
-def cmd_mutants(args: Any, command: str) -> int:
-    from kernel_parity.conformance.mutants import MutantError
-    from kernel_parity.conformance.mutants.run import mutants_command
-
-    try:
-        return mutants_command(args, command)
-    except MutantError as e:
-        raise UsageError(str(e)) from None
-
-
-def cmd_list(args: Any, command: str) -> int:
-    from kernel_parity.conformance.listing import list_things
-
-    return list_things(args)
-
-
-def cmd_repro(args: Any, command: str) -> int:
-    from kernel_parity.conformance.repro import repro
-
-    return repro(args)
-
-
 def cmd_config(args: Any, command: str) -> int:
     session = open_session(args.backend, args.known_failures)
     for key, value, source in session.values():
@@ -467,9 +439,3 @@ def cmd_diff(args: Any, command: str) -> int:
     d = compare(old, new, growth=args.growth)
     print(d.render_text())
     return EXIT_FAIL if d.failed else EXIT_OK
-
-
-def cmd_calibrate(args: Any, command: str) -> int:
-    from kernel_parity.conformance.calibrate import calibrate
-
-    return calibrate(args)

@@ -9,7 +9,7 @@ from kernel_parity.conformance.backends import Registry
 from kernel_parity.conformance.errors import EXIT_OK
 
 
-def list_things(args: Any) -> int:
+def list_things(args: Any, command: str = "") -> int:
     what = args.what
     if what in ("all", "ops"):
         print("ops:")

@@ -21,7 +21,7 @@ from kernel_parity.reports import records
 _METRICS = ("max_abs", "max_rel", "rmse", "nmse", "cos_diff", "max_ulp", "mismatch", "max_ref")
 
 
-def repro(args: Any) -> int:
+def repro(args: Any, command: str = "") -> int:
     session = open_session(args.backend)
     case = ops.parse_case(args.case_id)
     backend = session.registry.get(case.backend)

@@ -129,3 +129,47 @@ def test_one_import_namespace():
                          [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
                 for n in names:
                     assert n.split(".")[0] not in bare, f"{src.relative_to(ROOT)} imports {n}: use kernel_parity.{n}"
+
+def test_no_import_cycles_in_the_framework():
+    """Imports inside conformance/ (module level and inside functions) form no cycle: the CLI sits
+    on top (nothing imports it), exit codes live with the errors, one session serves the CLI and
+    the pytest plugin."""
+    import ast
+
+    pkg = ROOT / "conformance"
+    modules = {}
+    for src in pkg.rglob("*.py"):
+        rel = src.relative_to(pkg).with_suffix("")
+        name = ".".join(p for p in rel.parts if p != "__init__")
+        modules[name or "__init__"] = src
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, src in modules.items():
+        for node in ast.walk(ast.parse(src.read_text())):
+            targets = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kernel_parity.conformance"):
+                base = node.module[len("kernel_parity.conformance"):].lstrip(".")
+                targets = [f"{base}.{a.name}" if base else a.name for a in node.names] + [base]
+            elif isinstance(node, ast.Import):
+                targets = [a.name[len("kernel_parity.conformance."):] for a in node.names
+                           if a.name.startswith("kernel_parity.conformance.")]
+            for t in targets:
+                while t and t not in modules:
+                    t = t.rpartition(".")[0]
+                if t and t != mod and t != "__init__":
+                    graph[mod].add(t)
+    assert not any("cli" in deps for deps in graph.values()), "nothing may import the CLI"
+
+    def cycle_from(start):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    return path + [nxt]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+        return None
+
+    for m in graph:
+        assert cycle_from(m) is None, f"import cycle: {' -> '.join(cycle_from(m))}"

@@ -106,7 +106,7 @@ def load_object(spec: str) -> Backend:
 
 
 def _prepare_triton() -> None:
-    from kernel_parity.conformance.backends.triton_backend import prepare_environment
+    from kernel_parity.conformance.backends.triton_prep import prepare_environment
 
     prepare_environment()
 
@@ -115,7 +115,7 @@ def _with_triton(backend: Any) -> Any:
     """A backend that declares Triton kernels gets our interpreter preparation in `available()`."""
     if not getattr(backend, "triton", False):
         return backend
-    from kernel_parity.conformance.backends.triton_backend import interpreter_ready
+    from kernel_parity.conformance.backends.triton_prep import interpreter_ready
 
     own = backend.available
 

@@ -167,6 +167,14 @@ def summary(rows: list[dict]) -> dict[str, int]:
     return out
 
 
+def main(args: Any, command: str) -> int:
+    """`parity mutants`; a catalogue that cannot be read is a usage error (exit 2)."""
+    try:
+        return mutants_command(args, command)
+    except MutantError as e:
+        raise UsageError(str(e)) from None
+
+
 def mutants_command(args: Any, command: str) -> int:
     if args.list:
         for m in catalogue():
