@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kernel_parity.conformance.errors import UsageError
-from kernel_parity.conformance.tolerance import Override
+from kernel_parity.conformance.tolerance import LIMIT_FIELDS, Override
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -43,7 +43,7 @@ KEYS = {
     "known_failures": "a path to a known-failures TOML file",
     "tolerance": "a list of [[tool.kernel-parity.tolerance]] tables (op, reason, and limits)",
 }
-LIMIT_KEYS = ("atol", "rtol", "cos_diff", "nmse", "atol_max_eps")
+LIMIT_KEYS = LIMIT_FIELDS  # what an override may set (one home: conformance/tolerance.py)
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,7 @@ def _judge_output(case: Case, spec: Any, prep: Any, name: str, got: Any, ev: Evi
         got, ref, orec.outside_contract = layers.exclude(got, ref, *ev.excluded[name])
     structure = layers.structure_checks(got, want_dtype, ev.damage.get(name), ev.unwritten.get(name, 0))
     if out.exact:  # layer 2
-        ex, metrics, worst = layers.exact_layer(got, ref)
+        ex, metrics, worst = layers.exact_layer(got, ref, out.nan_bits)
         orec.metrics, orec.worst = metrics, worst
         j.layers["structure"] = LayerResult(not structure, "; ".join(structure))
         j.layers["exact"] = ex

@@ -38,6 +38,10 @@ class Limits:
     cos_diff: float | None = None
     nmse: float | None = None
     atol_max_eps: float = 0.0  # adds this many eps(out dtype) x max|golden| to atol (scale-aware)
+    # adds this many eps(fp32) x sqrt(reduction length) x max|golden| to atol: the absolute error
+    # of an fp32 dot product of that length, for outputs that cancel (a GEMM's C); folded into
+    # atol_max_eps by Tol.limits, which knows the length
+    atol_acc: float = 0.0
 
     def effective_atol(self, eps: float, max_ref: float) -> float:
         return self.atol + self.atol_max_eps * eps * max_ref
@@ -164,14 +168,23 @@ def _worst(a, b, bad_anom, both, ratio, d) -> list[dict]:
     return out
 
 
-def exact_mismatch(got: np.ndarray, expected: np.ndarray) -> tuple[int, list[dict]]:
-    """Bit-exact comparison of byte/integer (or bit-pattern) outputs of the same dtype."""
+def exact_mismatch(got: np.ndarray, expected: np.ndarray, nan_bits: bool = True) -> tuple[int, list[dict]]:
+    """Bit-exact comparison of byte/integer (or bit-pattern) outputs of the same dtype.
+
+    nan_bits=False: a NaN matches any NaN (payload and sign are not compared)."""
     g = np.ascontiguousarray(got)
-    e = np.ascontiguousarray(expected).astype(g.dtype)
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.ascontiguousarray(expected).astype(g.dtype)
+    both_nan = None
     if g.dtype.kind not in "iub":  # floats (ml_dtypes report kind "V"): compare bit patterns
+        if not nan_bits:
+            with np.errstate(invalid="ignore"):
+                both_nan = np.isnan(g.astype(np.float64)) & np.isnan(e.astype(np.float64))
         g = g.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[g.dtype.itemsize])
         e = e.view(g.dtype)
     bad = g != e
+    if both_nan is not None:
+        bad &= ~both_nan
     n_bad = int(np.count_nonzero(bad))
     worst = []
     for i in np.argwhere(bad)[:WORST_K]:

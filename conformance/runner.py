@@ -26,7 +26,7 @@ import numpy as np
 
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance import ops
-from kernel_parity.conformance.backends import NotProvided, Registry
+from kernel_parity.conformance.backends import NotProvided, Registry, claimed_reference
 from kernel_parity.conformance.case import Case
 from kernel_parity.conformance.errors import SpecError
 from kernel_parity.conformance.inputs import clone, same_bits
@@ -226,7 +226,7 @@ class Runner:
         touched = [k for k in inputs if k not in prep.inplace.values() and not same_bits(inputs[k], prep.inputs[k])]
         tier = tier_of(spec, case.backend)
         ev = Evidence(damage=req.damage(), unwritten=unwritten, touched=touched, excluded=excluded,
-                      noise_base=noise_base, claimed=(getattr(backend, "claims", None) or {}).get(case.op))
+                      noise_base=noise_base, claimed=claimed_reference(backend, case))
 
         def diagnosis() -> tuple[list[str], str | None]:
             if not spec.diagnoses:

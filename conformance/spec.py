@@ -45,6 +45,9 @@ class Output:
     tol_dtype: str | None = None  # judge with this dtype's limits ("test": the case's) instead of the output's
     reference: str | None = None  # the reference that judges it (None: the op's main one)
     inplace: str | None = None  # this output is the input of that name, as the kernel left it
+    # exact float outputs: False when a NaN is computed by arithmetic (its payload and sign are the
+    # hardware's: x86 makes 0xFFC00000, a GPU 0x7FFFFFFF), so any NaN matches a NaN of the golden
+    nan_bits: bool = True
     doc: str = ""
 
     def resolve(self, case_dtype: str) -> dt.DType:

@@ -67,6 +67,7 @@ GOLDEN_SELF_CHECK = Limits(atol=1e-12, rtol=1e-11)
 # Aggregate floor: RMS error <= AGG_FLOOR * atol passes cos_diff and nmse (see layer 3 above).
 AGG_FLOOR = 0.1
 TIERS = ("production", "baseline")
+LIMIT_FIELDS = ("atol", "rtol", "cos_diff", "nmse", "atol_max_eps", "atol_acc")  # what an Override may set
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Override:
     cos_diff: float | None = None
     nmse: float | None = None
     atol_max_eps: float | None = None
+    atol_acc: float | None = None
 
     def __post_init__(self) -> None:
         if not self.reason.strip():
@@ -130,11 +132,13 @@ class Tol:
             if o.applies(output, out_dtype.name):
                 base = replace(
                     base,
-                    **{k: getattr(o, k) for k in ("atol", "rtol", "cos_diff", "nmse", "atol_max_eps") if getattr(o, k) is not None},
+                    **{k: getattr(o, k) for k in LIMIT_FIELDS if getattr(o, k) is not None},
                 )
         if self.acc_len is not None:
             n = max(1, int(self.acc_len(params, output)))
-            base = replace(base, rtol=base.rtol + self.acc_coeff * DTYPES["fp32"].eps * math.sqrt(n))
+            acc = DTYPES["fp32"].eps * math.sqrt(n)
+            base = replace(base, rtol=base.rtol + self.acc_coeff * acc,
+                           atol_max_eps=base.atol_max_eps + base.atol_acc * acc / out_dtype.eps, atol_acc=0.0)
         return base
 
     def noise_factor(self, params: dict[str, Any], gradient: bool = False) -> float | None:
@@ -270,8 +274,8 @@ def exclude(got: np.ndarray, ref: np.ndarray, mask: np.ndarray, reason: str) -> 
 
 
 # -- layer 2: exact -------------------------------------------------------------------------------------
-def exact_layer(got: np.ndarray, ref: np.ndarray) -> tuple[LayerResult, dict, list]:
-    n_bad, worst = exact_mismatch(got, ref)
+def exact_layer(got: np.ndarray, ref: np.ndarray, nan_bits: bool = True) -> tuple[LayerResult, dict, list]:
+    n_bad, worst = exact_mismatch(got, ref, nan_bits)
     metrics = {"numel": int(got.size), "mismatch": n_bad, "mismatch_frac": n_bad / max(1, got.size)}
     detail = f"{n_bad}/{got.size} elements differ from the golden bit for bit" if n_bad else ""
     return LayerResult(n_bad == 0, detail), metrics, worst

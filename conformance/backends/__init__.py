@@ -58,7 +58,10 @@ class Backend:
     origin: str | None = None  # "module:object" for a third-party backend (goes into repro lines)
     doc: str = ""
     triton: bool = False  # its kernels are Triton: prepared like ours (the interpreter on a machine without a GPU)
-    claims: dict[str, str] = field(default_factory=dict)  # op -> the reference its kernel claims to compute
+    # op -> the reference its kernel claims to compute: a name, or fn(case) -> name when it depends on
+    # the case (a GEMM whose decode path computes the dequantized product and whose FP8 path the
+    # emulated one)
+    claims: dict[str, str | Callable[[Any], str | None]] = field(default_factory=dict)
     backward: dict[str, Adapter] = field(default_factory=dict)  # op -> fn(case, inputs, cotangents, out)
 
     def available(self) -> str | None:
@@ -77,6 +80,12 @@ class Backend:
 
     def describe(self) -> str:
         return f"{self.name} ({self.device})"
+
+
+def claimed_reference(backend: Any, case: Any) -> str | None:
+    """The reference `backend` claims for `case` (None: the op's own choice)."""
+    claim = (getattr(backend, "claims", None) or {}).get(case.op)
+    return claim(case) if callable(claim) else claim
 
 
 def _builtin(name: str) -> Backend:

@@ -37,6 +37,8 @@ def to_torch(a: np.ndarray, device: Any) -> Any:
     import torch
 
     base = storage(a)
+    if base.dtype != a.dtype:  # a reinterpreting view (int32 words of a uint32 buffer): move a's own copy
+        a = base = a.copy()
     d = dt.of_array(a)
     if d.np.kind == "V":  # bf16, fp8 (ml_dtypes types): move the bits, view them as torch's type
         if d.torch_name is None:

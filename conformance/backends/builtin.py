@@ -15,8 +15,9 @@ def adapter_stems() -> list[str]:
     return [s for s in stems if importlib.util.find_spec(f"kernel_parity.conformance.backends.{s}") is not None]
 
 
-def collect(factory: str, *args: Any) -> dict[str, Callable]:
-    """Merge `<factory>(*args)` of every adapter module into one op -> adapter table."""
+def collect(factory: str, *args: Any) -> dict[str, Any]:
+    """Merge `<factory>(*args)` of every adapter module into one table keyed by op: adapters
+    (`<backend>_ops`), or the references a backend's kernels claim (`<backend>_claims`)."""
     ops: dict[str, Callable] = {}
     for stem in adapter_stems():
         module = importlib.import_module(f"kernel_parity.conformance.backends.{stem}")

@@ -28,5 +28,6 @@ def make() -> CpuBackend:
         name="cpu",
         device="cpu",
         ops=collect("cpu_ops"),
+        claims=collect("cpu_claims"),
         doc="kernels/cpu/*.c: native C kernels, fp32 accumulation",
     )

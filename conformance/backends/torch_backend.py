@@ -21,5 +21,6 @@ def make() -> TorchBackend:
         name="torch",
         device=device,
         ops=collect("torch_ops", device),
+        claims=collect("torch_claims"),
         doc="kernels/torch/*: eager torch in the test dtype (baseline for the noise layer)",
     )

@@ -31,6 +31,7 @@ def make() -> TritonBackend:
         name="triton",
         device=device,
         ops=collect("triton_ops", device),
+        claims=collect("triton_claims"),
         interpreter=interpreter,
         doc="kernels/triton/*: Triton GPU kernels (interpreter mode on a machine without a GPU)",
     )
