@@ -63,6 +63,8 @@ class Backend:
     # emulated one)
     claims: dict[str, str | Callable[[Any], str | None]] = field(default_factory=dict)
     backward: dict[str, Adapter] = field(default_factory=dict)  # op -> fn(case, inputs, cotangents, out)
+    # op -> fn(case) -> None | reason: what one op's kernel cannot do (a weight format it has no path for)
+    support: dict[str, Callable[[Any], str | None]] = field(default_factory=dict)
 
     def available(self) -> str | None:
         """None, or why this backend cannot run at all on this machine (every case skips)."""
@@ -73,7 +75,8 @@ class Backend:
             return f"{self.name} has no kernel for {case.op}"
         if case.dtype not in self.dtypes:
             return f"{self.name} does not support {case.dtype}"
-        return None
+        check = self.support.get(case.op)
+        return check(case) if check is not None else None
 
     def run(self, case: Any, inputs: dict, out: Any) -> dict:
         return self.ops[case.op](case, inputs, out)

@@ -29,5 +29,6 @@ def make() -> CpuBackend:
         device="cpu",
         ops=collect("cpu_ops"),
         claims=collect("cpu_claims"),
+        support=collect("cpu_supports"),
         doc="kernels/cpu/*.c: native C kernels, fp32 accumulation",
     )

@@ -22,5 +22,6 @@ def make() -> TorchBackend:
         device=device,
         ops=collect("torch_ops", device),
         claims=collect("torch_claims"),
+        support=collect("torch_supports"),
         doc="kernels/torch/*: eager torch in the test dtype (baseline for the noise layer)",
     )

@@ -32,6 +32,7 @@ def make() -> TritonBackend:
         device=device,
         ops=collect("triton_ops", device),
         claims=collect("triton_claims"),
+        support=collect("triton_supports"),
         interpreter=interpreter,
         doc="kernels/triton/*: Triton GPU kernels (interpreter mode on a machine without a GPU)",
     )

@@ -7,12 +7,14 @@ into the exponent. A kernel that is right on the GPU then shows a one-ulp bias o
 1.0000153 -> bf16 of 1.0 instead of 1.0078125), enough to fail bf16 cos_diff limits: the
 interpreter, not the kernel, is wrong. Its `tl.dot` on bfloat16 operands multiplies the raw
 uint16 bit patterns (a 16x16 product of N(0, 1) values came out 2.6e10 off), where the GPU's
-tensor cores multiply the values and accumulate in fp32.
+tensor cores multiply the values and accumulate in fp32. Its fp32 -> fp8 (e4m3, e5m2) casts
+drop the rounding carry into the exponent (7.9 -> 4.0), round ties away from zero and lose the
+sign of zero, where the GPU's `cvt.rn.satfinite` rounds to nearest even and saturates.
 
 `ensure_bf16()` probes each behaviour with a tiny kernel and, only where the probe shows the
 defect, replaces that piece of the interpreter's builder: fp32 -> bf16 conversions with
-ml_dtypes' correctly rounded cast, and bf16 dot operands widened to fp32 (exact) before the
-product. The backend's description lists the fixes in place.
+ml_dtypes' correctly rounded cast, bf16 dot operands widened to fp32 (exact) before the
+product, and fp32/fp16/bf16 -> fp8 casts through ml_dtypes after a saturating clamp. The backend's description lists the fixes in place.
 """
 
 from __future__ import annotations
@@ -109,6 +111,68 @@ def _install() -> None:
     builder._kernel_parity_bf16_rne = True
 
 
+_FP8 = {}  # tl dtype name -> (ml_dtypes type, max finite), filled on first use
+
+
+def _fp8_types() -> dict:
+    import triton.language as tl
+
+    if not _FP8:
+        _FP8.update({tl.float8e4nv: (ml_dtypes.float8_e4m3fn, 448.0), tl.float8e5: (ml_dtypes.float8_e5m2, 57344.0)})
+    return _FP8
+
+
+def _probe_fp8() -> bool:
+    """True if fp32 -> e4m3 rounds to nearest even with the carry into the exponent (7.9 -> 8),
+    keeps the sign of zero (-2^-12 -> -0) and saturates (500 -> 448), as the GPU's cvt.rn.satfinite."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _fp8_probe_kernel(X_ptr, Y_ptr):
+        offs = tl.arange(0, 4)
+        tl.store(Y_ptr + offs, tl.load(X_ptr + offs).to(tl.float8e4nv))
+
+    x = torch.tensor([7.9, -(2.0**-12), 500.0, 0.3], dtype=torch.float32)
+    y = torch.empty(4, dtype=torch.float8_e4m3fn)
+    _fp8_probe_kernel[(1,)](x, y)
+    want = x.numpy().clip(-448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return bool(np.array_equal(y.view(torch.uint8).numpy(), want))
+
+
+def _install_fp8() -> None:
+    from triton.runtime import interpreter as interp
+
+    builder = interp.InterpreterBuilder
+    cast_impl, fp_to_fp = builder.cast_impl, builder.create_fp_to_fp
+    types = _fp8_types()
+
+    def to_fp8(src: "interp.TensorHandle", dst: object) -> "interp.TensorHandle":
+        np_type, top = types[dst]
+        x = np.asarray(src.data).astype(np.float32)
+        with np.errstate(invalid="ignore", over="ignore"):
+            bits = np.clip(x, -top, top).astype(np_type).view(np.uint8)  # NaN stays NaN
+        return interp.TensorHandle(bits, dst)
+
+    def converts(src, dst_type) -> bool:
+        import triton.language as tl
+
+        return dst_type.scalar in types and src.dtype.scalar in (tl.float32, tl.float16, tl.bfloat16)
+
+    def fixed_cast_impl(self, src, dst_type):
+        return to_fp8(src, dst_type.scalar) if converts(src, dst_type) else cast_impl(self, src, dst_type)
+
+    def fixed_fp_to_fp(self, src, dst_type, rounding_mode):
+        if converts(src, dst_type):
+            return to_fp8(src, dst_type.scalar)
+        return fp_to_fp(self, src, dst_type, rounding_mode)
+
+    builder.cast_impl = fixed_cast_impl
+    builder.create_fp_to_fp = fixed_fp_to_fp
+    builder._kernel_parity_fp8 = True
+
+
 def ensure_bf16() -> str | None:
     """Probe, fix what is broken; returns a note for the backend description (None: nothing fixed)."""
     from triton.runtime import interpreter as interp
@@ -127,4 +191,10 @@ def ensure_bf16() -> str | None:
             if not _probe_dot():  # pragma: no cover
                 raise RuntimeError("could not make the Triton interpreter's bf16 tl.dot exact")
         notes.append("bf16 dot operands widened to fp32")
+    if getattr(builder, "_kernel_parity_fp8", False) or not _probe_fp8():
+        if not getattr(builder, "_kernel_parity_fp8", False):
+            _install_fp8()
+            if not _probe_fp8():  # pragma: no cover
+                raise RuntimeError("could not make the Triton interpreter's fp32 -> fp8 cast round to nearest even")
+        notes.append("fp32->fp8 casts fixed to nearest-even, saturating, signed zeros")
     return "; ".join(notes) or None

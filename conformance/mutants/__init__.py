@@ -63,6 +63,16 @@ CLASSES = {
     "normalisation": "a division by the wrong sum, or none",
     "empty-split": "an empty split's (possibly NaN) partial read into the result",
     "stride": "a row or head stride ignored",
+    # quantization family
+    "nibble-order": "4-bit codes unpacked in the wrong order (pairs 2i, 2i+1 instead of j, j + 16)",
+    "scale-unpack": "a packed sub-block scale or min unpacked wrong (Q4_K's 6-bit get_scale_min_k4)",
+    "bsums": "the K-quant mins term (dmin x sum m_j x bsum_j) left out or wrong",
+    "scale-rounding": "a scale rounded to fp16 where fp32 is used, or the other way round",
+    "rounding-mode": "round half to even where ggml rounds half away from zero, or the reverse",
+    "bias": "the bias left out or added twice",
+    "scale-index": "a block's scale taken from the neighbouring block",
+    "zero-point": "an int4 zero point off by one (GPTQ v1 stores zero - 1)",
+    "amax-floor": "the FP8 activation amax floor (1e-4) left out: an all-zero group divides by 0",
 }
 BACKEND_OF_DIR = {"triton": "triton", "cpu": "cpu", "torch": "torch"}
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]*$")

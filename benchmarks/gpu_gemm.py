@@ -1,0 +1,471 @@
+"""GPU benchmark of the quantized-GEMM Triton kernels (kernels/triton/gemm*.py) on Hopper.
+
+    python benchmarks/gpu_gemm.py [--out PATH] [--quick] [--budget-s S] [--smoke-cpu]
+
+1. Header: copy bandwidth (a 2 GiB device-to-device copy, bytes read + written) and the bf16
+   matmul rate (torch.matmul 8192^3), measured in this run; GEMV figures are shares of the first.
+2. gemv: GGML Q4_K, Q8_0, Q4_0, Q6_K at M = 1, N x K = 14336 x 4096 and 4096 x 14336, a sweep of
+   the decode configs (BLOCK_N, G, num_warps, num_stages; automatic split-K). GB/s counts the
+   weight bytes only. Timed as CUDA-graph replays over rotated weight copies whose total exceeds
+   3x L2 (a ~10 us kernel: no launch gaps, no L2 reuse); do_bench (L2 flushed per call) beside it.
+   torch bf16 GEMV of the same shape for scale.
+3. prefill: Q4_K at M = 4096, 4096 x 4096 and 14336 x 4096 (bf16 A), a config sweep, against a
+   torch bf16 matmul of the same shape.
+4. fp8: DeepSeek 1 x 128 x 128 at 8192^3: the GEMM on pre-quantized operands (config sweep) and
+   with the activation quantizer, against torch._scaled_mm blockwise (scale_a (M, K/128)
+   outer-dim-major, scale_b = w_scale.T), torch.nn.functional.scaled_mm (BlockWise1x128 x
+   BlockWise128x128) and per-tensor _scaled_mm; our per-token x per-channel and per-tensor modes.
+5. int4: GPTQ and AWQ (group 128) at M = 4096 (vs torch bf16 matmul) and M = 1 (GB/s).
+Every timed kernel's output is checked once against float64 (dequantized weights from refimpl/ on
+the CPU, products in torch float64 on the GPU, on the first 512 output columns): err_acc =
+max |C - ref| / (|A| @ |W|^T), err_max = max |C - ref| / max |ref|; `ok` against the path's limit.
+An entry that fails records its error and the run goes on. Results go to --out (default
+$OUT/gemm-bench.json), rewritten after each entry. --budget-s stops the sweeps (not the main
+entries) when the run gets long; --smoke-cpu runs tiny shapes on the CPU (Triton interpreter) to
+check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+MIB = 1 << 20
+CHECK_COLS = 512
+# err_acc limits: fp32 arithmetic; weights and output rounded to bf16; fp8 GEMM (exact operands) with a
+# bf16 output, whose rounding alone reaches 2^-9 = 1.95e-3 of sum |a||w|.
+LIMITS = {"fp32": 1e-5, "bf16": 8e-3, "fp8": 4e-3}
+
+# ((BLOCK_N, G, num_warps, num_stages), split_k or None = automatic); the launcher's table first.
+# Split-K costs a second (reduction) launch; split_k = 1 shows what it buys.
+GEMV_SWEEP = {  # kernels/triton/gemm_gemv.py; Q6_K needs G even
+    "q4_k": [((32, 8, 8, 2), None), ((16, 8, 4, 2), None), ((32, 16, 8, 2), None), ((64, 8, 8, 2), None),
+             ((16, 4, 4, 3), None), ((32, 8, 8, 2), 1)],
+    "q8_0": [((32, 8, 8, 2), None), ((16, 8, 4, 2), None), ((32, 16, 8, 2), None), ((64, 8, 8, 2), None),
+             ((32, 8, 8, 2), 1)],
+    "q4_0": [((32, 8, 8, 2), None), ((16, 8, 4, 2), None), ((32, 16, 8, 2), None), ((32, 8, 8, 2), 1)],
+    "q6_k": [((32, 4, 8, 2), None), ((16, 4, 4, 2), None), ((32, 8, 8, 2), None), ((32, 4, 8, 2), 1)],
+}
+# Swept on the first shape; the others run the default and the best. (256, 128, 2, 8, 3) would
+# need 232 KiB of shared memory (sm_90 allows 227).
+PREFILL_SWEEP = [(128, 128, 2, 8, 3), (128, 128, 2, 8, 4), (128, 128, 4, 8, 2), (256, 128, 2, 8, 2),
+                 (128, 256, 2, 8, 3)]
+FP8_SWEEP = [(128, 128, 128, 8, 8, 4), (128, 128, 128, 8, 8, 3), (128, 256, 128, 8, 8, 3),
+             (128, 128, 128, 8, 4, 4), (64, 128, 128, 8, 4, 4)]
+INT4_SWEEP = [(128, 128, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3), (128, 256, 64, 8, 8, 3)]  # first shape, M = 4096
+
+
+class Ctx:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    def over_budget(self) -> bool:
+        return time.time() - self.t0 > self.budget_s
+
+    def save(self) -> None:
+        if self.out:
+            Path(self.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.out).write_text(json.dumps(dict(header=self.header, results=self.results,
+                                                      errors=self.errors), indent=1, default=str))
+
+    def entry(self, section: str, name: str, fn) -> dict | None:
+        """Run one benchmark entry; its dict goes to results, an exception to errors."""
+        try:
+            row = dict(section=section, name=name, **fn())
+            self.results.append(row)
+            print("bench", {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            return row
+        except Exception as e:
+            self.errors.append(dict(section=section, name=name, error=f"{type(e).__name__}: {e}"[:500],
+                                    trace=traceback.format_exc()[-2000:]))
+            print(f"ERROR {section}/{name}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
+            return None
+        finally:
+            self.save()
+
+
+def errors_vs(ctx, c, ref, mag, limit: str) -> dict:
+    """err_acc = max |c - ref| / mag (mag = |A| @ |W|^T), err_max = max |c - ref| / max |ref|."""
+    d = (c.double() - ref).abs()
+    bad = bool(ctx.torch.isnan(c).any())
+    err_acc = float((d / mag.clamp_min(1e-300)).max())
+    err_max = float(d.max() / ref.abs().max().clamp_min(1e-300))
+    return dict(err_acc=err_acc, err_max=err_max, ok=not bad and err_acc <= LIMITS[limit], limit=limit)
+
+
+# ------------------------------------------------------------------ weights and float64 references
+
+def ggml_random(ctx, fmt: str, n: int, k: int):
+    """(n, k / QK * bytes) uint8 on the device: random codes, random finite fp16 scale fields."""
+    torch = ctx.torch
+    from kernel_parity.kernels.triton.gemm import FORMATS
+    _, qk, nbytes, _, _ = FORMATS[fmt]
+    w = torch.randint(0, 256, (n, k // qk, nbytes), dtype=torch.uint8, device=ctx.dev, generator=ctx.gen)
+    for off in {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}[fmt]:
+        d = (torch.rand((n, k // qk), device=ctx.dev, generator=ctx.gen) * 2 - 1) * 2e-3
+        w[..., off:off + 2] = d.half().view(torch.uint8).view(n, k // qk, 2)
+    return w.view(n, -1)
+
+
+def ggml_w64(ctx, fmt: str, w):
+    """float64 dequantization of the first CHECK_COLS rows (refimpl, on the CPU), on the device."""
+    from kernel_parity.refimpl import quant
+    return ctx.torch.from_numpy(quant.dequantize(fmt, w[:CHECK_COLS].cpu().numpy())).to(ctx.dev)
+
+
+def check_slice(ctx, c, a, w64, limit, bias=None) -> dict:
+    """c[:, :CHECK_COLS] against a @ w64^T in float64 (w64: the first CHECK_COLS rows of W)."""
+    a64 = a.double()
+    ref = a64 @ w64.T
+    if bias is not None:
+        ref += bias[:w64.shape[0]].double()
+    return errors_vs(ctx, c[:, :w64.shape[0]], ref, a64.abs() @ w64.abs().T, limit)
+
+
+def graph_ms(ctx, calls) -> float:
+    """Median ms per call of a CUDA graph replaying `calls` (each on its own weights)."""
+    torch = ctx.torch
+    for call in calls:  # compile and allocate outside the capture
+        call()
+    if not ctx.cuda:
+        return ctx.bench(lambda: [call() for call in calls]) / len(calls)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for call in calls:
+            call()
+    return ctx.bench(g.replay) / len(calls)
+
+
+# ------------------------------------------------------------------ sections
+
+def gemv(ctx) -> None:
+    from kernel_parity.kernels.triton import gemm as G
+    torch = ctx.torch
+    for n, k in ctx.gemv_shapes:
+        a = torch.randn((1, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
+        wd = torch.randn((n, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
+        ctx.entry("gemv", f"torch bf16 {n}x{k}", lambda: dict(
+            shape=[1, n, k], ms=(ms := ctx.bench(lambda: a @ wd.T)), GBps=2 * n * k / ms / 1e6,
+            pct_copy=100 * 2 * n * k / ms / 1e6 / ctx.copy_gbps))
+        del wd
+        for fmt, sweep in GEMV_SWEEP.items():
+            w = ggml_random(ctx, fmt, n, k)
+            nbytes = w.numel()
+            rot = [w] + [ggml_random(ctx, fmt, n, k) for _ in range(max(1, min(7, -(-3 * ctx.l2 // nbytes) - 1)))]
+            w64 = ggml_w64(ctx, fmt, w)
+            outs = [torch.empty((1, n), dtype=a.dtype, device=ctx.dev) for _ in rot]
+            for i, (cfg, split) in enumerate(sweep if not ctx.quick else sweep[:1]):
+                if i and ctx.over_budget():
+                    break
+
+                def run(cfg=cfg, split=split):
+                    c = G.gemm_nt(a, fmt, w, config=cfg, split_k=split)
+                    row = dict(fmt=fmt, shape=[1, n, k], config=cfg, split_k=split or "auto", weight_bytes=nbytes,
+                               rotations=len(rot), **check_slice(ctx, c, a, w64, "bf16"))
+                    if i == 0:  # fp32 A and output: the decode path's exact fp32 arithmetic, fp32 limit
+                        f32 = check_slice(ctx, G.gemm_nt(a.float(), fmt, w, config=cfg, split_k=split), a.float(),
+                                          w64, "fp32")
+                        row.update(err_acc_fp32=f32["err_acc"], ok=row["ok"] and f32["ok"])
+                    ms = graph_ms(ctx, [lambda ww=ww, o=o: G.gemm_nt(a, fmt, ww, out=o, config=cfg, split_k=split)
+                                        for ww, o in zip(rot, outs)])
+                    row.update(ms=ms, GBps=nbytes / ms / 1e6, pct_copy=100 * nbytes / ms / 1e6 / ctx.copy_gbps,
+                               ms_do_bench=ctx.bench(lambda: G.gemm_nt(a, fmt, w, out=outs[0], config=cfg,
+                                                                       split_k=split)))
+                    return row
+                ctx.entry("gemv", f"{fmt} {n}x{k} {cfg} split={split or 'auto'}", run)
+            del rot, outs, w, w64
+            torch.cuda.empty_cache() if ctx.cuda else None
+    for fmt in ("q4_k", "q8_0"):  # M = 2..16 decode (fp32 FMA dot) at one shape, default config
+        n, k = ctx.gemv_shapes[0]
+        w = ggml_random(ctx, fmt, n, k)
+        w64 = ggml_w64(ctx, fmt, w)
+        for m in (4, 16):
+            a = torch.randn((m, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
+            ctx.entry("decode", f"{fmt} M={m} {n}x{k}", lambda: dict(
+                fmt=fmt, shape=[m, n, k], **check_slice(ctx, G.gemm_nt(a, fmt, w), a, w64, "bf16"),
+                ms=(ms := ctx.bench(lambda: G.gemm_nt(a, fmt, w))), GBps=w.numel() / ms / 1e6,
+                pct_copy=100 * w.numel() / ms / 1e6 / ctx.copy_gbps))
+
+
+def prefill(ctx) -> None:
+    from kernel_parity.kernels.triton import gemm as G
+    torch = ctx.torch
+    m = ctx.prefill_m
+    timed: dict = {}
+    for si, (n, k) in enumerate(ctx.prefill_shapes):
+        a = torch.randn((m, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
+        wd = torch.randn((n, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
+        flops = 2 * m * n * k
+        t_ref = ctx.bench(lambda: a @ wd.T)
+        ctx.entry("prefill", f"torch bf16 {m}x{n}x{k}", lambda: dict(shape=[m, n, k], ms=t_ref,
+                                                                      TFLOPs=flops / t_ref / 1e9))
+        del wd
+        w = ggml_random(ctx, "q4_k", n, k)
+        w64 = ggml_w64(ctx, "q4_k", w)
+        sweep = PREFILL_SWEEP if si == 0 and not ctx.quick else [PREFILL_SWEEP[0]]
+        if si and timed and min(timed, key=timed.get) not in sweep:
+            sweep = sweep + [min(timed, key=timed.get)]
+        for i, cfg in enumerate(sweep):
+            if i and ctx.over_budget():
+                break
+
+            def run(cfg=cfg):
+                c = G.gemm_nt(a, "q4_k", w, config=cfg)
+                row = dict(fmt="q4_k", shape=[m, n, k], config=cfg, **check_slice(ctx, c, a, w64, "bf16"))
+                ms = ctx.bench(lambda: G.gemm_nt(a, "q4_k", w, out=c, config=cfg))
+                row.update(ms=ms, TFLOPs=flops / ms / 1e9, pct_matmul=100 * flops / ms / 1e9 / ctx.mm_tflops,
+                           torch_bf16_ms=t_ref, speed_vs_torch_bf16=t_ref / ms)
+                if si == 0:
+                    timed[cfg] = ms
+                return row
+            ctx.entry("prefill", f"q4_k {m}x{n}x{k} {cfg}", run)
+        del w, w64
+
+
+def fp8_ref(ctx, qa, sa, qw, sw, rows: int, gk: int = 128):
+    """Emulated float64 reference of the first `rows` rows: sum_kb dot(qa, qw)_kb * sa * sw."""
+    torch = ctx.torch
+    xa, xw = qa[:rows].double(), qw[:CHECK_COLS].double()
+    m, k = xa.shape
+    ref = torch.zeros((m, xw.shape[0]), dtype=torch.float64, device=ctx.dev)
+    mag = torch.zeros_like(ref)
+    swn = sw.double()[torch.arange(xw.shape[0], device=ctx.dev) // 128]  # n, kb
+    for kb in range(-(-k // gk)):
+        s = slice(kb * gk, (kb + 1) * gk)
+        scale = sa[:rows, kb].double()[:, None] * swn[:, kb][None, :]
+        ref += (xa[:, s] @ xw[:, s].T) * scale
+        mag += (xa[:, s].abs() @ xw[:, s].abs().T) * scale
+    return ref, mag
+
+
+def fp8(ctx) -> None:
+    from kernel_parity.kernels.triton import gemm_fp8 as F
+    torch = ctx.torch
+    m = n = k = ctx.fp8_size
+    flops = 2 * m * n * k
+    a = torch.randn((m, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
+    wf = torch.randn((n, k), device=ctx.dev, generator=ctx.gen) * 0.02
+    # 128 x 128 weight blocks (DeepSeek's weight_quant: s = amax / 448, q = e4m3(w / s))
+    blocks = wf.view(n // 128, 128, k // 128, 128)
+    sw = (blocks.abs().amax(dim=(1, 3)).clamp_min(1e-4) / 448.0).float().contiguous()
+    qw = (blocks / sw[:, None, :, None]).view(n, k).to(torch.float8_e4m3fn)
+    del wf, blocks
+    qa, sa = F.act_quant_fp8(a, 1, 128)
+    rows = min(m, 256)
+    ref, mag = fp8_ref(ctx, qa, sa, qw, sw, rows)
+    chk = lambda c: errors_vs(ctx, c[:rows, :CHECK_COLS], ref, mag, "fp8")  # noqa: E731
+    t_scaled = {}
+    ctx.entry("fp8", f"act_quant_fp8 {m}x{k}", lambda: dict(
+        ms=(ms := ctx.bench(lambda: F.act_quant_fp8(a, 1, 128))), GBps=(3 * m * k + 4 * m * k // 128) / ms / 1e6))
+    for i, cfg in enumerate(FP8_SWEEP if not ctx.quick else FP8_SWEEP[:1]):
+        if i and ctx.over_budget():
+            break
+
+        def run(cfg=cfg):
+            c = F.gemm_fp8_scaled(qa, sa, qw, sw, config=cfg)
+            row = dict(shape=[m, n, k], config=cfg, **chk(c))
+            ms = ctx.bench(lambda: F.gemm_fp8_scaled(qa, sa, qw, sw, out=c, config=cfg))
+            t_scaled[cfg] = ms
+            row.update(ms=ms, TFLOPs=flops / ms / 1e9)
+            return row
+        ctx.entry("fp8", f"gemm_fp8_scaled 1x128x128 {cfg}", run)
+    best = min(t_scaled, key=t_scaled.get) if t_scaled else None
+    ctx.entry("fp8", "gemm_fp8 (act quant + GEMM, best config)", lambda: dict(
+        shape=[m, n, k], config=best, **chk(F.gemm_fp8(a, qw, sw, config=best)),
+        ms=(ms := ctx.bench(lambda: F.gemm_fp8(a, qw, sw, config=best))), TFLOPs=flops / ms / 1e9))
+
+    def scaled_mm_block():
+        sa_t = sa  # (M, K/128) with strides (1, M): outer-dim-major, as act_quant_fp8 stores it
+        c = torch._scaled_mm(qa, qw.t(), scale_a=sa_t, scale_b=sw.t(), out_dtype=torch.bfloat16)
+        ms = ctx.bench(lambda: torch._scaled_mm(qa, qw.t(), scale_a=sa_t, scale_b=sw.t(), out_dtype=torch.bfloat16))
+        row = dict(shape=[m, n, k], **chk(c), ms=ms, TFLOPs=flops / ms / 1e9)
+        if best is not None:
+            row.update(ours_ms=t_scaled[best], ours_speed_vs_scaled_mm=ms / t_scaled[best])
+        return row
+    ctx.entry("fp8", "torch._scaled_mm blockwise 1x128x128", scaled_mm_block)
+
+    def f_scaled_mm_block():  # the recipe-based API of newer torch, same operands
+        F_ = torch.nn.functional
+        call = lambda: F_.scaled_mm(qa, qw.t(), sa, F_.ScalingType.BlockWise1x128, sw.t(),  # noqa: E731
+                                    F_.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+        c, ms = call(), ctx.bench(call)
+        row = dict(shape=[m, n, k], **chk(c), ms=ms, TFLOPs=flops / ms / 1e9)
+        if best is not None:
+            row.update(ours_ms=t_scaled[best], ours_speed_vs_scaled_mm=ms / t_scaled[best])
+        return row
+    ctx.entry("fp8", "torch.nn.functional.scaled_mm BlockWise1x128 x BlockWise128x128", f_scaled_mm_block)
+
+    one = torch.ones((), dtype=torch.float32, device=ctx.dev)
+    ctx.entry("fp8", "torch._scaled_mm per-tensor (unit scales, timing only)", lambda: dict(
+        shape=[m, n, k], ms=(ms := ctx.bench(lambda: torch._scaled_mm(qa, qw.t(), scale_a=one, scale_b=one,
+                                                                      out_dtype=torch.bfloat16))),
+        TFLOPs=flops / ms / 1e9))
+    for gm, gn, gk, label in ((1, 1, k, "per-token x per-channel"), (m, n, k, "per-tensor")):
+        def run(gm=gm, gn=gn, gk=gk):
+            qa2, sa2 = F.act_quant_fp8(a, gm, gk)
+            sw2 = torch.ones((-(-n // gn), -(-k // gk)), dtype=torch.float32, device=ctx.dev)
+            c = F.gemm_fp8_scaled(qa2, sa2, qw, sw2, gm=gm, gn=gn, gk=gk, config=best)
+            s_rows = sa2[torch.arange(rows, device=ctx.dev) // gm, 0].double()[:, None]  # one K group, unit sw
+            ref2 = (qa2[:rows].double() @ qw[:CHECK_COLS].double().T) * s_rows
+            mag2 = (qa2[:rows].double().abs() @ qw[:CHECK_COLS].double().abs().T) * s_rows
+            ms = ctx.bench(lambda: F.gemm_fp8_scaled(qa2, sa2, qw, sw2, gm=gm, gn=gn, gk=gk, out=c, config=best))
+            return dict(shape=[m, n, k], config=best, **errors_vs(ctx, c[:rows, :CHECK_COLS], ref2, mag2, "fp8"),
+                        ms=ms, TFLOPs=flops / ms / 1e9)
+        ctx.entry("fp8", f"gemm_fp8_scaled {label}", run)
+
+
+def int4(ctx) -> None:
+    from kernel_parity.kernels.triton import gemm_int4 as I
+    from kernel_parity.refimpl import quant_fp
+    torch = ctx.torch
+    g = 128
+    for si, (n, k) in enumerate(ctx.prefill_shapes):
+        packs = {}
+        for order in ("gptq", "awq"):
+            qshape = (k // 8, n) if order == "gptq" else (k, n // 8)
+            qw = torch.randint(-2**31, 2**31 - 1, qshape, dtype=torch.int32, device=ctx.dev, generator=ctx.gen)
+            qz = torch.randint(-2**31, 2**31 - 1, (k // g, n // 8), dtype=torch.int32, device=ctx.dev,
+                               generator=ctx.gen)
+            s = (torch.rand((k // g, n), device=ctx.dev, generator=ctx.gen) * 2e-3 + 1e-4).half()
+            cols = CHECK_COLS if order == "gptq" else CHECK_COLS // 8
+            part = {"qweight": qw[:, :cols].cpu().numpy(), "qzeros": qz[:, :CHECK_COLS // 8].cpu().numpy(),
+                    "scales": s[:, :CHECK_COLS].cpu().numpy()}
+            packs[order] = (qw, qz, s, torch.from_numpy(quant_fp.int4_dequantize(part, order)).to(ctx.dev))
+        nbytes = n * k // 2 + 2 * n * (k // g) + n * (k // g) // 2
+        for m in (ctx.prefill_m, 1):
+            a = torch.randn((m, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
+            flops = 2 * m * n * k
+            if m > 1:
+                wd = torch.randn((n, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
+                t_ref = ctx.bench(lambda: a @ wd.T)
+                del wd
+            for order, (qw, qz, s, w64) in packs.items():
+                sweep = INT4_SWEEP if m > 1 and si == 0 and not ctx.quick else [None]
+                for i, cfg in enumerate(sweep):
+                    if i and ctx.over_budget():
+                        break
+
+                    def run(cfg=cfg, order=order, qw=qw, qz=qz, s=s, w64=w64):
+                        c = I.gemm_int4(a, qw, qz, s, group=g, order=order, config=cfg)
+                        row = dict(order=order, shape=[m, n, k], config=cfg, **check_slice(ctx, c, a, w64, "bf16"))
+                        ms = ctx.bench(lambda: I.gemm_int4(a, qw, qz, s, group=g, order=order, out=c, config=cfg))
+                        row.update(ms=ms, TFLOPs=flops / ms / 1e9, GBps_weights=nbytes / ms / 1e6)
+                        if m > 1:
+                            row.update(torch_bf16_ms=t_ref, speed_vs_torch_bf16=t_ref / ms)
+                        else:
+                            row.update(pct_copy=100 * nbytes / ms / 1e6 / ctx.copy_gbps)
+                        return row
+                    ctx.entry("int4", f"{order} {m}x{n}x{k} {cfg}", run)
+        del packs
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    default_out = os.path.join(os.environ["OUT"], "gemm-bench.json") if os.environ.get("OUT") else None
+    p.add_argument("--out", default=default_out, help="JSON output (default $OUT/gemm-bench.json)")
+    p.add_argument("--quick", action="store_true", help="first config of each sweep only")
+    p.add_argument("--budget-s", type=float, default=170.0, help="stop the sweeps after this many seconds")
+    p.add_argument("--sections", default="gemv,prefill,fp8,int4")
+    p.add_argument("--smoke-cpu", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    if args.smoke_cpu:
+        from kernel_parity.conformance.backends.triton_prep import interpreter_ready, prepare_environment
+        prepare_environment()
+        why = interpreter_ready()
+        if why:
+            print(f"gpu_gemm --smoke-cpu: {why}", file=sys.stderr)
+            return 2
+    import torch
+
+    cuda = torch.cuda.is_available() and not args.smoke_cpu
+    if not cuda and not args.smoke_cpu:
+        print("gpu_gemm: no CUDA device; this benchmark runs on a GPU (--smoke-cpu checks the script)", file=sys.stderr)
+        return 2
+    import triton
+    from triton.testing import do_bench
+
+    dev = torch.device("cuda" if cuda else "cpu")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    bench_kw = dict(warmup=10, rep=40 if args.quick else 60, return_mode="median")
+
+    def bench(fn) -> float:
+        if cuda:
+            return float(do_bench(fn, **bench_kw))
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+
+    t0 = time.time()
+    copy_bytes = (2048 if cuda else 16) * MIB
+    src = torch.rand(copy_bytes // 4, device=dev, generator=gen)
+    dst = torch.empty_like(src)
+    copy_gbps = 2 * copy_bytes / bench(lambda: dst.copy_(src)) / 1e6
+    del src, dst
+    n = 8192 if cuda else 256
+    x = torch.randn(n, n, device=dev, generator=gen).to(torch.bfloat16)
+    y = torch.randn(n, n, device=dev, generator=gen).to(torch.bfloat16)
+    mm_tflops = 2 * n**3 / bench(lambda: x @ y) / 1e9
+    del x, y
+    props = torch.cuda.get_device_properties(dev) if cuda else None
+    from kernel_parity.kernels.triton import gemm as G, gemm_fp8 as F, gemm_gemv as V, gemm_int4 as I
+    header = dict(
+        device=torch.cuda.get_device_name(dev) if cuda else "cpu (Triton interpreter smoke run)",
+        capability=".".join(map(str, torch.cuda.get_device_capability(dev))) if cuda else None,
+        sm_count=props.multi_processor_count if cuda else None,
+        l2_bytes=getattr(props, "L2_cache_size", None) if cuda else None,
+        torch=torch.__version__, triton=triton.__version__, copy_GBps=copy_gbps, matmul_bf16_TFLOPs=mm_tflops,
+        matmul_size=n, do_bench=bench_kw, limits=LIMITS, check_cols=CHECK_COLS,
+        configs=dict(gemv=V.GEMV_CONFIGS, decode_dot=G.DECODE_DOT_CONFIGS, prefill=G.PREFILL_CONFIGS,
+                     fp8=F.GEMM_CONFIG, int4=(I.DECODE_CONFIG, I.PREFILL_CONFIG)),
+        time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+    print(f"{header['device']}  torch {header['torch']}  triton {header['triton']}  "
+          f"copy {copy_gbps:.0f} GB/s  bf16 matmul {mm_tflops:.0f} TFLOP/s", flush=True)
+    ctx = Ctx(torch=torch, dev=dev, gen=gen, cuda=cuda, bench=bench, copy_gbps=copy_gbps, mm_tflops=mm_tflops,
+              quick=args.quick or not cuda, t0=t0, budget_s=args.budget_s, out=args.out, header=header,
+              results=[], errors=[], l2=(header["l2_bytes"] or 50 * MIB),
+              gemv_shapes=[(14336, 4096), (4096, 14336)] if cuda else [(40, 512)],
+              prefill_shapes=[(4096, 4096), (14336, 4096)] if cuda else [(40, 512)],
+              prefill_m=4096 if cuda else 33, fp8_size=8192 if cuda else 256)
+    for name, fn in (("gemv", gemv), ("prefill", prefill), ("fp8", fp8), ("int4", int4)):
+        if name not in args.sections.split(","):
+            continue
+        t = time.time()
+        try:
+            fn(ctx)
+        except Exception as e:  # set-up of a section; its entries record their own errors
+            ctx.errors.append(dict(section=name, error=f"{type(e).__name__}: {e}"[:500],
+                                   trace=traceback.format_exc()[-2000:]))
+            print(f"SECTION {name} FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        print(f"[{name}: {time.time() - t:.0f} s]", flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
+        ctx.save()
+
+    print(f"\n{header['device']}  copy {copy_gbps:.0f} GB/s  bf16 matmul {mm_tflops:.0f} TFLOP/s  "
+          f"total {time.time() - t0:.0f} s")
+    for r in ctx.results:
+        rate = (f"{r['GBps']:7.0f} GB/s {r.get('pct_copy', 0):5.1f}%" if "GBps" in r
+                else f"{r.get('TFLOPs', 0):7.1f} TFLOP/s")
+        print(f"{r['section']:8s} {r['name'][:58]:58s} {r.get('ms', float('nan')):9.4f} ms {rate:>20s} "
+              f"err {r.get('err_acc', float('nan')):8.1e} {'' if r.get('ok', True) else 'WRONG'}")
+    wrong = [r["name"] for r in ctx.results if r.get("ok") is False]
+    if wrong or ctx.errors:
+        print(f"\n{len(wrong)} wrong result(s), {len(ctx.errors)} error(s):", *wrong,
+              *[f"{e['section']}/{e.get('name', '')}: {e['error']}" for e in ctx.errors], sep="\n  ", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

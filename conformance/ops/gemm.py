@@ -1,0 +1,177 @@
+"""Op spec of the quantized GEMM: `gemm.gemm_nt`, C[M, N] = A[M, K] @ W[N, K]^T (+ bias[N]).
+
+W is stored in one of `WFMTS`: plain float32, a GGML block format (rows of little-endian blocks),
+FP8 e4m3 with float32 block scales (DeepSeek-V3: 1 x 128 activation groups x 128 x 128 weight
+blocks; row-wise and per-tensor variants) or int4 groups of 128 with zero points (GPTQ v1 and AWQ
+packing). Two references, both float64 and both recorded for every case:
+
+- `dequant` (L1, the main one): A @ dequantize(W)^T, what the weights mean;
+- `emulated` (L2): the production arithmetic, activations quantized exactly as the production
+  path does (Q8_0 / Q8_1 / Q8_K for the GGML formats with ggml's reference quantizers, 1 x 128
+  FP8 groups), integer block sums, scale products in float64;
+- `emulated_x86` (GGML formats): L2 with the activation quantizer of ggml's x86 CPU backend, which
+  rounds half to even with 127/amax where the reference quantizer rounds half away with 1/d
+  (~0.4% of Q8_0 blocks differ by one code).
+
+A backend claims the one its kernel computes (the C kernels and ggml: emulated; a kernel that
+dequantizes W and multiplies in floating point: dequant); L1 - L2 is the activation quantization
+error itself and shows in the record as the claimed reference's distance to the other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kernel_parity import refimpl
+import kernel_parity.refimpl.gemm  # noqa: F401  (refimpl.gemm below)
+import kernel_parity.refimpl.quant  # noqa: F401
+from kernel_parity.conformance import dtypes as dt
+from kernel_parity.conformance.ops.quant import random_blocks
+from kernel_parity.conformance.params import Int, OneOf, Schema
+from kernel_parity.conformance.spec import OpSpec, Output
+from kernel_parity.conformance.tolerance import Override, Tol
+
+GGML_W = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl")
+FP8_W = {"fp8": (1, 128, 128), "fp8_row": (1, 1, None), "fp8_tensor": (None, None, None)}  # (gm, gn, gk); None: all
+INT4_W = {"int4_gptq": "gptq", "int4_awq": "awq"}
+WFMTS = ("f32",) + GGML_W + tuple(FP8_W) + tuple(INT4_W)
+INT4_GROUP = 128
+W_SIGMA = 0.02  # weights ~ N(0, 0.02), the scale of a trained projection
+
+DISTS = {
+    "normal": "A ~ N(0, 1); W ~ N(0, 0.02) quantized by the golden quantizers",
+    "random": "A ~ N(0, 1); W random codes with finite random scales (every code pattern; fast at real sizes)",
+    "outlier": "A ~ N(0, 1) with a few channels 30x larger (activation scales set by outliers); W as normal",
+}
+
+
+def granularity(p: dict[str, Any]) -> dict[str, int]:
+    """(gm, gn, gk) of an FP8 weight format at this case's sizes."""
+    gm, gn, gk = FP8_W[p["wfmt"]]
+    return {"gm": gm or p["m"], "gn": gn or p["n"], "gk": gk or p["k"]}
+
+
+def _check(p: dict[str, Any]) -> str | None:
+    w, k, n = p["wfmt"], p["k"], p["n"]
+    if w in GGML_W:
+        b = refimpl.quant.FORMATS[w].block
+        if k % b:
+            return f"k={k} is not a multiple of {w}'s block of {b} elements"
+    if w == "fp8" and k % 128:
+        return f"k={k} is not a multiple of 128 (fp8's 1 x 128 activation groups)"
+    if w in INT4_W and (k % INT4_GROUP or n % 8):
+        return f"{w} needs k a multiple of {INT4_GROUP} (k={k}) and n a multiple of 8 (n={n})"
+    return None
+
+
+def _activations(rng: np.random.Generator, m: int, k: int, dist: str) -> np.ndarray:
+    a = rng.standard_normal((m, k))
+    if dist == "outlier":
+        cols = rng.choice(k, max(1, k // 64), replace=False)
+        a[:, cols] *= 30.0
+    return a
+
+
+def _weights(p: dict[str, Any], dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    w, n, k = p["wfmt"], p["n"], p["k"]
+    if w in GGML_W and dist == "random":
+        return {"w": random_blocks(rng, w, n, k, special=False)}
+    dense = (rng.standard_normal((n, k)) * W_SIGMA).astype(np.float32)
+    if w == "f32":
+        return {"w": dense}
+    if w in GGML_W:
+        return {"w": refimpl.quant.quantize(w, dense)}
+    if w in FP8_W:
+        g = granularity(p)
+        if dist == "random":
+            q = rng.integers(0, 256, (n, k), dtype=np.uint8)
+            q[(q & 0x7F) == 0x7F] = 0x7E  # no NaN codes: e4m3fn's NaN is 0x7F / 0xFF
+            shape = (-(-n // g["gn"]), -(-k // g["gk"]))
+            scale = (rng.uniform(0.5, 1.0, shape) * 2.0 ** rng.integers(-14, -8, shape)).astype(np.float32)
+            return {"w": q.view(dt.get("fp8e4m3").np), "w_scale": scale}
+        q, scale = refimpl.quant.fp8_quantize(dense, g["gn"], g["gk"])
+        return {"w": q, "w_scale": scale}
+    packed = refimpl.quant.int4_quantize(dense, INT4_GROUP, INT4_W[w])
+    if dist == "random":
+        packed = {name: (rng.integers(0, 2**32, v.shape, dtype=np.uint64).astype(np.uint32).view(np.int32)
+                         if v.dtype == np.int32 else v) for name, v in packed.items()}
+    return packed
+
+
+def _inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    if dist not in DISTS:
+        raise ValueError(f"unknown distribution {dist!r}")
+    a = dt.round_to(_activations(rng, p["m"], p["k"], dist), dtype)
+    inputs = {"a": a, **_weights(p, dist, rng)}
+    if p["bias"]:
+        inputs["bias"] = dt.round_to(rng.standard_normal(p["n"]), "fp32")
+    return inputs
+
+
+def _weight_args(inputs: dict[str, np.ndarray], p: dict[str, Any]) -> tuple[str, dict, dict]:
+    w = p["wfmt"]
+    weights = {k: v for k, v in inputs.items() if k not in ("a", "bias")}
+    if w in FP8_W:
+        return "fp8", weights, granularity(p)
+    if w in INT4_W:
+        return "int4", weights, {"order": INT4_W[w], "group": INT4_GROUP}
+    return w, weights, {}
+
+
+def _dequant(inputs: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    wfmt, weights, extra = _weight_args(inputs, p)
+    return {"c": refimpl.gemm.dequant_reference(inputs["a"], wfmt, weights, inputs.get("bias"), **extra)}
+
+
+def _emulated(inputs: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    wfmt, weights, extra = _weight_args(inputs, p)
+    return {"c": refimpl.gemm.emulated_reference(inputs["a"], wfmt, weights, inputs.get("bias"), **extra)}
+
+
+def _emulated_x86(inputs: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    """L2 with ggml's x86 CPU activation quantizer (127/amax, half to even): GGML formats only."""
+    if p["wfmt"] not in GGML_W:
+        return {}
+    return {"c": refimpl.gemm.emulated_reference(inputs["a"], p["wfmt"], {"w": inputs["w"]}, inputs.get("bias"),
+                                                 act_quantizer="x86")}
+
+
+_C_SCALE = (
+    # C = A W^T sums K products with cancellation: a correct fp32 dot product of length K is off by
+    # ~eps32 sqrt(K) of the row's magnitude, whatever |C| is at that element.
+    Override("C sums K products with cancellation: absolute error ~ eps32 sqrt(K) max|C|", output="c",
+             atol_acc=1.0),
+    # A kernel that dequantizes W to the 16-bit activation dtype before a tensor-core dot rounds
+    # every weight once (relative 2^-9 in bf16): ~1.1e-3 rms(C) per element, 5x that at the tail
+    # of 1e6 elements, = 0.14 eps(bf16) max|C|; 0.5 leaves 3.5x. fp16: 0.29 eps(fp16) max|C|, 1.0.
+    Override("bf16 weights: one rounding of each dequantized weight (0.14 eps x max|C| at the tail)",
+             output="c", dtype="bf16", atol_max_eps=0.5),
+    Override("fp16 weights: one rounding of each dequantized weight (0.29 eps x max|C| at the tail)",
+             output="c", dtype="fp16", atol_max_eps=1.0),
+)
+
+GEMM_NT = OpSpec(
+    name="gemm.gemm_nt",
+    golden=refimpl.gemm.gemm_nt,
+    reference=_dequant,
+    reference_name="dequant",
+    references={"emulated": _emulated, "emulated_x86": _emulated_x86},
+    params=Schema(dict(
+        m=Int(1, 1 << 16, edges=(16, 17, 64, 128), doc="rows of A (tokens): 1..16 decode, more prefill"),
+        n=Int(1, 1 << 18, edges=(64, 128, 256), doc="rows of W (output features)"),
+        k=Int(1, 1 << 18, edges=(32, 128, 256, 4096), doc="reduction length (input features)"),
+        wfmt=OneOf(*WFMTS, doc="weight storage format"),
+        bias=OneOf(0, 1, doc="add a float32 bias[N]"),
+    )),
+    make_inputs=_inputs,
+    output_shapes=lambda p: {"c": (p["m"], p["n"])},
+    outputs={"c": Output("test", doc="A @ W^T (+ bias), in A's dtype")},
+    tolerance=Tol(acc_len=lambda p, output: p["k"], overrides=_C_SCALE),
+    dists=DISTS,
+    check=_check,
+    doc="C = A @ W^T (+ bias) with W stored quantized: GGML blocks, FP8 block-scaled, int4 groups.",
+)
+
+SPECS = (GEMM_NT,)
