@@ -6,7 +6,7 @@ PARITY := $(VENV)/bin/parity
 STAMP  := $(VENV)/.installed
 OUT    := build
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench ggml clean
 
 install: $(STAMP)
 
@@ -30,6 +30,20 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pytest -q benchmarks --benchmark-only -p no:cacheprovider
+
+# libggml (llama.cpp's ggml, CPU backend) for the `ggml` plugin backend: built from the llama.cpp
+# sources vendored in the llama-cpp-python sdist (cmake and a C/C++ compiler; a few minutes on 2
+# cores). Then: KERNEL_PARITY_LIBGGML=$(OUT)/ggml .venv/bin/parity run --backend ggml ...
+GGML_SDIST ?= llama-cpp-python==0.3.36
+ggml: $(STAMP)
+	rm -rf $(OUT)/ggml-src && mkdir -p $(OUT)/ggml-src
+	$(PY) -m pip download -q --no-deps --no-binary :all: $(GGML_SDIST) -d $(OUT)/ggml-src
+	tar -xzf $(OUT)/ggml-src/*.tar.gz -C $(OUT)/ggml-src
+	cd $(OUT)/ggml-src/*/vendor/llama.cpp/ggml && touch -a ggml.pc.in && \
+	  cmake -S . -B $(CURDIR)/$(OUT)/ggml -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX2=ON \
+	    -DGGML_FMA=ON -DGGML_F16C=ON -DBUILD_SHARED_LIBS=ON -DGGML_OPENMP=OFF -DGGML_BUILD_TESTS=OFF \
+	    -DGGML_BUILD_EXAMPLES=OFF >/dev/null && cmake --build $(CURDIR)/$(OUT)/ggml -j2 >/dev/null
+	@echo "export KERNEL_PARITY_LIBGGML=$(CURDIR)/$(OUT)/ggml"
 
 clean:
 	rm -rf $(OUT) .pytest_cache .hypothesis

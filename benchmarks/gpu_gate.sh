@@ -4,12 +4,17 @@
 #   models  parity run --suite models         -> $OUT/models-<device>.jsonl
 #   tf32    parity mutants of the gpu-only (tf32) mutants -> $OUT/mutants-gpu-<device>.json
 #   sweep   parity sweep --suite models --backend triton (+ torch) -> $OUT/sweep-models-<device>.jsonl
+#   gemm    benchmarks/gpu_gemm.py (quantized GEMMs vs torch / _scaled_mm and the limits) -> $OUT/gemm-bench-<device>.json
+# $OPS narrows ci / models / sweep to some op families (e.g. OPS="--op quant --op gemm"); $TAG is
+# added to the file names.
 # Usage (on the device machine, repository root): STEPS="ci models" bash benchmarks/gpu_gate.sh
 set -uo pipefail
 : "${OUT:?OUT must name the output folder}"
 STEPS="${STEPS:-ci models tf32 sweep}"
 JOBS="${JOBS:-8}"
 PER_OP="${PER_OP:-40}"
+OPS="${OPS:-}"
+TAG="${TAG:-}"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
 PARITY="python3 -m kernel_parity.conformance.cli"
@@ -19,11 +24,12 @@ rc=0
 for step in $STEPS; do
   t0=$(date +%s)
   case $step in
-    ci) $PARITY gate --suite ci --no-progress -q --jobs "$JOBS" --json "$OUT/ci-$DEV.jsonl" || rc=1 ;;
-    models) $PARITY run --suite models --no-progress -q --jobs "$JOBS" --json "$OUT/models-$DEV.jsonl" || rc=1 ;;
+    ci) $PARITY gate --suite ci $OPS --no-progress -q --jobs "$JOBS" --json "$OUT/ci$TAG-$DEV.jsonl" || rc=1 ;;
+    models) $PARITY run --suite models $OPS --no-progress -q --jobs "$JOBS" --json "$OUT/models$TAG-$DEV.jsonl" || rc=1 ;;
     tf32) $PARITY mutants --bug tf32 --json "$OUT/mutants-gpu-$DEV.json" || rc=1 ;;
-    sweep) $PARITY sweep --suite models --backend triton --per-op "$PER_OP" --no-progress -q --jobs "$JOBS" \
-             --json "$OUT/sweep-models-$DEV.jsonl" || rc=1 ;;
+    sweep) $PARITY sweep --suite models $OPS --backend triton --per-op "$PER_OP" --no-progress -q --jobs "$JOBS" \
+             --json "$OUT/sweep-models$TAG-$DEV.jsonl" || rc=1 ;;
+    gemm) python3 benchmarks/gpu_gemm.py --out "$OUT/gemm-bench-$DEV.json" --budget-s "${BUDGET_S:-150}" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   echo "step $step: $(( $(date +%s) - t0 )) s"

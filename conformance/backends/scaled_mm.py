@@ -69,6 +69,9 @@ class ScaledMmBackend(Backend):
             return f"cuBLASLt FP8 needs K and N multiples of 16 (k={p['k']}, n={p['n']})"
         if p["wfmt"] == "fp8" and (p["k"] % 128 or p["n"] % 128):
             return f"blockwise scaling needs K and N multiples of 128 (k={p['k']}, n={p['n']})"
+        if p["wfmt"] == "fp8" and p["m"] % 16:
+            # seen on an H100 (torch 2.11, CUDA 13): M = 1 gives CUBLAS_STATUS_NOT_SUPPORTED, 16 and 512 run
+            return f"cuBLASLt has no blockwise FP8 algorithm for M={p['m']} (M a multiple of 16 runs)"
         return None
 
 

@@ -28,7 +28,7 @@ from kernel_parity import refimpl
 import kernel_parity.refimpl.gemm  # noqa: F401  (refimpl.gemm below)
 import kernel_parity.refimpl.quant  # noqa: F401
 from kernel_parity.conformance import dtypes as dt
-from kernel_parity.conformance.ops.quant import random_blocks
+from kernel_parity.conformance.ops.quant import random_blocks, tie_rows
 from kernel_parity.conformance.params import Int, OneOf, Schema
 from kernel_parity.conformance.spec import OpSpec, Output
 from kernel_parity.conformance.tolerance import Override, Tol
@@ -44,6 +44,7 @@ DISTS = {
     "normal": "A ~ N(0, 1); W ~ N(0, 0.02) quantized by the golden quantizers",
     "random": "A ~ N(0, 1); W random codes with finite random scales (every code pattern; fast at real sizes)",
     "outlier": "A ~ N(0, 1) with a few channels 30x larger (activation scales set by outliers); W as normal",
+    "ties": "A of Q8_0 rounding ties ((j + 1/2) / 4, one +-127/4 per 32-block); W as normal",
 }
 
 
@@ -67,6 +68,8 @@ def _check(p: dict[str, Any]) -> str | None:
 
 
 def _activations(rng: np.random.Generator, m: int, k: int, dist: str) -> np.ndarray:
+    if dist == "ties":
+        return tie_rows(rng, m, k)
     a = rng.standard_normal((m, k))
     if dist == "outlier":
         cols = rng.choice(k, max(1, k // 64), replace=False)

@@ -41,8 +41,9 @@ DEQUANT_DISTS = {
 
 QUANT_DISTS = {
     "normal": "N(0, 1)",
-    "mixed": "rows of: zeros, small integers, exact halves (rounding ties), N(0,1) x 1e-6, x 1e4, "
-             "Student-t(2) heavy tails, N(0,1) x 1e15 (the K-quant searches' float32 sums overflow)",
+    "mixed": "rows of: zeros, small integers, rounding ties (Q8 blocks of (k + 1/2) / 4 with amax 127/4), "
+             "N(0,1) x 1e-6, x 1e4, Student-t(2) heavy tails, N(0,1) x 1e15 (the K-quant searches' float32 "
+             "sums overflow), all-positive |N(0,1)| + 1/2 (a sub-block minimum above 0)",
     "outlier": "N(0, 1) with one element per block 50x larger (a block's scale set by one value)",
 }
 
@@ -71,17 +72,27 @@ def quant_rows(rng: np.random.Generator, rows: int, k: int, dist: str, block: in
         pos = rng.integers(0, block, (rows, nb)) + np.arange(nb) * block
         np.put_along_axis(x, pos, np.take_along_axis(x, pos, 1) * 50.0, 1)
     elif dist == "mixed":
-        kinds = np.arange(rows) % 7
+        kinds = np.arange(rows) % 8
         x[kinds == 0] = 0.0
         x[kinds == 1] = rng.integers(-8, 9, (int((kinds == 1).sum()), k))
-        x[kinds == 2] = (rng.integers(-16, 17, (int((kinds == 2).sum()), k)) + 0.5) / 2.0
+        x[kinds == 2] = tie_rows(rng, int((kinds == 2).sum()), k)
         x[kinds == 3] *= 1e-6
         x[kinds == 4] *= 1e4
         x[kinds == 5] = rng.standard_t(2, (int((kinds == 5).sum()), k))
         x[kinds == 6] *= 1e15
+        x[kinds == 7] = np.abs(x[kinds == 7]) + 0.5
     elif dist != "normal":
         raise ValueError(f"unknown distribution {dist!r}")
     return x.astype(np.float32)
+
+
+def tie_rows(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
+    """(rows, k) values whose Q8_0 / Q8_1 codes are all rounding ties: every 32-block holds one
+    +-127/4 (so d = amax / 127 = 1/4 exactly) and (j + 1/2) / 4 elsewhere (x / d = j + 1/2). Half
+    away from zero and half to even then differ on about half the elements."""
+    x = (rng.integers(-126, 126, (rows, k)) + 0.5) / 4.0
+    x[:, ::32] = 127.0 / 4.0 * rng.choice([-1.0, 1.0], (rows, -(-k // 32)))
+    return x
 
 
 def random_blocks(rng: np.random.Generator, fmt: str, rows: int, k: int, special: bool) -> np.ndarray:
