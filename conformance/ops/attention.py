@@ -227,9 +227,15 @@ def _noise_k(p):
     return 3.0 if p.get("cap") else 2.0
 
 
+def attention_tolerance(acc_len, *extra: Override) -> Tol:
+    """The attention family's tolerance (production and baseline tiers above) for a given reduction
+    length; MLA decode (conformance/ops/mla.py) uses it too."""
+    return Tol(acc_len=acc_len, overrides=(_O_SCALE, *_O_PRODUCTION, *_LSE_PRODUCTION, *extra),
+               baseline=BASELINE_TIER, noise_k=_noise_k)
+
+
 def _tol(*extra):
-    return Tol(acc_len=_acc, overrides=(_O_SCALE, *_O_PRODUCTION, *_LSE_PRODUCTION, *extra), baseline=BASELINE_TIER,
-               noise_k=_noise_k)
+    return attention_tolerance(_acc, *extra)
 
 
 OUT = {

@@ -18,7 +18,9 @@ sees keys j <= seqlens - s_q + i; a row that sees no key (seqlen 0, s_q > seqlen
 LSE = -inf. Cache rows at or past a request's length and pages it does not use are never read.
 Inputs may have any element strides except the last axis (stride 1): no copy is made.
 `threads` (default 1) > 1 spreads items (request, chunk of its s_q * h_q rows) over threads; the
-bits depend on neither the thread count nor the ISA path (see mla.c).
+bits depend on neither the thread count nor the ISA path, and equal those of
+`attention.decode_paged(q, kv_cache, kv_cache[..., :d_v], ...)` (h_kv = 1), which reads the cache
+once per kv head too but with tiles made for GQA (see mla.c).
 """
 
 from __future__ import annotations

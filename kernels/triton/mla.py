@@ -13,22 +13,26 @@ LSE = -inf (FlashMLA returns +inf there).
 
 Decode reads every cached byte once per call, so one program streams a request's key range for
 ALL of its query rows (h_q x s_q, cut into row blocks of <= 64 only because the 512-wide fp32
-accumulator must fit in registers): each key tile is gathered once through the block table as
-a (BLOCK_N, 512) tile, which serves as K (with the (BLOCK_N, 64) rope tile) and as V, and a
-(BLOCK_N, 64) rope tile. Both dots run on the tensor cores with fp32 accumulation; the softmax
-is FlashAttention-2's online form in the log2 domain (scale * log2(e) folded into one multiply).
+accumulator must fit in registers; the blocks of one request are adjacent program ids, so the
+second reads the tiles from L2). Each key tile is loaded once, as a (BLOCK_N, 512) latent tile
+that serves as K and as V plus a (BLOCK_N, 64) rope tile, from the page the block table names
+(the table is read a chunk of entries at a time, outside the pipelined tile loop).
+Both dots run on the tensor cores with fp32 accumulation; the softmax is FlashAttention-2's
+online form in the log2 domain (scale * log2(e) folded into one multiply).
 Two tile orientations (the constexpr SWAP_AB):
 - rows x keys (SWAP_AB=False): S = Q K^T, O += P V; for >= 64 rows a program (Hopper wgmma
   needs 64-row tiles; 8 warps split the 512 output columns between two warpgroups).
 - keys x rows (SWAP_AB=True): S^T = K Q^T, O^T += V^T P^T, for the 16-32 rows of h_q = 16/32:
-  the 64 keys fill the MMA's M dimension, and Q^T and the K tile are both read from shared
-  memory, where mma.sync with 16 rows would hold all of Q (16 x 576) in every warp's registers.
+  the 64 keys fill the MMA's M dimension (wgmma needs 64) and Q^T and the K tile are both read
+  from shared memory; 16 rows x keys would run on mma.sync with Q's fragment (16 x 576) held
+  in the registers of every warp that shares those rows (expected, not measured).
 SHARED_KV=False loads V a second time through another pointer (an L2 hit) in case the compiler
 cannot give the one tile a shared-memory layout that both dots accept.
 
 Split-KV: a program owns (request, split, row block); split s covers [bounds[s], bounds[s+1]) of
 its request's keys, either uniform (ceil(L_b / n) rounded up to whole tiles, so tiles stay on
-page edges) or a caller's per-request boundaries (`splits`, e.g. from `mla_schedule`). With one
+page edges) or a caller's per-request boundaries (`splits`: `mla_splits` turns a scheduler's
+ranges, FlashMLA's among them, into them; `mla_schedule` is a simple one). With one
 split the program writes O and LSE; with more it writes fp32 partial O and LSE per split, merged
 by kernels.triton.combine.lse_combine (through attention_decode's stage-2 wrapper).
 
@@ -62,14 +66,17 @@ class MlaConfig(NamedTuple):
     num_stages: int
     swap_ab: bool  # keys x rows orientation (see the module docstring)
     shared_kv: bool  # one load serves K and V
+    chunk: int = 4096  # keys whose table entries (dense) or indices (sparse) one load fetches
 
 
 # By (row block class, element size). UNMEASURED guesses for an H100 (Triton 3.6):
 # benchmarks/gpu_mla.py sweeps alternatives and reports the fastest; replace these from it.
-# 16-bit: a (64, 576) bf16 tile is 72 KB, so two stages (+ Q) fill shared memory at one program an SM.
+# A (32, 576) bf16 tile is 36 KB: with num_stages=s the pipeliner keeps s - 1 tiles in flight
+# (s buffers), and one program an SM (128 requests on 132 SMs) needs ~64 KB in flight to cover
+# DRAM latency at full bandwidth; Q (and, for 64 rows, its 72 KB) shares the 227 KB.
 MLA_CONFIGS: dict[tuple[int, int], MlaConfig] = {
-    (16, 2): MlaConfig(16, 64, 4, 2, True, True),
-    (32, 2): MlaConfig(32, 64, 4, 2, True, True),
+    (16, 2): MlaConfig(16, 32, 4, 4, True, True),
+    (32, 2): MlaConfig(32, 32, 4, 3, True, True),
     (64, 2): MlaConfig(64, 32, 8, 3, False, True),
     (16, 4): MlaConfig(16, 16, 4, 2, False, True),
     (32, 4): MlaConfig(32, 16, 4, 2, False, True),
@@ -131,7 +138,7 @@ def _mla_decode_kernel(
     stride_o_split, stride_ob, stride_os, stride_oh, stride_l_split, stride_lb, stride_lh, stride_ls,
     CAUSAL: tl.constexpr, PAGE: tl.constexpr, EXPLICIT_SPLITS: tl.constexpr, SWAP_AB: tl.constexpr,
     SHARED_KV: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Row blocks of one (request, split) are adjacent program ids: they run together, so the
     # second one's key tiles come from L2.
@@ -159,9 +166,9 @@ def _mla_decode_kernel(
         lo = tl.minimum(tl.maximum(tl.load(sp), 0), L)
         hi = tl.minimum(tl.maximum(tl.load(sp + stride_sp_s), lo), L)
     else:
-        chunk = tl.cdiv(tl.cdiv(L, n_splits), BLOCK_N) * BLOCK_N  # whole tiles: tiles stay on page edges
-        lo = tl.minimum(split * chunk, L)
-        hi = tl.minimum(lo + chunk, L)
+        per_split = tl.cdiv(tl.cdiv(L, n_splits), BLOCK_N) * BLOCK_N  # whole tiles
+        lo = tl.minimum(split * per_split, L)
+        hi = tl.minimum(lo + per_split, L)
     diag = L - s_q + qi
     if CAUSAL:  # no tile past the last key the block's last query sees
         hi = tl.minimum(hi, L - s_q + (tl.minimum(pid_m * BLOCK_M + BLOCK_M, n_rows) - 1) // h_q + 1)
@@ -173,19 +180,34 @@ def _mla_decode_kernel(
         acc = tl.zeros([D_V, BLOCK_M], dtype=tl.float32)  # fp32 accumulator of O^T
     else:
         acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)  # fp32 accumulator of O
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        live = cols < hi  # never at or past L_b: poisoned slots and pages are not loaded
-        page = tl.load(bt_row + (cols // PAGE) * stride_bt_p, mask=live, other=0)
-        rows = page.to(tl.int64) * stride_kb + (cols % PAGE) * stride_ks
-        kn = tl.load(KV_ptr + rows[:, None] + offs_dv[None, :], mask=live[:, None], other=0.0)
-        kp = tl.load(KV_ptr + rows[:, None] + D_V + offs_pe[None, :], mask=live[:, None], other=0.0)
-        if SHARED_KV:
-            v = kn
-        else:
-            v = tl.load(V_ptr + rows[:, None] + offs_dv[None, :], mask=live[:, None], other=0.0)
-        m_i, l_i, acc = _mla_attend(q_nope, q_pe, kn, kp, v, live, cols, diag, m_i, l_i, acc, qk_scale,
-                                    CAUSAL, SWAP_AB, DOT_PRECISION)
+    # The block table is read CHUNK_PAGES entries at a time, outside the tile loop: a table load
+    # inside it would make the tile's address depend on a load of the same iteration, and
+    # Triton's pipeliner then splits num_stages between the two levels (AssignLatencies.cpp:
+    # num_stages=3 prefetches tiles one step ahead instead of two, 2 leaves the table load
+    # synchronous). Tiles start on BLOCK_N edges, so with PAGE % BLOCK_N == 0 a tile lies on one
+    # page and takes one table entry from registers.
+    lo_t = tl.where(lo < hi, lo // BLOCK_N * BLOCK_N, hi)  # an empty range runs no tile
+    offs_p = tl.arange(0, CHUNK_PAGES)
+    for c0 in range(lo_t // PAGE * PAGE, hi, CHUNK_PAGES * PAGE):
+        p0 = c0 // PAGE
+        pages = tl.load(bt_row + (p0 + offs_p) * stride_bt_p, mask=(p0 + offs_p) * PAGE < hi, other=0)
+        c1 = tl.minimum(c0 + CHUNK_PAGES * PAGE, hi)
+        for start_n in range(tl.maximum(c0, lo_t), c1, BLOCK_N):
+            cols = start_n + offs_n
+            live = (cols >= lo) & (cols < c1)  # never at or past L_b: poisoned slots and pages are not read
+            if PAGE % BLOCK_N == 0:
+                page = tl.sum(tl.where(offs_p == start_n // PAGE - p0, pages, 0))
+            else:
+                page = tl.sum(tl.where((cols // PAGE - p0)[:, None] == offs_p[None, :], pages[None, :], 0), axis=1)
+            rows = page.to(tl.int64) * stride_kb + (cols % PAGE) * stride_ks
+            kn = tl.load(KV_ptr + rows[:, None] + offs_dv[None, :], mask=live[:, None], other=0.0)
+            kp = tl.load(KV_ptr + rows[:, None] + D_V + offs_pe[None, :], mask=live[:, None], other=0.0)
+            if SHARED_KV:
+                v = kn
+            else:
+                v = tl.load(V_ptr + rows[:, None] + offs_dv[None, :], mask=live[:, None], other=0.0)
+            m_i, l_i, acc = _mla_attend(q_nope, q_pe, kn, kp, v, live, cols, diag, m_i, l_i, acc, qk_scale,
+                                        CAUSAL, SWAP_AB, DOT_PRECISION)
 
     o_rows = split.to(tl.int64) * stride_o_split + b.to(tl.int64) * stride_ob + qi * stride_os + head * stride_oh
     lse_rows = split.to(tl.int64) * stride_l_split + b.to(tl.int64) * stride_lb + head * stride_lh + qi * stride_ls
@@ -260,26 +282,43 @@ def _outputs(q, d_v, out, out_lse, n_splits):
     return out, out_lse, o_parts, lse_parts
 
 
+def mla_splits(ranges: Sequence[Sequence[tuple[int, int]]], device: torch.device | str | None = None) -> torch.Tensor:
+    """`mla_decode(splits=...)` from a scheduler's per-request token ranges, e.g. FlashMLA's
+    get_mla_metadata turned into ranges (refimpl.mla.partitions(*refimpl.mla.schedule(...), seqlens)).
+
+    ranges: per request, its splits' [start, end) in split order, each starting where the last ended
+    returns: (b, n + 1) int32 boundaries, n the most splits of any request; fewer are padded with
+             empty splits (the last boundary repeated)
+    """
+    n = max([len(r) for r in ranges] + [1])
+    if n > MAX_SPLITS:
+        raise ValueError(f"mla_splits: {n} splits for one request exceed MAX_SPLITS={MAX_SPLITS}")
+    bounds = []
+    for i, r in enumerate(ranges):
+        row = [int(r[0][0]) if r else 0]
+        for start, end in r:
+            if int(start) != row[-1] or int(end) < int(start):
+                raise ValueError(f"mla_splits: request {i}'s ranges {list(r)} are not consecutive")
+            row.append(int(end))
+        bounds.append(row + [row[-1]] * (n + 1 - len(row)))
+    return torch.tensor(bounds, dtype=torch.int32, device=device).reshape(len(bounds), n + 1)
+
+
 def mla_schedule(seqlens: Sequence[int] | torch.Tensor, num_parts: int, page: int = 64,
                  device: torch.device | str | None = None) -> torch.Tensor:
-    """A host-side tile scheduler for `mla_decode(splits=...)`, FlashMLA's idea in its simplest form:
-    the requests' pages are cut into pieces of at most ceil(total_pages / num_parts) pages, so about
-    num_parts programs of equal work cover the batch whatever the spread of lengths.
+    """A host-side scheduler for `mla_decode(splits=...)`, FlashMLA's idea in its simplest form
+    (no fixed cost per piece, no piece spanning requests): every request's pages are cut into
+    pieces of at most ceil(total_pages / num_parts) pages, so about num_parts programs of equal
+    work cover the batch whatever the spread of lengths.
 
     seqlens: (b,) host lengths (a list, or a CPU tensor: the scheduler must not synchronise on a GPU one)
-    returns: (b, n + 1) int32 on `device`, page-aligned cumulative token boundaries per request;
-             a request with fewer than n pieces repeats its length (empty splits)
+    returns: (b, n + 1) int32 on `device`, page-aligned boundaries (`mla_splits`)
     """
     lens = [int(x) for x in (seqlens.tolist() if isinstance(seqlens, torch.Tensor) else seqlens)]
     if num_parts < 1 or page < 1 or any(x < 0 for x in lens):
         raise ValueError(f"mla_schedule: num_parts={num_parts}, page={page} must be >= 1 and seqlens >= 0")
-    pages = [triton.cdiv(x, page) for x in lens]
-    budget = max(1, triton.cdiv(sum(pages), num_parts)) * page  # tokens a piece
-    n = max([triton.cdiv(x, budget) for x in lens] + [1])
-    if n > MAX_SPLITS:
-        raise ValueError(f"mla_schedule: {n} pieces for one request exceed MAX_SPLITS={MAX_SPLITS}")
-    bounds = [[min(s * budget, x) for s in range(n + 1)] for x in lens]
-    return torch.tensor(bounds, dtype=torch.int32, device=device).reshape(len(lens), n + 1)
+    budget = max(1, triton.cdiv(sum(triton.cdiv(x, page) for x in lens), num_parts)) * page  # tokens a piece
+    return mla_splits([[(s, min(s + budget, x)) for s in range(0, max(x, 1), budget)] for x in lens], device)
 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seqlens: torch.Tensor,
@@ -296,11 +335,13 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     scale: softmax scale (FlashMLA's default 1/sqrt(d); DeepSeek-V3 uses 1/sqrt(192) * mscale^2)
     causal: for s_q > 1, query i sees keys j <= seqlens - s_q + i (bottom-right)
     num_splits: splits per request (None: enough to fill the GPU, 1 on CPU)
-    splits: (b, n + 1) int32 cumulative token boundaries per request (e.g. `mla_schedule`); split s
-            of request i covers [splits[i, s], splits[i, s + 1]) clipped to [0, seqlens[i]); page
-            edges keep every tile on one page, but any non-decreasing boundaries are correct
+    splits: (b, n + 1) int32 token boundaries per request (`mla_splits` of a scheduler's ranges,
+            `mla_schedule`); split s of request i covers [splits[i, s], splits[i, s + 1]) clipped
+            to [0, seqlens[i]); page edges keep every tile on one page, but any non-decreasing
+            boundaries are correct
     out: (b, s_q, h_q, d_v) q's dtype, last-dim stride 1; out_lse: (b, h_q, s_q) float32
-    config: MlaConfig fields (block_m, block_n, num_warps, num_stages, swap_ab, shared_kv), tuning only
+    config: MlaConfig fields (block_m, block_n, num_warps, num_stages, swap_ab, shared_kv[, chunk]),
+            for tuning
     returns: (out, out_lse), LSE natural log; a row with no visible key: O = 0, LSE = -inf
     """
     what = "mla_decode"
@@ -335,6 +376,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         *(splits.stride() if splits is not None else (0, 0)), *dst_o.stride()[:4], *dst_l.stride(),
         CAUSAL=bool(causal) and s_q > 1, PAGE=page, EXPLICIT_SPLITS=splits is not None, SWAP_AB=cfg.swap_ab,
         SHARED_KV=cfg.shared_kv, D_V=int(d_v), D_PE=d_pe, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        CHUNK_PAGES=triton.next_power_of_2(max(1, cfg.chunk // page)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -1,0 +1,78 @@
+"""Adapters binding the MLA kernels of each built-in backend to `mla.*` ops.
+
+- triton: kernels/triton/mla.py (split-KV decode, the partials merged by the combine kernel) and
+          mla_sparse.py (top-k decode)
+- cpu:    kernels/cpu/mla.c (dense decode; each cache row read once per request for all query rows)
+- torch:  kernels/torch/mla.py (eager, logits and probabilities in the test dtype)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from kernel_parity.conformance.backends._torch import to_torch
+from kernel_parity.conformance.ops.mla import DV, SCALES
+
+
+def _torch_pair(out: Any, device: str, o: Any, lse: Any) -> dict:
+    oo, ll = out.torch("o", device), out.torch("lse", device)
+    oo.copy_(o)
+    ll.copy_(lse)
+    return {"o": oo, "lse": ll}
+
+
+def triton_ops(device: str) -> dict[str, Callable]:
+    def decode(case, inputs, out):
+        from kernel_parity.kernels.triton.mla import mla_decode
+
+        p = case.p
+        o, lse = out.torch("o", device), out.torch("lse", device)
+        t = {k: to_torch(v, device) for k, v in inputs.items()}
+        mla_decode(t["q"], t["kv_cache"], t["block_table"], t["seqlens"], SCALES[p["scale"]], d_v=DV,
+                   causal=bool(p["causal"]), out=o, out_lse=lse)
+        return {"o": o, "lse": lse}
+
+    def sparse(case, inputs, out):
+        from kernel_parity.kernels.triton.mla_sparse import mla_decode_sparse
+
+        o, lse = out.torch("o", device), out.torch("lse", device)
+        t = {k: to_torch(v, device) for k, v in inputs.items()}
+        mla_decode_sparse(t["q"], t["kv_cache"], t["indices"], t["topk_length"], SCALES[case.p["scale"]], d_v=DV,
+                          out=o, out_lse=lse)
+        return {"o": o, "lse": lse}
+
+    return {"mla.decode": decode, "mla.decode_sparse": sparse}
+
+
+def cpu_ops() -> dict[str, Callable]:
+    def decode(case, inputs, out):
+        from kernel_parity.kernels.cpu.mla import mla_decode
+
+        p = case.p
+        o, lse = out.numpy("o"), out.numpy("lse")
+        mla_decode(inputs["q"], inputs["kv_cache"], inputs["block_table"], inputs["seqlens"], SCALES[p["scale"]],
+                   d_v=DV, causal=bool(p["causal"]), out=o, out_lse=lse)
+        return {"o": o, "lse": lse}
+
+    return {"mla.decode": decode}
+
+
+def torch_ops(device: str) -> dict[str, Callable]:
+    def decode(case, inputs, out):
+        from kernel_parity.kernels.torch import mla as k
+
+        p = case.p
+        t = {n: to_torch(v, device) for n, v in inputs.items()}
+        o, lse = k.decode(t["q"], t["kv_cache"], t["block_table"], t["seqlens"], SCALES[p["scale"]], d_v=DV,
+                          causal=bool(p["causal"]))
+        return _torch_pair(out, device, o, lse)
+
+    def sparse(case, inputs, out):
+        from kernel_parity.kernels.torch import mla as k
+
+        t = {n: to_torch(v, device) for n, v in inputs.items()}
+        o, lse = k.decode_sparse(t["q"], t["kv_cache"], t["indices"], t["topk_length"], SCALES[case.p["scale"]],
+                                 d_v=DV)
+        return _torch_pair(out, device, o, lse)
+
+    return {"mla.decode": decode, "mla.decode_sparse": sparse}

@@ -1,0 +1,293 @@
+"""Golden multi-head latent attention (DeepSeek-V2/V3 MLA) decode, float64: FlashMLA's dense and
+sparse decode, the naive (decompressed) form, MAX's fused FP8 branch, and (re-exported from
+mla_schedule) FlashMLA's split scheduler.
+
+Absorbed form (one KV head; cache row j = [c_j (d_c = 512) ; k_pe_j (d_r = 64)], d = 576):
+    q_i   = [q_nope,i W_UK ; q_pe,i]                  per query head, (d,)   (`absorb`)
+    s_ij  = scale * q_i . row_j
+    LSE_i = ln sum_j exp(s_ij)                         natural log, over the visible keys
+    O_i   = sum_j exp(s_ij - LSE'_i) row_j[:d_v]       values alias the first d_v dims of the keys;
+                                                       LSE' = ln(exp(LSE) + exp(sink_h)) with a sink
+Naive form, per head h (W_UK[h], W_UV[h]: (128, 512), DeepSeek's wkv_b.view(h, 256, 512) split):
+    k_j^h = [c_j W_UK[h]^T ; k_pe_j] (192),  v_j^h = c_j W_UV[h]^T (128),  q^h = [q_nope ; q_pe]
+    O^naive = O^absorbed W_UV[h]^T (`unabsorb`) — the same numbers, up to float64 rounding.
+
+Conventions (OPS.md mla; research/attention-semantics.md sections 1, 2, 4.1, 5):
+- Paged cache (FlashMLA): token t of request i is kv_cache[block_table[i, t // page], t % page];
+  any page size. Only the rows of visible keys are read: rows past a request's length, table
+  entries past its last block (FlashMLA's tests fill them with 2147480000) and NaN there never
+  reach the result.
+- scale is required (FlashMLA's tests use 576^-0.5, DeepSeek-V3 192^-0.5 mscale^2).
+- causal (s_q > 1, multi-token prediction) is bottom-right: row i of request b sees keys
+  j <= seqlens[b] - s_q + i (FlashMLA `get_mask_len`, its tests' tril(diagonal=s_k - s_q)).
+  With s_q = 1 it is no mask (FlashMLA drops is_causal then).
+- A row with no visible key: O = 0, LSE = -inf (FlashMLA returns +inf: adapters convert).
+- Sparse decode (FlashMLA `flash_mla_with_kvcache(indices=...)`, tests/ref.py
+  `ref_sparse_attn_decode`): indices are flat slots block * page + offset into the cache viewed
+  as (num_blocks * page, d); -1 and positions >= topk_length[b] are skipped; no causal mask;
+  a slot listed twice is gathered and counted twice (the reference gathers per index).
+- Sinks (FlashMLA sparse decode, MAX's combine): a natural-log logit per query head in the
+  scaled domain, in the output's denominator only; the returned LSE excludes it; +inf gives O = 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kernel_parity.refimpl.mla_fp8 import as_f64, bmm_fp8, rms_norm, rope_interleaved
+from kernel_parity.refimpl.mla_schedule import check_schedule, partitions, schedule, sm_parts
+
+F64 = NDArray[np.float64]
+I64 = NDArray[np.int64]
+__all__ = ["absorb", "unabsorb", "decode", "decode_naive", "decode_sparse", "decode_fused_fp8",
+           "schedule", "check_schedule", "partitions", "sm_parts"]
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+def _rows(kv_cache: NDArray) -> tuple[F64, int]:
+    """Cache (num_blocks, page, [1,] d) as (num_blocks * page, d) float64 rows, and the page size."""
+    kv = as_f64(kv_cache)
+    if kv.ndim == 4:
+        if kv.shape[2] != 1:
+            raise ValueError(f"MLA caches have one KV head, got kv_cache shape {kv.shape}")
+        kv = kv[:, :, 0]
+    if kv.ndim != 3:
+        raise ValueError(f"kv_cache must be (num_blocks, page, [1,] d), got shape {kv.shape}")
+    return kv.reshape(-1, kv.shape[-1]), kv.shape[1]
+
+
+def _slots(block_table: NDArray, lengths: I64, page: int, s_k: int, num_slots: int) -> tuple[I64, NDArray]:
+    """(b, s_k) flat cache slot of token j of each request (0 where j >= length) and the valid mask."""
+    bt = np.asarray(block_table, dtype=np.int64)
+    j = np.arange(s_k)
+    valid = j[None, :] < lengths[:, None]
+    need = -(-int(lengths.max(initial=0)) // page)
+    if need > bt.shape[1]:
+        raise ValueError(f"block_table has {bt.shape[1]} blocks per request, seqlens need {need}")
+    blk = bt[:, np.minimum(j // page, bt.shape[1] - 1)]  # b, s_k
+    slot = np.where(valid, blk * page + j % page, 0)
+    if ((slot < 0) | (slot >= num_slots)).any():
+        raise ValueError(f"block_table names a block outside the cache ({num_slots // page} blocks)")
+    return slot, valid
+
+
+def _softmax(s: F64, keep: NDArray, sink: NDArray | None) -> tuple[F64, F64]:
+    """Weights and LSE of logits s (b, h, s_q, s_k) under keep (b, s_q, s_k); sinks (h,) or None.
+
+    returns: p (b, h, s_q, s_k) with rows summing to exp(LSE - LSE'), lse (b, h, s_q) without sink."""
+    s = np.where(keep[:, None], s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    live = np.isfinite(m)
+    m = np.where(live, m, 0.0)
+    with np.errstate(divide="ignore"):
+        lse = m[..., 0] + np.log(np.sum(np.exp(s - m), axis=-1))  # -inf for an empty row
+    norm = lse if sink is None else np.logaddexp(lse, np.asarray(sink, dtype=np.float64)[None, :, None])
+    fin = np.isfinite(norm)[..., None]
+    p = np.where(fin, np.exp(s - np.where(fin, norm[..., None], 0.0)), 0.0)  # +inf sink: O = 0
+    return p, lse
+
+
+def _attend_rows(q: F64, kv: F64, keep: NDArray, scale: float, d_v: int,
+                 sink: NDArray | None = None) -> tuple[F64, F64]:
+    """Attention of q (b, s_q, h, d) over per-request rows kv (b, s_k, d) (values kv[..., :d_v]).
+
+    keep: (b, s_q, s_k); rows no query keeps are zeroed before any product (they may be NaN)
+    returns: o (b, s_q, h, d_v), lse (b, h, s_q)"""
+    b, s_q, h, d = q.shape
+    kv = np.where(keep.any(axis=1)[..., None], kv, 0.0)
+    s = (q.transpose(0, 2, 1, 3).reshape(b, h * s_q, d) @ kv.transpose(0, 2, 1)).reshape(b, h, s_q, -1)
+    p, lse = _softmax(float(scale) * s, keep, sink)  # b, h, s_q, s_k
+    o = (p.reshape(b, h * s_q, -1) @ kv[..., :d_v]).reshape(b, h, s_q, d_v)
+    return o.transpose(0, 2, 1, 3), lse
+
+
+def _decode_keep(lengths: I64, s_q: int, s_k: int, causal: bool, valid: NDArray) -> NDArray:
+    """(b, s_q, s_k) visibility: valid keys, and j <= L - s_q + i when causal."""
+    keep = np.broadcast_to(valid[:, None, :], (lengths.size, s_q, s_k))
+    if causal and s_q > 1:
+        diag = lengths[:, None, None] - s_q + np.arange(s_q)[None, :, None]
+        keep = keep & (np.arange(s_k)[None, None, :] <= diag)
+    return keep
+
+
+# --------------------------------------------------------------------------- FlashMLA decode
+
+def decode(q: NDArray, kv_cache: NDArray, block_table: NDArray, seqlens: NDArray, scale: float,
+           d_v: int = 512, causal: bool = True) -> tuple[F64, F64]:
+    """FlashMLA dense decode in the absorbed form (see the module docstring for the formula).
+
+    q: (b, s_q, h_q, d), d = d_c + d_r (576)
+    kv_cache: (num_blocks, page, 1, d) (or (num_blocks, page, d)); values are row[:d_v]
+    block_table: (b, max_blocks) int; seqlens: (b,) int >= 0, cached tokens incl. the s_q new ones
+    scale: softmax scale; d_v: value dims (512); causal: bottom-right, for s_q > 1
+    returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q) natural log; empty rows (0, -inf)
+    """
+    q = np.asarray(q, dtype=np.float64)
+    rows, page = _rows(kv_cache)
+    b, s_q, _, d = q.shape
+    if rows.shape[1] != d or not 0 < d_v <= d:
+        raise ValueError(f"q dim {d}, cache dim {rows.shape[1]} and d_v {d_v} disagree")
+    L = np.asarray(seqlens, dtype=np.int64).reshape(b)
+    if (L < 0).any():
+        raise ValueError(f"seqlens must be >= 0, got {L.min()}")
+    s_k = max(int(L.max(initial=0)), 1)
+    slot, valid = _slots(block_table, L, page, s_k, rows.shape[0])
+    return _attend_rows(q, rows[slot], _decode_keep(L, s_q, s_k, causal, valid), scale, d_v)
+
+
+def absorb(q_nope: NDArray, w_uk: NDArray) -> F64:
+    """q_nope W_UK per head.  q_nope: (..., h, dn); w_uk: (h, dn, d_c) -> (..., h, d_c)"""
+    return np.einsum("...hd,hdc->...hc", np.asarray(q_nope, dtype=np.float64), as_f64(w_uk))
+
+
+def unabsorb(o_latent: NDArray, w_uv: NDArray) -> F64:
+    """o_latent W_UV^T per head.  o_latent: (..., h, d_c); w_uv: (h, dv, d_c) -> (..., h, dv)"""
+    return np.einsum("...hc,hdc->...hd", np.asarray(o_latent, dtype=np.float64), as_f64(w_uv))
+
+
+def decode_naive(q_nope: NDArray, q_pe: NDArray, kv_cache: NDArray, block_table: NDArray, seqlens: NDArray,
+                 w_uk: NDArray, w_uv: NDArray, scale: float, causal: bool = True) -> tuple[F64, F64]:
+    """The same attention, decompressed: per-head keys [c W_UK^T ; k_pe], values c W_UV^T.
+
+    q_nope: (b, s_q, h, dn) (128); q_pe: (b, s_q, h, d_r) (64)
+    kv_cache, block_table, seqlens, scale, causal: as `decode`; the cache row is [c (d_c) ; k_pe (d_r)]
+    w_uk: (h, dn, d_c); w_uv: (h, dv, d_c) (DeepSeek's wkv_b.view(h, dn + dv, d_c) split)
+    returns: o (b, s_q, h, dv), lse (b, h, s_q)
+    """
+    qn, qp = np.asarray(q_nope, dtype=np.float64), np.asarray(q_pe, dtype=np.float64)
+    wk, wv = as_f64(w_uk), as_f64(w_uv)
+    rows, page = _rows(kv_cache)
+    b, s_q, h, dn = qn.shape
+    d_c = rows.shape[1] - qp.shape[-1]
+    if wk.shape != (h, dn, d_c) or wv.shape[::2] != (h, d_c):
+        raise ValueError(f"w_uk {wk.shape} / w_uv {wv.shape} do not fit h={h}, dn={dn}, d_c={d_c}")
+    L = np.asarray(seqlens, dtype=np.int64).reshape(b)
+    s_k = max(int(L.max(initial=0)), 1)
+    slot, valid = _slots(block_table, L, page, s_k, rows.shape[0])
+    keep = _decode_keep(L, s_q, s_k, causal, valid)
+    kv = np.where(keep.any(axis=1)[..., None], rows[slot], 0.0)  # b, s_k, d
+    c, k_pe = kv[..., :d_c], kv[..., d_c:]
+    k_nope = np.einsum("bkc,hdc->bhkd", c, wk)  # b, h, s_k, dn
+    v = np.einsum("bkc,hdc->bhkd", c, wv)  # b, h, s_k, dv
+    s = qn.transpose(0, 2, 1, 3) @ k_nope.transpose(0, 1, 3, 2)  # b, h, s_q, s_k
+    s = s + np.einsum("bqhr,bkr->bhqk", qp, k_pe)
+    p, lse = _softmax(float(scale) * s, keep, None)
+    return (p @ v).transpose(0, 2, 1, 3), lse
+
+
+def decode_sparse(q: NDArray, kv_cache: NDArray, indices: NDArray, topk_length: NDArray | None, scale: float,
+                  d_v: int = 512, *, attn_sink: NDArray | None = None) -> tuple[F64, F64]:
+    """FlashMLA sparse decode: each query row attends to the cache slots its indices list.
+
+    q: (b, s_q, h_q, d); kv_cache: (num_blocks, page, [1,] d), viewed as (num_blocks * page, d); the
+        dequantized rows (FlashMLA's sparse decode stores 656-byte FP8 rows: adapters dequantize)
+    indices: (b, s_q, topk) (or (b, s_q, 1, topk)) int, slot = block_idx * page + offset; -1 = padding
+    topk_length: (b,) int or None; only the first topk_length[b] entries of request b's rows are used
+    attn_sink: (h_q,) or None (see the module docstring)
+    returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q) (without the sink); a row with no used index (0, -inf)
+    A slot listed twice counts twice (its weight doubles). Used indices outside [0, num_slots) raise.
+    """
+    q = np.asarray(q, dtype=np.float64)
+    rows, _ = _rows(kv_cache)
+    b, s_q, h, d = q.shape
+    idx = np.asarray(indices, dtype=np.int64)
+    if idx.ndim == 4 and idx.shape[2] == 1:  # FlashMLA's (b, s_q, h_kv = 1, topk)
+        idx = idx[:, :, 0]
+    used = idx != -1
+    if topk_length is not None:
+        used &= np.arange(idx.shape[-1])[None, None, :] < np.asarray(topk_length, dtype=np.int64).reshape(b, 1, 1)
+    if ((idx[used] < 0) | (idx[used] >= rows.shape[0])).any():
+        raise ValueError(f"indices outside the cache's {rows.shape[0]} slots (and not -1)")
+    kv = np.where(used[..., None], rows[np.where(used, idx, 0)], 0.0)  # b, s_q, topk, d
+    s = np.einsum("bqhd,bqkd->bhqk", q, kv)
+    p, lse = _softmax(float(scale) * s, used, attn_sink)
+    return np.einsum("bhqk,bqkd->bqhd", p, kv[..., :d_v]), lse
+
+
+# --------------------------------------------------------------------------- MAX fused FP8 branch
+
+def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray, gamma: NDArray, epsilon: float,
+                     w_uk: NDArray, w_uk_scale: NDArray, w_uv: NDArray, w_uv_scale: NDArray,
+                     kv_cache: NDArray, block_table: NDArray, cache_lengths: NDArray, scale: float, *,
+                     attn_sink: NDArray | None = None, causal: bool = True,
+                     granularity: tuple[int, int, int] = (1, 128, 128),
+                     scale_ub: float = 1200.0) -> tuple[F64, F64]:
+    """MAX's `mla_decode_branch_fp8` (modular/modular max/kernels/src/nn/attention/gpu/mla_graph.mojo).
+
+    q: (T, H, dn + d_r) ragged new tokens, dn = 128 (q_nope), d_r = 64 (q_rope)
+    input_row_offsets: (b + 1,) int, request r's tokens are q[off[r]:off[r+1]], n_r = off[r+1] - off[r]
+    freqs_cis: (max_seq_len, d_r), row p = [cos p w_0, sin p w_0, cos p w_1, ...] (interleaved)
+    gamma: (d_c,) RMSNorm weight (kv_a_proj_layernorm); epsilon: RMSNorm eps
+    w_uk: (H, d_c, dn) e4m3; w_uk_scale: (H, d_c / n_g, dn / k_g) (or flattened (H d_c / n_g, dn / k_g))
+    w_uv: (H, dv, d_c) e4m3; w_uv_scale: (H, dv / n_g, d_c / k_g) (or flattened)
+    kv_cache: (num_blocks, page, d_c + d_r) (or (num_blocks, page, 1, d)), MAX's per-layer latent cache
+    block_table: (b, max_blocks) int (MAX's lookup table); cache_lengths: (b,) tokens cached before
+        this step (MAX's cache_length); request r's new token t sits at position p = cache_lengths[r] + t
+    scale: softmax scale; attn_sink: (H,) or None; causal: key j visible to position p iff j <= p
+    granularity: (m, n, k) scale granularity (1, 128, 128); scale_ub: activation amax bound (1200)
+    returns: out (T, H, dv) float64, cache_after (kv_cache's shape) float64
+
+    Order, as the kernel runs it:
+    1. q_lat = bmm_fp8(q_nope, w_uk): q_nope quantized per (head, token, 128 channels)
+       (`mla_fp8.quantize_act`), then the blockwise FP8 batched matmul (transpose_b).
+    2. RoPE of q_rope at position p, and in the cache, on the rows of the new tokens only (slot of
+       position p of request r): rope part row[d_c:] <- RoPE(row[d_c:], freqs_cis[p]); latent
+       row[:d_c] <- RMSNorm(row[:d_c]) * gamma. The rows must hold the raw kv_a_proj output (MAX's
+       in-place `fused_rope_rmsnorm_kernel` reads them back); every other row is left untouched
+       (NaN stays NaN); earlier tokens' rows are taken as already normalised and rotated.
+    3. Attention of [q_lat ; RoPE(q_rope)] (576) over the updated cache, keys j < cache_lengths[r] + n_r
+       (causal: j <= p), values row[:d_c]; sink as FlashMLA (module docstring).
+    4. out = bmm_fp8(o_latent, w_uv): o_latent quantized per (head, token, 128 channels).
+    MAX routes a batch here when every request has at most MLA_DECODE_MAX_SEQ_LEN new tokens (1 in
+    2025 releases, 4 or 6 in 2026 ones, for MTP verification); the golden takes any n_r >= 0.
+    Not modelled (float64 golden): MAX stores q_lat, the roped q, the attention output and the
+    cache in bf16, and its RMSNorm casts x / rms to bf16 before the gamma product; activations are
+    quantized here from the float64 values (through float32), in MAX from those bf16 values.
+    Newer MAX (2026, `mla_fused_rope_rmsnorm_quantization`) reads the new tokens' latent from a
+    separate kv input instead of the cache; the cache_after is the same.
+    """
+    q = np.asarray(q, dtype=np.float64)
+    off = np.asarray(input_row_offsets, dtype=np.int64)
+    T, H, dq = q.shape
+    f = np.asarray(freqs_cis, dtype=np.float64)
+    d_r = f.shape[1]
+    dn = dq - d_r
+    rows, page = _rows(kv_cache)
+    d_c = rows.shape[1] - d_r
+    n = np.diff(off)
+    b = n.size
+    if off[0] != 0 or off[-1] != T or (n < 0).any():
+        raise ValueError(f"input_row_offsets {off.tolist()} must rise from 0 to T = {T}")
+    cl = np.asarray(cache_lengths, dtype=np.int64).reshape(b)
+    L = cl + n  # keys per request after this step
+    req = np.repeat(np.arange(b), n)  # T: request of each new token
+    pos = cl[req] + np.arange(T) - off[req]  # T: its position
+    if T and pos.max() >= f.shape[0]:
+        raise ValueError(f"freqs_cis has {f.shape[0]} positions, tokens reach {pos.max()}")
+    s_k = max(int(L.max(initial=0)), 1)
+    slot, valid = _slots(block_table, L, page, s_k, rows.shape[0])
+    new = slot[req, pos]  # T: cache slot of each new token
+    if np.unique(new).size != T:
+        raise ValueError("two new tokens map to the same cache slot")
+    kg = granularity[2]
+    if T == 0:
+        return np.zeros((0, H, np.shape(w_uv)[1])), rows.reshape(np.shape(kv_cache)).copy()
+    q_lat = bmm_fp8(q[..., :dn].transpose(1, 0, 2), w_uk,
+                    np.reshape(w_uk_scale, (H, -1, -(-dn // kg))), granularity, scale_ub)  # H, T, d_c
+    q_full = np.concatenate([q_lat.transpose(1, 0, 2), rope_interleaved(q[..., dn:], f[pos][:, None])], axis=-1)
+    after = rows.copy()
+    after[new, :d_c] = rms_norm(rows[new, :d_c], gamma, epsilon)
+    after[new, d_c:] = rope_interleaved(rows[new, d_c:], f[pos])
+    n_max = max(int(n.max(initial=0)), 1)
+    ok = np.arange(n_max)[None, :] < n[:, None]  # b, n_max: padded query slots in use
+    q_pad = q_full[np.where(ok, off[:-1, None] + np.arange(n_max), 0)]  # b, n_max, H, d
+    keep = ok[:, :, None] & valid[:, None, :]
+    if causal:
+        keep &= np.arange(s_k)[None, None, :] <= cl[:, None, None] + np.arange(n_max)[None, :, None]
+    o_lat, _ = _attend_rows(q_pad, after[slot], keep, scale, d_c, attn_sink)  # b, n_max, H, d_c
+    o_lat = o_lat[ok]  # T, H, d_c in token order
+    out = bmm_fp8(o_lat.transpose(1, 0, 2), w_uv,
+                  np.reshape(w_uv_scale, (H, -1, -(-d_c // kg))), granularity, scale_ub)  # H, T, dv
+    return out.transpose(1, 0, 2), after.reshape(np.shape(kv_cache))
