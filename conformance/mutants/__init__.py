@@ -73,6 +73,10 @@ CLASSES = {
     "scale-index": "a block's scale taken from the neighbouring block",
     "zero-point": "an int4 zero point off by one (GPTQ v1 stores zero - 1)",
     "amax-floor": "the FP8 activation amax floor (1e-4) left out: an all-zero group divides by 0",
+    # MLA
+    "v-aliasing": "MLA values not the first d_v dims of the key rows (V loaded from elsewhere in the row)",
+    "rope-part": "the rope part of a 576-dim MLA row taken from the wrong end",
+    "sparse-padding": "a -1 top-k index (padding) gathered instead of skipped",
 }
 BACKEND_OF_DIR = {"triton": "triton", "cpu": "cpu", "torch": "torch"}
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]*$")
