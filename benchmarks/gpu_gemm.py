@@ -1,11 +1,13 @@
 """GPU benchmark of the quantized-GEMM Triton kernels (kernels/triton/gemm*.py) on Hopper.
 
-    python benchmarks/gpu_gemm.py [--out PATH] [--quick] [--budget-s S] [--smoke-cpu]
+    python benchmarks/gpu_gemm.py [--out PATH] [--quick] [--budget-s S] [--sections gemv,fp8,prefill,int4]
+                                  [--formats q4_k,...] [--dump PATH] [--smoke-cpu]
 
 1. Header: copy bandwidth (a 2 GiB device-to-device copy, bytes read + written) and the bf16
    matmul rate (torch.matmul 8192^3), measured in this run; GEMV figures are shares of the first.
 2. gemv: GGML Q4_K, Q8_0, Q4_0, Q6_K at M = 1, N x K = 14336 x 4096 and 4096 x 14336, a sweep of
-   the decode configs (BLOCK_N, G, num_warps, num_stages; automatic split-K). GB/s counts the
+   the GEMV configs (BLOCK_N, NB, num_warps, num_stages; automatic split-K); then M = 4 and 16 at
+   the first shape (the launcher's choice, the exact kernel, tensor-core configs). GB/s counts the
    weight bytes only. Timed as CUDA-graph replays over rotated weight copies whose total exceeds
    3x L2 (a ~10 us kernel: no launch gaps, no L2 reuse); do_bench (L2 flushed per call) beside it.
    torch bf16 GEMV of the same shape for scale.
@@ -19,8 +21,9 @@
 Every timed kernel's output is checked once against float64 (dequantized weights from refimpl/ on
 the CPU, products in torch float64 on the GPU, on the first 512 output columns): err_acc =
 max |C - ref| / (|A| @ |W|^T), err_max = max |C - ref| / max |ref|; `ok` against the path's limit.
-An entry that fails records its error and the run goes on. Results go to --out (default
-$OUT/gemm-bench.json), rewritten after each entry. --budget-s stops the sweeps (not the main
+An entry that fails records its error and the run goes on. --dump writes the registers, spills and
+the opcode histogram of the longest loop of every compiled kernel variant (cuobjdump). Results go
+to --out (default $OUT/gemm-bench.json), rewritten after each entry. --budget-s stops the sweeps (not the main
 entries) when the run gets long; --smoke-cpu runs tiny shapes on the CPU (Triton interpreter) to
 check the script itself.
 """
@@ -41,23 +44,31 @@ CHECK_COLS = 512
 # bf16 output, whose rounding alone reaches 2^-9 = 1.95e-3 of sum |a||w|.
 LIMITS = {"fp32": 1e-5, "bf16": 8e-3, "fp8": 4e-3}
 
-# ((BLOCK_N, G, num_warps, num_stages), split_k or None = automatic); the launcher's table first.
+# ((BLOCK_N, NB, num_warps, num_stages), split_k or None = automatic); the launcher's table first.
+# NB: blocks (Q4_K) or block pairs (Q8_0, Q4_0) per iteration; Q6_K: (BLOCK_N, G, ...) of its word-tile kernel.
 # Split-K costs a second (reduction) launch; split_k = 1 shows what it buys.
-GEMV_SWEEP = {  # kernels/triton/gemm_gemv.py; Q6_K needs G even
-    "q4_k": [((32, 8, 8, 2), None), ((16, 8, 4, 2), None), ((32, 16, 8, 2), None), ((64, 8, 8, 2), None),
-             ((16, 4, 4, 3), None), ((32, 8, 8, 2), 1)],
-    "q8_0": [((32, 8, 8, 2), None), ((16, 8, 4, 2), None), ((32, 16, 8, 2), None), ((64, 8, 8, 2), None),
-             ((32, 8, 8, 2), 1)],
-    "q4_0": [((32, 8, 8, 2), None), ((16, 8, 4, 2), None), ((32, 16, 8, 2), None), ((32, 8, 8, 2), 1)],
-    "q6_k": [((32, 4, 8, 2), None), ((16, 4, 4, 2), None), ((32, 8, 8, 2), None), ((32, 4, 8, 2), 1)],
+GEMV_SWEEP = {  # kernels/triton/gemm_gemv.py
+    "q4_k": [((8, 8, 4, 1), None), ((4, 8, 4, 1), None), ((16, 8, 4, 1), 1)],
+    "q8_0": [((8, 16, 4, 1), None), ((8, 32, 4, 1), None)],
+    "q4_0": [((8, 16, 4, 1), None), ((8, 32, 4, 1), None)],
+    "q6_k": [((16, 4, 4, 2), None), ((8, 4, 2, 2), None)],
 }
-# Swept on the first shape; the others run the default and the best. (256, 128, 2, 8, 3) would
-# need 232 KiB of shared memory (sm_90 allows 227).
-PREFILL_SWEEP = [(128, 128, 2, 8, 3), (128, 128, 2, 8, 4), (128, 128, 4, 8, 2), (256, 128, 2, 8, 2),
-                 (128, 256, 2, 8, 3)]
-FP8_SWEEP = [(128, 128, 128, 8, 8, 4), (128, 128, 128, 8, 8, 3), (128, 256, 128, 8, 8, 3),
-             (128, 128, 128, 8, 4, 4), (64, 128, 128, 8, 4, 4)]
-INT4_SWEEP = [(128, 128, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3), (128, 256, 64, 8, 8, 3)]  # first shape, M = 4096
+# Decode 2 <= M <= 16: (config, split_k); None: the launcher's choice (bf16 A from M = 4: the
+# tensor-core kernel). 5 elements: the exact-fp32 GEMV kernel (BLOCK_M, BLOCK_N, NB, num_warps,
+# num_stages); 6: the tensor-core kernel (BLOCK_M, BLOCK_N, G, num_warps, num_stages, GROUP_M).
+DECODE_SWEEP = {
+    "q4_k": [(None, None), ((2, 8, 8, 4, 1), None), ((16, 64, 2, 4, 4, 1), None), ((16, 32, 2, 4, 3, 1), None),
+             ((16, 64, 1, 4, 3, 1), None), ((16, 128, 1, 4, 3, 1), None)],
+    "q8_0": [(None, None), ((4, 8, 8, 4, 1), None), ((16, 64, 2, 4, 3, 1), None)],
+    "q4_0": [(None, None), ((2, 8, 16, 4, 1), None), ((16, 64, 2, 4, 3, 1), None)],
+    "q6_k": [(None, None), ((1, 16, 4, 4, 2), None), ((16, 64, 1, 4, 3, 1), None)],
+}
+# Swept on the first shape; the others run the default and the best. 6th element: GROUP_M.
+PREFILL_SWEEP = [(256, 128, 1, 8, 3, 4), (256, 128, 1, 8, 4, 4), (256, 64, 1, 8, 3, 4), (256, 128, 1, 8, 3, 8)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, TMA)
+FP8_SWEEP = [(128, 128, 128, 8, 8, 4, 1), (128, 128, 128, 16, 8, 4, 1), (128, 128, 128, 8, 8, 3, 1),
+             (128, 128, 128, 8, 8, 4, 0)]
+INT4_SWEEP = [(256, 128, 64, 4, 8, 3), (256, 64, 64, 8, 8, 3), (256, 64, 64, 4, 8, 3)]  # first shape, M = 4096
 
 
 class Ctx:
@@ -155,6 +166,8 @@ def gemv(ctx) -> None:
             pct_copy=100 * 2 * n * k / ms / 1e6 / ctx.copy_gbps))
         del wd
         for fmt, sweep in GEMV_SWEEP.items():
+            if ctx.formats and fmt not in ctx.formats:
+                continue
             w = ggml_random(ctx, fmt, n, k)
             nbytes = w.numel()
             rot = [w] + [ggml_random(ctx, fmt, n, k) for _ in range(max(1, min(7, -(-3 * ctx.l2 // nbytes) - 1)))]
@@ -181,16 +194,29 @@ def gemv(ctx) -> None:
                 ctx.entry("gemv", f"{fmt} {n}x{k} {cfg} split={split or 'auto'}", run)
             del rot, outs, w, w64
             torch.cuda.empty_cache() if ctx.cuda else None
-    for fmt in ("q4_k", "q8_0"):  # M = 2..16 decode (fp32 FMA dot) at one shape, default config
-        n, k = ctx.gemv_shapes[0]
+    n, k = ctx.gemv_shapes[0]
+    for fmt, sweep in DECODE_SWEEP.items():  # M = 2..16: the GEMV kernel with BLOCK_M rows of A
+        if ctx.formats and fmt not in ctx.formats:
+            continue
         w = ggml_random(ctx, fmt, n, k)
         w64 = ggml_w64(ctx, fmt, w)
         for m in (4, 16):
             a = torch.randn((m, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
-            ctx.entry("decode", f"{fmt} M={m} {n}x{k}", lambda: dict(
-                fmt=fmt, shape=[m, n, k], **check_slice(ctx, G.gemm_nt(a, fmt, w), a, w64, "bf16"),
-                ms=(ms := ctx.bench(lambda: G.gemm_nt(a, fmt, w))), GBps=w.numel() / ms / 1e6,
-                pct_copy=100 * w.numel() / ms / 1e6 / ctx.copy_gbps))
+            for i, (cfg, split) in enumerate(sweep if not ctx.quick else sweep[:1]):
+                if i and ctx.over_budget():
+                    break
+
+                def run(cfg=cfg, split=split, m=m, a=a):
+                    row = dict(fmt=fmt, shape=[m, n, k], config=cfg, split_k=split or "auto",
+                               **check_slice(ctx, G.gemm_nt(a, fmt, w, config=cfg, split_k=split), a, w64, "bf16"))
+                    if i == 0:  # fp32 A: fp32 arithmetic
+                        f32 = check_slice(ctx, G.gemm_nt(a.float(), fmt, w, config=cfg, split_k=split), a.float(),
+                                          w64, "fp32")
+                        row.update(err_acc_fp32=f32["err_acc"], ok=row["ok"] and f32["ok"])
+                    ms = ctx.bench(lambda: G.gemm_nt(a, fmt, w, config=cfg, split_k=split))
+                    row.update(ms=ms, GBps=w.numel() / ms / 1e6, pct_copy=100 * w.numel() / ms / 1e6 / ctx.copy_gbps)
+                    return row
+                ctx.entry("decode", f"{fmt} M={m} {n}x{k} {cfg} split={split or 'auto'}", run)
 
 
 def prefill(ctx) -> None:
@@ -365,6 +391,57 @@ def int4(ctx) -> None:
         del packs
 
 
+def _compiled(fn) -> list:
+    """The CompiledKernels a JITFunction holds (Triton 3.x keeps them per device in device_caches)."""
+    out = []
+    for entry in getattr(fn, "device_caches", {}).values():
+        for part in (entry if isinstance(entry, tuple) else (entry,)):
+            if isinstance(part, dict):
+                out += [k for k in part.values() if hasattr(k, "asm")]
+    return out
+
+
+def dump_kernels(ctx, path: str) -> None:
+    """Registers, spills and the opcode histogram of the longest loop of every compiled variant of
+    the GEMM kernels (cuobjdump on the cubin): the device's own compiler output, for the notes."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+    from kernel_parity.kernels.triton import gemm as G, gemm_fp8 as F, gemm_gemv as V, gemm_int4 as I
+    lines = []
+    for fn in (V._gemv_kernel, V._q6_k_kernel, G._gemm_ggml_kernel, F._gemm_fp8_kernel, I._gemm_int4_kernel):
+        for k in _compiled(fn):
+            meta = {x: getattr(k.metadata, x, None) for x in ("num_warps", "num_stages")}
+            consts = {n: v for n, v in getattr(k.src, "constants", {}).items()} if hasattr(k, "src") else {}
+            hist, n = "", 0
+            try:
+                with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+                    f.write(k.asm["cubin"])
+                sass = subprocess.run(["cuobjdump", "-sass", f.name], capture_output=True,
+                                      text=True).stdout.splitlines()
+                addr = {i: int(m.group(1), 16) for i, l in enumerate(sass)
+                        if (m := re.match(r"\s*/\*([0-9a-f]{4,})\*/", l))}
+                best = None
+                for i, l in enumerate(sass):  # backward branches: cuobjdump prints the target address
+                    m = re.search(r"BRA\s+0x([0-9a-f]+)", l)
+                    if m and i in addr and int(m.group(1), 16) < addr[i]:
+                        lo = min(j for j, a in addr.items() if a >= int(m.group(1), 16))
+                        best = (lo, i) if best is None or i - lo > best[1] - best[0] else best
+                if best:
+                    op = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)")
+                    ops = collections.Counter(m.group(1).split(".")[0] for l in sass[best[0]:best[1] + 1]
+                                              if (m := op.search(l)))
+                    n = sum(ops.values())
+                    hist = " ".join(f"{o}:{c}" for o, c in ops.most_common(16))
+            except Exception as e:  # the histogram is a nicety
+                hist = f"(no sass: {type(e).__name__})"
+            lines.append(f"{fn.__name__} {meta} regs={getattr(k, 'n_regs', None)} "
+                         f"spills={getattr(k, 'n_spills', None)} loop={n} {hist}\n    {consts}")
+    Path(path).write_text("\n".join(lines) + "\n")
+    print(f"kernel dump: {len(lines)} compiled variants -> {path}", flush=True)
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_out = os.path.join(os.environ["OUT"], "gemm-bench.json") if os.environ.get("OUT") else None
@@ -372,6 +449,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="first config of each sweep only")
     p.add_argument("--budget-s", type=float, default=170.0, help="stop the sweeps after this many seconds")
     p.add_argument("--sections", default="gemv,prefill,fp8,int4")
+    p.add_argument("--formats", default="", help="GGML formats of the gemv / decode sweeps (default all)")
+    p.add_argument("--dump", default="", help="write registers, spills and loop opcodes of the compiled kernels here")
     p.add_argument("--smoke-cpu", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
     return p.parse_args()
 
@@ -410,6 +489,7 @@ def main() -> int:
     src = torch.rand(copy_bytes // 4, device=dev, generator=gen)
     dst = torch.empty_like(src)
     copy_gbps = 2 * copy_bytes / bench(lambda: dst.copy_(src)) / 1e6
+    read_gbps = copy_bytes / bench(lambda: src.sum()) / 1e6  # a read-only stream, for scale
     del src, dst
     n = 8192 if cuda else 256
     x = torch.randn(n, n, device=dev, generator=gen).to(torch.bfloat16)
@@ -423,9 +503,10 @@ def main() -> int:
         capability=".".join(map(str, torch.cuda.get_device_capability(dev))) if cuda else None,
         sm_count=props.multi_processor_count if cuda else None,
         l2_bytes=getattr(props, "L2_cache_size", None) if cuda else None,
-        torch=torch.__version__, triton=triton.__version__, copy_GBps=copy_gbps, matmul_bf16_TFLOPs=mm_tflops,
+        torch=torch.__version__, triton=triton.__version__, copy_GBps=copy_gbps, read_GBps=read_gbps,
+        matmul_bf16_TFLOPs=mm_tflops,
         matmul_size=n, do_bench=bench_kw, limits=LIMITS, check_cols=CHECK_COLS,
-        configs=dict(gemv=V.GEMV_CONFIGS, decode_dot=G.DECODE_DOT_CONFIGS, prefill=G.PREFILL_CONFIGS,
+        configs=dict(gemv=V.GEMV_CONFIGS, decode=V.DECODE_CONFIGS, prefill=G.PREFILL_CONFIGS,
                      fp8=F.GEMM_CONFIG, int4=(I.DECODE_CONFIG, I.PREFILL_CONFIG)),
         time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
@@ -436,10 +517,11 @@ def main() -> int:
               results=[], errors=[], l2=(header["l2_bytes"] or 50 * MIB),
               gemv_shapes=[(14336, 4096), (4096, 14336)] if cuda else [(40, 512)],
               prefill_shapes=[(4096, 4096), (14336, 4096)] if cuda else [(40, 512)],
-              prefill_m=4096 if cuda else 33, fp8_size=8192 if cuda else 256)
-    for name, fn in (("gemv", gemv), ("prefill", prefill), ("fp8", fp8), ("int4", int4)):
-        if name not in args.sections.split(","):
-            continue
+              prefill_m=4096 if cuda else 33, fp8_size=8192 if cuda else 256,
+              formats=[f for f in args.formats.split(",") if f])
+    sections = {"gemv": gemv, "prefill": prefill, "fp8": fp8, "int4": int4}
+    for name in args.sections.split(","):  # in the order given
+        fn = sections[name]
         t = time.time()
         try:
             fn(ctx)
@@ -452,6 +534,11 @@ def main() -> int:
             torch.cuda.empty_cache()
         ctx.save()
 
+    if args.dump and cuda:
+        try:
+            dump_kernels(ctx, args.dump)
+        except Exception as e:
+            print(f"kernel dump failed: {type(e).__name__}: {e}", file=sys.stderr)
     print(f"\n{header['device']}  copy {copy_gbps:.0f} GB/s  bf16 matmul {mm_tflops:.0f} TFLOP/s  "
           f"total {time.time() - t0:.0f} s")
     for r in ctx.results:

@@ -1,7 +1,8 @@
 """Triton kernels of `gemm.gemm_nt` against the float64 goldens of refimpl/ (Triton interpreter on CPU).
 
-kernels/triton/gemm.py and gemm_gemv.py (GGML Q8_0, Q4_0, Q4_K, Q6_K: the M = 1 GEMV, the fp32-dot
-decode path M <= 16 and prefill), gemm_fp8.py
+kernels/triton/gemm.py and gemm_gemv.py (GGML Q8_0, Q4_0, Q4_K, Q6_K: the exact-fp32 GEMV kernel for
+M = 1 and small M (fp32 A up to 16 rows), the tensor-core kernel for bf16 / fp16 decode and prefill),
+gemm_fp8.py
 (DeepSeek-V3 block-scaled FP8: activation quantizer bit-exact, GEMM vs the emulated golden) and
 gemm_int4.py (GPTQ v1, AWQ), one case per dispatch path plus edges (N not a tile multiple,
 split-K, bias, strided A and out), at shapes small enough for the interpreter.
@@ -77,12 +78,27 @@ def _ggml_weight(rng, fmt: str, n: int, k: int, dist: str) -> np.ndarray:
 # ------------------------------------------------------------------ GGML: decode (M <= 16) and prefill
 
 GGML_CASES = [
-    # (fmt, m, n, k, dtype, dist): M = 1 GEMV, 3 fp32-dot decode, 17 prefill; N = 37 leaves a ragged tile
+    # (fmt, m, n, k, dtype, dist): M = 1 GEMV, 3 GEMV kernel with 3 rows of A, 17 prefill; N = 37 leaves a ragged tile
     *[(f, m, 37, 512, dt, "normal") for f in gemm.FORMATS for m in (1, 3, 17) for dt in ("fp32", "bf16")],
     *[(f, m, 16, 256 if f in ("q8_0", "q4_0") else 512, "fp32", "random") for f in gemm.FORMATS for m in (1, 17)],
     ("q4_k", 17, 16, 256, "fp16", "random"),
     ("q6_k", 2, 16, 256, "fp16", "normal"),
     ("q4_0", 1, 37, 256, "fp16", "normal"),
+    # the GEMV's unmasked main loop then its masked tail: Q4_K 9 blocks (8 an iteration), Q8_0 / Q4_0
+    # 20 blocks (8 pairs an iteration)
+    ("q4_k", 1, 20, 2304, "bf16", "random"),
+    ("q8_0", 1, 20, 640, "bf16", "random"),
+    ("q4_0", 1, 20, 640, "fp32", "random"),
+    # an odd block count: the pair formats read 16-bit halves and end on half a pair
+    ("q8_0", 1, 20, 96, "fp32", "random"),
+    ("q4_0", 5, 20, 96, "bf16", "normal"),
+    # decode: the GEMV kernel with M = 16 of fp32 A in row tiles, M = 5 ends on a partial one; bf16 / fp16
+    # A from M = 4: the tensor-core kernel (BLOCK_M = 16)
+    ("q4_k", 16, 20, 512, "fp32", "random"),
+    ("q8_0", 5, 20, 640, "fp32", "normal"),
+    ("q4_0", 16, 20, 256, "fp16", "random"),
+    ("q6_k", 4, 20, 512, "bf16", "normal"),
+    ("q4_k", 2, 20, 512, "bf16", "normal"),
 ]
 
 
@@ -95,7 +111,9 @@ def test_ggml_gemm_nt(fmt, m, n, k, dtype, dist, request):
     c = gemm.gemm_nt(a, fmt, torch.from_numpy(w).to(DEV), bias=bias)
     a64, w64 = a.double().cpu().numpy(), refimpl.quant.dequantize(fmt, w)
     ref = refimpl.gemm.dequant_reference(a64, fmt, {"w": w}, bias.double().cpu().numpy())
-    path = "decode" if m <= gemm.DECODE_MAX_M else "dot"
+    # exact fp32 GEMV kernel: fp32 A up to DECODE_MAX_M, bf16 / fp16 A below DECODE_DOT_MIN_M
+    exact = m <= gemm.DECODE_MAX_M and (dtype == "fp32" or m < gemm.DECODE_DOT_MIN_M)
+    path = "decode" if exact else "dot"
     tol = "fp32" if dtype == "fp32" else f"{path}_{dtype}"
     assert c.dtype == a.dtype
     assert_close(f"gemm_nt[{fmt}] {path}", c, ref, np.abs(a64) @ np.abs(w64).T, tol, request)
@@ -117,6 +135,24 @@ def test_ggml_split_k_strided(fmt, m, splits, request):
     assert_close(f"gemm_nt[{fmt}] split_k={splits}", c, ref, np.abs(a64) @ np.abs(w64).T, "fp32", request)
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_ggml_unaligned_rows(fmt, request):
+    """w a view whose rows start 2 bytes past a 4-byte boundary (row stride = 2 mod 4): the pair
+    formats read 16-bit halves."""
+    rng = np.random.default_rng(13)
+    n, k, m = 20, 256, 3
+    w = _ggml_weight(rng, fmt, n, k, "random")
+    buf = torch.zeros((n, w.shape[1] + 2), dtype=torch.uint8)
+    buf[:, 2:] = torch.from_numpy(w)
+    wv = buf.to(DEV)[:, 2:]
+    a = _a(rng, m, k, "fp32")
+    for mm in (1, m):
+        c = gemm.gemm_nt(a[:mm], fmt, wv)
+        a64, w64 = a[:mm].double().cpu().numpy(), refimpl.quant.dequantize(fmt, w)
+        ref = refimpl.gemm.dequant_reference(a64, fmt, {"w": w})
+        assert_close(f"gemm_nt[{fmt}] unaligned rows M={mm}", c, ref, np.abs(a64) @ np.abs(w64).T, "fp32", request)
+
+
 def test_ggml_rejects_bad_input():
     a = torch.zeros((2, 256))
     w = torch.zeros((4, 144), dtype=torch.uint8)
@@ -130,6 +166,8 @@ def test_ggml_rejects_bad_input():
         gemm.gemm_nt(a, "q4_k", w.float())
     with pytest.raises(ValueError, match="out must be"):
         gemm.gemm_nt(a, "q4_k", w, out=torch.zeros((2, 4), dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="4-byte aligned"):  # Q4_K reads its blocks as 32-bit words
+        gemm.gemm_nt(a, "q4_k", torch.zeros((4, 146), dtype=torch.uint8)[:, 2:])
 
 
 # ------------------------------------------------------------------ FP8 block-scaled (DeepSeek-V3)

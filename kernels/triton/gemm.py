@@ -10,19 +10,20 @@ rounding of the exact value,
 as in ggml's `dequantize_row_*` (Q8_0, Q4_0, Q6_K products are exact in fp32; Q4_K's
 d*sc*q - dmin*m rounds once).
 
-Two paths, chosen by M:
-- decode (M <= 16): memory-bound. Each weight byte is streamed once, dequantized to fp32 in
-  registers and multiplied with fp32 FMAs: the result is `A @ dequant(W)^T` in fp32 arithmetic
-  (no activation quantization, unlike ggml's q8_0/q8_K dot products). M = 1 is the GEMV of
-  kernels/triton/gemm_gemv.py (word loads, elementwise FMAs, one reduction at the end);
-  2 <= M <= 16 uses an fp32 "ieee" tl.dot (FMA, not tf32) over M padded to 16. Split-K over the
-  weight blocks when N / BLOCK_N programs cannot fill the GPU; partial sums go to an fp32
-  workspace that a second kernel adds in a fixed order (deterministic, unlike atomics).
-- prefill (M > 16): compute-bound. A W tile is dequantized once per (BLOCK_M x BLOCK_N) output
-  tile, rounded to A's dtype (bf16/fp16) and fed to tensor-core tl.dot with fp32 accumulation;
-  fp32 A uses an "ieee" fp32 dot on the exact fp32 dequantization.
+Two kernels, chosen by M and A's dtype:
+- exact (M = 1; fp32 A up to M = 16; bf16 / fp16 A below DECODE_DOT_MIN_M): memory-bound. The
+  streaming kernel of kernels/triton/gemm_gemv.py reads each weight byte once per program,
+  dequantizes it to fp32 in registers and multiplies with fp32 FMAs, for up to BLOCK_M rows of A:
+  `A @ dequant(W)^T` in fp32 arithmetic (no activation quantization, unlike ggml's q8_0/q8_K dot
+  products; no tf32). Split-K over the weight blocks when its programs cannot fill the GPU; partial
+  sums go to an fp32 workspace that a second kernel adds in a fixed order (deterministic).
+- tensor cores (M > 16; bf16 / fp16 A from DECODE_DOT_MIN_M rows): a W tile is dequantized once per
+  (BLOCK_M x BLOCK_N) output tile, rounded to A's dtype and fed to tl.dot with fp32 accumulation
+  (BLOCK_M = 16 for decode: one tile of rows); fp32 A beyond 16 rows uses an "ieee" fp32 dot on the
+  exact fp32 dequantization. Measured on an H100 (benchmarks/NOTES-gemm.md): for bf16 A at M = 4,
+  Q4_K 14336 x 4096 takes 56 us here against 84 us in the exact kernel (M = 16: 56 us against 249).
 
-The dot paths' tiles are (BLOCK_N, G, E): G "groups" of E elements sharing one scale, so that
+The tensor-core kernel's tiles are (BLOCK_N, G, E): G "groups" of E elements sharing one scale, so that
 scales are loaded once per group and broadcast, and the byte loads are runs of E contiguous bytes:
   Q8_0 group = block (32 el, 34 B): 1 part, E = 32 int8 codes
   Q4_0 group = block (32 el, 18 B): 2 parts (low nibbles: elements j, high: j + 16), E = 16
@@ -52,18 +53,21 @@ FORMATS: dict[str, tuple[int, int, int, int, int]] = {
     "q6_k": (3, 256, 210, 4, 16),
 }
 DECODE_MAX_M = 16
+DECODE_DOT_MIN_M = 4  # bf16 / fp16 A with DECODE_DOT_MIN_M <= M <= 16: the tensor-core kernel (W rounded to A's dtype)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Decode configs (BLOCK_N, G groups per iteration, num_warps, num_stages) for 2 <= M <= 16 (fp32
-# dot; M = 1: gemm_gemv.GEMV_CONFIGS); prefill configs (BLOCK_M, BLOCK_N, G, num_warps,
-# num_stages). G is chosen so that one iteration covers 256 elements per row (decode) / 128
-# (prefill, so that a bf16 128 x 128 A tile is 32 KiB per pipeline stage). Unmeasured guesses:
-# benchmarks/gpu_gemm.py sweeps them.
-DECODE_DOT_CONFIGS = {"q8_0": (32, 8, 4, 2), "q4_0": (32, 8, 4, 2), "q4_k": (32, 4, 4, 2), "q6_k": (32, 4, 4, 2)}
-PREFILL_CONFIGS = {"q8_0": (128, 128, 4, 8, 3), "q4_0": (128, 128, 4, 8, 3), "q4_k": (128, 128, 2, 8, 3),
-                   "q6_k": (128, 128, 2, 8, 3)}
-# Split-K for the decode path: only when cdiv(N, BLOCK_N) programs leave the GPU short of about
-# SPLIT_PROGRAMS_PER_SM programs per SM, each split keeping >= MIN_SPLIT_BLOCKS weight blocks.
-SPLIT_PROGRAMS_PER_SM = 8
+# Tensor-core configs (BLOCK_M, BLOCK_N, G, num_warps, num_stages, GROUP_M): G groups of 32 / 64
+# elements per iteration. Decode (4 <= M <= 16, bf16 / fp16 A), measured on an H100 at M = 4 and 16,
+# 14336 x 4096: Q4_K 56 us, Q8_0 85 us, Q4_0 69 us, Q6_K 102 us (the exact-fp32 GEMV kernel with
+# BLOCK_M rows: 71 / 250 us for Q4_K). Prefill: Q4_K (256, 128, 1, 8, 3, 4) 297-307 TFLOP/s at M = 4096
+# (0.38-0.41x torch's bf16 matmul); the dequantization of a W tile, once per 256 rows, is the cost.
+DECODE_DOT_CONFIGS = {"q8_0": (16, 64, 4, 4, 3, 1), "q4_0": (16, 64, 4, 4, 3, 1), "q4_k": (16, 64, 2, 4, 3, 1),
+                      "q6_k": (16, 64, 2, 4, 3, 1)}
+PREFILL_CONFIGS = {"q8_0": (256, 128, 2, 8, 3, 4), "q4_0": (256, 128, 2, 8, 3, 4), "q4_k": (256, 128, 1, 8, 4, 4),
+                   "q6_k": (256, 128, 2, 8, 2, 4)}
+# Split-K for the GEMV kernel: only when its programs leave the GPU short of about
+# SPLIT_PROGRAMS_PER_SM programs per SM (measured: at 7 per SM the second launch costs more than the
+# split gains), each split keeping >= MIN_SPLIT_BLOCKS weight blocks.
+SPLIT_PROGRAMS_PER_SM = 2
 MIN_SPLIT_BLOCKS = 8
 MAX_SPLITS = 16
 
@@ -211,10 +215,18 @@ def _gemm_ggml_kernel(
     stride_am, stride_ak, stride_wn, stride_cs, stride_cm, stride_cn,
     FMT: tl.constexpr, GROUP_EL: tl.constexpr, E: tl.constexpr, G: tl.constexpr,
     W_TO_A: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    # Grouped launch order: GROUP_M row tiles share each W column tile (its dequantization is the
+    # cost) while it is in L2.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    width = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // width) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % rows
+    pid_n = (pid % width) // rows
+    pid_s = 0
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -321,6 +333,14 @@ def _auto_splits(a: torch.Tensor, programs: int, n_blocks: int) -> int:
     return max(1, min(want, n_blocks // MIN_SPLIT_BLOCKS, MAX_SPLITS))
 
 
+def _split_dst(out: torch.Tensor, splits: int, M: int, N: int):
+    """out itself, or an fp32 (splits, M, N) workspace of split-K partials; with its 3 strides."""
+    if splits == 1:
+        return out, (0, *out.stride())
+    dst = torch.empty((splits, M, N), dtype=torch.float32, device=out.device)
+    return dst, dst.stride()
+
+
 def gemm_nt(a: torch.Tensor, wfmt: str, w: torch.Tensor, bias: torch.Tensor | None = None,
             out: torch.Tensor | None = None, *, split_k: int | None = None,
             config: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -328,13 +348,16 @@ def gemm_nt(a: torch.Tensor, wfmt: str, w: torch.Tensor, bias: torch.Tensor | No
 
     a: (M, K) fp32/bf16/fp16, any strides
     wfmt: "q8_0" | "q4_0" | "q4_k" | "q6_k" (case-insensitive); K a multiple of 32 / 256
-    w: (N, K // QK * bytes_per_block) uint8, the ggml blocks of row n in w[n], last-dim stride 1
+    w: (N, K // QK * bytes_per_block) uint8, the ggml blocks of row n in w[n], last-dim stride 1,
+       rows 4-byte aligned for q4_k (2-byte for the others)
     bias: (N,) any float dtype, added in fp32; out: (M, N) a's dtype, any strides
-    split_k: decode path only (M <= 16), weight-block splits (None: automatic, 1 on CPU)
-    config: tuning only: (BLOCK_N, G, num_warps, num_stages) for decode (M = 1: gemm_gemv's G),
-            (BLOCK_M, BLOCK_N, G, num_warps, num_stages) for prefill
-    returns out. M <= 16: fp32 arithmetic on the exact fp32 dequantization; M > 16: W rounded to
-    a's dtype (bf16/fp16; fp32 stays exact) into tensor-core dots, fp32 accumulation.
+    split_k: exact kernel only, weight-block splits (None: automatic, 1 on CPU)
+    config: tuning only: exact kernel (BLOCK_N, NB, num_warps, num_stages) at M = 1 or (BLOCK_M,
+            BLOCK_N, NB, num_warps, num_stages) (gemm_gemv.GEMV_CONFIGS, DECODE_CONFIGS); tensor-core
+            kernel (BLOCK_M, BLOCK_N, G, num_warps, num_stages[, GROUP_M]), 6 elements to force it at M <= 16
+    returns out. The exact kernel: fp32 arithmetic on the exact fp32 dequantization; the tensor-core
+    kernel (M > 16, or bf16/fp16 a with M >= DECODE_DOT_MIN_M): W rounded to a's dtype (fp32 stays
+    exact) into tensor-core dots, fp32 accumulation.
     """
     fmt = _check_fmt(wfmt)
     fid, qk, nbytes, gpb, E = FORMATS[fmt]
@@ -351,44 +374,40 @@ def gemm_nt(a: torch.Tensor, wfmt: str, w: torch.Tensor, bias: torch.Tensor | No
                          f"for K={K}, got {tuple(w.shape)} strides {tuple(w.stride())}")
     if w.device != a.device:
         raise ValueError(f"gemm_nt[{fmt}]: w is on {w.device}, a on {a.device}")
+    align = 4 if fmt == "q4_k" else 2  # the widest scalar load of a block's fields
+    if w.numel() > 0 and (w.data_ptr() % align or w.stride(0) % align):
+        raise ValueError(f"gemm_nt[{fmt}]: w's rows must start at {align}-byte aligned addresses (row stride "
+                         f"{w.stride(0)}, address {w.data_ptr()} mod {align} = {w.data_ptr() % align})")
     M, out = _check_common(a, N, K, bias, out, f"gemm_nt[{fmt}]")
     if M == 0 or N == 0:
         return out
     n_groups = n_blocks * gpb
-    decode = M <= DECODE_MAX_M
-    gemv = M == 1
-    if gemv:
+    dot = M > DECODE_MAX_M or (config is not None and len(config) == 6) or (
+        config is None and a.dtype != torch.float32 and M >= DECODE_DOT_MIN_M)
+    if not dot:
         from . import gemm_gemv  # imports this module's helpers: not at the top
 
-        config = config or gemm_gemv.GEMV_CONFIGS[fmt]
-    if decode:
-        block_n, G, num_warps, num_stages = config or DECODE_DOT_CONFIGS[fmt]
-        block_m = 16
-        grid_m = 1
-        programs = triton.cdiv(N, block_n)
+        config = tuple(config or (gemm_gemv.GEMV_CONFIGS if M == 1 else gemm_gemv.DECODE_CONFIGS)[fmt])
+        block_m = config[0] if len(config) == 5 else 1
+        block_n = config[-4]
+        programs = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
         splits = _auto_splits(a, programs, n_blocks) if split_k is None else int(split_k)
         if splits < 1:
             raise ValueError(f"gemm_nt[{fmt}]: split_k={split_k} must be >= 1")
+        blocks_per_split = triton.cdiv(max(n_blocks, 1), splits)
+        blocks_per_split += blocks_per_split % 2 if fid < 2 else 0  # Q8_0 / Q4_0 split at block pairs
+        splits = triton.cdiv(max(n_blocks, 1), blocks_per_split)  # no empty split
+        dst, strides = _split_dst(out, splits, M, N)
+        gemm_gemv.launch(a, w, bias, dst, fmt, n_blocks, blocks_per_split, splits, strides, config)
     else:
-        block_m, block_n, G, num_warps, num_stages = config or PREFILL_CONFIGS[fmt]
-        grid_m = triton.cdiv(M, block_m)
+        block_m, block_n, G, num_warps, num_stages, *group_m = config or (
+            PREFILL_CONFIGS if M > DECODE_MAX_M else DECODE_DOT_CONFIGS)[fmt]
         splits = 1
-    blocks_per_split = triton.cdiv(max(n_blocks, 1), splits)
-    splits = triton.cdiv(max(n_blocks, 1), blocks_per_split)  # no empty split
-    if splits > 1:
-        dst = torch.empty((splits, M, N), dtype=torch.float32, device=a.device)
-        strides = dst.stride()
-    else:
-        dst = out
-        strides = (0, *out.stride())
-    if gemv:
-        gemm_gemv.launch(a, w, bias, dst, fid, qk // gpb, n_groups, blocks_per_split * gpb, splits, strides, config)
-    else:
-        _gemm_ggml_kernel[(triton.cdiv(N, block_n), grid_m, splits)](
-            a, w, bias if bias is not None else w, dst, M, N, K, n_groups, blocks_per_split * gpb,
-            a.stride(0), a.stride(1), w.stride(0), *strides,
-            FMT=fid, GROUP_EL=qk // gpb, E=E, G=G, W_TO_A=not decode and a.dtype != torch.float32,
-            HAS_BIAS=bias is not None and splits == 1, BLOCK_M=block_m, BLOCK_N=block_n,
+        _gemm_ggml_kernel[(triton.cdiv(N, block_n) * triton.cdiv(M, block_m),)](
+            a, w, bias if bias is not None else w, out, M, N, K, n_groups, n_groups,
+            a.stride(0), a.stride(1), w.stride(0), 0, *out.stride(),
+            FMT=fid, GROUP_EL=qk // gpb, E=E, G=G, W_TO_A=a.dtype != torch.float32,
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=group_m[0] if group_m else 8,
             num_warps=num_warps, num_stages=num_stages,
         )
     if splits > 1:
