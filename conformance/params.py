@@ -120,3 +120,16 @@ class Schema:
         for k, p in self.params.items():
             p.check(k, values[k])
         return {k: values[k] for k in self.params}
+
+
+@dataclass(frozen=True)
+class Defaults(Schema):
+    """A schema some of whose parameters have defaults: a case may leave them out, and one that
+    gives the default has the same canonical id (the default is left out of it). Ops whose cases
+    predate a parameter keep their ids, suites and baselines."""
+
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self, op: str, values: dict[str, Any]) -> dict[str, Any]:
+        full = super().validate(op, {**self.defaults, **values})
+        return {k: v for k, v in full.items() if k not in self.defaults or v != self.defaults[k]}

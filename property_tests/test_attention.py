@@ -3,9 +3,12 @@
 - GQA equals MHA with the KV heads repeated;
 - a paged cache equals the contiguous one, and permuting the pages (with the table) changes
   nothing, bit for bit;
-- the split-KV result does not depend on the number of splits;
+- the split-KV result does not depend on the number of splits, nor on the partition (equal
+  counts, fixed blocks, explicit boundaries);
 - bottom-right and top-left alignment agree when s_q == s_k;
-- keys outside the window or the causal mask change nothing, bit for bit.
+- keys outside the window or the causal mask change nothing, bit for bit;
+- chunked prefill: two chunks of each sequence (the second after the first's keys) equal one
+  chunk of the whole, and a paged cache equals the contiguous one, bit for bit.
 
 Shapes are small: the Triton kernels run in the interpreter on CI. The eager torch backend is
 the noise baseline, not a kernel under test here: it rounds the logits to the test dtype on
@@ -24,27 +27,40 @@ import kernel_parity.refimpl.attention as ref
 from kernel_parity.conformance import ops
 from kernel_parity.conformance.dtypes import get as get_dtype
 from kernel_parity.conformance.metrics import compare
+from kernel_parity.conformance.ops.attention_inputs import cu_seqlens, value_dim
 from kernel_parity.conformance.tolerance import GOLDEN_SELF_CHECK
 from kernel_parity.property_tests import runs
 from kernel_parity.property_tests.strategies import cases
 
 
 def heads(p):
-    """hq is drawn as a group size: hq = hkv * group keeps every draw valid."""
+    """hq is drawn as a group size: hq = hkv * group keeps every draw valid; an aliased V (vk=1)
+    is at most d wide; a block partition gets blk > 0 and enough splits to cover kv."""
     p = {**p, "hq": p["hkv"] * p["hq"]}
     if p["causal"] != "none":
         p["wr"] = min(p["wr"], 0)
+    if p.get("vk"):
+        p["dv"] = min(p["dv"], p["d"])
+    if "part" in p:
+        p["blk"] = p["blk"] if p["part"] == "block" else 0
+        if p["part"] == "block":
+            p["splits"] = max(p["splits"], -(-p["kv"] // p["blk"]))
     return p
 
 
 MASKS = dict(wl=[-1, -1, 0, 1, 3, 9], wr=[-1, -1, 0, 2], cap=[0, 0, 30], sink=[0, 1])
-HEADS = dict(hq=(1, 4), hkv=[1, 2], d=[16, 32, 64, 96])
+HEADS = dict(hq=(1, 4), hkv=[1, 2], d=[16, 32, 64, 96], dv=[0, 0, 0, 16, 48])
+ALIAS = dict(vk=[0, 0, 1])
+PARTS = dict(part=["equal", "block", "bounds"], blk=[16, 64])
 SMALL = {
     "attention.prefill": dict(b=(1, 2), sq=(1, 24), sk=(1, 40), **HEADS, **MASKS),
     "attention.varlen": dict(b=(1, 4), sq=(1, 16), sk=(1, 24), **HEADS, **MASKS),
-    "attention.decode": dict(b=(1, 3), sq=(1, 4), kv=(0, 64), **HEADS, **MASKS),
-    "attention.decode_paged": dict(b=(1, 3), sq=(1, 4), kv=(0, 80), **HEADS, **MASKS),
-    "attention.decode_split": dict(b=(1, 3), sq=(1, 4), kv=(0, 64), splits=(1, 9), **HEADS, **MASKS),
+    "attention.decode": dict(b=(1, 3), sq=(1, 4), kv=(0, 64), **HEADS, **ALIAS, **MASKS),
+    "attention.decode_paged": dict(b=(1, 3), sq=(1, 4), kv=(0, 80), **HEADS, **ALIAS, **MASKS),
+    "attention.decode_split": dict(b=(1, 3), sq=(1, 4), kv=(0, 64), splits=(1, 9), **HEADS, **ALIAS, **PARTS,
+                                   **MASKS),
+    "attention.chunked_prefill": dict(b=(1, 4), sq=(1, 20), hist=(0, 40), hq=(1, 4), hkv=[1, 2], d=[16, 32, 64],
+                                      page=[0, 16, 64], **MASKS),
 }
 BACKENDS = {
     "attention.prefill": ("triton", "cpu", "sdpa-cpu"),
@@ -52,6 +68,7 @@ BACKENDS = {
     "attention.decode": ("triton", "cpu"),
     "attention.decode_paged": ("triton", "cpu"),
     "attention.decode_split": ("triton",),
+    "attention.chunked_prefill": ("triton", "cpu"),
 }
 
 
@@ -67,7 +84,7 @@ def test_attention(parity, op, backend, data):
 
 # -- invariants on the kernels ------------------------------------------------------------------
 @pytest.mark.parity_backends("triton", "cpu", "torch")
-@given(case=attn_cases("attention.decode", hkv=[2], hq=(2, 4)))
+@given(case=attn_cases("attention.decode", hkv=[2], hq=(2, 4), vk=[0]))
 def test_gqa_equals_mha_with_repeated_kv(backend, case):
     case = case.with_backend(backend)
     x = runs.inputs_of(case)
@@ -78,7 +95,7 @@ def test_gqa_equals_mha_with_repeated_kv(backend, case):
 
 
 @pytest.mark.parity_backends("triton", "cpu", "torch")
-@given(case=attn_cases("attention.decode_paged"), perm_seed=st.integers(0, 2**32 - 1))
+@given(case=attn_cases("attention.decode_paged", vk=[0]), perm_seed=st.integers(0, 2**32 - 1))
 def test_paged_equals_contiguous_and_page_order_is_irrelevant(backend, case, perm_seed):
     case = case.with_backend(backend)
     x = runs.inputs_of(case)
@@ -100,7 +117,7 @@ def test_paged_equals_contiguous_and_page_order_is_irrelevant(backend, case, per
 
 
 @pytest.mark.parity_backends("triton", "torch")
-@given(case=attn_cases("attention.decode_split"), other=st.integers(1, 9))
+@given(case=attn_cases("attention.decode_split", part=["equal"]), other=st.integers(1, 9))
 def test_split_kv_result_independent_of_splits(backend, case, other):
     case = case.with_backend(backend)
     x = runs.inputs_of(case)
@@ -108,6 +125,70 @@ def test_split_kv_result_independent_of_splits(backend, case, other):
     a, b = runs.run(case, x), runs.run(alt, x)
     runs.assert_close(case, {"o": b["o"], "lse": b["lse"]}, {"o": a["o"], "lse": a["lse"]},
                       f"{other} splits were used instead of {case.p['splits']}")
+
+
+def _partitions(p):
+    """(part, blk, splits) of the three partitions of a decode_split case's keys."""
+    blk = p.get("blk") or 16
+    return (("equal", 0, p["splits"]), ("block", blk, max(-(-p["kv"] // blk), 1)), ("bounds", 0, p["splits"]))
+
+
+@pytest.mark.parity_backends("triton", "torch")
+@given(case=attn_cases("attention.decode_split"))
+def test_split_kv_result_independent_of_partition(backend, case):
+    p = case.p
+    made = {part: ops.make_case(case.op, backend, case.dtype, {**p, "part": part, "blk": blk, "splits": n},
+                                case.dist, case.seed) for part, blk, n in _partitions(p)}
+    x = runs.inputs_of(made["bounds"])  # q, k, v are drawn before the boundaries: the same for all three
+    got = {part: runs.run(c, x) for part, c in made.items()}
+    for part in ("block", "bounds"):
+        runs.assert_close(made[part], {n: got[part][n] for n in ("o", "lse")}, {n: got["equal"][n] for n in ("o", "lse")},
+                          f"the keys were split by part={part} instead of equal counts")
+
+
+def _two_chunks(case, x, cut):
+    """Cases and inputs of the first `cut` queries of every chunk and of the rest (lens=full). Causal
+    only: without the mask the first part's queries would also see the second part's keys."""
+    p, b = case.p, case.p["b"]
+    q = x["q"].reshape(b, p["sq"], *x["q"].shape[1:])
+    out = []
+    for lo, hi in ((0, cut), (cut, p["sq"])):
+        sub = ops.make_case(case.op, case.backend, case.dtype, {**p, "sq": hi - lo, "hist": p["hist"] + lo},
+                            case.dist, case.seed)
+        y = {**x, "q": np.ascontiguousarray(q[:, lo:hi].reshape(-1, *q.shape[2:])),
+             "cu_seqlens_q": cu_seqlens(np.full(b, hi - lo)), "hist": (x["hist"] + lo).astype(np.int32)}
+        out.append((sub, y, hi - lo))
+    return out
+
+
+def _join(parts, b):
+    """o (total_q, h, d_v) and lse (h, total_q) of chunk parts, sequence by sequence."""
+    o = np.concatenate([r["o"].reshape(b, n, *r["o"].shape[1:]) for r, n in parts], axis=1)
+    lse = np.concatenate([r["lse"].reshape(r["lse"].shape[0], b, n) for r, n in parts], axis=2)
+    return {"o": o.reshape(-1, *o.shape[2:]), "lse": lse.reshape(lse.shape[0], -1)}
+
+
+@pytest.mark.parity_backends("triton", "cpu", "torch")
+@given(case=attn_cases("attention.chunked_prefill", lens=["full"], sq=(2, 20), causal=["bottom_right"]), cut=st.integers(1, 19))
+def test_chunked_prefill_in_two_chunks_equals_one(backend, case, cut):
+    case = case.with_backend(backend)
+    cut = min(cut, case.p["sq"] - 1)
+    x = runs.inputs_of(case)
+    parts = [(runs.run(sub, y), n) for sub, y, n in _two_chunks(case, x, cut)]
+    runs.assert_close(case, _join(parts, case.p["b"]), runs.run(case, x),
+                      f"each chunk was prefilled in two, the second after the first {cut} queries")
+
+
+@pytest.mark.parity_backends("triton", "cpu", "torch")
+@given(case=attn_cases("attention.chunked_prefill", page=[16, 64]))
+def test_chunked_prefill_paged_equals_contiguous_bit_for_bit(backend, case):
+    case = case.with_backend(backend)
+    x = runs.inputs_of(case)
+    contig = ops.make_case(case.op, backend, case.dtype, {**case.p, "page": 0}, case.dist, case.seed)
+    y = {n: t for n, t in x.items() if n != "block_table"}
+    for name in ("k_cache", "v_cache"):  # the logical cache, NaN where the pages were
+        y[name] = ref.gather_pages(x[name], x["block_table"]).astype(x[name].dtype)
+    runs.assert_same_bits(case, runs.run(contig, y), runs.run(case, x), "the paged cache was laid out contiguously")
 
 
 @pytest.mark.parity_backends("triton", "cpu", "torch")
@@ -143,7 +224,7 @@ def _close(got, want, what):
     assert cmp.anomaly_mismatch == 0 and cmp.elem_ratio <= 1.0, f"{what}: {cmp.anomaly_detail or cmp.metrics}"
 
 
-@given(case=attn_cases("attention.decode_split"), other=st.integers(1, 9))
+@given(case=attn_cases("attention.decode_split", part=["equal"], vk=[0]), other=st.integers(1, 9))
 def test_golden_split_independent_of_splits_and_equal_to_decode(case, other):
     x = {k: (v.astype(np.float64) if v.dtype.kind not in "iu" else v) for k, v in runs.inputs_of(case).items()}
     kw = dict(causal=case.p["causal"], window=(case.p["wl"], case.p["wr"]), softcap=float(case.p["cap"]),
@@ -155,6 +236,40 @@ def test_golden_split_independent_of_splits_and_equal_to_decode(case, other):
         _close(got, o1, what)
     for got, what in ((l2, "LSE with other splits"), (l3, "LSE of plain decode")):
         _close(got, l1, what)
+
+
+@given(case=attn_cases("attention.decode_split"))
+def test_golden_split_independent_of_partition(case):
+    p = case.p
+    x = ops.make_case(case.op, case.backend, case.dtype, {**p, "part": "bounds", "blk": 0}, case.dist, case.seed)
+    x = {k: (v.astype(np.float64) if v.dtype.kind not in "iu" else v) for k, v in runs.inputs_of(x).items()}
+    v = x["v_cache"] if "v_cache" in x else x["k_cache"][..., :value_dim(p)]
+    kw = dict(causal=p["causal"], window=(p["wl"], p["wr"]), softcap=float(p["cap"]), sinks=x.get("sinks"))
+    got = {}
+    for part, blk, n in _partitions(p):
+        bounds = x["split_bounds"] if part == "bounds" else None
+        got[part] = ref.decode_split(x["q"], x["k_cache"], v, x["seqlens"], n, block=blk or None, bounds=bounds, **kw)
+    for part in ("block", "bounds"):
+        _close(got[part][0], got["equal"][0], f"O with part={part}")
+        _close(got[part][1], got["equal"][1], f"LSE with part={part}")
+
+
+@given(case=attn_cases("attention.chunked_prefill", lens=["full"], sq=(2, 20), causal=["bottom_right"]), cut=st.integers(1, 19))
+def test_golden_chunked_prefill_in_two_chunks_equals_one(case, cut):
+    cut = min(cut, case.p["sq"] - 1)
+    kw = dict(causal=case.p["causal"], window=(case.p["wl"], case.p["wr"]), softcap=float(case.p["cap"]))
+
+    def golden(y):
+        y = {k: (v.astype(np.float64) if v.dtype.kind not in "iu" else v) for k, v in y.items()}
+        o, lse, _ = ref.chunked_prefill(y["q"], y["k_cache"], y["v_cache"], y["cu_seqlens_q"], y["hist"],
+                                        y.get("block_table"), sinks=y.get("sinks"), **kw)
+        return {"o": o, "lse": lse}
+
+    x = runs.inputs_of(case)
+    joined = _join([(golden(y), n) for _, y, n in _two_chunks(case, x, cut)], case.p["b"])
+    whole = golden(x)
+    _close(joined["o"], whole["o"], f"O of two chunks cut at {cut}")
+    _close(joined["lse"], whole["lse"], f"LSE of two chunks cut at {cut}")
 
 
 @given(case=attn_cases("attention.prefill"))

@@ -1,4 +1,5 @@
-"""Golden attention: prefill, varlen, decode (contiguous and paged) and split-KV decode, float64.
+"""Golden attention: prefill, varlen, decode (contiguous and paged), split-KV decode (three
+partitions) and chunked prefill over a cache that holds history, float64.
 
     s_ij = scale * q_i . k_j                        scale default 1/sqrt(d)
     s_ij = cap * tanh(s_ij / cap)                   optional logit softcap (Gemma-2), before the mask
@@ -22,6 +23,8 @@ Conventions (OPS.md, attention; research/attention-semantics.md):
 - Fully masked row: O = 0, LSE = -inf (lse_sink = S_h with a finite sink).
 - Keys at or past a sequence's length are never read into the result: the caches hold NaN
   there, and the golden zeroes them before any product.
+- d_v may differ from d (DeepSeek's 192 / 128); V may be the first d_v dims of K's own rows
+  (FlashMLA's 576 / 512): a layout of the caller's buffers, the same values for the golden.
 """
 
 from __future__ import annotations
@@ -238,26 +241,46 @@ def decode_paged(q: NDArray, k_cache: NDArray, v_cache: NDArray, block_table: ND
     return decode(q, gather_pages(k_cache, block_table), gather_pages(v_cache, block_table), seqlens, **kw)
 
 
-def split_bounds(seqlens: NDArray, splits: int) -> tuple[I64, I64]:
-    """(start, end) of each split's key range per sequence, each (splits, b).
+def split_bounds(seqlens: NDArray, splits: int, *, block: int | None = None,
+                 bounds: NDArray | None = None) -> tuple[I64, I64]:
+    """(start, end) of each split's key range per sequence, each (splits, b); three partitions.
 
-    Split s of sequence b covers keys [s C_b, min((s + 1) C_b, L_b)) with C_b = ceil(L_b / splits):
-    every split has work when L_b >= splits; the rest are empty (LSE -inf).
+    equal (default): split s of sequence b covers [s C_b, min((s + 1) C_b, L_b)), C_b = ceil(L_b / splits):
+        every split has work when L_b >= splits; the rest are empty (LSE -inf).
+    block: fixed blocks of `block` keys (TensorRT-LLM's multi-block mode: 256, 64 or the page size),
+        split s covers [s block, (s + 1) block) cut to [0, L_b); splits * block >= L_b is required.
+    bounds: (b, splits + 1) per-request cumulative boundaries (FlashMLA's scheduler), non-decreasing
+        from bounds[b, 0] = 0 to bounds[b, splits] >= L_b; split s covers [bounds[b, s], bounds[b, s + 1])
+        cut to [0, L_b). A request with fewer splits repeats its last boundary (empty splits).
+    Every key of every sequence lies in exactly one split (ValueError when a partition does not cover).
     """
     L = np.asarray(seqlens, dtype=np.int64)
-    c = -(-L // splits)  # ceil
     s = np.arange(splits)[:, None]
+    if bounds is not None:
+        t = np.asarray(bounds, dtype=np.int64)
+        if t.shape != (L.size, splits + 1) or (t[:, 0] != 0).any() or (np.diff(t, axis=1) < 0).any() \
+                or (t[:, -1] < L).any():
+            raise ValueError(f"bounds {t.shape} must be (b, splits + 1) = ({L.size}, {splits + 1}), non-decreasing "
+                             f"from 0 to at least each sequence's length")
+        return np.minimum(t[:, :-1].T, L[None, :]), np.minimum(t[:, 1:].T, L[None, :])
+    if block is not None:
+        if block < 1 or splits * block < L.max(initial=0):
+            raise ValueError(f"{splits} splits of block={block} keys do not cover {L.max(initial=0)} keys")
+        start = np.minimum(s * block, L[None, :])
+        return start, np.minimum(start + block, L[None, :])
+    c = -(-L // splits)  # ceil
     start = np.minimum(s * c[None, :], L[None, :])
     return start, np.minimum(start + c[None, :], L[None, :])
 
 
 def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArray, splits: int, *,
                  causal: str = "bottom_right", window: tuple[int, int] = (-1, -1), sinks: NDArray | None = None,
-                 scale: float | None = None, softcap: float = 0.0,
-                 head_map: str = "grouped") -> tuple[F64, F64, F64, F64, F64]:
+                 scale: float | None = None, softcap: float = 0.0, head_map: str = "grouped",
+                 block: int | None = None, bounds: NDArray | None = None) -> tuple[F64, F64, F64, F64, F64]:
     """Flash decoding: per-split partial states over a contiguous cache, merged with `lse_combine`.
 
-    q, k_cache, v_cache, seqlens: as `decode`; splits: number of key ranges (`split_bounds`)
+    q, k_cache, v_cache, seqlens: as `decode`; splits: number of key ranges; block / bounds: the
+    partition (`split_bounds`: equal counts by default, fixed blocks, or explicit boundaries)
     returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q), lse_sink (b, h_q, s_q),
              o_parts (splits, b, s_q, h_q, d_v) (NaN for an empty split: any value is right there),
              lse_parts (splits, b, h_q, s_q) (-inf for an empty split).
@@ -273,7 +296,7 @@ def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArra
     k, v = _read_only_kept(k_cache, keep), _read_only_kept(v_cache, keep)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     s = _logits(q, k, keep, scale, softcap, head_map)  # b, h_q, s_q, s_max
-    start, end = split_bounds(L, splits)  # splits, b
+    start, end = split_bounds(L, splits, block=block, bounds=bounds)  # splits, b
     c_max = int(max((end - start).max(initial=0), 1))
     j = start.T[:, :, None] + np.arange(c_max)[None, None, :]  # b, splits, c_max: key index
     ok = j < end.T[:, :, None]
@@ -299,3 +322,32 @@ def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArra
         o = o * f.transpose(0, 2, 1)[..., None]
     o_parts = np.where(np.isneginf(lse_rows)[..., None], np.nan, o_parts)
     return o, lse, lse_sink, o_parts, lse_parts
+
+
+def chunked_prefill(q: NDArray, k_cache: NDArray, v_cache: NDArray, cu_seqlens_q: NDArray, hist: NDArray,
+                    block_table: NDArray | None = None, *, causal: str = "bottom_right",
+                    **kw) -> tuple[F64, F64, F64]:
+    """Chunked prefill: packed query chunks over a cache that already holds each sequence's history.
+
+    q: (total_q, h_q, d) packed chunks; sequence b's queries are rows cu_seqlens_q[b]:cu_seqlens_q[b + 1]
+    k_cache, v_cache: (b, s_max, h_kv, d | d_v) contiguous, or (num_blocks, page, h_kv, d | d_v) pages
+        through block_table (b, max_blocks); each holds hist_b + L_q,b keys of sequence b (its history,
+        then the chunk's own keys); slots past them are never read
+    cu_seqlens_q: (b + 1,) int from 0; hist: (b,) int, tokens before the chunk (0: no history)
+    returns: o (total_q, h_q, d_v), lse (h_q, total_q), lse_sink (h_q, total_q)
+    Query i of sequence b sits at absolute position hist_b + i: bottom_right (the default) keeps keys
+    j <= hist_b + i, the alignment of `mask` with L_k = hist_b + L_q; windows use the same diagonal.
+    A sequence with no queries contributes no rows.
+    """
+    cq = np.asarray(cu_seqlens_q, dtype=np.int64)
+    lq = np.diff(cq)
+    lk = np.asarray(hist, dtype=np.int64) + lq
+    if block_table is not None:
+        k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
+    q_ok = np.arange(int(max(lq.max(initial=0), 1)))[None, :] < lq[:, None]  # b, s_q
+    qd = _unpack(q, cq, q_ok)
+    o, lse, lse_sink = attention(qd, k_cache, v_cache, q_lens=lq, k_lens=lk, causal=causal, **kw)
+    flat = q_ok.reshape(-1)
+    o_p = o.reshape(-1, *o.shape[2:])[flat]  # total_q, h_q, d_v
+    lse_p, lse_sink_p = (x.transpose(0, 2, 1).reshape(flat.size, -1)[flat].T for x in (lse, lse_sink))
+    return o_p, lse_p, lse_sink_p

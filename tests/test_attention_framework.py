@@ -132,3 +132,52 @@ def test_triton_imported_before_the_interpreter_flag_is_a_clear_skip():
                        cwd=Path(__file__).resolve().parent.parent)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "gpu" or "imported before TRITON_INTERPRET=1" in r.stdout
+
+
+def test_defaulted_parameters_keep_the_ids_of_cases_that_predate_them():
+    base = ("attention.decode_split/torch/fp32/b=2,sq=1,kv=5,hq=4,hkv=2,d=64,{extra}lens=full,splits=2,{part}"
+            "causal=bottom_right,wl=-1,wr=-1,cap=0,sink=0/normal/seed=0")
+    plain = base.format(extra="", part="")
+    assert ops.parse_case(plain).id == plain
+    explicit = base.format(extra="dv=0,vk=0,", part="part=equal,blk=0,")
+    assert ops.parse_case(explicit).id == plain  # a default given explicitly is left out of the id
+    new = base.format(extra="dv=32,vk=1,", part="part=block,blk=4,")
+    case = ops.parse_case(new)
+    assert case.id == new and case.p["dv"] == 32 and case.p["part"] == "block"
+    with pytest.raises(Exception, match="blk > 0 is the block size"):
+        ops.parse_case(base.format(extra="", part="part=block,"))
+    with pytest.raises(Exception, match="dv must be <= d"):
+        ops.parse_case(base.format(extra="dv=65,vk=1,", part=""))
+
+
+def test_an_aliased_value_cache_is_one_buffer():
+    case = ops.parse_case("attention.decode/torch/fp32/b=2,sq=1,kv=5,hq=4,hkv=1,d=72,dv=64,vk=1,lens=full,"
+                          "causal=bottom_right,wl=-1,wr=-1,cap=0,sink=0/normal/seed=0")
+    runner = Runner()
+    runner.capture = {}
+    rec = runner.evaluate(case)
+    assert rec.verdict == "pass"
+    inputs = runner.capture[case.id]["inputs"]
+    assert "v_cache" not in inputs and inputs["k_cache"].shape[-1] == 72
+    assert runner.capture[case.id]["golden"]["o"].shape == (2, 1, 4, 64)
+
+
+def test_ci_covers_a_paged_write_from_mid_page_into_the_next_page():
+    from kernel_parity.conformance import suites
+    from kernel_parity.conformance.runner import Prepared
+
+    spec = ops.get("kvcache.update")
+    crossing = []
+    for case in suites.cases("ci"):
+        if case.op != spec.name or case.p["layout"] == "contiguous" or case.dtype != "fp32":
+            continue
+        page = {"paged16": 16, "paged64": 64}[case.p["layout"]]
+        pos = Prepared(spec, case).inputs["pos"].astype(int)
+        if ((pos % page != 0) & (pos % page + case.p["snew"] > page)).any():
+            crossing.append(case.id)
+    assert crossing, "no ci kvcache.update case writes from the middle of a page into the next page"
+
+
+def test_triton_prefill_kernels_skip_head_dims_past_256():
+    case = ops.parse_case(PREFILL.format(b="triton").replace("d=16,", "d=288,dv=256,"))
+    assert "head dims <= 256" in Registry().get("triton").supports(case)

@@ -1,7 +1,9 @@
 """Adapters binding the attention kernels of each built-in backend to op names.
 
 Every backend receives the same keyword arguments (scale left to the kernel's 1/sqrt(d)
-default, causal, window, softcap, sinks) and writes into the poisoned output buffers.
+default, causal, window, softcap, sinks) and writes into the poisoned output buffers. A case with
+vk=1 has one cache input, k_cache; V is handed to the kernel as a view of its first d_v dims (the
+same memory, K's row stride), never as a copy.
 """
 
 from __future__ import annotations
@@ -9,13 +11,29 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from kernel_parity.conformance.backends._torch import to_torch
+from kernel_parity.conformance.ops.attention_inputs import value_dim
 
 DECODE_OPS = ("attention.decode", "attention.decode_paged")
+TRITON_MAX_D = {"attention.prefill": 256, "attention.varlen": 256, "attention.chunked_prefill": 256}
 
 
 def _kw(case, sinks) -> dict[str, Any]:
     p = case.p
     return dict(causal=p["causal"], window=(p["wl"], p["wr"]), softcap=float(p["cap"]), sinks=sinks)
+
+
+def _values(case, t: dict[str, Any], keys: str = "k_cache"):
+    """The V input, or a view of the key buffer's first d_v dims (vk=1)."""
+    return t["v_cache"] if "v_cache" in t else t[keys][..., : value_dim(case.p)]
+
+
+def _part(case, t: dict[str, Any]) -> dict[str, Any]:
+    """decode_split's partition keywords: none (equal counts), block=blk, or bounds=split_bounds."""
+    if case.p.get("part") == "block":
+        return {"block": case.p["blk"]}
+    if case.p.get("part") == "bounds":
+        return {"bounds": t["split_bounds"]}
+    return {}
 
 
 def _torch_args(case, inputs, device):
@@ -26,9 +44,13 @@ def _torch_args(case, inputs, device):
         return (t["q"], t["k"], t["v"]), kw
     if case.op == "attention.varlen":
         return (t["q"], t["k"], t["v"], t["cu_seqlens_q"], t["cu_seqlens_k"]), kw
+    if case.op == "attention.chunked_prefill":
+        return (t["q"], t["k_cache"], t["v_cache"], t["cu_seqlens_q"], t["hist"], t.get("block_table")), kw
     if case.op == "attention.decode_paged":
-        return (t["q"], t["k_cache"], t["v_cache"], t["block_table"], t["seqlens"]), kw
-    return (t["q"], t["k_cache"], t["v_cache"], t["seqlens"]), kw
+        return (t["q"], t["k_cache"], _values(case, t), t["block_table"], t["seqlens"]), kw
+    if case.op == "attention.decode_split":
+        kw.update(_part(case, t))
+    return (t["q"], t["k_cache"], _values(case, t), t["seqlens"]), kw
 
 
 def _max_lens(inputs) -> tuple[int, int]:
@@ -41,6 +63,7 @@ def _max_lens(inputs) -> tuple[int, int]:
 def triton_ops(device: str) -> dict[str, Callable]:
     def run(case, inputs, out):
         from kernel_parity.kernels.triton import attention as fa
+        from kernel_parity.kernels.triton import attention_chunked as chunked
         from kernel_parity.kernels.triton import attention_decode as dec
 
         args, kw = _torch_args(case, inputs, device)
@@ -49,6 +72,9 @@ def triton_ops(device: str) -> dict[str, Callable]:
             fa.prefill(*args, **kw, out=o, out_lse=lse)
         elif case.op == "attention.varlen":
             fa.varlen(*args, *_max_lens(inputs), **kw, out=o, out_lse=lse)
+        elif case.op == "attention.chunked_prefill":
+            max_q = int((inputs["cu_seqlens_q"][1:] - inputs["cu_seqlens_q"][:-1]).max(initial=0))
+            chunked.chunked_prefill(*args[:5], max_q, block_table=args[5], **kw, out=o, out_lse=lse)
         elif case.op == "attention.decode":
             dec.decode(*args, **kw, out=o, out_lse=lse)
         elif case.op == "attention.decode_paged":
@@ -60,7 +86,19 @@ def triton_ops(device: str) -> dict[str, Callable]:
             return {"o": o, "lse": lse, "o_parts": o_parts, "lse_parts": lse_parts}
         return {"o": o, "lse": lse}
 
-    return {op: run for op in ("attention.prefill", "attention.varlen", *DECODE_OPS, "attention.decode_split")}
+    return {op: run for op in ("attention.prefill", "attention.varlen", *DECODE_OPS, "attention.decode_split",
+                               "attention.chunked_prefill")}
+
+
+def triton_supports() -> dict[str, Callable]:
+    """Prefill-type Triton kernels hold a (BLOCK_M, d) Q tile and K/V tiles in shared memory: d <= 256."""
+    def head_dim(case) -> str | None:
+        lim = TRITON_MAX_D[case.op]
+        if max(case.p["d"], value_dim(case.p)) > lim:
+            return f"the Triton {case.op} kernel takes head dims <= {lim} (d={case.p['d']}, d_v={value_dim(case.p)})"
+        return None
+
+    return {op: head_dim for op in TRITON_MAX_D}
 
 
 def cpu_ops() -> dict[str, Callable]:
@@ -72,13 +110,17 @@ def cpu_ops() -> dict[str, Callable]:
         x = inputs
         if case.op == "attention.prefill":
             k.prefill(x["q"], x["k"], x["v"], **kw, out=o, out_lse=lse)
+        elif case.op == "attention.chunked_prefill":
+            k.chunked_prefill(x["q"], x["k_cache"], x["v_cache"], x["cu_seqlens_q"], x["hist"], x.get("block_table"),
+                              **kw, out=o, out_lse=lse)
         elif case.op == "attention.decode":
-            k.decode(x["q"], x["k_cache"], x["v_cache"], x["seqlens"], **kw, out=o, out_lse=lse)
+            k.decode(x["q"], x["k_cache"], _values(case, x), x["seqlens"], **kw, out=o, out_lse=lse)
         else:
-            k.decode_paged(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seqlens"], **kw, out=o, out_lse=lse)
+            k.decode_paged(x["q"], x["k_cache"], _values(case, x), x["block_table"], x["seqlens"], **kw, out=o,
+                           out_lse=lse)
         return {"o": o, "lse": lse}
 
-    return {op: run for op in ("attention.prefill", *DECODE_OPS)}
+    return {op: run for op in ("attention.prefill", *DECODE_OPS, "attention.chunked_prefill")}
 
 
 def torch_ops(device: str) -> dict[str, Callable]:
@@ -87,7 +129,8 @@ def torch_ops(device: str) -> dict[str, Callable]:
 
         args, kw = _torch_args(case, inputs, device)
         fn = {"attention.prefill": k.attention, "attention.varlen": k.varlen, "attention.decode": k.decode,
-              "attention.decode_paged": k.decode_paged, "attention.decode_split": k.decode_split}[case.op]
+              "attention.decode_paged": k.decode_paged, "attention.decode_split": k.decode_split,
+              "attention.chunked_prefill": k.chunked_prefill}[case.op]
         if case.op == "attention.decode_split":
             res = fn(*args, case.p["splits"], **kw)
             names = ("o", "lse", "o_parts", "lse_parts")
@@ -99,4 +142,5 @@ def torch_ops(device: str) -> dict[str, Callable]:
             bufs[n].copy_(r)
         return bufs
 
-    return {op: run for op in ("attention.prefill", "attention.varlen", *DECODE_OPS, "attention.decode_split")}
+    return {op: run for op in ("attention.prefill", "attention.varlen", *DECODE_OPS, "attention.decode_split",
+                               "attention.chunked_prefill")}

@@ -1,10 +1,15 @@
-"""Op specs of the attention family: prefill, varlen, decode, decode_paged, decode_split.
+"""Op specs of the attention family: prefill, varlen, decode, decode_paged, decode_split, chunked_prefill.
 
 Every op returns O (test dtype) and LSE (fp32, natural log, excluding the sink); decode_split
 also returns its per-split partials. Masks, windows, softcap, sinks and GQA follow
 refimpl/attention.py. When a case fails, the runner re-runs the golden under the alternative
 semantics listed in DIAGNOSES and names the one the kernel matches (an alignment, head-mapping,
 scale, window or LSE-base bug rather than numeric error).
+
+Parameters added after an op's first cases have defaults (`Defaults`): a case that leaves them at
+their default has the id it always had. `dv` (value head dim, 0: d) on every op but
+chunked_prefill; `vk` (V is the first d_v dims of K's rows, one buffer) on the decode ops; `part`
+and `blk` (the split-KV partition: equal counts, fixed blocks, explicit boundaries) on decode_split.
 """
 
 from __future__ import annotations
@@ -16,17 +21,27 @@ import numpy as np
 
 import kernel_parity.refimpl.attention as ref
 from kernel_parity.conformance import dtypes as dt
-from kernel_parity.conformance.ops.attention_inputs import (CACHE_SLACK, DISTS, contiguous_cache, cu_seqlens, lengths,
-                                              paged_cache, qkv, sinks)
-from kernel_parity.conformance.params import Int, OneOf, Schema
+from kernel_parity.conformance.ops.attention_inputs import (CACHE_SLACK, DISTS, chunk_lengths, chunked_inputs,
+                                                           contiguous_cache, cu_seqlens, lengths, paged_cache, qkv,
+                                                           sinks, split_bounds, value_dim, values)
+from kernel_parity.conformance.params import Defaults, Int, OneOf
 from kernel_parity.conformance.spec import Diagnosis, OpSpec, Output
 from kernel_parity.conformance.tolerance import Override, Tier, Tol
+
+
 
 HEADS = dict(
     hq=Int(1, 128, edges=(8, 32, 64), doc="query heads"),
     hkv=Int(1, 128, edges=(1, 2, 8), doc="kv heads (divides hq)"),
-    d=Int(1, 576, edges=(64, 96, 128, 256), doc="head dim (d_v = d)"),
+    d=Int(1, 576, edges=(64, 96, 128, 256), doc="head dim of q and k"),
 )
+DV = dict(dv=Int(0, 576, edges=(64, 128, 512), doc="value head dim d_v; 0 (default): d_v = d"))
+VK = dict(vk=OneOf(0, 1, doc="1: V is the first d_v dims of K's rows in one cache buffer (FlashMLA's 576 / 512)"))
+PART = dict(part=OneOf("equal", "block", "bounds",
+                       doc="split-KV partition: equal key counts (default), fixed blocks of blk keys, "
+                           "explicit per-request boundaries (input split_bounds)"),
+            blk=Int(0, 1 << 17, edges=(16, 64, 256), doc="keys per split with part=block (0 otherwise)"))
+NEW_DEFAULTS = {"dv": 0, "vk": 0, "part": "equal", "blk": 0}
 MASKING = dict(
     causal=OneOf("none", "bottom_right", "top_left", doc="causal mask alignment"),
     wl=Int(-1, 1 << 20, doc="window left, inclusive; -1 unbounded"),
@@ -37,11 +52,22 @@ MASKING = dict(
 LENS = OneOf("full", "ragged", doc="sequence lengths: all at the maximum, or ragged with 0 and 1")
 
 
+def _schema(**params) -> Defaults:
+    return Defaults(params, {k: v for k, v in NEW_DEFAULTS.items() if k in params})
+
+
 def _check(p: dict[str, Any]) -> str | None:
     if p["hq"] % p["hkv"]:
         return f"hq={p['hq']} must be a multiple of hkv={p['hkv']}"
     if p["causal"] != "none" and p["wr"] not in (-1, 0):
         return f"wr={p['wr']} with causal={p['causal']}: causal forces the right window to 0 (use wr=-1 or 0)"
+    if p.get("vk") and value_dim(p) > p["d"]:
+        return f"vk=1 reads V from the first dv={p['dv']} dims of K's rows: dv must be <= d={p['d']}"
+    part, blk = p.get("part", "equal"), p.get("blk", 0)
+    if (part == "block") != (blk > 0):
+        return f"blk={blk} with part={part}: blk > 0 is the block size of part=block, and 0 otherwise"
+    if part == "block" and p["splits"] * blk < p["kv"]:
+        return f"splits={p['splits']} blocks of blk={blk} keys do not cover kv={p['kv']}"
     return None
 
 
@@ -58,7 +84,7 @@ def _lse_out(lse: np.ndarray, p: dict[str, Any]) -> np.ndarray:
 # -- input builders ---------------------------------------------------------------------------
 def _prefill_inputs(p, dtype, dist, rng):
     q, k, v = qkv(rng, dist, (p["b"], p["sq"], p["hq"], p["d"]), (p["b"], p["sk"], p["hkv"], p["d"]),
-                  (p["b"], p["sk"], p["hkv"], p["d"]))
+                  (p["b"], p["sk"], p["hkv"], value_dim(p)))
     return {"q": dt.round_to(q, dtype), "k": dt.round_to(k, dtype), "v": dt.round_to(v, dtype), **sinks(rng, p)}
 
 
@@ -69,7 +95,7 @@ def _varlen_lens(p):
 def _varlen_inputs(p, dtype, dist, rng):
     lq, lk = _varlen_lens(p)
     q, k, v = qkv(rng, dist, (int(lq.sum()), p["hq"], p["d"]), (int(lk.sum()), p["hkv"], p["d"]),
-                  (int(lk.sum()), p["hkv"], p["d"]))
+                  (int(lk.sum()), p["hkv"], value_dim(p)))
     return {"q": dt.round_to(q, dtype), "k": dt.round_to(k, dtype), "v": dt.round_to(v, dtype),
             "cu_seqlens_q": cu_seqlens(lq), "cu_seqlens_k": cu_seqlens(lk), **sinks(rng, p)}
 
@@ -78,13 +104,17 @@ def _decode_inputs(p, dtype, dist, rng):
     L = lengths(p["b"], p["kv"], p["lens"])
     s_max = p["kv"] + CACHE_SLACK
     q, k, v = qkv(rng, dist, (p["b"], p["sq"], p["hq"], p["d"]), (p["b"], s_max, p["hkv"], p["d"]),
-                  (p["b"], s_max, p["hkv"], p["d"]))
+                  (p["b"], s_max, p["hkv"], value_dim(p)))
     out = {"q": dt.round_to(q, dtype), "seqlens": L, **sinks(rng, p)}
     if "page" in p:
         out["k_cache"], out["v_cache"], out["block_table"] = paged_cache(rng, k, v, L, p["page"], dtype)
     else:
         out["k_cache"] = contiguous_cache(rng, k, L, dtype)
         out["v_cache"] = contiguous_cache(rng, v, L, dtype)
+    if p.get("vk"):
+        del out["v_cache"]  # one buffer: V is k_cache[..., :dv]
+    if p.get("part") == "bounds":
+        out["split_bounds"] = split_bounds(rng, L, p["splits"])
     return out
 
 
@@ -103,14 +133,21 @@ def _varlen_ref(x, p):
 def _decode_ref(x, p):
     fn = ref.decode_paged if "page" in p else ref.decode
     extra = (x["block_table"],) if "page" in p else ()
-    o, lse, _ = fn(x["q"], x["k_cache"], x["v_cache"], *extra, x["seqlens"], sinks=x.get("sinks"), **golden_kw(p))
+    o, lse, _ = fn(x["q"], x["k_cache"], values(x, p), *extra, x["seqlens"], sinks=x.get("sinks"), **golden_kw(p))
     return {"o": o, "lse": _lse_out(lse, p)}
 
 
 def _split_ref(x, p):
-    o, lse, _, o_parts, lse_parts = ref.decode_split(x["q"], x["k_cache"], x["v_cache"], x["seqlens"], p["splits"],
-                                                     sinks=x.get("sinks"), **golden_kw(p))
+    part = dict(block=p.get("blk") or None, bounds=x.get("split_bounds"))
+    o, lse, _, o_parts, lse_parts = ref.decode_split(x["q"], x["k_cache"], values(x, p), x["seqlens"], p["splits"],
+                                                     sinks=x.get("sinks"), **part, **golden_kw(p))
     return {"o": o, "lse": _lse_out(lse, p), "o_parts": o_parts, "lse_parts": _lse_out(lse_parts, p)}
+
+
+def _chunked_ref(x, p):
+    o, lse, _ = ref.chunked_prefill(x["q"], x["k_cache"], x["v_cache"], x["cu_seqlens_q"], x["hist"],
+                                    x.get("block_table"), sinks=x.get("sinks"), **golden_kw(p))
+    return {"o": o, "lse": _lse_out(lse, p)}
 
 
 # -- diagnoses: alternative semantics a wrong kernel may implement -----------------------------
@@ -216,7 +253,7 @@ BASELINE_TIER = Tier(
 
 
 def _acc(p, output):
-    keys = p.get("sk", p.get("kv", 1))
+    keys = p["sk"] if "sk" in p else p["kv"] if "kv" in p else p["hist"] + p["sq"]
     return keys + p["d"]  # a dot over d, then a softmax-weighted sum over the keys
 
 
@@ -245,18 +282,18 @@ OUT = {
 
 PREFILL = OpSpec(
     name="attention.prefill", golden=ref.prefill, reference=_prefill_ref,
-    params=Schema(dict(b=Int(1, 64), sq=Int(1, 1 << 16), sk=Int(1, 1 << 16), **HEADS, **MASKING)),
+    params=_schema(b=Int(1, 64), sq=Int(1, 1 << 16), sk=Int(1, 1 << 16), **HEADS, **DV, **MASKING),
     make_inputs=_prefill_inputs,
-    output_shapes=lambda p: {"o": (p["b"], p["sq"], p["hq"], p["d"]), "lse": (p["b"], p["hq"], p["sq"])},
+    output_shapes=lambda p: {"o": (p["b"], p["sq"], p["hq"], value_dim(p)), "lse": (p["b"], p["hq"], p["sq"])},
     outputs=OUT, tolerance=_tol(), dists=DISTS, check=_check, diagnoses=DIAGNOSES,
-    doc="Dense batched attention (b, s, h, d) with GQA, causal alignment, window, softcap, sinks.",
+    doc="Dense batched attention (b, s, h, d) with GQA, causal alignment, window, softcap, sinks, d_v != d.",
 )
 
 VARLEN = OpSpec(
     name="attention.varlen", golden=ref.varlen, reference=_varlen_ref,
-    params=Schema(dict(b=Int(1, 64), sq=Int(1, 1 << 16), sk=Int(1, 1 << 16), **HEADS, lens=LENS, **MASKING)),
+    params=_schema(b=Int(1, 64), sq=Int(1, 1 << 16), sk=Int(1, 1 << 16), **HEADS, **DV, lens=LENS, **MASKING),
     make_inputs=_varlen_inputs,
-    output_shapes=lambda p: {"o": (int(_varlen_lens(p)[0].sum()), p["hq"], p["d"]),
+    output_shapes=lambda p: {"o": (int(_varlen_lens(p)[0].sum()), p["hq"], value_dim(p)),
                              "lse": (p["hq"], int(_varlen_lens(p)[0].sum()))},
     outputs=OUT, tolerance=_tol(), dists=DISTS, check=_check, diagnoses=DIAGNOSES,
     backends=("triton", "torch"),
@@ -264,17 +301,17 @@ VARLEN = OpSpec(
 )
 
 _DECODE_PARAMS = dict(b=Int(1, 256), sq=Int(1, 16, edges=(1, 2, 4)), kv=Int(0, 1 << 17, edges=(8192,)),
-                      **HEADS, lens=LENS)
+                      **HEADS, **DV, **VK, lens=LENS)
 _DECODE_MASK = dict(MASKING, causal=OneOf("bottom_right", "top_left", "none", doc="causal mask alignment"))
 
 
 def _decode_shapes(p):
-    return {"o": (p["b"], p["sq"], p["hq"], p["d"]), "lse": (p["b"], p["hq"], p["sq"])}
+    return {"o": (p["b"], p["sq"], p["hq"], value_dim(p)), "lse": (p["b"], p["hq"], p["sq"])}
 
 
 DECODE = OpSpec(
     name="attention.decode", golden=ref.decode, reference=_decode_ref,
-    params=Schema(dict(_DECODE_PARAMS, **_DECODE_MASK)), make_inputs=_decode_inputs,
+    params=_schema(**_DECODE_PARAMS, **_DECODE_MASK), make_inputs=_decode_inputs,
     output_shapes=_decode_shapes, outputs=OUT, tolerance=_tol(), dists=DISTS, check=_check,
     diagnoses=DIAGNOSES,
     doc="Decode of s_q new tokens over a contiguous cache (b, s_max, h_kv, d) with per-sequence lengths.",
@@ -282,7 +319,7 @@ DECODE = OpSpec(
 
 DECODE_PAGED = OpSpec(
     name="attention.decode_paged", golden=ref.decode_paged, reference=_decode_ref,
-    params=Schema(dict(_DECODE_PARAMS, page=OneOf(16, 64, doc="tokens per page"), **_DECODE_MASK)),
+    params=_schema(**_DECODE_PARAMS, page=OneOf(16, 64, doc="tokens per page"), **_DECODE_MASK),
     make_inputs=_decode_inputs, output_shapes=_decode_shapes, outputs=OUT, tolerance=_tol(), dists=DISTS,
     check=_check, diagnoses=DIAGNOSES,
     doc="Decode over a paged cache (num_blocks, page, h_kv, d) through a block table (shuffled pages).",
@@ -290,10 +327,10 @@ DECODE_PAGED = OpSpec(
 
 DECODE_SPLIT = OpSpec(
     name="attention.decode_split", golden=ref.decode_split, reference=_split_ref,
-    params=Schema(dict(_DECODE_PARAMS, splits=Int(1, 128, edges=(2, 3, 8, 16)), **_DECODE_MASK)),
+    params=_schema(**_DECODE_PARAMS, splits=Int(1, 128, edges=(2, 3, 8, 16)), **PART, **_DECODE_MASK),
     make_inputs=_decode_inputs,
     output_shapes=lambda p: {**_decode_shapes(p),
-                             "o_parts": (p["splits"], p["b"], p["sq"], p["hq"], p["d"]),
+                             "o_parts": (p["splits"], p["b"], p["sq"], p["hq"], value_dim(p)),
                              "lse_parts": (p["splits"], p["b"], p["hq"], p["sq"])},
     outputs={**OUT,
              "o_parts": Output("fp32", nan_is_any=True, tol_dtype="test",
@@ -301,7 +338,27 @@ DECODE_SPLIT = OpSpec(
              "lse_parts": Output("fp32", doc="per-split LSE, -inf for an empty split")},
     tolerance=_tol(_PARTS_SCALE), dists=DISTS, check=_check, diagnoses=DIAGNOSES,
     backends=("triton", "torch"),
-    doc="Flash decoding: per-split partial (O, LSE) over key ranges, merged by lse_combine.",
+    doc="Flash decoding: per-split partial (O, LSE) over key ranges (equal counts, fixed blocks or explicit "
+        "boundaries), merged by lse_combine; a request with one split skips the merge.",
 )
 
-SPECS = (PREFILL, VARLEN, DECODE, DECODE_PAGED, DECODE_SPLIT)
+
+def _chunked_shapes(p):
+    total_q = int(chunk_lengths(p)[0].sum())
+    return {"o": (total_q, p["hq"], p["d"]), "lse": (p["hq"], total_q)}
+
+
+CHUNKED_PREFILL = OpSpec(
+    name="attention.chunked_prefill", golden=ref.chunked_prefill, reference=_chunked_ref,
+    params=_schema(b=Int(1, 64), sq=Int(1, 1 << 16, doc="longest chunk (queries of a sequence)"),
+                   hist=Int(0, 1 << 17, edges=(16, 64), doc="longest history (tokens cached before the chunk)"),
+                   **HEADS, lens=LENS, page=OneOf(0, 16, 64, doc="0: contiguous cache; else tokens per page"),
+                   **dict(MASKING, causal=OneOf("bottom_right", "none",
+                                                doc="bottom_right: query i of sequence b sees keys j <= hist_b + i"))),
+    make_inputs=chunked_inputs, output_shapes=_chunked_shapes, outputs=OUT, tolerance=_tol(), dists=DISTS,
+    check=_check, diagnoses=DIAGNOSES, backends=("triton", "cpu", "torch"),
+    doc="Chunked prefill: packed chunks (cu_seqlens_q) over a contiguous or paged cache holding each "
+        "sequence's history (hist) and the chunk's keys; LSE (h_q, total_q).",
+)
+
+SPECS = (PREFILL, VARLEN, DECODE, DECODE_PAGED, DECODE_SPLIT, CHUNKED_PREFILL)

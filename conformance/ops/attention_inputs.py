@@ -1,8 +1,11 @@
-"""Input builders of the attention family: q/k/v draws, ragged lengths, poisoned caches, page tables.
+"""Input builders of the attention family: q/k/v draws, ragged lengths, poisoned caches, page tables,
+explicit split-KV boundaries, chunked-prefill histories.
 
 Poisoning as FlashMLA's own test does it: every cache slot at or past a sequence's length, every
 unused page, and the page that unused block-table entries point at hold NaN, so a kernel that
 reads past the end fails structurally (NaN where the golden has none), not numerically.
+A case with `vk=1` passes one cache buffer, `k_cache`, whose first d_v dims are V (FlashMLA's
+layout): there is no `v_cache` input, and each backend reads V through a view of K's rows.
 """
 
 from __future__ import annotations
@@ -97,3 +100,54 @@ def paged_cache(rng: np.random.Generator, k_seq: np.ndarray, v_seq: np.ndarray, 
 
 def cu_seqlens(lens: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def value_dim(p: dict[str, Any]) -> int:
+    """d_v of a case: its `dv` parameter, or d where the case leaves it out (dv = 0)."""
+    return p.get("dv", 0) or p["d"]
+
+
+def values(x: dict[str, np.ndarray], p: dict[str, Any], name: str = "v_cache", keys: str = "k_cache") -> np.ndarray:
+    """The value tensor of a case: its own input, or the first d_v dims of the keys' rows (vk=1)."""
+    return x[name] if name in x else x[keys][..., : value_dim(p)]
+
+
+def split_bounds(rng: np.random.Generator, seqlens: np.ndarray, splits: int) -> np.ndarray:
+    """(b, splits + 1) int32 per-request cumulative split boundaries (FlashMLA's scheduler style).
+
+    Request b takes n_b splits: one for every third request (b % 3 == 0: its only split holds all
+    its keys, so the combine skips it), else n_b ~ U[1, splits]. Its n_b - 1 inner boundaries are
+    drawn with replacement from [0, L_b] and sorted (empty splits inside a request included); the
+    row runs 0 .. L_b and repeats L_b past n_b (empty trailing splits).
+    """
+    L = np.asarray(seqlens, dtype=np.int64)
+    b = L.size
+    n = rng.integers(1, splits + 1, size=b)
+    n[::3] = 1
+    cuts = rng.integers(0, L[:, None] + 1, size=(b, max(splits - 1, 0)))  # b, splits - 1
+    cuts = np.where(np.arange(splits - 1)[None, :] < n[:, None] - 1, cuts, L[:, None])
+    inner = np.sort(cuts, axis=1)
+    return np.concatenate([np.zeros((b, 1), np.int64), inner, L[:, None]], axis=1).astype(np.int32)
+
+
+def chunk_lengths(p: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """(chunk lengths, history lengths), each (b,) int32: `lengths` of sq and of hist, the histories
+    rotated by one so that empty chunks, empty histories and both full fall on different sequences."""
+    return lengths(p["b"], p["sq"], p["lens"]), lengths(p["b"], p["hist"], p["lens"], shift=1)
+
+
+def chunked_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Packed chunk queries and a cache holding each sequence's history and chunk keys (NaN past them),
+    contiguous (page = 0, s_max = hist + sq + CACHE_SLACK) or in shuffled pages."""
+    lq, hist = chunk_lengths(p)
+    L = hist + lq
+    s_max = p["hist"] + p["sq"] + CACHE_SLACK
+    b, h_kv = p["b"], p["hkv"]
+    q, k, v = qkv(rng, dist, (int(lq.sum()), p["hq"], p["d"]), (b, s_max, h_kv, p["d"]),
+                  (b, s_max, h_kv, value_dim(p)))
+    out = {"q": dt.round_to(q, dtype), "cu_seqlens_q": cu_seqlens(lq), "hist": hist, **sinks(rng, p)}
+    if p["page"]:
+        out["k_cache"], out["v_cache"], out["block_table"] = paged_cache(rng, k, v, L, p["page"], dtype)
+    else:
+        out["k_cache"], out["v_cache"] = contiguous_cache(rng, k, L, dtype), contiguous_cache(rng, v, L, dtype)
+    return out

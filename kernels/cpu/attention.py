@@ -1,5 +1,5 @@
-"""Native CPU attention: prefill, decode over a contiguous KV cache, decode over a paged cache
-(kernel in attention.c).
+"""Native CPU attention: prefill, decode over a contiguous KV cache, decode over a paged cache,
+chunked prefill over either cache (kernel in attention.c).
 
     s_ij  = scale * q_i . k_j                       scale default 1/sqrt(d)
     s_ij  = cap * tanh(s_ij / cap)                  softcap > 0, before the mask
@@ -15,6 +15,11 @@ k_cache, v_cache (decode_paged): (num_blocks, page, h_kv, d | d_v); block_table:
 sinks: (h_q,) float32 sink logits (scaled domain) or None
 returns (o, lse): o (b, s_q, h_q, d_v) in q's dtype, lse (b, h_q, s_q) float32, natural log,
     excluding the sink; `out` / `out_lse` are used when given (o: last-axis stride 1).
+chunked_prefill: q (total_q, h_q, d) packed by cu_seqlens_q (b + 1,) int32; hist (b,) int32 tokens
+    cached before each chunk; either cache above; o (total_q, h_q, d_v), lse (h_q, total_q). Sequence b
+    is the decode of its L_q queries over hist_b + L_q keys (one kernel call per sequence with queries:
+    attention.c has no cu_seqlens input), so query i sees keys j <= hist_b + i (bottom_right).
+V may be a view of K's first d_v dims (one cache buffer, K's strides).
 
 Conventions (OPS.md, attention; refimpl/attention.py): q, k, v share one dtype (float32, float16,
 bfloat16), fp32 accumulation, one RNE rounding of O. causal is "none", "bottom_right" (decode
@@ -39,7 +44,7 @@ import numpy as np
 from kernel_parity.kernels.cpu.loader import (DTYPE_CODES, check_array, check_output, check_status, dtype_code,
                                 element_strides, load)
 
-__all__ = ["prefill", "decode", "decode_paged"]
+__all__ = ["prefill", "decode", "decode_paged", "chunked_prefill"]
 
 CAUSAL = {"none": 0, "bottom_right": 1, "top_left": 2}
 _I32, _F32 = np.dtype(np.int32), np.dtype(np.float32)
@@ -210,3 +215,40 @@ def decode_paged(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_
     return _launch(q, k_cache, v_cache, seqlens=seqlens, block_table=block_table, page=page,
                    scale=scale, causal=causal, window=window, softcap=softcap, sinks=sinks, out=out,
                    out_lse=out_lse, threads=threads)
+
+
+def chunked_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, cu_seqlens_q: np.ndarray,
+                    hist: np.ndarray, block_table: np.ndarray | None = None, *, scale: float | None = None,
+                    causal: str = "bottom_right", window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    sinks: np.ndarray | None = None, out: np.ndarray | None = None,
+                    out_lse: np.ndarray | None = None, threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Packed chunks q (total_q, h_q, d) over caches holding each sequence's history and chunk keys."""
+    check_array("q", q, 3, "(total_q, h_q, d)", tuple(DTYPE_CODES))
+    check_array("cu_seqlens_q", cu_seqlens_q, 1, "(b + 1,)", (_I32,))
+    b = cu_seqlens_q.shape[0] - 1
+    cu = cu_seqlens_q.astype(np.int64)
+    if b < 0 or cu[0] != 0 or (np.diff(cu) < 0).any() or cu[-1] != q.shape[0]:
+        raise ValueError(f"cu_seqlens_q must run non-decreasing from 0 to total_q = {q.shape[0]}, got {cu_seqlens_q}")
+    check_array("hist", hist, 1, "(b,)", (_I32,))
+    if hist.shape != (b,) or (b and hist.min() < 0):
+        raise ValueError(f"hist must be ({b},) int32 >= 0, got {hist.shape}")
+    total_q, h_q = q.shape[:2]
+    d_v = v_cache.shape[-1]
+    if out is None:
+        out = np.empty((total_q, h_q, d_v), dtype=q.dtype)
+    check_output("out", out, (total_q, h_q, d_v), q.dtype, "(total_q, h_q, d_v)")
+    if out_lse is None:
+        out_lse = np.empty((h_q, total_q), dtype=np.float32)
+    check_output("out_lse", out_lse, (h_q, total_q), _F32, "(h_q, total_q)")
+    kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, sinks=sinks, threads=threads)
+    for i in range(b):  # one kernel call per sequence, on views: the C kernel takes no cu_seqlens
+        c0, c1 = int(cu[i]), int(cu[i + 1])
+        if c1 == c0:
+            continue  # no queries: nothing to write
+        lens = (hist[i:i + 1] + (c1 - c0)).astype(np.int32)
+        o, lse, qi = out[None, c0:c1], out_lse[None, :, c0:c1], q[None, c0:c1]
+        if block_table is None:
+            decode(qi, k_cache[i:i + 1], v_cache[i:i + 1], lens, **kw, out=o, out_lse=lse)
+        else:
+            decode_paged(qi, k_cache, v_cache, block_table[i:i + 1], lens, **kw, out=o, out_lse=lse)
+    return out, out_lse

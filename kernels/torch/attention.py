@@ -10,7 +10,9 @@ Masks follow OPS.md: bottom_right / top_left causal alignment per sequence, incl
 (left, right) with causal forcing right = 0, softcap before the mask, GQA query head h reads kv
 head h // (h_q // h_kv), sinks add exp(S_h) to the denominator only (the returned LSE excludes
 them), fully masked rows give O = 0 and LSE = -inf, keys at or past a sequence's length are
-zeroed before any product (caches hold NaN there).
+zeroed before any product (caches hold NaN there). V may have its own head dim d_v, or be a view
+of K's first d_v dims (one cache buffer). chunked_prefill places each sequence's queries after its
+history in the cache (bottom_right over history + chunk).
 """
 
 from __future__ import annotations
@@ -118,11 +120,14 @@ def decode_paged(q, k_cache, v_cache, block_table, seqlens, **kw) -> tuple[torch
 
 
 def decode_split(q, k_cache, v_cache, seqlens, num_splits: int, *, causal: str = "bottom_right",
-                 window: tuple[int, int] = (-1, -1), sinks: torch.Tensor | None = None, **kw):
+                 window: tuple[int, int] = (-1, -1), sinks: torch.Tensor | None = None, block: int | None = None,
+                 bounds: torch.Tensor | None = None, **kw):
     """Per-split partials (fp32) and their merge; returns (o, lse, o_parts, lse_parts).
 
-    Split s of sequence b covers keys [s C_b, min((s + 1) C_b, L_b)), C_b = ceil(L_b / num_splits).
-    o_parts (splits, b, s_q, h_q, d) fp32, lse_parts (splits, b, h_q, s_q) fp32.
+    Split s of sequence b covers keys [s C_b, min((s + 1) C_b, L_b)), C_b = ceil(L_b / num_splits);
+    with `block`, [s block, (s + 1) block) cut to [0, L_b); with `bounds` (b, num_splits + 1),
+    [bounds[b, s], bounds[b, s + 1]) cut to [0, L_b) (refimpl.attention.split_bounds).
+    o_parts (splits, b, s_q, h_q, d_v) fp32, lse_parts (splits, b, h_q, s_q) fp32.
     """
     from kernel_parity.kernels.torch.combine import lse_combine
 
@@ -134,8 +139,14 @@ def decode_split(q, k_cache, v_cache, seqlens, num_splits: int, *, causal: str =
     j = torch.arange(s_max, device=q.device)[None, :]
     o_parts, lse_parts = [], []
     for sp in range(num_splits):  # the splits are the algorithm under test
-        start = torch.minimum(sp * c, L)[:, None]
-        end = torch.minimum(start + c[:, None], L[:, None])
+        if bounds is not None:
+            start, end = (torch.minimum(bounds[:, sp + e].to(L.device).long(), L)[:, None] for e in (0, 1))
+        elif block is not None:
+            start = torch.minimum(torch.full_like(L, sp * block), L)[:, None]
+            end = torch.minimum(start + block, L[:, None])
+        else:
+            start = torch.minimum(sp * c, L)[:, None]
+            end = torch.minimum(start + c[:, None], L[:, None])
         in_split = (j >= start) & (j < end)
         o, lse = attention(q, k_cache, v_cache, keep=keep & in_split[:, None, :], **kw)
         o_parts.append(o.float())
@@ -151,3 +162,20 @@ def decode_split(q, k_cache, v_cache, seqlens, num_splits: int, *, causal: str =
         w = torch.where(torch.isfinite(lse_sink), torch.exp(lse - lse_sink), torch.zeros_like(lse))
         o = o.float() * w.transpose(1, 2)[..., None]
     return o.to(q.dtype), lse, o_parts_t, lse_parts_t
+
+
+def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, hist, block_table=None, *, causal: str = "bottom_right",
+                    **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed chunks q (total_q, h_q, d) over caches holding hist_b + L_q,b keys per sequence
+    (contiguous (b, s_max, h_kv, d), or pages through block_table) -> o (total_q, h_q, d_v), lse (h_q, total_q).
+    Query i of sequence b is at position hist_b + i (bottom_right: keys j <= hist_b + i)."""
+    cq = cu_seqlens_q.long()
+    lq = cq[1:] - cq[:-1]
+    lk = hist.to(q.device).long() + lq
+    if block_table is not None:
+        k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
+    qi = torch.arange(max(int(lq.max()), 1), device=q.device)[None, :]
+    q_ok = qi < lq[:, None]  # b, s_q
+    qd = q[(cq[:-1, None] + qi).clamp(max=max(q.shape[0] - 1, 0))] * q_ok[..., None, None]
+    o, lse = attention(qd, k_cache, v_cache, q_lens=lq, k_lens=lk, causal=causal, **kw)
+    return o[q_ok], lse.transpose(1, 2)[q_ok].T

@@ -232,7 +232,8 @@ def _attention_prefill_kernel(
     tl.store(Lse_ptr + l_off + offs_m * stride_ls, lse, mask=mask_m)
 
 
-def _check_common(q, k, v, causal, window, softcap, sinks, h_axis: int, scale=None) -> tuple[int, int]:
+def _check_common(q, k, v, causal, window, softcap, sinks, h_axis: int, scale=None,
+                  max_head_dim: int = MAX_HEAD_DIM) -> tuple[int, int]:
     """Shared argument checks; returns the normalised (left, right) window."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -249,8 +250,8 @@ def _check_common(q, k, v, causal, window, softcap, sinks, h_axis: int, scale=No
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ before the head dim")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q head dim {q.shape[-1]} != k head dim {k.shape[-1]}")
-    if not 1 <= q.shape[-1] <= MAX_HEAD_DIM or not 1 <= v.shape[-1] <= MAX_HEAD_DIM:
-        raise ValueError(f"head dims d={q.shape[-1]}, d_v={v.shape[-1]} must be in [1, {MAX_HEAD_DIM}]")
+    if not 1 <= q.shape[-1] <= max_head_dim or not 1 <= v.shape[-1] <= max_head_dim:
+        raise ValueError(f"head dims d={q.shape[-1]}, d_v={v.shape[-1]} must be in [1, {max_head_dim}]")
     h_q, h_kv = q.shape[h_axis], k.shape[h_axis]
     if h_kv < 1 or h_q % h_kv:
         raise ValueError(f"h_q={h_q} must be a multiple of h_kv={h_kv}")

@@ -20,7 +20,13 @@ C_b = ceil(L_b / splits) (refimpl.attention.split_bounds). Stage 1 (this file's 
 writes each split's normalised fp32 O and its LSE (-inf when empty); stage 2 is
 kernels.triton.combine.lse_combine over rows flattened as (b, s_q, h_q); the sink, if any, enters
 after the merge (`_decode_finish_kernel`: O *= 1 / (1 + exp(S_h - LSE))). `decode` and
-`decode_paged` split on their own when b * h_kv programs cannot fill the GPU.
+`decode_paged` split on their own when b * h_kv programs cannot fill the GPU. `decode_split` also
+takes fixed blocks or explicit boundaries (kernels.triton.attention_split: a request with one
+split skips the merge, its stage-1 program writes O and LSE).
+
+d_v may differ from d, and V may be a view of K's first d_v dims (one buffer, K's row stride);
+decode takes head dims up to 576 (FlashMLA's 576 / 512 as plain attention; the padded 1024-wide
+tile is for correctness, kernels.triton.mla is the fast MLA kernel).
 
 References: Dao et al., "Flash-Decoding for long-context inference" (2023); FlashInfer's decode
 with GQA head packing; vLLM's paged attention layout.
@@ -28,7 +34,6 @@ with GQA head packing; vLLM's paged attention layout.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -36,10 +41,13 @@ import triton
 import triton.language as tl
 
 from .attention import _check_common, _check_out, _tanh
+from .attention_split import PARTS, _split_count, _split_range, check_partition, combine_partitioned
+from .attention_split import _auto_splits, _sm_count  # noqa: F401  (_sm_count: kernels.triton.mla's too)
 from .combine import lse_combine
 from .softmax import LN2, LOG2E
 
 MAX_QUERIES = 16
+MAX_DECODE_HEAD_DIM = 576
 # (BLOCK_N, num_warps, num_stages) by (padded head dim, element size). 16-bit d = 128 measured on
 # an H200 with Triton 3.6 (benchmarks/gpu_attention.py; paged bf16, b=64, 8192 tokens, h_q=32,
 # h_kv=8, ms for pages of 16 / 64): (64, 4, 2) 0.493-0.497 / 0.487-0.496 (102-104% of copy
@@ -49,29 +57,24 @@ MAX_QUERIES = 16
 DECODE_CONFIGS: dict[tuple[int, int], tuple[int, int, int]] = {
     (16, 2): (128, 4, 3), (32, 2): (128, 4, 3), (64, 2): (128, 4, 3), (128, 2): (64, 4, 2), (256, 2): (32, 4, 3),
     (16, 4): (64, 4, 2), (32, 4): (64, 4, 2), (64, 4): (64, 4, 2), (128, 4): (32, 4, 2), (256, 4): (16, 4, 2),
+    (512, 2): (16, 4, 2), (1024, 2): (16, 8, 2), (512, 4): (16, 4, 1), (1024, 4): (16, 8, 1),
 }
 # Rows of (query head, query) per program; a larger GQA group x s_q is tiled over grid axis 1.
 MAX_BLOCK_M = 64
-# Automatic splitting, only when b * h_kv programs leave SMs idle: about SPLIT_PROGRAMS_PER_SM
-# programs per SM, each split keeping >= MIN_SPLIT_KEYS keys. Measured on an H200 (b=8, 2048
-# tokens, h_kv=8: 64 programs), as CUDA-graph replays: 1 split 64 us, 2: 44, 4: 31, 5: 30, 8: 27
-# (cuDNN SDPA 23.5 us). At b=64 (512 programs) a second split cost 15% (0.575 vs 0.494 ms).
-SPLIT_PROGRAMS_PER_SM = 4
-MIN_SPLIT_KEYS = 256
-MAX_AUTO_SPLITS = 32
 
 
 @triton.jit
 def _attention_decode_kernel(
-    Q_ptr, K_ptr, V_ptr, O_ptr, Lse_ptr, Sinks_ptr, Seqlens_ptr, BT_ptr,
-    s_q, h_kv, group, d, d_v, n_splits, qk_scale, softcap_out, left, right,
+    Q_ptr, K_ptr, V_ptr, O_ptr, Lse_ptr, Sinks_ptr, Seqlens_ptr, BT_ptr, Out_ptr, OutLse_ptr, Bounds_ptr,
+    s_q, h_kv, group, d, d_v, n_splits, block, qk_scale, softcap_out, left, right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt_b, stride_bt_p, stride_o_split, stride_ob, stride_os, stride_oh,
     stride_l_split, stride_lb, stride_lh, stride_ls,
+    stride_fo_b, stride_fo_s, stride_fo_h, stride_fl_b, stride_fl_h, stride_fl_s, stride_bd_b, stride_bd_s,
     TOP_LEFT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_SINK: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PART: tl.constexpr, SINK_DIRECT: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // h_kv
@@ -95,9 +98,12 @@ def _attention_decode_kernel(
     start = 0
     end = L
     if SPLIT:
-        chunk = tl.cdiv(L, n_splits)
-        start = tl.minimum(split * chunk, L)
-        end = tl.minimum(start + chunk, L)
+        if PART == 0:
+            chunk = tl.cdiv(L, n_splits)
+            start = tl.minimum(split * chunk, L)
+            end = tl.minimum(start + chunk, L)
+        else:
+            start, end = _split_range(split, L, b, block, Bounds_ptr, stride_bd_b, stride_bd_s, PART)
     if TOP_LEFT:
         diag_off = 0
     else:
@@ -169,6 +175,19 @@ def _attention_decode_kernel(
     l_ptrs = (Lse_ptr + split.to(tl.int64) * stride_l_split + b.to(tl.int64) * stride_lb
               + head * stride_lh + qi * stride_ls)
     tl.store(l_ptrs, lse, mask=mask_m)
+    if PART != 0:  # a request with one non-empty split (or none) skips the merge: O and LSE from here
+        n_req = _split_count(L, b, n_splits, block, Bounds_ptr, stride_bd_b, stride_bd_s, PART, BLOCK_S)
+        if (n_req <= 1) & ((end > start) | ((n_req == 0) & (split == 0))):
+            den_f = l_i
+            if SINK_DIRECT:
+                sink_f = tl.load(Sinks_ptr + head, mask=mask_m, other=0.0).to(tl.float32) * LOG2E
+                den_f += tl.exp2(sink_f - tl.where(m_i == float("-inf"), 0.0, m_i))
+            o_f = acc * (1.0 / tl.where(den_f > 0.0, den_f, 1.0))[:, None]
+            fo_ptrs = (Out_ptr + b.to(tl.int64) * stride_fo_b + qi[:, None] * stride_fo_s
+                       + head[:, None] * stride_fo_h + offs_dv[None, :])
+            tl.store(fo_ptrs, o_f.to(Out_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_dv < d_v)[None, :])
+            tl.store(OutLse_ptr + b.to(tl.int64) * stride_fl_b + head * stride_fl_h + qi * stride_fl_s, lse,
+                     mask=mask_m)
 
 
 @triton.jit
@@ -197,11 +216,6 @@ def _decode_finish_kernel(
     tl.store(LseOut_ptr + b.to(tl.int64) * stride_lb + offs_h * stride_lh + i * stride_ls, lse, mask=mask_h)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _flat_rows(t: torch.Tensor, *tail: int) -> torch.Tensor | None:
     """t viewed as (-1, *tail) without a copy, or None where its strides do not allow it."""
     try:
@@ -210,20 +224,11 @@ def _flat_rows(t: torch.Tensor, *tail: int) -> torch.Tensor | None:
         return None
 
 
-def _auto_splits(q: torch.Tensor, b: int, h_kv: int, n_m: int, max_keys: int) -> int:
-    """1 on CPU and whenever the unsplit grid covers every SM; else enough splits to fill them.
-    max_keys is the cache capacity: seqlens stays on the device (reading it would synchronise)."""
-    programs = b * h_kv * n_m
-    if not q.is_cuda or programs >= _sm_count(q.device):
-        return 1
-    want = triton.cdiv(SPLIT_PROGRAMS_PER_SM * _sm_count(q.device), max(programs, 1))
-    return max(1, min(want, max_keys // MIN_SPLIT_KEYS, MAX_AUTO_SPLITS))
-
-
 def _decode(q, k_cache, v_cache, seqlens, block_table, num_splits, split_api, *, scale, causal, window, softcap,
-            sinks, out, out_lse, out_o_parts=None, out_lse_parts=None, config=None):
+            sinks, out, out_lse, out_o_parts=None, out_lse_parts=None, config=None, block=None, bounds=None):
     """Checks, allocation and launches shared by the three entry points."""
-    left, right = _check_common(q, k_cache, v_cache, causal, window, softcap, sinks, h_axis=2, scale=scale)
+    left, right = _check_common(q, k_cache, v_cache, causal, window, softcap, sinks, h_axis=2, scale=scale,
+                                max_head_dim=MAX_DECODE_HEAD_DIM)
     if q.dim() != 4 or k_cache.dim() != 4:
         raise ValueError(f"expected q (b, s_q, h_q, d) and 4-D caches, got {tuple(q.shape)}, {tuple(k_cache.shape)}")
     b, s_q, h_q, d = q.shape
@@ -262,6 +267,7 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, num_splits, split_api, *,
         raise ValueError(f"num_splits={num_splits} must be in [1, 65535]")
     if b * h_kv >= 2**31 or n_m > 65535:
         raise ValueError(f"grid ({b * h_kv}, {n_m}, {splits}) exceeds CUDA's limits")
+    part = check_partition(block, bounds, splits, b, q.device)
     split = split_api or splits > 1
     o_parts = lse_parts = None
     if split:
@@ -281,18 +287,22 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, num_splits, split_api, *,
     dst_o, dst_l = (o_parts, lse_parts) if split else (out.unsqueeze(0), out_lse.unsqueeze(0))
     _attention_decode_kernel[(b * h_kv, n_m, splits if split else 1)](
         q, k_cache, v_cache, dst_o, dst_l, sinks if sinks is not None else dst_l, seqlens,
-        block_table if paged else seqlens,
-        s_q, h_kv, group, d, d_v, splits, scale / softcap if softcap else scale * 1.4426950408889634,
+        block_table if paged else seqlens, out, out_lse, bounds if bounds is not None else seqlens,
+        s_q, h_kv, group, d, d_v, splits, block or 0, scale / softcap if softcap else scale * 1.4426950408889634,
         softcap * 1.4426950408889634, left, right,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         *(block_table.stride() if paged else (0, 0)), *dst_o.stride()[:4], *dst_l.stride(),
+        *out.stride()[:3], *out_lse.stride(), *(bounds.stride() if bounds is not None else (0, 0)),
         TOP_LEFT=causal == "top_left", HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=softcap > 0,
         HAS_SINK=sinks is not None and not split, PAGED=paged, PAGE=page, SPLIT=split,
         EVEN_D=block_d == d and block_dv == d_v, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_DV=block_dv, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PART=part, SINK_DIRECT=sinks is not None and part != 0, BLOCK_S=max(2, triton.next_power_of_2(splits)),
         num_warps=num_warps, num_stages=num_stages,
     )
-    if split:
+    if split and part:
+        combine_partitioned(o_parts, lse_parts, out, out_lse, sinks, seqlens, part, block or 0, bounds)
+    elif split:
         _combine(o_parts, lse_parts, out, out_lse, sinks)
     return out, out_lse, o_parts, lse_parts
 
@@ -381,12 +391,19 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  window: tuple[int, int] = (-1, -1), softcap: float = 0.0, sinks: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, out_lse: torch.Tensor | None = None,
                  out_o_parts: torch.Tensor | None = None, out_lse_parts: torch.Tensor | None = None,
-                 config: tuple[int, int, int] | None = None,
+                 config: tuple[int, int, int] | None = None, block: int | None = None,
+                 bounds: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flash decoding over a contiguous cache: per-split partial states, merged by lse_combine.
 
     q, k_cache, v_cache, seqlens and the keywords: as `decode`; num_splits >= 1 (may exceed L_b:
     the extra splits are empty)
+    block: keys a split (fixed-size splits, TensorRT-LLM's multi-block mode: 64, 256, the page size);
+           num_splits * block must cover every seqlens[b] (the caller's guarantee: not checked)
+    bounds: (b, num_splits + 1) int32 on q's device, per-request boundaries non-decreasing from 0 to
+            >= seqlens[b] (FlashMLA's scheduler; a request with fewer splits repeats its last one)
+    With block or bounds a request whose keys lie in one split skips the merge: its stage-1
+    program writes O and LSE (kernels.triton.attention_split). Default: equal key counts.
     out_o_parts: (num_splits, b, s_q, h_q, d_v) float32 whose (b, s_q, h_q) dims flatten to one
                  stride; O of each split normalised by its own sum (any value for an empty split)
     out_lse_parts: (num_splits, b, h_q, s_q) float32, -inf for an empty split; allocated as a
@@ -398,4 +415,4 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         raise ValueError(f"num_splits={num_splits!r} must be an int >= 1")
     return _decode(q, k_cache, v_cache, seqlens, None, num_splits, True, scale=scale, causal=causal,
                    window=window, softcap=softcap, sinks=sinks, out=out, out_lse=out_lse,
-                   out_o_parts=out_o_parts, out_lse_parts=out_lse_parts, config=config)
+                   out_o_parts=out_o_parts, out_lse_parts=out_lse_parts, config=config, block=block, bounds=bounds)
