@@ -11,7 +11,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from kernel_parity.conformance.backends._torch import to_torch
-from kernel_parity.conformance.ops.mla import DV, SCALES
+from kernel_parity.conformance.ops.mla import DV, FUSED_EPS, FUSED_SCALE, SCALES
+
+
+def _fused_args(t: dict) -> tuple:
+    """decode_fused_fp8's positional arguments (both backends) from the case's tensors."""
+    return (t["q"], t["input_row_offsets"], t["freqs_cis"], t["gamma"], FUSED_EPS, t["w_uk"], t["w_uk_scale"],
+            t["w_uv"], t["w_uv_scale"], t["kv_cache"], t["block_table"], t["cache_lengths"], FUSED_SCALE)
 
 
 def _torch_pair(out: Any, device: str, o: Any, lse: Any) -> dict:
@@ -41,7 +47,15 @@ def triton_ops(device: str) -> dict[str, Callable]:
                           out=o, out_lse=lse)
         return {"o": o, "lse": lse}
 
-    return {"mla.decode": decode, "mla.decode_sparse": sparse}
+    def fused_fp8(case, inputs, out):
+        from kernel_parity.kernels.triton.mla_fused import mla_decode_fused_fp8
+
+        o = out.torch("out", device)
+        t = {k: to_torch(v, device) for k, v in inputs.items()}
+        mla_decode_fused_fp8(*_fused_args(t), attn_sink=t.get("attn_sink"), out=o)  # writes t["kv_cache"]
+        return {"out": o, "kv_cache": t["kv_cache"]}
+
+    return {"mla.decode": decode, "mla.decode_sparse": sparse, "mla.decode_fused_fp8": fused_fp8}
 
 
 def cpu_ops() -> dict[str, Callable]:
@@ -75,4 +89,13 @@ def torch_ops(device: str) -> dict[str, Callable]:
                                  d_v=DV)
         return _torch_pair(out, device, o, lse)
 
-    return {"mla.decode": decode, "mla.decode_sparse": sparse}
+    def fused_fp8(case, inputs, out):
+        from kernel_parity.kernels.torch import mla as k
+
+        t = {n: to_torch(v, device) for n, v in inputs.items()}
+        o, cache = k.decode_fused_fp8(*_fused_args(t), attn_sink=t.get("attn_sink"), inplace=True)
+        oo = out.torch("out", device)
+        oo.copy_(o)
+        return {"out": oo, "kv_cache": cache}
+
+    return {"mla.decode": decode, "mla.decode_sparse": sparse, "mla.decode_fused_fp8": fused_fp8}

@@ -1,0 +1,396 @@
+"""MAX's fused FP8 MLA decode branch (`mla_decode_branch_fp8`), in Triton.
+
+    q_lat  = bmm_fp8(q_nope, W_UK)                     per head: (T, dn) x (d_c, dn)^T
+    row    <- [RMSNorm(row[:d_c]) * gamma ; RoPE(row[d_c:], f[p])]    the new tokens' cache rows, in place
+    q      = [q_lat ; RoPE(q_rope, f[p])]              (T, H, d_c + d_r)
+    o_lat  = softmax(scale q rows^T, causal j <= p) rows[:, :d_c]     per request, over the updated cache
+    out    = bmm_fp8(o_lat, W_UV)                      per head: (T, d_c) x (dv, d_c)^T
+    bmm_fp8(a, w): s = min(amax_G, 1200) / 448, qa = e4m3(clamp(a * (1 / s), +-448)), G = (1 token x 128
+                   channels) of one head; C = sum_kb dot(qa, w)[kb] s_a[kb] s_w[n // 128, kb]
+
+Conventions (golden refimpl.mla.decode_fused_fp8, helpers refimpl/mla_fp8.py): q (T, H, dn + d_r) holds
+the ragged new tokens, request r's at input_row_offsets[r]:[r + 1]; request r's token t sits at
+position p = cache_lengths[r] + t, in the cache slot block_table[r, p // page], p % page, whose row
+holds the raw kv_a_proj output on entry; freqs_cis row p = [cos p w_0, sin p w_0, cos p w_1, ...]
+and RoPE rotates interleaved pairs (x[2i], x[2i+1]); RMSNorm is x / sqrt(mean x^2 + eps) * gamma;
+an all-zero activation group has scale 0 and codes 0 (MAX's zero reciprocal); the sink is a
+natural-log logit per head in the scaled domain, in the denominator only (+inf: O = 0).
+
+Four launches:
+1. `_mla_fused_rope_norm_kernel`, one program per new token: RMSNorm + RoPE of its cache row
+   (written back in the cache dtype) and RoPE of its q_rope, all heads.
+2. `_mla_fused_bmm_fp8_kernel` for q_lat: each program quantizes its (BLOCK_M tokens x 128)
+   activation tiles in registers (the group is one token's 128 channels, so no second pass) and
+   runs the e4m3 dot of each 128-channel K block, promoted into an fp32 accumulator with
+   s_a x s_w (DeepGEMM's per-block promotion: Hopper's fp8 accumulation never spans one block).
+3. `_mla_fused_attend_kernel`, one program per (request, block of (token, head) rows): the online
+   softmax of kernels/triton/mla.py (`_mla_attend`: FlashAttention-2, log2 domain), every query
+   row of a request streaming its keys once.
+4. `_mla_fused_bmm_fp8_kernel` for out, as 2.
+
+Where it rounds (the golden computes in float64):
+- RMSNorm in fp64 (the golden's operations in its order), rounded to fp32; the RoPE of the cache
+  rows and of q_rope in fp32. The cache rows are stored in the cache dtype: the rope part rounded
+  once, the latent from its fp32 value.
+- q_lat, the roped q, the attention and o_lat stay fp32. The attention reads the new tokens' keys
+  and values from the fp32 rows of step 1, not from their rounded cache rows, with fp32 logits and
+  probabilities, IEEE fp32 dots (no tf32) and an IEEE division by the softmax sum.
+- The activation quantizer therefore sees float32 values within a few fp32 ulps of the golden's
+  float32(o_lat) (q_nope's are the inputs themselves), and its e4m3 codes are the golden's except
+  at true rounding ties. (Rounding the golden's o_lat to bf16, as MAX stores it, moves 2.2% of
+  its codes on the ci cases, each by one e4m3 step of that element, felt in all of out's row.)
+- Products of e4m3 codes are exact, their 128-term block sums and the scale products fp32; out is
+  rounded once, to q's dtype.
+Cost of that choice on a GPU: the attention's dots run on fp32 FMA units, not tensor cores
+(decode is bandwidth-bound, but this is the price; tf32x3 would be the cheaper exact-enough form).
+
+Not checked (each would synchronise with the GPU; MAX's cache manager guarantees them):
+offsets rising from 0 to T, distinct cache slots for the new tokens, positions inside freqs_cis
+and the block table. `max_new_tokens` sizes the attention grid; None reads it from the offsets.
+
+References: modular/modular max/kernels/src/nn/attention/gpu/mla_graph.mojo (mla_decode_branch_fp8),
+nn/fused_qk_rope.mojo, linalg/fp8_utils.mojo, linalg/bmm.mojo; DeepSeek-V3 inference/kernel.py.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from .mla import _mla_attend
+
+GROUP = 128  # FP8 scale granularity (1, 128, 128): MAX's bmm supports only this one
+FP8_MAX = tl.constexpr(448.0)
+SCALE_UB = 1200.0  # MAX's activation amax bound in the MLA branch
+LOG2E = 1.4426950408889634
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Unmeasured guesses (no GPU run yet). The attention keeps a (BLOCK_M, 576) fp32 q tile and a
+# (BLOCK_M, 512) fp32 accumulator in registers, so BLOCK_M stays at 16-32 rows.
+ATTEND_BLOCK_M = 32
+ATTEND_BLOCK_N = 16
+ATTEND_WARPS = 8
+BMM_BLOCK_M = 16  # tokens a program; tl.dot needs >= 16
+BMM_BLOCK_N = 128
+BMM_WARPS = 4
+ROPE_HEADS = 16  # heads a step of the q-rope loop
+
+
+@triton.jit
+def _rope_pairs(pair, D_R: tl.constexpr):
+    """Offsets of the two elements RoPE rotates together: interleaved (x[2i], x[2i + 1])."""
+    xe, xo = 2 * pair, 2 * pair + 1
+    return xe, xo
+
+
+@triton.jit
+def _mla_fused_rope_norm_kernel(
+    Q_ptr, Off_ptr, CL_ptr, BT_ptr, F_ptr, G_ptr, KV_ptr, New_ptr, QF_ptr,
+    b, H, eps_hi, eps_lo,
+    stride_qt, stride_qh, stride_bt_b, stride_bt_p, stride_f, stride_kb, stride_ks, stride_new_t,
+    stride_qf_t, stride_qf_h,
+    PAGE: tl.constexpr, DN: tl.constexpr, D_C: tl.constexpr, D_R: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0)
+    # The token's request: how many requests end at or before it (empty requests included).
+    r = tl.full([], 0, tl.int32)
+    for c0 in range(1, b + 1, BLOCK_B):
+        offs_b = c0 + tl.arange(0, BLOCK_B)
+        ends = tl.load(Off_ptr + offs_b, mask=offs_b <= b, other=0)
+        r += tl.sum(((ends <= t) & (offs_b <= b)).to(tl.int32))
+    pos = tl.load(CL_ptr + r) + t - tl.load(Off_ptr + r)
+    page = tl.load(BT_ptr + r.to(tl.int64) * stride_bt_b + (pos // PAGE) * stride_bt_p)
+    row = KV_ptr + page.to(tl.int64) * stride_kb + (pos % PAGE) * stride_ks
+    new_row = New_ptr + t.to(tl.int64) * stride_new_t
+
+    # RMSNorm of the latent in fp64, the golden's own operations in its order (512 values a token:
+    # free), rounded once to fp32. A request's first token attends to itself alone, so its o_lat
+    # IS this row: fp32 arithmetic here (two roundings) would sit an ulp off the golden's
+    # float32(o_lat), and where the golden lands exactly on an e4m3 midpoint (ratios of 16-bit
+    # products do), that ulp moves the code in every head at once.
+    offs_c = tl.arange(0, D_C)
+    x = tl.load(row + offs_c).to(tl.float64)
+    # the float64 eps from two fp32 halves (scalar arguments arrive as fp32)
+    eps = tl.full([], eps_hi, tl.float32).to(tl.float64) + tl.full([], eps_lo, tl.float32).to(tl.float64)
+    rms = tl.sqrt(tl.sum(x * x, axis=0) * (1.0 / D_C) + eps)  # IEEE in fp64; D_C a power of two: an exact mean
+    y = (x / rms * tl.load(G_ptr + offs_c).to(tl.float64)).to(tl.float32)
+    tl.store(new_row + offs_c, y)
+
+    # RoPE: the table row is interleaved [cos_i, sin_i]; (x_e + i x_o)(cos + i sin) in fp32.
+    pair = tl.arange(0, D_R // 2)
+    xe, xo = _rope_pairs(pair, D_R)
+    cos = tl.load(F_ptr + pos.to(tl.int64) * stride_f + 2 * pair).to(tl.float32)
+    sin = tl.load(F_ptr + pos.to(tl.int64) * stride_f + 2 * pair + 1).to(tl.float32)
+    ke = tl.load(row + D_C + xe).to(tl.float32)
+    ko = tl.load(row + D_C + xo).to(tl.float32)
+    ye = ke * cos - ko * sin
+    yo = ke * sin + ko * cos
+    tl.store(new_row + D_C + xe, ye)
+    tl.store(new_row + D_C + xo, yo)
+
+    # The cache row in its dtype: the rope part rounded once, the latent from its fp32 value (the
+    # fp32 row above, not this one, feeds the attention).
+    tl.store(row + offs_c, y.to(KV_ptr.dtype.element_ty))
+    tl.store(row + D_C + xe, ye.to(KV_ptr.dtype.element_ty))
+    tl.store(row + D_C + xo, yo.to(KV_ptr.dtype.element_ty))
+
+    # q_rope of every head, into the fp32 query rows' rope part.
+    for h0 in range(0, H, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        mask_h = (heads < H)[:, None]
+        q_row = Q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + DN
+        qe = tl.load(q_row + xe[None, :], mask=mask_h, other=0.0).to(tl.float32)
+        qo = tl.load(q_row + xo[None, :], mask=mask_h, other=0.0).to(tl.float32)
+        qf_row = QF_ptr + t.to(tl.int64) * stride_qf_t + heads[:, None] * stride_qf_h + D_C
+        tl.store(qf_row + xe[None, :], qe * cos[None, :] - qo * sin[None, :], mask=mask_h)
+        tl.store(qf_row + xo[None, :], qe * sin[None, :] + qo * cos[None, :], mask=mask_h)
+
+
+@triton.jit
+def _mla_fused_bmm_fp8_kernel(
+    A_ptr, W_ptr, SW_ptr, C_ptr, M, N, n_kb, scale_ub,
+    stride_ab, stride_am, stride_ak, stride_wb, stride_wn, stride_wk, stride_swb, stride_swn, stride_swk,
+    stride_cb, stride_cm, stride_cn,
+    GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_b = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, GROUP_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    a_ptrs = A_ptr + pid_b.to(tl.int64) * stride_ab + offs_m[:, None].to(tl.int64) * stride_am \
+        + offs_k[None, :] * stride_ak
+    w_ptrs = W_ptr + pid_b.to(tl.int64) * stride_wb + offs_n[:, None].to(tl.int64) * stride_wn \
+        + offs_k[None, :] * stride_wk
+    sw_ptrs = SW_ptr + pid_b * stride_swb + (offs_n // GROUP_K) * stride_swn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, n_kb):
+        # MAX's dynamic quantization of one (token, 128 channels) group, in fp32: the scale and
+        # its reciprocal IEEE-divided, x * (1 / s) rounded once, clamped, cast to nearest e4m3.
+        a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0).to(tl.float32)
+        s_a = tl.math.div_rn(tl.minimum(tl.max(tl.abs(a), axis=1), scale_ub), FP8_MAX)
+        recip = tl.where(s_a > 0.0, tl.math.div_rn(1.0, tl.where(s_a > 0.0, s_a, 1.0)), 0.0)
+        qa = tl.minimum(tl.maximum(a * recip[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+        qw = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+        s_w = tl.load(sw_ptrs + kb * stride_swk, mask=mask_n, other=0.0)
+        # exact e4m3 products, one block's sum on the tensor cores, promoted to fp32 with both scales
+        acc += tl.dot(qa, tl.trans(qw)) * (s_a[:, None] * s_w[None, :])
+        a_ptrs += GROUP_K * stride_ak
+        w_ptrs += GROUP_K * stride_wk
+    c_ptrs = C_ptr + pid_b.to(tl.int64) * stride_cb + offs_m[:, None].to(tl.int64) * stride_cm \
+        + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(C_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _mla_fused_attend_kernel(
+    QF_ptr, New_ptr, KV_ptr, O_ptr, Off_ptr, CL_ptr, BT_ptr, Sink_ptr,
+    H, n_m, qk_scale,
+    stride_qf_t, stride_qf_h, stride_new_t, stride_kb, stride_ks, stride_bt_b, stride_bt_p,
+    stride_o_t, stride_o_h,
+    HAS_SINK: tl.constexpr, PAGE: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m = pid % n_m
+    r = pid // n_m
+    start = tl.load(Off_ptr + r)
+    n_r = tl.load(Off_ptr + r + 1) - start
+    cl = tl.load(CL_ptr + r)
+
+    # Row m is new token m // H of the request, head m % H; token i sits at position cl + i and
+    # sees keys j <= cl + i (the last n_r keys are the new tokens themselves).
+    n_rows = n_r * H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < n_rows
+    qi = offs_m // H
+    head = offs_m % H
+    tok = (start + qi).to(tl.int64)
+    offs_dv = tl.arange(0, D_V)
+    offs_pe = tl.arange(0, D_PE)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_rows = QF_ptr + tok * stride_qf_t + head * stride_qf_h
+    q_nope = tl.load(q_rows[:, None] + offs_dv[None, :], mask=mask_m[:, None], other=0.0)
+    q_pe = tl.load(q_rows[:, None] + D_V + offs_pe[None, :], mask=mask_m[:, None], other=0.0)
+    diag = cl + qi
+    # keys up to the last one this block's last row sees (none for a block past the request's rows)
+    hi = tl.where(pid_m * BLOCK_M < n_rows, cl + (tl.minimum(pid_m * BLOCK_M + BLOCK_M, n_rows) - 1) // H + 1, 0)
+
+    bt_row = BT_ptr + r.to(tl.int64) * stride_bt_b
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)  # fp32 accumulator of O
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        live = cols < hi
+        old = cols < cl  # cached before this step: the cache rows (the dtype, widened exactly)
+        new = live & (cols >= cl)  # this step's tokens: their fp32 rows, before the cache rounding
+        page = tl.load(bt_row + (cols // PAGE) * stride_bt_p, mask=old, other=0)
+        rows = page.to(tl.int64) * stride_kb + (cols % PAGE) * stride_ks
+        nrows = (start + cols - cl).to(tl.int64) * stride_new_t
+        kn = tl.where(new[:, None], tl.load(New_ptr + nrows[:, None] + offs_dv[None, :], mask=new[:, None], other=0.0),
+                      tl.load(KV_ptr + rows[:, None] + offs_dv[None, :], mask=old[:, None], other=0.0).to(tl.float32))
+        kp = tl.where(new[:, None],
+                      tl.load(New_ptr + nrows[:, None] + D_V + offs_pe[None, :], mask=new[:, None], other=0.0),
+                      tl.load(KV_ptr + rows[:, None] + D_V + offs_pe[None, :], mask=old[:, None],
+                              other=0.0).to(tl.float32))
+        m_i, l_i, acc = _mla_attend(q_nope, q_pe, kn, kp, kn, live, cols, diag, m_i, l_i, acc, qk_scale,
+                                    True, False, "ieee")
+
+    if HAS_SINK:  # exp(sink) joins the denominator: l + 2^(sink log2 e - m); +inf gives O = 0
+        sink = tl.load(Sink_ptr + head, mask=mask_m, other=float("-inf")).to(tl.float32)
+        l_i = l_i + tl.exp2(sink * 1.4426950408889634 - m_i)
+    o = tl.math.div_rn(acc, tl.where(l_i > 0.0, l_i, 1.0)[:, None])  # IEEE: o_lat feeds the quantizer
+    o_rows = O_ptr + tok * stride_o_t + head * stride_o_h
+    tl.store(o_rows[:, None] + offs_dv[None, :], o, mask=mask_m[:, None])
+
+
+def _bmm_fp8(a: torch.Tensor, w: torch.Tensor, sw: tuple, c: torch.Tensor) -> None:
+    """c[t, h, n] = bmm_fp8(a[t, h, :], w[h]) for (T, H, K) a and (T, H, N) c; sw = (ptr, strides)."""
+    T, H, K = a.shape
+    N = w.shape[1]
+    grid = (H, triton.cdiv(T, BMM_BLOCK_M), triton.cdiv(N, BMM_BLOCK_N))
+    _mla_fused_bmm_fp8_kernel[grid](
+        a, w, sw[0], c, T, N, K // GROUP, SCALE_UB,
+        a.stride(1), a.stride(0), a.stride(2), *w.stride(), *sw[1], c.stride(1), c.stride(0), c.stride(2),
+        GROUP_K=GROUP, BLOCK_M=BMM_BLOCK_M, BLOCK_N=BMM_BLOCK_N, num_warps=BMM_WARPS,
+    )
+
+
+def _weight(w, w_scale, shape: tuple, what: str, device) -> tuple:
+    """Checks an e4m3 (H, N, K) weight and its (H, N / 128, K / 128) (or flattened (H N / 128,
+    K / 128)) float32 scales; returns (scale tensor, its (b, n, k) strides)."""
+    H, N, K = shape
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.float8_e4m3fn or tuple(w.shape) != shape \
+            or w.device != device:
+        raise ValueError(f"mla_decode_fused_fp8: {what} must be a {shape} float8_e4m3fn tensor on {device}, got "
+                         f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
+    nb, kb = triton.cdiv(N, GROUP), K // GROUP
+    ok = isinstance(w_scale, torch.Tensor) and w_scale.dtype == torch.float32 and w_scale.device == device
+    if ok and tuple(w_scale.shape) == (H, nb, kb):
+        return w_scale, tuple(w_scale.stride())
+    if ok and tuple(w_scale.shape) == (H * nb, kb):
+        return w_scale, (w_scale.stride(0) * nb, w_scale.stride(0), w_scale.stride(1))
+    raise ValueError(f"mla_decode_fused_fp8: {what}_scale must be a ({H}, {nb}, {kb}) (or ({H * nb}, {kb})) "
+                     f"float32 tensor on {device}, got {getattr(w_scale, 'dtype', type(w_scale).__name__)} "
+                     f"{tuple(getattr(w_scale, 'shape', ()))}")
+
+
+def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis: torch.Tensor,
+                         gamma: torch.Tensor, epsilon: float, w_uk: torch.Tensor, w_uk_scale: torch.Tensor,
+                         w_uv: torch.Tensor, w_uv_scale: torch.Tensor, kv_cache: torch.Tensor,
+                         block_table: torch.Tensor, cache_lengths: torch.Tensor, scale: float, *,
+                         attn_sink: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                         max_new_tokens: int | None = None) -> torch.Tensor:
+    """MAX's mla_decode_branch_fp8; writes the new tokens' cache rows in place.
+
+    q: (T, H, dn + d_r) bf16/fp16/fp32, last-dim stride 1; dn a multiple of 128 (128), d_r = freqs_cis.shape[1]
+    input_row_offsets: (b + 1,) int32, request r's tokens q[off[r]:off[r + 1]] (0 tokens allowed)
+    freqs_cis: (max_seq_len, d_r) float, row p = [cos p w_0, sin p w_0, cos p w_1, ...]
+    gamma: (d_c,) float RMSNorm weight; epsilon: RMSNorm eps
+    w_uk: (H, d_c, dn) float8_e4m3fn; w_uk_scale: (H, d_c / 128, dn / 128) float32 (or flattened)
+    w_uv: (H, dv, d_c) float8_e4m3fn; w_uv_scale: (H, ceil(dv / 128), d_c / 128) float32 (or flattened)
+    kv_cache: (num_blocks, page, d_c + d_r) or (num_blocks, page, 1, d_c + d_r) in q's dtype, last-dim
+        stride 1; d_c and d_r powers of two >= 16 (512, 64); the new tokens' rows hold the raw latent
+    block_table: (b, max_blocks) int32; cache_lengths: (b,) int32, tokens cached before this step
+    scale: softmax scale; attn_sink: (H,) float32 or None
+    out: (T, H, dv) q's dtype, last-dim stride 1
+    max_new_tokens: >= every request's new-token count (None: read from the offsets, a sync on a GPU)
+    returns: out
+    """
+    what = "mla_decode_fused_fp8"
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{what}: q must be a (T, H, dn + d_r) bf16/fp16/fp32 tensor, got "
+                         f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+    dev = q.device
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() not in (3, 4) or kv_cache.dtype != q.dtype \
+            or kv_cache.device != dev or (kv_cache.dim() == 4 and kv_cache.shape[2] != 1):
+        raise ValueError(f"{what}: kv_cache must be (num_blocks, page, [1,] d) {q.dtype} on {dev}, got "
+                         f"{getattr(kv_cache, 'dtype', '')} {tuple(getattr(kv_cache, 'shape', ()))}")
+    for name, t in (("q", q), ("kv_cache", kv_cache)):
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{what}: {name} must have last-dim stride 1, got strides {tuple(t.stride())}")
+    if not isinstance(freqs_cis, torch.Tensor) or freqs_cis.dim() != 2 or not freqs_cis.dtype.is_floating_point \
+            or freqs_cis.device != dev or (freqs_cis.numel() and freqs_cis.stride(1) != 1):
+        raise ValueError(f"{what}: freqs_cis must be a (max_seq_len, d_r) float tensor on {dev}, last-dim stride 1")
+    T, H, dq = q.shape
+    d_r = freqs_cis.shape[1]
+    d = kv_cache.shape[-1]
+    dn, d_c = dq - d_r, d - d_r
+    for name, n in (("d_c", d_c), ("d_r", d_r)):
+        if n < 16 or n & (n - 1):
+            raise ValueError(f"{what}: {name} = {n} must be a power of two >= 16 (cache dim {d}, freqs_cis {d_r})")
+    if dn < GROUP or dn % GROUP or d_c % GROUP:
+        raise ValueError(f"{what}: dn = {dn} and d_c = {d_c} must be multiples of {GROUP} (q dim {dq}, d_r {d_r})")
+    if not isinstance(gamma, torch.Tensor) or tuple(gamma.shape) != (d_c,) or not gamma.dtype.is_floating_point \
+            or gamma.device != dev:
+        raise ValueError(f"{what}: gamma must be a ({d_c},) float tensor on {dev}")
+    if not (isinstance(epsilon, (int, float)) and math.isfinite(epsilon) and epsilon >= 0):
+        raise ValueError(f"{what}: epsilon={epsilon!r} must be a finite number >= 0")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{what}: scale={scale!r} must be a finite number > 0")
+    if not isinstance(w_uv, torch.Tensor) or w_uv.dim() != 3:
+        raise ValueError(f"{what}: w_uv must be a (H, dv, d_c) float8_e4m3fn tensor")
+    dv = w_uv.shape[1]
+    s_uk = _weight(w_uk, w_uk_scale, (H, d_c, dn), "w_uk", dev)
+    s_uv = _weight(w_uv, w_uv_scale, (H, dv, d_c), "w_uv", dev)
+    b = (input_row_offsets.numel() - 1) if isinstance(input_row_offsets, torch.Tensor) else -1
+    for name, t, shape in (("input_row_offsets", input_row_offsets, (b + 1,)), ("cache_lengths", cache_lengths, (b,)),
+                           ("block_table", block_table, (b, None))):
+        if b < 0 or not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device != dev \
+                or t.dim() != len(shape) or any(w is not None and g != w for g, w in zip(t.shape, shape)):
+            raise ValueError(f"{what}: {name} must be a {tuple('n' if s is None else s for s in shape)} int32 "
+                             f"tensor on {dev}, got {getattr(t, 'dtype', type(t).__name__)} "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    if attn_sink is not None and (not isinstance(attn_sink, torch.Tensor) or tuple(attn_sink.shape) != (H,)
+                                  or attn_sink.dtype != torch.float32 or attn_sink.device != dev):
+        raise ValueError(f"{what}: attn_sink must be a ({H},) float32 tensor on {dev}")
+    if out is None:
+        out = torch.empty((T, H, dv), dtype=q.dtype, device=dev)
+    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (T, H, dv) or out.dtype != q.dtype \
+            or out.device != dev or (out.numel() and out.stride(-1) != 1):
+        raise ValueError(f"{what}: out must be a ({T}, {H}, {dv}) {q.dtype} tensor on {dev} with last-dim stride 1")
+    if T == 0 or H == 0:
+        return out
+    if max_new_tokens is None:
+        max_new_tokens = int((input_row_offsets[1:] - input_row_offsets[:-1]).max()) if b else 0
+    if not isinstance(max_new_tokens, int) or not 0 <= max_new_tokens <= T:
+        raise ValueError(f"{what}: max_new_tokens={max_new_tokens!r} must be an int in [0, T={T}]")
+
+    eps_hi = struct.unpack("f", struct.pack("f", float(epsilon)))[0]  # eps = hi + lo, each exact in fp32
+    page = kv_cache.shape[1]
+    stride_kb, stride_ks = kv_cache.stride(0), kv_cache.stride(1)
+    # fp32 intermediates: the new rows (T, d), the query rows [q_lat ; roped q_rope] and o_lat
+    new_rows = torch.empty((T, d), dtype=torch.float32, device=dev)
+    q_full = torch.empty((T, H, d), dtype=torch.float32, device=dev)
+    o_lat = torch.empty((T, H, d_c), dtype=torch.float32, device=dev)
+
+    _mla_fused_rope_norm_kernel[(T,)](
+        q, input_row_offsets, cache_lengths, block_table, freqs_cis, gamma, kv_cache, new_rows, q_full,
+        b, H, eps_hi, float(epsilon) - eps_hi,
+        q.stride(0), q.stride(1), *block_table.stride(), freqs_cis.stride(0), stride_kb, stride_ks,
+        new_rows.stride(0), q_full.stride(0), q_full.stride(1),
+        PAGE=page, DN=dn, D_C=d_c, D_R=d_r, BLOCK_B=min(1024, triton.next_power_of_2(max(b, 1))),
+        BLOCK_H=min(ROPE_HEADS, triton.next_power_of_2(H)), num_warps=4,
+    )
+    _bmm_fp8(q[..., :dn], w_uk, s_uk, q_full[..., :d_c])
+    block_m = min(ATTEND_BLOCK_M, max(16, triton.next_power_of_2(max_new_tokens * H)))
+    n_m = max(1, triton.cdiv(max_new_tokens * H, block_m))
+    _mla_fused_attend_kernel[(b * n_m,)](
+        q_full, new_rows, kv_cache, o_lat, input_row_offsets, cache_lengths, block_table,
+        attn_sink if attn_sink is not None else q_full,
+        H, n_m, float(scale) * LOG2E,
+        q_full.stride(0), q_full.stride(1), new_rows.stride(0), stride_kb, stride_ks, *block_table.stride(),
+        o_lat.stride(0), o_lat.stride(1),
+        HAS_SINK=attn_sink is not None, PAGE=page, D_V=d_c, D_PE=d_r, BLOCK_M=block_m, BLOCK_N=ATTEND_BLOCK_N,
+        num_warps=ATTEND_WARPS,
+    )
+    _bmm_fp8(o_lat, w_uv, s_uv, out)
+    return out
