@@ -5,6 +5,7 @@
 #   tf32    parity mutants of the gpu-only (tf32) mutants -> $OUT/mutants-gpu-<device>.json
 #   sweep   parity sweep --suite models --backend triton (+ torch) -> $OUT/sweep-models-<device>.jsonl
 #   gemm    benchmarks/gpu_gemm.py (quantized GEMMs vs torch / _scaled_mm and the limits) -> $OUT/gemm-bench-<device>.json
+#   mla     benchmarks/gpu_mla.py (MLA decode vs the copy / matmul limits and FlashMLA's figures) -> $OUT/mla-bench-<device>.json
 # $OPS narrows ci / models / sweep to some op families (e.g. OPS="--op quant --op gemm"); $TAG is
 # added to the file names.
 # Usage (on the device machine, repository root): STEPS="ci models" bash benchmarks/gpu_gate.sh
@@ -29,7 +30,8 @@ for step in $STEPS; do
     tf32) $PARITY mutants --bug tf32 --json "$OUT/mutants-gpu-$DEV.json" || rc=1 ;;
     sweep) $PARITY sweep --suite models $OPS --backend triton --per-op "$PER_OP" --no-progress -q --jobs "$JOBS" \
              --json "$OUT/sweep-models$TAG-$DEV.jsonl" || rc=1 ;;
-    gemm) python3 benchmarks/gpu_gemm.py --out "$OUT/gemm-bench-$DEV.json" --budget-s "${BUDGET_S:-150}" || rc=1 ;;
+    gemm) python3 benchmarks/gpu_gemm.py --quick --out "$OUT/gemm-bench-$DEV.json" --budget-s "${BUDGET_S:-60}" || rc=1 ;;
+    mla) python3 benchmarks/gpu_mla.py --out "$OUT/mla-bench-$DEV.json" --tune-budget "${BUDGET_S:-60}" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   echo "step $step: $(( $(date +%s) - t0 )) s"
