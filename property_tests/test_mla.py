@@ -6,7 +6,9 @@
 - the Triton split-KV result does not depend on the partition: uniform splits, FlashMLA's
   scheduler (the golden of get_mla_metadata, turned into token ranges) or one split;
 - FlashMLA's scheduler (golden) assigns every 64-token block of every request exactly once, on
-  block edges, with bounded splits, for any lengths and SM-part counts; so does our host scheduler.
+  block edges, with bounded splits, for any lengths and SM-part counts; so does our host scheduler;
+- the fused FP8 decode branch (RoPE + RMSNorm written into the cache, FP8 projections) vs its golden,
+  the cache after the call included.
 """
 
 import numpy as np
@@ -117,3 +119,11 @@ def test_our_host_schedule_covers_every_page_once(seqlens, parts):
         assert b[-1] >= n, f"request {i}: boundaries end at {b[-1]} < length {n}"
         inner = b[(b > 0) & (b < n)]
         assert np.all(inner % PAGE == 0), f"request {i}: a boundary off a page edge: {b.tolist()}"
+
+
+@pytest.mark.parity_backends("triton")
+@given(case=cases("mla.decode_fused_fp8", b=(1, 3), hq=[1, 2, 4], kv=(0, 130), dtypes=("bf16",)))
+def test_decode_fused_fp8(parity, backend, case):
+    """The fused branch (RoPE + RMSNorm written back into the cache, FP8 projections, decode) vs the
+    golden, the cache after the call included (an in-place output of the op)."""
+    parity.check(case.with_backend(backend))
