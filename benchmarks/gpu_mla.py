@@ -21,6 +21,12 @@
    a materialised cache with the MQA head folded into the query length (q (b, 1, s_q h_q, 576),
    K (b, 1, L, 576), V (b, 1, L, 512), a bottom-right mask for s_q = 2). Plus sparse decode
    (top-2048 of 8192) at h_q = 64 and 128.
+5. fused: mla_decode_fused_fp8 (kernels/triton/mla_fused.py, MAX's FP8 decode branch) at DeepSeek-V3's
+   shapes (b = 128, one new token a request, h_q in {16, 128}, 4096 / 16384 cached tokens), beside
+   the plain mla_decode of the same attention (what the RoPE + RMSNorm + two FP8 bmms add) and the
+   eager torch branch (kernels/torch/mla.py, the declared baseline). Bytes = the cache rows read
+   (576 x 2 per token) + FP8 weights + q and out; FLOPs = the attention's + the two bmms'. The new
+   rows are re-normalised on every timed call (idempotent up to rounding): the timing is unaffected.
 Every entry is guarded: a failure is recorded and the run goes on. JSON (--out) is rewritten after
 each section; the table prints last. Exit 1 if any parity check or section failed.
 """
@@ -60,7 +66,7 @@ def parse_args() -> argparse.Namespace:
     default_out = os.path.join(os.environ["OUT"], "mla-bench.json") if os.environ.get("OUT") else None
     p.add_argument("--out", default=default_out, help="JSON output path (default $OUT/mla-bench.json)")
     p.add_argument("--smoke-cpu", action="store_true", help="tiny shapes in the Triton interpreter (no GPU)")
-    p.add_argument("--sections", default="parity,tune,bench", help="comma list of parity, tune, bench")
+    p.add_argument("--sections", default="parity,tune,bench,fused", help="comma list of parity, tune, bench, fused")
     p.add_argument("--tune-budget", type=float, default=100.0, help="seconds after which tune stops")
     return p.parse_args()
 
@@ -375,6 +381,78 @@ def bench_sparse(ctx, L) -> None:
         record(ctx, row)
 
 
+def fused_inputs(ctx, b, h_q, L):
+    """DeepSeek-V3 shapes (dn 128, d_r 64, d_c 512, v 128): one new token a request at position L - 1."""
+    torch = ctx.torch
+    cache, table, sl = big_cache(ctx, b, L)
+    dn, d_r, d_c, dv = 128, D - D_V, D_V, 128
+    q = torch.randn((b, h_q, dn + d_r), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
+    off = torch.arange(b + 1, device=ctx.dev, dtype=torch.int32)
+    ang = torch.arange(L, device=ctx.dev, dtype=torch.float64)[:, None] * \
+        10000.0 ** (-torch.arange(0, d_r, 2, device=ctx.dev, dtype=torch.float64) / d_r)
+    freqs = torch.stack([ang.cos(), ang.sin()], -1).reshape(L, d_r).float()
+    gamma = 1 + 0.1 * torch.randn(d_c, device=ctx.dev, generator=ctx.gen)
+    w_uk = (0.05 * torch.randn((h_q, d_c, dn), device=ctx.dev, generator=ctx.gen) * 448).to(torch.float8_e4m3fn)
+    w_uv = (0.05 * torch.randn((h_q, dv, d_c), device=ctx.dev, generator=ctx.gen) * 448).to(torch.float8_e4m3fn)
+    s_uk = torch.full((h_q, d_c // 128, dn // 128), 1 / 448, device=ctx.dev)
+    s_uv = torch.full((h_q, dv // 128, d_c // 128), 1 / 448, device=ctx.dev)
+    return dict(q=q, input_row_offsets=off, freqs_cis=freqs, gamma=gamma, epsilon=1e-6, w_uk=w_uk, w_uk_scale=s_uk,
+                w_uv=w_uv, w_uv_scale=s_uv, kv_cache=cache, block_table=table, cache_lengths=sl - 1,
+                scale=192 ** -0.5), sl
+
+
+def fused(ctx) -> None:
+    """mla_decode_fused_fp8 vs the plain mla_decode of its attention and the eager branch."""
+    from kernel_parity.kernels.torch import mla as eager
+    from kernel_parity.kernels.triton.mla import mla_decode
+    from kernel_parity.kernels.triton.mla_fused import mla_decode_fused_fp8
+    torch = ctx.torch
+    b = ctx.shape_b
+    for L in ctx.fused_L:
+        for h_q in ctx.fused_h:
+            shape = f"b={b} new=1 h_q={h_q} L={L}"
+            row = dict(op="mla_decode_fused_fp8", shape=shape)
+            try:
+                x, sl = fused_inputs(ctx, b, h_q, L)
+                kw = dict(x)
+                args = [kw.pop(k) for k in ("q", "input_row_offsets", "freqs_cis", "gamma", "epsilon", "w_uk",
+                                            "w_uk_scale", "w_uv", "w_uv_scale", "kv_cache", "block_table",
+                                            "cache_lengths", "scale")]
+                out = torch.empty((b, h_q, 128), dtype=torch.bfloat16, device=ctx.dev)
+                fresh = args[9].clone()  # the check runs both on the same raw cache rows
+                ref_out, _ = eager.decode_fused_fp8(*args[:9], fresh.clone(), *args[10:])
+                mla_decode_fused_fp8(*args[:9], fresh, *args[10:], out=out, max_new_tokens=1)
+                del fresh
+                cos = 1 - 2 * (out.double() * ref_out.double()).sum() / \
+                    ((out.double() ** 2).sum() + (ref_out.double() ** 2).sum())
+                err = float((out.double() - ref_out.double()).abs().max())
+                ms = ctx.bench(lambda: mla_decode_fused_fp8(*args, out=out, max_new_tokens=1))
+                q_abs = torch.randn((b, 1, h_q, D), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
+                ms_attn = ctx.bench(lambda: mla_decode(q_abs, x["kv_cache"], x["block_table"], sl, x["scale"]))
+                w_bytes = 2 * h_q * D_V * 128 + 4 * (x["w_uk_scale"].numel() + x["w_uv_scale"].numel())
+                nbytes = b * L * D * 2 + w_bytes + b * h_q * (192 + 128) * 2
+                flops = 2 * h_q * b * L * (D + D_V) + 2 * 2 * b * h_q * 128 * D_V
+                gbps = nbytes / ms / 1e6
+                row.update(ms=ms, bytes=nbytes, flops=flops, GBps=gbps, pct_copy=100 * gbps / ctx.copy_gbps,
+                           pct_3000=100 * gbps / FLASHMLA_GBPS, TFLOPs=flops / ms / 1e9,
+                           pct_matmul=100 * flops / ms / 1e9 / ctx.mm_tflops, pct_660=100 * flops / ms / 1e9 / 660,
+                           mla_decode_ms=ms_attn, fused_overhead=ms / ms_attn - 1,
+                           cos_diff_vs_eager=float(cos), max_err_o=err,
+                           cos_diff=float(cos), parity_ok=bool(cos < 1.2e-3))  # the eager bf16 tier
+                try:
+                    row["eager_ms"] = ctx.bench(lambda: eager.decode_fused_fp8(*args, inplace=True))
+                    row["speedup_vs_eager"] = row["eager_ms"] / ms
+                except Exception as e:  # out of memory: no peer at this size
+                    row["eager_error"] = f"{type(e).__name__}: {e}"[:300]
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+                ctx.fail("fused " + shape, e)
+            record(ctx, row)
+            if ctx.cuda:
+                torch.cuda.empty_cache()
+        ctx.save()
+
+
 def bench(ctx) -> None:
     for L in ctx.bench_L:
         bench_dense(ctx, L)
@@ -472,17 +550,17 @@ def main() -> int:
 
     sizes = (dict(shape_b=128, tune_L=8192, bench_L=(4096, 8192, 16384), bench_h=(16, 32, 64, 128),
                   tune_shapes=((1, 16), (1, 32), (1, 64), (1, 128)), sweep=SWEEP, sparse_L=8192,
-                  sparse_h=(64, 128), topk=2048, sdpa=True, parity_shapes=((1, 16), (2, 16), (2, 64)),
+                  sparse_h=(64, 128), topk=2048, sdpa=True, fused_L=(4096, 16384), fused_h=(16, 128), parity_shapes=((1, 16), (2, 16), (2, 64)),
                   parity_sparse=((2, 16, [50, 0, 96, 7]), (1, 128, None)))
              if cuda else
              dict(shape_b=2, tune_L=128, bench_L=(64, 128), bench_h=(2, 16), tune_shapes=((1, 16), (1, 32)),
-                  sweep={16: SWEEP[16][:1], 32: SWEEP[32][:1], 64: []}, sparse_L=64, sparse_h=(16,), topk=32,
+                  sweep={16: SWEEP[16][:1], 32: SWEEP[32][:1], 64: []}, sparse_L=64, sparse_h=(16,), topk=32, fused_L=(64,), fused_h=(2,),
                   sdpa=True, parity_shapes=((1, 16), (2, 2)), parity_sparse=((2, 16, [50, 0, 96, 7]),)))
     ctx = Context(torch=torch, dev=dev, gen=gen, cuda=cuda, bench=time_ms, copy_gbps=copy_gbps, mm_tflops=mm_tflops,
                   sm_count=header["sm_count"], tune_budget=args.tune_budget if cuda else 1e9, state=state,
                   save=save, **sizes)
     sections = set(args.sections.split(","))
-    for name, fn in (("parity", parity), ("tune", tune), ("bench", bench)):
+    for name, fn in (("parity", parity), ("tune", tune), ("bench", bench), ("fused", fused)):
         if name not in sections:
             continue
         t0 = time.time()

@@ -46,6 +46,8 @@ __all__ = ["absorb", "unabsorb", "decode", "decode_naive", "decode_sparse", "dec
 
 # --------------------------------------------------------------------------- shared pieces
 
+CHUNK = 1 << 24  # gathered float64 cache elements per request chunk in `decode` (128 MiB)
+
 def _rows(kv_cache: NDArray) -> tuple[F64, int]:
     """Cache (num_blocks, page, [1,] d) as (num_blocks * page, d) float64 rows, and the page size."""
     kv = as_f64(kv_cache)
@@ -132,9 +134,15 @@ def decode(q: NDArray, kv_cache: NDArray, block_table: NDArray, seqlens: NDArray
     L = np.asarray(seqlens, dtype=np.int64).reshape(b)
     if (L < 0).any():
         raise ValueError(f"seqlens must be >= 0, got {L.min()}")
-    s_k = max(int(L.max(initial=0)), 1)
-    slot, valid = _slots(block_table, L, page, s_k, rows.shape[0])
-    return _attend_rows(q, rows[slot], _decode_keep(L, s_q, s_k, causal, valid), scale, d_v)
+    bt = np.asarray(block_table)
+    o, lse = np.empty((b, s_q, q.shape[2], d_v)), np.empty((b, q.shape[2], s_q))
+    step = max(1, CHUNK // (max(int(L.max(initial=0)), 1) * d))
+    for i in range(0, b, step):  # request chunks bound the gathered rows' memory, not a loop per row
+        c = slice(i, i + step)
+        s_k = max(int(L[c].max(initial=0)), 1)
+        slot, valid = _slots(bt[c], L[c], page, s_k, rows.shape[0])
+        o[c], lse[c] = _attend_rows(q[c], rows[slot], _decode_keep(L[c], s_q, s_k, causal, valid), scale, d_v)
+    return o, lse
 
 
 def absorb(q_nope: NDArray, w_uk: NDArray) -> F64:

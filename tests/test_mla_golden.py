@@ -78,6 +78,21 @@ def test_decode_matches_direct_per_request(s_q, causal):
     _close(lse, lse_ref, "decode LSE")
 
 
+@pytest.mark.parametrize("chunk", [1, 2 * 130 * D])
+def test_decode_in_request_chunks_matches_direct(monkeypatch, chunk):
+    """Chunking the requests (to bound the gathered rows' memory) changes nothing: one request per
+    chunk, and two per chunk with a last chunk of one."""
+    monkeypatch.setattr(mla, "CHUNK", chunk)
+    rng = np.random.default_rng(7)
+    seqlens = np.array([130, 0, 64, 1, 129])
+    cache, table = _paged(rng, seqlens)
+    q = rng.standard_normal((5, 2, 3, D))
+    o, lse = mla.decode(q, cache, table, seqlens, SCALE, causal=True)
+    o_ref, lse_ref = _direct(q, cache, table, seqlens, SCALE, D_C, True)
+    _close(o, o_ref, "chunked decode O")
+    _close(lse, lse_ref, "chunked decode LSE")
+
+
 def test_decode_matches_attention_decode_paged():
     rng = np.random.default_rng(2)
     seqlens = np.array([239, 65, 2])

@@ -293,6 +293,6 @@ def test_gpu_mla_benchmark_smoke_cpu(tmp_path):
         f"gpu_mla.py --smoke-cpu exited {run.returncode}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     res = json.loads(out.read_text())
     assert res["parity"] and all(r["ok"] for r in res["parity"]) and not res["errors"]
-    assert {r["op"] for r in res["results"]} == {"mla_decode", "mla_decode_sparse"}
+    assert {r["op"] for r in res["results"]} == {"mla_decode", "mla_decode_sparse", "mla_decode_fused_fp8"}
     assert all("ms" in r and r["parity_ok"] for r in res["results"]), [r.get("error") for r in res["results"]]
     assert "cos_diff" in run.stdout and run.stdout.rstrip().splitlines()[-1].startswith("parity ok")

@@ -71,18 +71,18 @@ def paged_latent_cache(rng: np.random.Generator, seqlens: np.ndarray, dist: str,
     max_blocks = max(1, max(used, default=1))
     n_blocks = sum(used) + 2
     perm = rng.permutation(n_blocks)
-    cache = np.full((n_blocks, PAGE, 1, D), np.nan)
+    cache = np.full((n_blocks, PAGE, 1, D), np.nan, dtype=dt.get(dtype).np)
     table = np.full((b, max_blocks), TABLE_POISON, dtype=np.int32)
     nxt = 0
     for i in range(b):  # builds the layout (which page holds which tokens), not the math
-        rows = _draw(rng, (int(seqlens[i]), D), dist)
-        for blk in range(used[i]):
-            phys = int(perm[nxt])
-            nxt += 1
-            table[i, blk] = phys
-            part = rows[blk * PAGE:(blk + 1) * PAGE]
-            cache[phys, :part.shape[0], 0] = part
-    return dt.round_to(cache, dtype), table
+        n, k = int(seqlens[i]), used[i]
+        rows = np.full((k * PAGE, D), np.nan, dtype=cache.dtype)
+        rows[:n] = dt.round_to(_draw(rng, (n, D), dist), dtype)
+        phys = perm[nxt:nxt + k]
+        nxt += k
+        table[i, :k] = phys
+        cache[phys, :, 0] = rows.reshape(k, PAGE, D)
+    return cache, table
 
 
 def _decode_lens(p: dict[str, Any]) -> np.ndarray:
