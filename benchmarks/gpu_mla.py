@@ -401,13 +401,68 @@ def fused_inputs(ctx, b, h_q, L):
                 scale=192 ** -0.5), sl
 
 
+FUSED_SWEEP = [(32, 16, 8, 2, "ieee"), (16, 32, 4, 2, "split3"), (16, 64, 4, 2, "split3"), (16, 16, 4, 2, "split3"),
+               (32, 32, 4, 2, "split3"), (32, 32, 8, 2, "split3"), (16, 32, 4, 3, "split3"), (32, 64, 8, 2, "split3"),
+               (64, 32, 8, 2, "split3"), (64, 16, 8, 2, "split3"), (16, 32, 8, 2, "split3")]
+
+
+def _fused_args(x):
+    return [x[k] for k in ("q", "input_row_offsets", "freqs_cis", "gamma", "epsilon", "w_uk", "w_uk_scale", "w_uv",
+                           "w_uv_scale", "kv_cache", "block_table", "cache_lengths", "scale")]
+
+
+def fused_tune(ctx) -> None:
+    """The fused attention's configs (kernels.triton.mla_fused.ATTEND_CONFIG) at two shapes; each
+    output against the first (IEEE) config's on the same raw cache: max |d out| and cos_diff."""
+    from kernel_parity.kernels.triton import mla_fused as F
+    torch = ctx.torch
+    default = F.ATTEND_CONFIG
+    total: dict = {}
+    for h_q, L in ctx.fused_tune_shapes:
+        x, _ = fused_inputs(ctx, ctx.shape_b, h_q, L)
+        args = _fused_args(x)
+        raw = args[9].clone()
+        ref = None
+        for cfg in ctx.fused_sweep:
+            row = dict(sweep=f"h_q={h_q} L={L}", config=cfg)
+            try:
+                F.ATTEND_CONFIG = cfg
+                args[9].copy_(raw)
+                out = F.mla_decode_fused_fp8(*args, max_new_tokens=1)
+                if ref is None:
+                    ref = out.double()
+                d = out.double()
+                row.update(max_d_out=float((d - ref).abs().max()),
+                           cos_vs_first=float(1 - 2 * (d * ref).sum() / ((d * d).sum() + (ref * ref).sum())))
+                row["ms"] = ctx.bench(lambda: F.mla_decode_fused_fp8(*args, out=out, max_new_tokens=1))
+                n, t = total.get(cfg, (0, 0.0))
+                total[cfg] = (n + 1, t + row["ms"])
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            finally:
+                F.ATTEND_CONFIG = default
+            ctx.state["tune"].append(row)
+            print("fused tune", row, flush=True)
+        del x, args, raw
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+    full = {c: t for c, (n, t) in total.items() if n == len(ctx.fused_tune_shapes) and c[4] != "ieee"}
+    if full:
+        ctx.best["fused"] = min(full, key=full.get)
+    ctx.save()
+
+
 def fused(ctx) -> None:
     """mla_decode_fused_fp8 vs the plain mla_decode of its attention and the eager branch."""
     from kernel_parity.kernels.torch import mla as eager
+    from kernel_parity.kernels.triton import mla_fused as F
     from kernel_parity.kernels.triton.mla import mla_decode
     from kernel_parity.kernels.triton.mla_fused import mla_decode_fused_fp8
     torch = ctx.torch
     b = ctx.shape_b
+    fused_tune(ctx)
+    if "fused" in ctx.best:
+        F.ATTEND_CONFIG = tuple(ctx.best["fused"])
     for L in ctx.fused_L:
         for h_q in ctx.fused_h:
             shape = f"b={b} new=1 h_q={h_q} L={L}"
@@ -433,7 +488,7 @@ def fused(ctx) -> None:
                 nbytes = b * L * D * 2 + w_bytes + b * h_q * (192 + 128) * 2
                 flops = 2 * h_q * b * L * (D + D_V) + 2 * 2 * b * h_q * 128 * D_V
                 gbps = nbytes / ms / 1e6
-                row.update(ms=ms, bytes=nbytes, flops=flops, GBps=gbps, pct_copy=100 * gbps / ctx.copy_gbps,
+                row.update(config=F.ATTEND_CONFIG, ms=ms, bytes=nbytes, flops=flops, GBps=gbps, pct_copy=100 * gbps / ctx.copy_gbps,
                            pct_3000=100 * gbps / FLASHMLA_GBPS, TFLOPs=flops / ms / 1e9,
                            pct_matmul=100 * flops / ms / 1e9 / ctx.mm_tflops, pct_660=100 * flops / ms / 1e9 / 660,
                            mla_decode_ms=ms_attn, fused_overhead=ms / ms_attn - 1,
@@ -550,11 +605,13 @@ def main() -> int:
 
     sizes = (dict(shape_b=128, tune_L=8192, bench_L=(4096, 8192, 16384), bench_h=(16, 32, 64, 128),
                   tune_shapes=((1, 16), (1, 32), (1, 64), (1, 128)), sweep=SWEEP, sparse_L=8192,
-                  sparse_h=(64, 128), topk=2048, sdpa=True, fused_L=(4096, 16384), fused_h=(16, 128), parity_shapes=((1, 16), (2, 16), (2, 64)),
+                  sparse_h=(64, 128), topk=2048, sdpa=True, fused_L=(4096, 16384), fused_h=(16, 128),
+                  fused_tune_shapes=((128, 4096), (16, 16384)), fused_sweep=FUSED_SWEEP, parity_shapes=((1, 16), (2, 16), (2, 64)),
                   parity_sparse=((2, 16, [50, 0, 96, 7]), (1, 128, None)))
              if cuda else
              dict(shape_b=2, tune_L=128, bench_L=(64, 128), bench_h=(2, 16), tune_shapes=((1, 16), (1, 32)),
-                  sweep={16: SWEEP[16][:1], 32: SWEEP[32][:1], 64: []}, sparse_L=64, sparse_h=(16,), topk=32, fused_L=(64,), fused_h=(2,),
+                  sweep={16: SWEEP[16][:1], 32: SWEEP[32][:1], 64: []}, sparse_L=64, sparse_h=(16,), topk=32, fused_L=(64,), fused_h=(2,), fused_tune_shapes=((2, 64),),
+                  fused_sweep=FUSED_SWEEP[:2],
                   sdpa=True, parity_shapes=((1, 16), (2, 2)), parity_sparse=((2, 16, [50, 0, 96, 7]),)))
     ctx = Context(torch=torch, dev=dev, gen=gen, cuda=cuda, bench=time_ms, copy_gbps=copy_gbps, mm_tflops=mm_tflops,
                   sm_count=header["sm_count"], tune_budget=args.tune_budget if cuda else 1e9, state=state,

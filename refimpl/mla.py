@@ -92,13 +92,17 @@ def _softmax(s: F64, keep: NDArray, sink: NDArray | None) -> tuple[F64, F64]:
 
 
 def _attend_rows(q: F64, kv: F64, keep: NDArray, scale: float, d_v: int,
-                 sink: NDArray | None = None) -> tuple[F64, F64]:
+                 sink: NDArray | None = None, own: bool = False) -> tuple[F64, F64]:
     """Attention of q (b, s_q, h, d) over per-request rows kv (b, s_k, d) (values kv[..., :d_v]).
 
-    keep: (b, s_q, s_k); rows no query keeps are zeroed before any product (they may be NaN)
+    keep: (b, s_q, s_k); rows no query keeps are zeroed before any product (they may be NaN),
+    in place when `own` (kv is the caller's fresh gather)
     returns: o (b, s_q, h, d_v), lse (b, h, s_q)"""
     b, s_q, h, d = q.shape
-    kv = np.where(keep.any(axis=1)[..., None], kv, 0.0)
+    if own:
+        kv[~keep.any(axis=1)] = 0.0
+    else:
+        kv = np.where(keep.any(axis=1)[..., None], kv, 0.0)
     s = (q.transpose(0, 2, 1, 3).reshape(b, h * s_q, d) @ kv.transpose(0, 2, 1)).reshape(b, h, s_q, -1)
     p, lse = _softmax(float(scale) * s, keep, sink)  # b, h, s_q, s_k
     o = (p.reshape(b, h * s_q, -1) @ kv[..., :d_v]).reshape(b, h, s_q, d_v)
@@ -141,7 +145,8 @@ def decode(q: NDArray, kv_cache: NDArray, block_table: NDArray, seqlens: NDArray
         c = slice(i, i + step)
         s_k = max(int(L[c].max(initial=0)), 1)
         slot, valid = _slots(bt[c], L[c], page, s_k, rows.shape[0])
-        o[c], lse[c] = _attend_rows(q[c], rows[slot], _decode_keep(L[c], s_q, s_k, causal, valid), scale, d_v)
+        o[c], lse[c] = _attend_rows(q[c], rows[slot], _decode_keep(L[c], s_q, s_k, causal, valid), scale, d_v,
+                                     own=True)
     return o, lse
 
 

@@ -32,17 +32,24 @@ Where it rounds (the golden computes in float64):
 - RMSNorm in fp64 (the golden's operations in its order), rounded to fp32; the RoPE of the cache
   rows and of q_rope in fp32. The cache rows are stored in the cache dtype: the rope part rounded
   once, the latent from its fp32 value.
-- q_lat, the roped q, the attention and o_lat stay fp32. The attention reads the new tokens' keys
-  and values from the fp32 rows of step 1, not from their rounded cache rows, with fp32 logits and
-  probabilities, IEEE fp32 dots (no tf32) and an IEEE division by the softmax sum.
+- q_lat, the roped q, the attention and o_lat stay fp32. The cached keys (16-bit) meet the fp32
+  query rows on the 16-bit tensor cores through a three-part split (q = q1 + q2 + q3 in the cache
+  dtype, the same for the probabilities against the values): every product exact, fp32 sums, six
+  MMAs where the plain decode runs two. The new tokens' keys and values are their fp32 rows of
+  step 1, not their rounded cache rows, with IEEE fp32 FMA dots, so a token alone with itself gets
+  its own row back exactly; an IEEE division by the softmax sum. (An fp32 cache, and the config
+  "ieee", use FMA dots throughout.)
 - The activation quantizer therefore sees float32 values within a few fp32 ulps of the golden's
   float32(o_lat) (q_nope's are the inputs themselves), and its e4m3 codes are the golden's except
   at true rounding ties. (Rounding the golden's o_lat to bf16, as MAX stores it, moves 2.2% of
   its codes on the ci cases, each by one e4m3 step of that element, felt in all of out's row.)
 - Products of e4m3 codes are exact, their 128-term block sums and the scale products fp32; out is
   rounded once, to q's dtype.
-Cost of that choice on a GPU: the attention's dots run on fp32 FMA units, not tensor cores
-(decode is bandwidth-bound, but this is the price; tf32x3 would be the cheaper exact-enough form).
+Cost on an H100 (benchmarks/gpu_mla.py, fused section, b = 128, one new token): the split keeps
+out's cos_diff to the IEEE form at 2.6e-7 / 5.3e-7 and runs 23x / 24x faster than it (h_q = 128 /
+16); 1.9x (h_q = 16) to 5.2x (h_q = 128, 16384 keys) the plain bf16 mla_decode of the same
+attention, 1.0x to 11.5x the eager branch (which rounds o_lat to bf16 and fails production's limits).
+The three q parts hold a (BLOCK_M, 576) tile each: BLOCK_M = 16 (mma, not wgmma) is what fits.
 
 Not checked (each would synchronise with the GPU; MAX's cache manager guarantees them):
 offsets rising from 0 to T, distinct cache slots for the new tokens, positions inside freqs_cis
@@ -68,11 +75,11 @@ FP8_MAX = tl.constexpr(448.0)
 SCALE_UB = 1200.0  # MAX's activation amax bound in the MLA branch
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Unmeasured guesses (no GPU run yet). The attention keeps a (BLOCK_M, 576) fp32 q tile and a
-# (BLOCK_M, 512) fp32 accumulator in registers, so BLOCK_M stays at 16-32 rows.
-ATTEND_BLOCK_M = 32
-ATTEND_BLOCK_N = 16
-ATTEND_WARPS = 8
+# (block_m, block_n, warps, stages, "split3" | "ieee" for the cached keys' dots). The H100 sweep
+# (benchmarks/gpu_mla.py, fused section): (16, 32, 4, 3) fastest at h_q = 128 / 4096 keys (4.13 ms)
+# and h_q = 16 / 16384 (1.91 ms); block_m 32 at h_q = 128, block_n 64 and block_m 64 exceed shared
+# memory (the three q parts); the IEEE form took 95.9 / 46.0 ms.
+ATTEND_CONFIG = (16, 32, 4, 3, "split3")
 BMM_BLOCK_M = 16  # tokens a program; tl.dot needs >= 16
 BMM_BLOCK_N = 128
 BMM_WARPS = 4
@@ -190,13 +197,52 @@ def _mla_fused_bmm_fp8_kernel(
 
 
 @triton.jit
+def _split3(x, DT: tl.constexpr):
+    """fp32 x as three DT (bf16 / fp16) parts whose sum is x to ~24 bits: x1 = DT(x), x2 =
+    DT(x - x1), x3 = DT(x - x1 - x2) (each difference exact in fp32)."""
+    x1 = x.to(DT)
+    r = x - x1.to(tl.float32)
+    x2 = r.to(DT)
+    x3 = (r - x2.to(tl.float32)).to(DT)
+    return x1, x2, x3
+
+
+@triton.jit
+def _mla_attend_split3(q1, q2, q3, p1, p2, p3, kn, kp, live, m_i, l_i, acc, qk_scale):
+    """One tile of cached keys (no mask but `live`) on 16-bit tensor cores at fp32 grade: the
+    keys are exact in their dtype, the fp32 query rows are split in three parts (q = q1 + q2 + q3,
+    and its rope part p1 + p2 + p3), so every product is exact and the logits are fp32 sums; the
+    probabilities are split the same way against the values. Six 16-bit MMAs where the plain
+    decode runs two."""
+    kt = tl.trans(kn)
+    s = tl.dot(q1, kt)
+    s = tl.dot(q2, kt, s)
+    s = tl.dot(q3, kt, s)
+    pt = tl.trans(kp)
+    s = tl.dot(p1, pt, s)
+    s = tl.dot(p2, pt, s)
+    s = tl.dot(p3, pt, s)
+    s = tl.where(live[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    w1, w2, w3 = _split3(p, kn.dtype)
+    acc = tl.dot(w1, kn, acc * alpha[:, None])
+    acc = tl.dot(w2, kn, acc)
+    acc = tl.dot(w3, kn, acc)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _mla_fused_attend_kernel(
     QF_ptr, New_ptr, KV_ptr, O_ptr, Off_ptr, CL_ptr, BT_ptr, Sink_ptr,
     H, n_m, qk_scale,
     stride_qf_t, stride_qf_h, stride_new_t, stride_kb, stride_ks, stride_bt_b, stride_bt_p,
     stride_o_t, stride_o_h,
     HAS_SINK: tl.constexpr, PAGE: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT3: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m = pid % n_m
@@ -227,21 +273,34 @@ def _mla_fused_attend_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)  # fp32 accumulator of O
-    for start_n in range(0, hi, BLOCK_N):
+    # Keys cached before this step (every row sees them). SPLIT3: in their 16-bit dtype on the
+    # tensor cores, the fp32 q and p split in three parts (_mla_attend_split3: exact products,
+    # fp32 sums); otherwise (an fp32 cache, the interpreter) widened to fp32, IEEE FMA dots.
+    n_old = tl.minimum(cl, hi)
+    if SPLIT3:
+        q1, q2, q3 = _split3(q_nope, KV_ptr.dtype.element_ty)
+        p1, p2, p3 = _split3(q_pe, KV_ptr.dtype.element_ty)
+    for start_n in tl.range(0, n_old, BLOCK_N, num_stages=NUM_STAGES):
         cols = start_n + offs_n
-        live = cols < hi
-        old = cols < cl  # cached before this step: the cache rows (the dtype, widened exactly)
-        new = live & (cols >= cl)  # this step's tokens: their fp32 rows, before the cache rounding
+        old = cols < n_old
         page = tl.load(bt_row + (cols // PAGE) * stride_bt_p, mask=old, other=0)
         rows = page.to(tl.int64) * stride_kb + (cols % PAGE) * stride_ks
+        kn = tl.load(KV_ptr + rows[:, None] + offs_dv[None, :], mask=old[:, None], other=0.0)
+        kp = tl.load(KV_ptr + rows[:, None] + D_V + offs_pe[None, :], mask=old[:, None], other=0.0)
+        if SPLIT3:
+            m_i, l_i, acc = _mla_attend_split3(q1, q2, q3, p1, p2, p3, kn, kp, old, m_i, l_i, acc, qk_scale)
+        else:
+            m_i, l_i, acc = _mla_attend(q_nope, q_pe, kn.to(tl.float32), kp.to(tl.float32), kn.to(tl.float32),
+                                        old, cols, diag, m_i, l_i, acc, qk_scale, False, False, "ieee")
+    # This step's tokens: their fp32 rows (before the cache rounding), causal, IEEE FMA products,
+    # so a token alone with itself (an empty cache) gets its own row back exactly.
+    for start_n in range(n_old, hi, BLOCK_N):
+        cols = start_n + offs_n
+        new = cols < hi
         nrows = (start + cols - cl).to(tl.int64) * stride_new_t
-        kn = tl.where(new[:, None], tl.load(New_ptr + nrows[:, None] + offs_dv[None, :], mask=new[:, None], other=0.0),
-                      tl.load(KV_ptr + rows[:, None] + offs_dv[None, :], mask=old[:, None], other=0.0).to(tl.float32))
-        kp = tl.where(new[:, None],
-                      tl.load(New_ptr + nrows[:, None] + D_V + offs_pe[None, :], mask=new[:, None], other=0.0),
-                      tl.load(KV_ptr + rows[:, None] + D_V + offs_pe[None, :], mask=old[:, None],
-                              other=0.0).to(tl.float32))
-        m_i, l_i, acc = _mla_attend(q_nope, q_pe, kn, kp, kn, live, cols, diag, m_i, l_i, acc, qk_scale,
+        kn = tl.load(New_ptr + nrows[:, None] + offs_dv[None, :], mask=new[:, None], other=0.0)
+        kp = tl.load(New_ptr + nrows[:, None] + D_V + offs_pe[None, :], mask=new[:, None], other=0.0)
+        m_i, l_i, acc = _mla_attend(q_nope, q_pe, kn, kp, kn, new, cols, diag, m_i, l_i, acc, qk_scale,
                                     True, False, "ieee")
 
     if HAS_SINK:  # exp(sink) joins the denominator: l + 2^(sink log2 e - m); +inf gives O = 0
@@ -381,7 +440,9 @@ def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs
         BLOCK_H=min(ROPE_HEADS, triton.next_power_of_2(H)), num_warps=4,
     )
     _bmm_fp8(q[..., :dn], w_uk, s_uk, q_full[..., :d_c])
-    block_m = min(ATTEND_BLOCK_M, max(16, triton.next_power_of_2(max_new_tokens * H)))
+    cfg_m, cfg_n, warps, stages, precision = ATTEND_CONFIG
+    split3 = precision == "split3" and kv_cache.dtype != torch.float32
+    block_m = min(cfg_m, max(16, triton.next_power_of_2(max_new_tokens * H)))
     n_m = max(1, triton.cdiv(max_new_tokens * H, block_m))
     _mla_fused_attend_kernel[(b * n_m,)](
         q_full, new_rows, kv_cache, o_lat, input_row_offsets, cache_lengths, block_table,
@@ -389,8 +450,8 @@ def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs
         H, n_m, float(scale) * LOG2E,
         q_full.stride(0), q_full.stride(1), new_rows.stride(0), stride_kb, stride_ks, *block_table.stride(),
         o_lat.stride(0), o_lat.stride(1),
-        HAS_SINK=attn_sink is not None, PAGE=page, D_V=d_c, D_PE=d_r, BLOCK_M=block_m, BLOCK_N=ATTEND_BLOCK_N,
-        num_warps=ATTEND_WARPS,
+        HAS_SINK=attn_sink is not None, PAGE=page, D_V=d_c, D_PE=d_r, BLOCK_M=block_m, BLOCK_N=cfg_n,
+        NUM_STAGES=stages, SPLIT3=split3, num_warps=warps,
     )
     _bmm_fp8(o_lat, w_uv, s_uv, out)
     return out
