@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 from multiprocessing.connection import wait
 from typing import Callable
@@ -60,7 +61,16 @@ def _worker_main(conn, extra_backends: list[str], options: dict, threads: int, s
         cases = [ops.parse_case(i) for i in ids]
         runner.evaluate_group(cases, on_start=lambda c: conn.send(("start", c.id)),
                               on_result=lambda rec: conn.send(("result", rec)))
+        _release_device_memory()
         conn.send(("done", None))
+
+
+def _release_device_memory() -> None:
+    """Workers share one GPU: a worker keeps no cached GPU memory between case groups, so one
+    case's freed tensors never leave another worker's case out of memory."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 class _Worker:
