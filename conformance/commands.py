@@ -239,9 +239,18 @@ def prepare(args: Any, command: str, cases: list[Case] | None = None, extra_inpu
     header = env.header(command, sel.label)
     header.update(planned=len(cases), planned_digest=digest(cases), selection=sel.to_json(),
                   tolerance_overrides=[t.to_json() for t in session.config.tolerance],
-                  config=str(session.config.path) if session.config.path else None, **(header_extra or {}))
+                  config=_shown_path(session.config.path), **(header_extra or {}))
     stream = records.Stream.create(args.json, header) if args.json else None
     return Run(args, command, session, cases, header, stream)
+
+
+def _shown_path(path: Any) -> str | None:
+    """A config path as results record it: relative to the working directory when under it (a
+    results file names no machine's layout), else as given."""
+    if not path:
+        return None
+    rel = os.path.relpath(os.path.abspath(path))
+    return str(path) if rel.startswith("..") else rel
 
 
 def _prepare_resume(args: Any, command: str) -> Run:
