@@ -24,8 +24,9 @@ Four launches:
    runs the e4m3 dot of each 128-channel K block, promoted into an fp32 accumulator with
    s_a x s_w (DeepGEMM's per-block promotion: Hopper's fp8 accumulation never spans one block).
 3. `_mla_fused_attend_kernel`, one program per (request, block of (token, head) rows): the online
-   softmax of kernels/triton/mla.py (`_mla_attend`: FlashAttention-2, log2 domain), every query
-   row of a request streaming its keys once.
+   softmax of kernels/triton/mla.py (FlashAttention-2, log2 domain), every query row of a request
+   streaming its keys once: the cached keys through `_mla_attend_split3`, the new tokens' rows
+   through `_mla_attend` with IEEE dots.
 4. `_mla_fused_bmm_fp8_kernel` for out, as 2.
 
 Where it rounds (the golden computes in float64):
