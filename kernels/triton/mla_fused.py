@@ -79,7 +79,8 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (block_m, block_n, warps, stages, "split3" | "ieee" for the cached keys' dots). The H100 sweep
 # (benchmarks/gpu_mla.py, fused section): (16, 32, 4, 3) fastest at h_q = 128 / 4096 keys (4.13 ms)
 # and h_q = 16 / 16384 (1.91 ms); block_m 32 at h_q = 128, block_n 64 and block_m 64 exceed shared
-# memory (the three q parts); the IEEE form took 95.9 / 46.0 ms.
+# memory (the three q parts); the IEEE form took 95.9 / 46.0 ms. Tried and dropped: the keys x rows
+# orientation (the 32-key tile as the MMA's M side, the q parts as B): 5.96 / 2.73 ms, slower.
 ATTEND_CONFIG = (16, 32, 4, 3, "split3")
 BMM_BLOCK_M = 16  # tokens a program; tl.dot needs >= 16
 BMM_BLOCK_N = 128
