@@ -70,6 +70,26 @@ def _tanh(x):
 
 
 @triton.jit
+def _window_tiles(m0, i_last, diag_off, L_k, left, right,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key range of query rows m0..i_last, row i keeping i + diag_off - left <= j <= i + diag_off + right,
+    j < L_k: [lo, hi) holds every kept key (lo on a tile edge); [full_lo, full_hi) the whole tiles
+    every row keeps entirely (no mask needed), full_lo <= full_hi."""
+    lo = 0
+    hi = L_k
+    full_lo = 0
+    full_hi = (L_k // BLOCK_N) * BLOCK_N
+    if HAS_LEFT:
+        lo = (tl.maximum(m0 + diag_off - left, 0) // BLOCK_N) * BLOCK_N
+        full_lo = tl.maximum(lo, tl.cdiv(tl.maximum(i_last + diag_off - left, 0), BLOCK_N) * BLOCK_N)
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, i_last + diag_off + right + 1)
+        full_hi = tl.minimum(full_hi, (tl.maximum(m0 + diag_off + right + 1, 0) // BLOCK_N) * BLOCK_N)
+    full_hi = tl.maximum(full_hi, full_lo)
+    return lo, hi, full_lo, full_hi
+
+
+@triton.jit
 def _prefill_tiles(
     acc, l_i, m_i, q, K_base, V_base, start, end, diag, offs_n, offs_d, offs_dv,
     L_k, left, right, d, d_v, stride_kn, stride_vn, qk_scale, softcap_out,
@@ -187,18 +207,8 @@ def _attention_prefill_kernel(
     # Row i keeps keys diag_i - left <= j <= diag_i + right, j < L_k.
     diag_off = 0 if TOP_LEFT else L_k - L_q
     diag = offs_m + diag_off
-    i_last = tl.minimum(m0 + BLOCK_M, L_q) - 1
-    lo = 0
-    hi = L_k
-    full_lo = 0
-    full_hi = (L_k // BLOCK_N) * BLOCK_N
-    if HAS_LEFT:
-        lo = (tl.maximum(m0 + diag_off - left, 0) // BLOCK_N) * BLOCK_N
-        full_lo = tl.maximum(lo, tl.cdiv(tl.maximum(i_last + diag_off - left, 0), BLOCK_N) * BLOCK_N)
-    if HAS_RIGHT:
-        hi = tl.minimum(hi, i_last + diag_off + right + 1)
-        full_hi = tl.minimum(full_hi, (tl.maximum(m0 + diag_off + right + 1, 0) // BLOCK_N) * BLOCK_N)
-    full_hi = tl.maximum(full_hi, full_lo)
+    lo, hi, full_lo, full_hi = _window_tiles(m0, tl.minimum(m0 + BLOCK_M, L_q) - 1, diag_off, L_k, left, right,
+                                             HAS_LEFT, HAS_RIGHT, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import PREFILL_CONFIGS, _check_common, _check_out, _tanh
+from .attention import PREFILL_CONFIGS, _check_common, _check_out, _tanh, _window_tiles
 from .softmax import LN2, LOG2E
 
 CAUSAL = ("bottom_right", "none")
@@ -149,18 +149,8 @@ def _attention_chunked_kernel(
 
     # Query i sits at absolute position hist + i: row i keeps diag_i - left <= j <= diag_i + right.
     diag = offs_m + hist
-    i_last = tl.minimum(m0 + BLOCK_M, L_q) - 1
-    lo = 0
-    hi = L_k
-    full_lo = 0
-    full_hi = (L_k // BLOCK_N) * BLOCK_N
-    if HAS_LEFT:
-        lo = (tl.maximum(m0 + hist - left, 0) // BLOCK_N) * BLOCK_N
-        full_lo = tl.maximum(lo, tl.cdiv(tl.maximum(i_last + hist - left, 0), BLOCK_N) * BLOCK_N)
-    if HAS_RIGHT:
-        hi = tl.minimum(hi, i_last + hist + right + 1)
-        full_hi = tl.minimum(full_hi, (tl.maximum(m0 + hist + right + 1, 0) // BLOCK_N) * BLOCK_N)
-    full_hi = tl.maximum(full_hi, full_lo)
+    lo, hi, full_lo, full_hi = _window_tiles(m0, tl.minimum(m0 + BLOCK_M, L_q) - 1, hist, L_k, left, right,
+                                             HAS_LEFT, HAS_RIGHT, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
