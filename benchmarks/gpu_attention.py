@@ -51,7 +51,11 @@ def parse_args() -> argparse.Namespace:
     default_out = os.path.join(os.environ["OUT"], "attention_bench.json") if os.environ.get("OUT") else None
     p.add_argument("--out", default=default_out, help="JSON output path (default $OUT/attention_bench.json)")
     p.add_argument("--sections", default="parity,tune,bench", help="comma list of parity, tune, bench")
-    return p.parse_args()
+    args = p.parse_args()
+    from kernel_parity.reports.files import check_output_or_exit
+
+    check_output_or_exit(p.prog, "--out", args.out)  # before any GPU work: an unwritable path is exit 2
+    return args
 
 
 def _prefill_data(ctx, b, s, hq, hkv, d):

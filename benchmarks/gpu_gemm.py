@@ -452,7 +452,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--formats", default="", help="GGML formats of the gemv / decode sweeps (default all)")
     p.add_argument("--dump", default="", help="write registers, spills and loop opcodes of the compiled kernels here")
     p.add_argument("--smoke-cpu", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
-    return p.parse_args()
+    args = p.parse_args()
+    from kernel_parity.reports.files import check_output_or_exit
+
+    check_output_or_exit(p.prog, "--out", args.out)  # before any GPU work: an unwritable path is exit 2
+    return args
 
 
 def main() -> int:

@@ -68,7 +68,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--smoke-cpu", action="store_true", help="tiny shapes in the Triton interpreter (no GPU)")
     p.add_argument("--sections", default="parity,tune,bench,fused", help="comma list of parity, tune, bench, fused")
     p.add_argument("--tune-budget", type=float, default=100.0, help="seconds after which tune stops")
-    return p.parse_args()
+    args = p.parse_args()
+    from kernel_parity.reports.files import check_output_or_exit
+
+    check_output_or_exit(p.prog, "--out", args.out)  # before any GPU work: an unwritable path is exit 2
+    return args
 
 
 def ref64(torch, q, keys, scale, causal):

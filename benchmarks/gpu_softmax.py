@@ -45,7 +45,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions (smoke run)")
     default_out = os.path.join(os.environ["OUT"], "softmax_bench.json") if os.environ.get("OUT") else None
     p.add_argument("--out", default=default_out, help="JSON output path (default $OUT/softmax_bench.json)")
-    return p.parse_args()
+    args = p.parse_args()
+    from kernel_parity.reports.files import check_output_or_exit
+
+    check_output_or_exit(p.prog, "--out", args.out)  # before any GPU work: an unwritable path is exit 2
+    return args
 
 
 def main() -> int:

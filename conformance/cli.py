@@ -12,8 +12,15 @@
     parity diff     per-case error diff of two results files
     parity mutants  seeded bugs in our own kernels: killed or survived, by which case and layer
     parity calibrate  measure error quantiles over seeds and print the limits they suggest
+    parity coverage what each backend covers: per op, the parameter values, dtypes and
+                    distributions that run, and those it skips with the reasons
 
 Exit codes: 0 pass, 1 parity failure or regression, 2 usage or input error (one line).
+
+Every output path a command takes (`--json`, `--html`, `--junit`, `--md`, `--export DIR`) is
+declared with the flag (`_output`), and `main` checks them all, and that none of them is one of
+the command's input files, before the command starts: an unwritable path is exit 2 with one line,
+never a traceback after the run. Repeatable list flags also take comma lists (`--backend cpu,torch`).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
 import shlex
 import sys
 from typing import Sequence
@@ -33,6 +41,82 @@ DEFAULT_TIMEOUT_S = 600.0  # per case, in a worker process: a hang is a `timeout
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage otherwise)
         raise UsageError(message)
+
+
+class _ListAction(argparse.Action):
+    """A repeatable flag whose values may also be comma lists: `--backend cpu,torch --backend x`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = list(getattr(namespace, self.dest, None) or [])
+        parts = [v.strip() for v in str(values).split(",")] if "," in str(values) else [values]
+        if "," in str(values) and not all(parts):
+            raise argparse.ArgumentError(self, f"empty item in the comma list {values!r}")
+        setattr(namespace, self.dest, items + parts)
+
+
+def _list_flag(p: argparse.ArgumentParser, flag: str, help: str = "", **kw) -> None:
+    p.add_argument(flag, action=_ListAction, default=[], help=(help + "; " if help else "") +
+                   "repeatable, or a comma list", **kw)
+
+
+# Output and input paths of each subcommand, declared where the flags are: main() checks them
+# before the command runs (one helper for every command: reports.files.check_outputs).
+OUTPUT_FILE, OUTPUT_DIR = "file", "dir"
+
+
+def _output(p: argparse.ArgumentParser, flag: str, help: str, kind: str = OUTPUT_FILE, metavar: str = "PATH") -> None:
+    p.add_argument(flag, metavar=metavar, help=help)
+    outs = dict(p.get_default("_outputs") or {})
+    outs[flag] = kind
+    p.set_defaults(_outputs=outs)
+
+
+def _input(p: argparse.ArgumentParser, dest: str, what: str) -> None:
+    """`dest` (a positional or a flag's dest) names an input file of the command: no output may be it."""
+    ins = dict(p.get_default("_inputs") or {})
+    ins[dest] = what
+    p.set_defaults(_inputs=ins)
+
+
+def output_paths(args: argparse.Namespace) -> dict[str, tuple[str, str]]:
+    """{flag: (path, kind)} of the output paths given to the parsed command."""
+    out = {}
+    for flag, kind in (getattr(args, "_outputs", None) or {}).items():
+        v = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if v is not None:
+            out[flag] = (v, kind)
+    return out
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """Exit 2 (UsageError) if an output path of the parsed command cannot be written or is one of its
+    input files. Runs before the command does anything."""
+    from kernel_parity.reports import files
+
+    outs = output_paths(args)
+    inputs: dict[str, str] = {}
+    for dest, what in (getattr(args, "_inputs", None) or {}).items():
+        v = getattr(args, dest, None)
+        for path in (v if isinstance(v, list) else [v]):
+            if isinstance(path, str) and path:
+                inputs[f"{what} {path}" if isinstance(v, list) else what] = path
+    dir_files: tuple[str, ...] = ()
+    if any(k == OUTPUT_DIR for _, k in outs.values()):
+        from kernel_parity.conformance.repro import EXPORT_FILES as dir_files
+    try:
+        for flag, (path, kind) in outs.items():
+            if kind == OUTPUT_DIR:
+                files.check_output_dir(flag, path, dir_files)
+        files.check_outputs({f: p for f, (p, k) in outs.items() if k == OUTPUT_FILE}, inputs)
+        for flag, (path, kind) in outs.items():
+            if kind == OUTPUT_DIR:
+                for what, src in inputs.items():
+                    for n in dir_files:
+                        if files.same_file(os.path.join(path, n), src):
+                            raise files.OutputPathError(f"{flag} {path!r} would overwrite the {what} ({n})")
+    except files.OutputPathError as e:
+        raise UsageError(str(e)) from None
+
 
 
 def _number(cast: type, lowest: float, strict: bool, what: str):
@@ -58,15 +142,14 @@ positive_float = _number(float, 0.0, True, "a finite number > 0")
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", default=None,
                    help="suite name or .toml path (default: [tool.kernel-parity] suites, else ci)")
-    p.add_argument("--op", action="append", default=[], help="op name, prefix (softmax) or glob; repeatable")
-    p.add_argument("--backend", action="append", default=[],
-                   help="backend name or module:object; repeatable; replaces the suite's backends")
-    p.add_argument("--dtype", action="append", default=[], help="fp32, fp16, bf16 (aliases ok); repeatable")
-    p.add_argument("--dist", action="append", default=[], help="value distribution; repeatable")
-    p.add_argument("--json", metavar="PATH", help="write the results document (JSON)")
-    p.add_argument("--html", metavar="PATH", help="write the self-contained HTML report")
-    p.add_argument("--junit", metavar="PATH", help="write JUnit XML")
-    p.add_argument("--md", metavar="PATH", help="write a Markdown summary")
+    _list_flag(p, "--op", "op name, prefix (softmax) or glob")
+    _list_flag(p, "--backend", "backend name or module:object; replaces the suite's backends")
+    _list_flag(p, "--dtype", "fp32, fp16, bf16 (aliases ok)")
+    _list_flag(p, "--dist", "value distribution")
+    _output(p, "--json", "write the results document (JSON lines, streamed as cases finish)")
+    _output(p, "--html", "write the self-contained HTML report")
+    _output(p, "--junit", "write JUnit XML")
+    _output(p, "--md", "write a Markdown summary")
     p.add_argument("--jobs", type=positive_int, default=1, help="worker processes running cases (default 1)")
     p.add_argument("--no-isolate", action="store_true",
                    help="run cases in this process (debugging only: a kernel that exits or crashes ends the run)")
@@ -83,6 +166,19 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                         "kernel-parity's own entries apply to its own backends in any case")
     p.add_argument("--shard", metavar="I/N", default=None,
                    help="run the I-th of N deterministic slices of the cases (CI matrices; parity merge joins them)")
+    _input(p, "known_failures", "known-failures file")
+    _input(p, "suite", "suite file")
+
+
+def _add_selection_args(p: argparse.ArgumentParser) -> None:
+    """The case selection of `parity run`, for commands that only look at the cases."""
+    p.add_argument("--suite", default=None)
+    _list_flag(p, "--op")
+    _list_flag(p, "--backend")
+    _list_flag(p, "--dtype")
+    _list_flag(p, "--dist")
+    p.add_argument("--scale", default="auto", choices=["auto", "real", "cpu"])
+    p.add_argument("--shard", metavar="I/N", default=None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,22 +188,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="list ops, backends, suites or cases")
     p.add_argument("what", nargs="?", default="all", choices=["all", "ops", "backends", "suites", "cases"])
-    p.add_argument("--suite", default=None)
-    p.add_argument("--op", action="append", default=[])
-    p.add_argument("--backend", action="append", default=[])
-    p.add_argument("--dtype", action="append", default=[])
-    p.add_argument("--dist", action="append", default=[])
-    p.add_argument("--scale", default="auto", choices=["auto", "real", "cpu"])
-    p.add_argument("--shard", metavar="I/N", default=None)
+    _add_selection_args(p)
+    p.add_argument("--with-skips", action="store_true",
+                   help="cases: also list the cases the backend will skip, each with its reason")
+
+    p = sub.add_parser("coverage", help="what each backend covers: parameter values, dtypes and "
+                                        "distributions that run, and what it skips with the reasons")
+    _add_selection_args(p)
+    _output(p, "--json", "write the coverage table (JSON)")
 
     p = sub.add_parser("run", help="run a suite and write reports")
     _add_run_args(p)
     p.add_argument("--resume", metavar="FILE",
                    help="continue the run whose --json results file this is (its selection, the missing cases)")
+    _input(p, "resume", "resumed results file")
     p = sub.add_parser("gate", help="run, diff against a baseline, exit 1 on failure")
     _add_run_args(p)
     p.add_argument("--baseline", metavar="JSON", help="results of a previous run to diff against")
     p.add_argument("--growth", type=positive_float, default=4.0, help="flag errors that grew by more than this factor")
+    _input(p, "baseline", "--baseline file")
 
     p = sub.add_parser("sweep", help="fresh seeds over a suite's cases: false alarms and flaky verdicts")
     _add_run_args(p)
@@ -119,57 +218,68 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first fresh seed (default: a random one, printed, so a sweep replays with --start)")
 
     p = sub.add_parser("config", help="the resolved configuration, and where each value came from")
-    p.add_argument("--backend", action="append", default=[])
+    _list_flag(p, "--backend")
     p.add_argument("--known-failures", metavar="TOML", default=None)
 
     p = sub.add_parser("merge", help="join results files (shards of one run) into one results file and reports")
     p.add_argument("results", nargs="+")
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--html", metavar="PATH")
-    p.add_argument("--junit", metavar="PATH")
-    p.add_argument("--md", metavar="PATH")
+    _output(p, "--json", "write the merged results file")
+    _output(p, "--html", "write the HTML report")
+    _output(p, "--junit", "write JUnit XML")
+    _output(p, "--md", "write a Markdown summary")
     p.add_argument("--quiet", "-q", action="store_true")
+    _input(p, "results", "input")
 
     p = sub.add_parser("repro", help="replay one case from its id")
     p.add_argument("case_id")
-    p.add_argument("--backend", action="append", default=[], help="module:object for a third-party backend")
-    p.add_argument("--export", metavar="DIR", help="write inputs/expected/actual .npz and a standalone script")
-    p.add_argument("--json", metavar="PATH", help="write the one-record results document")
+    _list_flag(p, "--backend", "module:object for a third-party backend")
+    _output(p, "--export", "write inputs, golden and kernel outputs (.npz), the case and a standalone repro.py "
+                           "into this directory", OUTPUT_DIR, "DIR")
+    _output(p, "--json", "write the one-record results document")
 
     p = sub.add_parser("report", help="render a results file (exit 1 if it does not pass the gate)")
     p.add_argument("results")
     p.add_argument("--mutants", metavar="JSON", help="a `parity mutants --json` file: its kill table joins the HTML")
-    p.add_argument("--html", metavar="PATH")
-    p.add_argument("--junit", metavar="PATH")
-    p.add_argument("--md", metavar="PATH")
+    _output(p, "--html", "write the HTML report")
+    _output(p, "--junit", "write JUnit XML")
+    _output(p, "--md", "write a Markdown summary")
+    _input(p, "results", "results file")
+    _input(p, "mutants", "mutants file")
 
     p = sub.add_parser("diff", help="compare two results files case by case")
     p.add_argument("old")
     p.add_argument("new")
     p.add_argument("--growth", type=positive_float, default=4.0)
+    _output(p, "--json", "write the diff (JSON: its summary and every entry)")
+    _input(p, "old", "old results file")
+    _input(p, "new", "new results file")
 
     p = sub.add_parser("mutants", help="seeded bugs in our kernels: does the gate kill each one?")
     p.add_argument("--suite", default=None, help="suite whose cases must kill the mutants (default: ci)")
     p.add_argument("--props", action="store_true", help="also run the property tests on mutants the gate lets through")
-    p.add_argument("--mutant", action="append", default=[], help="only this mutant id; repeatable")
-    p.add_argument("--bug", action="append", default=[], help="only mutants of this bug class; repeatable")
-    p.add_argument("--backend", action="append", default=[], choices=["triton", "cpu", "torch"],
-                   help="only mutants of this backend's kernels; repeatable")
+    _list_flag(p, "--mutant", "only this mutant id")
+    _list_flag(p, "--bug", "only mutants of this bug class")
+    _list_flag(p, "--backend", "only mutants of this backend's kernels (triton, cpu, torch)")
     p.add_argument("--jobs", type=positive_int, default=2, help="worker processes per mutant (default 2)")
     p.add_argument("--timeout", type=positive_float, default=120.0,
                    help="seconds per case before it is a timeout (a mutant that hangs is killed by it)")
-    p.add_argument("--json", metavar="PATH", help="write the kill table (JSON)")
-    p.add_argument("--html", metavar="PATH", help="write the kill table as an HTML report")
+    _output(p, "--json", "write the kill table (JSON)")
+    _output(p, "--html", "write the kill table as an HTML report")
     p.add_argument("--list", action="store_true", help="list the catalogue and exit")
     p.add_argument("--quiet", "-q", action="store_true", help="print only the table and the summary")
+    _input(p, "suite", "suite file")
 
     p = sub.add_parser("calibrate", help="error quantiles over many seeds -> suggested limits")
     p.add_argument("op")
-    p.add_argument("--suite", default=None, help="parameter sets from this suite (default: ci)")
-    p.add_argument("--backend", action="append", default=[])
-    p.add_argument("--dtype", action="append", default=[])
+    p.add_argument("--suite", default=None,
+                   help="parameter sets from this suite (default: [tool.kernel-parity] suites, else ci)")
+    _list_flag(p, "--backend")
+    _list_flag(p, "--dtype")
     p.add_argument("--seeds", type=positive_int, default=20, help="seeds per parameter set")
+    p.add_argument("--scale", default="auto", choices=["auto", "real", "cpu"])
     p.add_argument("--no-progress", action="store_true")
+    _output(p, "--json", "write the measured quantiles and the suggestions (JSON)")
+    _input(p, "suite", "suite file")
     return parser
 
 
@@ -180,6 +290,7 @@ COMMANDS = {
     "diff": ("commands", "cmd_diff"), "merge": ("commands", "cmd_merge"), "config": ("commands", "cmd_config"),
     "sweep": ("sweep", "sweep"), "list": ("listing", "list_things"), "repro": ("repro", "repro"),
     "calibrate": ("calibrate", "calibrate"), "mutants": ("mutants.run", "main"),
+    "coverage": ("listing", "coverage"),
 }
 
 
@@ -187,6 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)
+        check_paths(args)  # every output path, before anything runs
         module, fn = COMMANDS[args.command]
         impl = getattr(importlib.import_module(f"kernel_parity.conformance.{module}"), fn)
         return impl(args, "parity " + " ".join(shlex.quote(a) for a in argv))

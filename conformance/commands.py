@@ -111,7 +111,48 @@ def shard_of(cases: list[Case], shard: tuple[int, int] | None) -> list[Case]:
     return [c for k, g in enumerate(group_cases(cases)) if k % n == i - 1 for c in g]
 
 
-def select_cases(sel: Selection, session: Session) -> list[Case]:
+@dataclass
+class LeftOut:
+    """Cases not planned because their backend implements no adapter for their op."""
+
+    by_backend: dict[str, dict[str, int]] = field(default_factory=dict)  # backend -> op -> cases
+
+    @property
+    def count(self) -> int:
+        return sum(n for ops in self.by_backend.values() for n in ops.values())
+
+    def line(self) -> str | None:
+        if not self.count:
+            return None
+        parts = []
+        for b, ops in self.by_backend.items():
+            names = sorted(ops)
+            shown = ", ".join(names[:6]) + (f", ... ({len(names)} ops)" if len(names) > 6 else "")
+            parts.append(f"{b} has no adapter for {shown}")
+        return f"not planned: {self.count} cases of ops a selected backend implements no kernel for ({'; '.join(parts)})"
+
+    def to_json(self) -> dict:
+        return {"count": self.count, "by_backend": self.by_backend}
+
+
+def without_adapters(cases: list[Case], registry: Any) -> tuple[list[Case], LeftOut]:
+    """Drop cases whose backend implements no adapter for the op (a Backend's `ops`); an object
+    without an `ops` table keeps every case and answers through `supports()`."""
+    left = LeftOut()
+    kept = []
+    for c in cases:
+        ops_table = getattr(registry.get(c.backend), "ops", None)
+        if isinstance(ops_table, dict) and c.op not in ops_table:
+            left.by_backend.setdefault(c.backend, {}).setdefault(c.op, 0)
+            left.by_backend[c.backend][c.op] += 1
+        else:
+            kept.append(c)
+    return kept, left
+
+
+def select_cases(sel: Selection, session: Session, left_out: LeftOut | None = None) -> list[Case]:
+    """The cases of a selection, in suite order: filters applied, cases of ops the backend has no
+    adapter for left out (counted in `left_out`), then the shard."""
     from kernel_parity.conformance import ops
 
     specs = ops.match(list(sel.ops) or None)
@@ -135,11 +176,27 @@ def select_cases(sel: Selection, session: Session) -> list[Case]:
             session.registry.get(name)
         except UsageError as e:  # names given with --backend were checked already: this one is the suite's
             raise UsageError(f"suite {sel.label!r} names a backend that does not exist: {e}") from None
+    found = len(cases)
+    cases, left = without_adapters(cases, session.registry)
+    if left_out is not None:
+        left_out.by_backend.update(left.by_backend)
     cases = shard_of(cases, sel.shard)
     if not cases:
-        raise UsageError(f"no cases in suite {sel.label!r} match the filters"
-                         + (f" in shard {sel.shard[0]}/{sel.shard[1]}" if sel.shard else ""))
+        what = f"no cases in suite {sel.label!r} match the filters"
+        if found and not left.count == 0:
+            what = (f"none of the {found} cases of suite {sel.label!r} that match the filters has a kernel: "
+                    f"{left.line()}")
+        raise UsageError(what + (f" in shard {sel.shard[0]}/{sel.shard[1]}" if sel.shard else ""))
     return cases
+
+
+def plan_summary(cases: list[Case]) -> dict[str, int]:
+    """{"op/backend/dtype": planned cases}: what an incomplete report shows as not run."""
+    out: dict[str, int] = {}
+    for c in cases:
+        k = f"{c.op}/{c.backend}/{c.dtype}"
+        out[k] = out.get(k, 0) + 1
+    return out
 
 
 def digest(cases: list[Case]) -> str:
@@ -171,6 +228,13 @@ class Run:
     stream: records.Stream | None = None
     done: list[CaseResult] = field(default_factory=list)  # records from a resumed file
     setup: tuple | None = None  # (module, function, *args) run first in every worker
+    stream_error: str | None = None  # why the results stream stopped being written, if it did
+
+    def check_stream(self) -> None:
+        """Exit 2 when the results file could not be written to the end (it reads as incomplete)."""
+        if self.stream_error:
+            raise UsageError(f"--json {self.args.json or self.args.resume!r} could not be written "
+                             f"({self.stream_error}): it holds an incomplete run")
 
     def execute(self, on_record: Callable[[CaseResult], None] | None = None,
                 finish: Callable[[list[CaseResult]], dict] | None = None) -> dict:
@@ -181,14 +245,18 @@ class Run:
         have = {r.id for r in self.done}
         todo = [c for c in self.cases if c.id not in have]
         t0 = time.perf_counter()
+        warm_caches(todo, args.jobs)
         bar = progress(len(todo), disable=args.no_progress)
         fresh: list[CaseResult] = []
 
         def on_result(rec: CaseResult) -> None:
             known.apply_one(rec, session.entries)
             fresh.append(rec)
-            if self.stream is not None:
-                self.stream.add(rec.to_json())
+            if self.stream is not None and self.stream_error is None:
+                try:
+                    self.stream.add(rec.to_json())
+                except OSError as e:  # the disk filled mid-run: the run goes on, the command then exits 2
+                    self.stream_error = f"{e.strerror or e} after {len(fresh) - 1} records"
             if on_record is not None:
                 on_record(rec)
             bar.update(1)
@@ -217,12 +285,28 @@ class Run:
         }
         if finish is not None:
             complete.update(finish(results))
-        if self.stream is not None:
-            self.stream.finish(complete)
+        if self.stream is not None and self.stream_error is None:
+            try:
+                self.stream.finish(complete)
+            except OSError as e:
+                self.stream_error = f"{e.strerror or e} at the completion record"
         header = {**self.header, "elapsed_s": complete["elapsed_s"], "known_failures": complete["known_failures"],
                   "backends": complete["backends"]}
         return {"schema": records.SCHEMA, "header": header, "results": [r.to_json() for r in results],
                 "complete": complete, "case_results": results}
+
+
+def warm_caches(cases: list[Case], jobs: int) -> None:
+    """Build what the first run on a machine would otherwise build inside every worker (the C
+    kernel libraries, cached on disk), in parallel, and say so: a cold run is slower for a reason."""
+    if not any(c.backend == "cpu" for c in cases):
+        return
+    from kernel_parity.kernels.cpu import loader
+
+    built, seconds, where = loader.warm(jobs=max(2, jobs))
+    if built:
+        print(f"parity: first run with these sources here: compiled {len(built)} C kernel libraries in "
+              f"{seconds:.0f} s (cached in {where}; later runs skip this)", file=sys.stderr)
 
 
 def prepare(args: Any, command: str, cases: list[Case] | None = None, extra_inputs: dict[str, str | None] | None = None,
@@ -232,16 +316,28 @@ def prepare(args: Any, command: str, cases: list[Case] | None = None, extra_inpu
         return _prepare_resume(args, command)
     session = open_session(args.backend, args.known_failures)
     sel = Selection.from_args(args, session)
+    left = LeftOut()
     if cases is None:
-        cases = select_cases(sel, session)
+        cases = select_cases(sel, session, left)
     suite_files = {f"suite file {s}": s for s in sel.suites if s.endswith(".toml")}
     check_output_paths(args, **{"known-failures file": session.known_file, **suite_files, **(extra_inputs or {})})
+    if left.count and not getattr(args, "quiet", False):
+        print(f"parity: {left.line()}", file=sys.stderr)
     header = env.header(command, sel.label)
     header.update(planned=len(cases), planned_digest=digest(cases), selection=sel.to_json(),
+                  plan=plan_summary(cases), left_out=left.to_json() if left.count else None,
                   tolerance_overrides=[t.to_json() for t in session.config.tolerance],
                   config=_shown_path(session.config.path), **(header_extra or {}))
-    stream = records.Stream.create(args.json, header) if args.json else None
+    stream = open_stream(args.json, header) if args.json else None
     return Run(args, command, session, cases, header, stream)
+
+
+def open_stream(path: str, header: dict) -> records.Stream:
+    """The results stream, or exit 2 naming the path (the up-front check makes this rare)."""
+    try:
+        return records.Stream.create(path, header)
+    except OSError as e:
+        raise UsageError(f"--json {path!r} cannot be written: {e.strerror or e}") from None
 
 
 def _shown_path(path: Any) -> str | None:
@@ -287,19 +383,30 @@ def _prepare_resume(args: Any, command: str) -> Run:
 
 # -- reporting -------------------------------------------------------------------------------------
 def write_outputs(args: Any, doc: dict, diff: Any = None, mutants: dict | None = None) -> None:
-    """The rendered reports (the JSON results were streamed as the run went)."""
+    """The rendered reports (the JSON results were streamed as the run went). Each is written
+    atomically; a path that fails at this point (checked before the run, so only a disk that
+    filled meanwhile) is exit 2 naming it, never a traceback."""
+    writers = []
     if getattr(args, "html", None):
         from kernel_parity.reports import html
 
-        html.write(args.html, doc, diff=diff, mutants=mutants)
+        writers.append(("--html", args.html, lambda p: html.write(p, doc, diff=diff, mutants=mutants)))
     if getattr(args, "junit", None):
         from kernel_parity.reports import junit
 
-        junit.write(args.junit, doc)
+        writers.append(("--junit", args.junit, lambda p: junit.write(p, doc)))
     if getattr(args, "md", None):
         from kernel_parity.reports import markdown
 
-        markdown.write(args.md, doc)
+        writers.append(("--md", args.md, lambda p: markdown.write(p, doc)))
+    failed = []
+    for flag, path, write in writers:
+        try:
+            write(path)
+        except OSError as e:
+            failed.append(f"{flag} {path!r} could not be written ({e.strerror or e})")
+    if failed:
+        raise UsageError("; ".join(failed))
 
 
 def print_summary(doc: dict, quiet: bool = False) -> bool:
@@ -321,8 +428,10 @@ def print_summary(doc: dict, quiet: bool = False) -> bool:
         print(f"parity: {status}")
     ok = records.doc_passed(doc)
     elapsed = header.get("elapsed_s") or (doc.get("complete") or {}).get("elapsed_s") or 0
+    left = header.get("left_out") if isinstance(header.get("left_out"), dict) else None
+    note = f" ({left.get('count')} cases of ops without a kernel in the backend not planned)" if left else ""
     print(f"parity: {'PASS' if ok else 'FAIL'}: {len(results)} cases: {', '.join(parts) or 'none'} in "
-          f"{float(elapsed):.1f} s on {header.get('device')}")
+          f"{float(elapsed):.1f} s on {header.get('device')}{note}")
     return ok
 
 
@@ -336,9 +445,12 @@ def load_input(path: str, what: str) -> dict:
 
 # -- commands -------------------------------------------------------------------------------------
 def cmd_run(args: Any, command: str) -> int:
-    doc = prepare(args, command).execute()
+    run = prepare(args, command)
+    doc = run.execute()
     write_outputs(args, doc)
-    return EXIT_OK if print_summary(doc, args.quiet) else EXIT_FAIL
+    ok = print_summary(doc, args.quiet)
+    run.check_stream()
+    return EXIT_OK if ok else EXIT_FAIL
 
 
 def cmd_gate(args: Any, command: str) -> int:
@@ -368,6 +480,7 @@ def cmd_gate(args: Any, command: str) -> int:
     if diff is not None:
         print(diff.render_text())
         ok = ok and not diff.failed
+    run.check_stream()
     return EXIT_OK if ok else EXIT_FAIL
 
 
@@ -417,7 +530,10 @@ def cmd_merge(args: Any, command: str) -> int:
     complete = None if incomplete else {"cases": len(results), "known_failures": {"stale": stale},
                                         "elapsed_s": sum(float(d["complete"].get("elapsed_s", 0)) for _, d in docs)}
     if args.json:  # an incomplete input keeps the merge incomplete: no completion line
-        records.atomic_write_text(args.json, records.dump(header, results, complete, finished=complete is not None))
+        try:
+            records.atomic_write_text(args.json, records.dump(header, results, complete, finished=complete is not None))
+        except OSError as e:
+            raise UsageError(f"--json {args.json!r} could not be written ({e.strerror or e})") from None
     doc = {"schema": records.SCHEMA, "header": header, "results": results, "complete": complete}
     write_outputs(args, doc)
     return EXIT_OK if print_summary(doc, args.quiet) else EXIT_FAIL
@@ -447,4 +563,13 @@ def cmd_diff(args: Any, command: str) -> int:
     old, new = load_input(args.old, "diff"), load_input(args.new, "diff")
     d = compare(old, new, growth=args.growth)
     print(d.render_text())
+    if getattr(args, "json", None):
+        import json
+
+        doc = {"schema": "kernel-parity/diff/1", "old_file": args.old, "new_file": args.new,
+               "counts": d.counts(), **d.to_dict()}
+        try:
+            files.write_text(args.json, json.dumps(records.encode(doc), indent=1) + "\n")
+        except OSError as e:
+            raise UsageError(f"--json {args.json!r} could not be written ({e.strerror or e})") from None
     return EXIT_FAIL if d.failed else EXIT_OK

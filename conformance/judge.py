@@ -204,8 +204,9 @@ def failure_message(case: Case, outputs: dict[str, OutputResult], problems: list
         shown.add(name)
         for w in orec.worst[:MAX_WORST_LINES]:
             idx = ", ".join(map(str, w["index"]))
+            mark = "" if w.get("out", True) else "  (within tolerance)"
             lines.append(f"  {name}[{idx}] = {w['got']:.6g}, expected {w['expected']:.6g}"
-                         f"  |d|={w['abs']:.2g} rel={w['rel']:.2g}")
+                         f"  |d|={w['abs']:.2g} rel={w['rel']:.2g}{mark}")
     lines += [f"  diagnosis: {d}" for d in diagnosis]
     lines.append(f"  repro: {repro}")
     return "\n".join(lines)

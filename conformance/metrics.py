@@ -147,24 +147,30 @@ def compare(got: np.ndarray, ref: np.ndarray, dtype: DType, limits: Limits | Non
 
 
 def _worst(a, b, bad_anom, both, ratio, d) -> list[dict]:
-    """At most WORST_K elements: anomaly mismatches first, then by error relative to the limit."""
-    picks: list[tuple[int, ...]] = [tuple(int(v) for v in i) for i in np.argwhere(bad_anom)[:WORST_K]]
+    """At most WORST_K elements, each marked `out` (outside the elementwise tolerance, or a NaN/inf
+    position that differs): anomaly mismatches first, then the out-of-tolerance elements by their
+    error relative to the limit. Elements within tolerance are listed only when none is out (the
+    nearest to their limit), so a failing element is never shown beside errors of 1e-233."""
+    picks: list[tuple[tuple[int, ...], bool]] = [(tuple(int(v) for v in i), True)
+                                                 for i in np.argwhere(bad_anom)[:WORST_K]]
     if len(picks) < WORST_K and ratio.size:
         flat_idx = np.flatnonzero(both.reshape(-1))
+        n_out = int(np.count_nonzero(ratio > 1.0))
         key = ratio if np.any(ratio > 0) else d
-        k = min(WORST_K - len(picks), key.size)
-        order = np.argpartition(-key, k - 1)[:k] if k < key.size else np.arange(key.size)
-        order = order[np.argsort(-key[order], kind="stable")]
-        for o in order:
-            if key[o] <= 0:
-                break
-            picks.append(tuple(int(v) for v in np.unravel_index(flat_idx[o], a.shape)))
+        k = min(WORST_K - len(picks), n_out if (n_out or picks) else key.size)
+        if k > 0:
+            order = np.argpartition(-key, k - 1)[:k] if k < key.size else np.arange(key.size)
+            order = order[np.argsort(-key[order], kind="stable")]
+            for o in order:
+                if key[o] <= 0:
+                    break
+                picks.append((tuple(int(v) for v in np.unravel_index(flat_idx[o], a.shape)), bool(ratio[o] > 1.0)))
     out = []
-    for i in picks:
+    for i, is_out in picks:
         g, e = float(a[i]), float(b[i])
         ad = abs(g - e) if np.isfinite(g) and np.isfinite(e) else float("nan")
         rel = ad / abs(e) if np.isfinite(ad) and e != 0 else float("nan")
-        out.append({"index": list(i), "got": g, "expected": e, "abs": ad, "rel": rel})
+        out.append({"index": list(i), "got": g, "expected": e, "abs": ad, "rel": rel, "out": is_out})
     return out
 
 
@@ -189,5 +195,6 @@ def exact_mismatch(got: np.ndarray, expected: np.ndarray, nan_bits: bool = True)
     worst = []
     for i in np.argwhere(bad)[:WORST_K]:
         i = tuple(int(v) for v in i)
-        worst.append({"index": list(i), "got": int(g[i]), "expected": int(e[i]), "abs": float("nan"), "rel": float("nan")})
+        worst.append({"index": list(i), "got": int(g[i]), "expected": int(e[i]), "abs": float("nan"),
+                      "rel": float("nan"), "out": True})
     return n_bad, worst

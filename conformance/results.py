@@ -83,7 +83,7 @@ class OutputResult:
     metrics: dict[str, float] = field(default_factory=dict)
     limits: dict[str, float | None] | None = None
     layers: dict[str, dict] = field(default_factory=dict)  # layer -> {"ok": bool | None, "detail": str}
-    worst: list[dict] = field(default_factory=list)  # at most 5: index, got, expected, abs, rel
+    worst: list[dict] = field(default_factory=list)  # at most 5: index, got, expected, abs, rel, out
     noise: dict[str, float] | None = None
     not_provided: str | None = None  # the backend does not compute this output (why)
     outside_contract: dict | None = None  # {"elements", "reason"}: elements the backend does not promise

@@ -53,12 +53,15 @@ def tier_of(spec: OpSpec, backend: str) -> str:
 class Prepared:
     """Inputs, references and (for ops with a VJP) cotangents of one input group, computed once."""
 
-    def __init__(self, spec: OpSpec, case: Case) -> None:
+    def __init__(self, spec: OpSpec, case: Case, inputs: dict[str, np.ndarray] | None = None) -> None:
+        """`inputs`: the case's inputs as given (an exported repro's), instead of drawn from its seed."""
         self.spec = spec
         p = case.p
         t0 = time.perf_counter()
-        rng = np.random.Generator(np.random.PCG64(case.seed))
-        self.inputs = spec.make_inputs(p, case.dtype, case.dist, rng)
+        if inputs is None:
+            rng = np.random.Generator(np.random.PCG64(case.seed))
+            inputs = spec.make_inputs(p, case.dtype, case.dist, rng)
+        self.inputs = inputs
         t1 = time.perf_counter()
         self.inputs64 = float64_view(self.inputs)
         self.references = {name: dict(fn(self.inputs64, p)) for name, fn in spec.all_references().items()}
@@ -137,11 +140,13 @@ class Runner:
             self.evaluate_group(group, on_result=keep)
         return results
 
-    def evaluate(self, case: Case) -> CaseResult:
-        return self.evaluate_group([case])[0]
+    def evaluate(self, case: Case, inputs: dict[str, np.ndarray] | None = None) -> CaseResult:
+        """One case; `inputs` replaces the inputs drawn from its seed (a replayed export)."""
+        return self.evaluate_group([case], inputs=inputs)[0]
 
     def evaluate_group(self, cases: list[Case], on_start: Callable[[Case], None] | None = None,
-                       on_result: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
+                       on_result: Callable[[CaseResult], None] | None = None,
+                       inputs: dict[str, np.ndarray] | None = None) -> list[CaseResult]:
         """Evaluate cases sharing one input key; each record is handed to `on_result` when done."""
         spec = self.spec(cases[0].op)
         out: dict[Case, CaseResult] = {}
@@ -155,7 +160,7 @@ class Runner:
             if rec is None:
                 if prep is None and prep_error is None:
                     try:
-                        prep = Prepared(spec, case)
+                        prep = Prepared(spec, case, inputs)
                     except SpecError:
                         raise
                     except Exception as e:  # the input builder or golden raised: the group errors

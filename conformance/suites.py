@@ -21,6 +21,7 @@ against its op spec when the suite loads; a bad entry is an error naming the fil
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,11 +81,18 @@ def path_of(name: str) -> Path:
     if p.suffix == ".toml" and p.is_file():
         return p
     if p.suffix == ".toml" and p.exists():
-        raise UsageError(f"suite {name!r} is not a file")
+        raise UsageError(f"suite file {name!r} is not a file")
     q = SUITE_DIR / f"{name}.toml"
     if "/" not in name and q.is_file():
         return q
-    raise UsageError(f"unknown suite {name!r} (known: {', '.join(names())}; or a path to a .toml file)")
+    if p.suffix == ".toml" or "/" in name or os.sep in name:
+        raise UsageError(f"suite file {name!r} not found (a suite is a name: {', '.join(names())}; "
+                         f"or the path of an existing .toml file)")
+    import difflib
+
+    close = difflib.get_close_matches(name, names(), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise UsageError(f"unknown suite {name!r} ({hint}known: {', '.join(names())}; or a path to a .toml file)")
 
 
 def load_doc(name: str) -> dict[str, Any]:

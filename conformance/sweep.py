@@ -119,4 +119,5 @@ def sweep(args: Any, command: str) -> int:
         for r in doc["results"]:
             if r["verdict"] in records.FAILING:
                 print(f"{r['verdict'].upper()} {r['id']}: {r.get('reason')}")
+    run.check_stream()
     return EXIT_OK if ok else EXIT_FAIL

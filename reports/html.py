@@ -13,10 +13,12 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import jinja2
+from markupsafe import Markup
 
 from kernel_parity.reports import records
 
@@ -66,6 +68,20 @@ def fmt_dur(s: Any) -> str:
     return f"{s * 1e6:.1f} µs"
 
 
+def case_id_markup(case_id: Any) -> Markup:
+    """A case id that wraps only after "/" or ",": each piece in a no-wrap span followed by <wbr>,
+    so a line never breaks at the hyphen of `sdpa-cpu` or inside a parameter (copying the text
+    still gives the id, unchanged)."""
+    text = str(case_id)
+    pieces = re.findall(r"[^/,]*[/,]|[^/,]+$", text)
+    inner = Markup("<wbr>").join(Markup("<span>{}</span>").format(p) for p in pieces)
+    return Markup('<span class="cid">{}</span>').format(inner)
+
+
+NORM_ERR_HELP = ("norm_err: the case's worst error divided by its limit, over every output and tolerance layer "
+                 "(elementwise, cos_diff, nmse, noise); at most 1 passes, 0.5 used half the allowance")
+
+
 def sort_value(x: Any) -> str:
     """data-v attribute for the JS sorter: NaN and inf sort as the largest, missing as the smallest."""
     if not _is_num(x) or x == -math.inf:
@@ -100,7 +116,7 @@ def _output_view(name: str, out: dict) -> dict:
                    for k, v in (out.get("layers") or {}).items()],
         "worst": [{"index": "[" + ", ".join(str(i) for i in w.get("index", [])) + "]",
                    "got": w.get("got"), "expected": w.get("expected"),
-                   "abs": w.get("abs"), "rel": w.get("rel")} for w in out.get("worst") or []],
+                   "abs": w.get("abs"), "rel": w.get("rel"), "out": w.get("out")} for w in out.get("worst") or []],
         "noise": out.get("noise") or None,
     }
 
@@ -210,7 +226,7 @@ def _env() -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
         autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(num=fmt_num, dur=fmt_dur, sortv=sort_value)
+    env.filters.update(num=fmt_num, dur=fmt_dur, sortv=sort_value, cid=case_id_markup)
     env.tests.update(nonfinite=_nonfinite)
     env.globals.update(over=_over)
     return env
@@ -242,8 +258,9 @@ def render(doc: dict, diff: Any = None, mutants: dict | None = None) -> str:
     header = doc.get("header") or {}
     results = doc.get("results") or []
     views = sorted((_record_view(r) for r in results), key=_severity)
-    ops, columns, cells = records.matrix(results)
+    ops, columns, cells = records.matrix(results, records.plan_of(doc))
     order = [(op, b, d) for op in ops for b, dts in columns for d in dts]
+    left_out = header.get("left_out") if isinstance(header.get("left_out"), dict) else None
     counts = records.summary(results)
     return _env().get_template("report.html.j2").render(
         header=[(label, header.get(key)) for key, label in HEADER_FIELDS],
@@ -256,7 +273,7 @@ def render(doc: dict, diff: Any = None, mutants: dict | None = None) -> str:
         open_failures=OPEN_FAILURES, skips=_grouped(views, "skip"), known=_grouped(views, "xfail"),
         cases=views,
         table_metrics=TABLE_METRICS, metric_columns=METRIC_COLUMNS,
-        plots=_plots(views, order), diff=diff, verdicts=records.VERDICTS, mutants=_mutants_view(mutants),
+        plots=_plots(views, order), diff=diff, left_out=left_out, plot_w=PLOT_W, norm_err_help=NORM_ERR_HELP, verdicts=records.VERDICTS, mutants=_mutants_view(mutants),
         version=header.get("package_version") or "",
         diff_entries=list(diff.entries()) if diff is not None else [],
     )

@@ -15,7 +15,8 @@ from kernel_parity.reports import records
 
 MAX_FAILURES = 20
 MARK = {"pass": "✅", "fail": "❌", "error": "🟠", "crash": "💥", "timeout": "⏱️",
-        "flaky": "🟣", "vacuous": "🟡", "skip": "⚪", "xfail": "🔕", "xpass": "❗"}
+        "flaky": "🟣", "vacuous": "🟡", "skip": "⚪", "xfail": "🔕", "xpass": "❗",
+        "notrun": "⏸️"}
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]#|~])")
 
 
@@ -36,8 +37,8 @@ def _code(s: object, in_table: bool = False) -> str:
     return span.replace("|", "\\|") if in_table else span
 
 
-def _matrix(results: list[dict]) -> list[str]:
-    ops, columns, cells = records.matrix(results)
+def _matrix(results: list[dict], plan: dict | None = None) -> list[str]:
+    ops, columns, cells = records.matrix(results, plan)
     if not ops:
         return []
     heads = [f"{_text(b)} {_text(d)}" for b, dts in columns for d in dts]
@@ -74,7 +75,7 @@ def render(doc: dict) -> str:
         lines += [" · ".join(where), ""]
     verdicts = [f"{MARK.get(v, '')} {counts[v]} {v}" for v in records.VERDICTS if counts.get(v)]
     lines += [f"**{len(results)} cases:** " + (", ".join(verdicts) or "none"), ""]
-    lines += _matrix(results)
+    lines += _matrix(results, records.plan_of(doc))
 
     failures = sorted((r for r in results if r.get("verdict") in records.FAILING),
                       key=lambda r: (records.VERDICTS.index(r["verdict"]), str(r.get("id"))))

@@ -36,7 +36,9 @@ One record per case:
                                mismatch, mismatch_frac, max_ref, nonfinite_ref},
                    "limits": {atol, rtol, cos_diff, nmse, cos_diff_eff, nmse_eff} (numeric outputs),
                    "layers": {layer: {"ok": bool | null, "detail": str}},
-                   "worst": [{"index": [...], "got", "expected", "abs", "rel"}],   (at most 5)
+                   "worst": [{"index": [...], "got", "expected", "abs", "rel", "out"}],   (at most 5;
+                             out: outside the tolerance; elements within it are listed only when
+                             none is out)
                    "noise": {"err", "baseline_err", "k", "floor", "limit"} or null
                  }}
     layers      {structure|exact|numeric|noise|trust: "pass" | "fail" | "n/a"}  (worst over outputs)
@@ -369,10 +371,14 @@ class Cell:
 
     counts: dict[str, int]  # verdict -> count, non-zero only
     skip_reasons: tuple[str, ...]  # distinct, first-seen order
+    not_run: int = 0  # planned cases without a record (an incomplete run)
 
     @property
     def worst(self) -> str:
-        """Colour of the cell: the worst verdict among the records that ran (skip if none ran)."""
+        """Colour of the cell: the worst verdict among the records that ran (skip if none ran;
+        "notrun" when nothing of it ran because the run stopped first)."""
+        if not self.counts and self.not_run:
+            return "notrun"
         return worst_verdict([v for v in self.counts if v != "skip"] or ["skip"])
 
     @property
@@ -382,20 +388,39 @@ class Cell:
 
     @property
     def text(self) -> str:
-        """"12/12", "3 fail / 12", "skip", "9/12 · 2 xfail · 1 vacuous · 3 skip"."""
+        """"12/12", "3 fail / 12", "skip", "9/12 · 2 xfail · 1 vacuous · 3 skip", "not run (12)"."""
+        tail = [f"{self.not_run} not run"] if self.not_run else []
+        if not self.counts:
+            return f"not run ({self.not_run})"
         if self.ran == 0:
-            return "skip"
+            return " · ".join(["skip"] + tail)
         failing = [f"{self.counts[v]} {v}" for v in VERDICTS if v in FAILING and v in self.counts]
         parts = [" ".join(failing) + f" / {self.ran}" if failing
                  else f"{self.counts.get('pass', 0)}/{self.ran}"]
         parts += [f"{self.counts[v]} {v}" for v in ("xfail", "vacuous", "skip") if v in self.counts]
-        return " · ".join(parts)
+        return " · ".join(parts + tail)
 
 
-def matrix(results: list[dict]) -> tuple[list[str], list[tuple[str, list[str]]],
-                                         dict[tuple[str, str, str], Cell]]:
-    """(ops, [(backend, [dtype, ...]), ...], {(op, backend, dtype): Cell}), each sorted."""
-    groups: dict[tuple[str, str, str], list[dict]] = {}
+def plan_of(doc: dict) -> dict[tuple[str, str, str], int]:
+    """{(op, backend, dtype): planned cases} of an incomplete document whose header has its plan
+    (`parity run` writes it), else {}: a finished run's records are its plan."""
+    if incomplete(doc) is None:
+        return {}
+    plan = (doc.get("header") or {}).get("plan")
+    out: dict[tuple[str, str, str], int] = {}
+    if isinstance(plan, dict):
+        for k, n in plan.items():
+            parts = str(k).split("/")
+            if len(parts) == 3 and isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                out[(parts[0], parts[1], parts[2])] = n
+    return out
+
+
+def matrix(results: list[dict], plan: dict[tuple[str, str, str], int] | None = None
+           ) -> tuple[list[str], list[tuple[str, list[str]]], dict[tuple[str, str, str], Cell]]:
+    """(ops, [(backend, [dtype, ...]), ...], {(op, backend, dtype): Cell}), each sorted. With the
+    `plan` of an incomplete run, cells of planned cases that did not run say so."""
+    groups: dict[tuple[str, str, str], list[dict]] = {key: [] for key in (plan or {})}
     for r in results:
         groups.setdefault(cell_key(r), []).append(r)
     cells: dict[tuple[str, str, str], Cell] = {}
@@ -405,7 +430,7 @@ def matrix(results: list[dict]) -> tuple[list[str], list[tuple[str, list[str]]],
             counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
         reasons = dict.fromkeys(str(r.get("reason") or "no reason given")
                                 for r in recs if r["verdict"] == "skip")
-        cells[key] = Cell(counts, tuple(reasons))
+        cells[key] = Cell(counts, tuple(reasons), max(0, (plan or {}).get(key, 0) - len(recs)))
     ops = sorted({k[0] for k in cells})
     backends = sorted({k[1] for k in cells})
     columns = [(b, sorted({k[2] for k in cells if k[1] == b}, key=dtype_key)) for b in backends]

@@ -3,8 +3,11 @@ repo" section literally: its files are the section's code blocks (each starts wi
 its commands the section's shell blocks. The repo has a `kernels/` package of its own, an
 entry-point backend, an op family of its own, a `[tool.kernel-parity]` table and a known failure.
 
-It is installed beside kernel-parity in a fresh virtual environment (which sees this project's
-installed dependencies through a .pth file; pip runs offline: --no-deps --no-build-isolation), and:
+The venv is truly fresh: `python -m venv` with its own pip, no access to this project's
+site-packages (no .pth file, no system site-packages; torch, which kernel-parity does not depend
+on, is not importable there), and the README's install lines run as written, installing from this
+checkout (pip takes wheels from its local cache or find-links where it can). So a README whose
+install line lacks what the section then runs (pytest, hypothesis, pytest-xdist) fails here.
 `parity gate` there runs its suites on its backend and exits 0 (its listed failure is an xfail),
 1 once a bug is seeded in its kernel; `pytest -n 2` writes one merged report with every record.
 """
@@ -13,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import site
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +25,6 @@ import pytest
 from kernel_parity.reports import records
 
 ROOT = Path(__file__).resolve().parent.parent
-OFFLINE = ["--no-deps", "--no-build-isolation", "-q"]
 
 
 def readme_section() -> tuple[dict[str, str], list[list[str]]]:
@@ -41,7 +42,18 @@ def readme_section() -> tuple[dict[str, str], list[list[str]]]:
 
 
 def _run(cmd: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def fresh_venv(where: Path) -> tuple[Path, dict]:
+    """A new virtual environment with its own pip and nothing else; (its folder, the environment
+    variables of a shell that activated it)."""
+    venv = where / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE")}
+    env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}", VIRTUAL_ENV=str(venv), PYTHONNOUSERSITE="1")
+    return venv, env
 
 
 @pytest.fixture(scope="module")
@@ -54,18 +66,26 @@ def adopter(tmp_path_factory):
     for path, body in files.items():
         (repo / path).parent.mkdir(parents=True, exist_ok=True)
         (repo / path).write_text(body)
-    venv = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    purelib = next(venv.glob("lib/python*/site-packages"))
-    (purelib / "kernel_parity_deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}", VIRTUAL_ENV=str(venv))
+    venv, env = fresh_venv(base)
+    probe = _run("python -c 'import sys, site; print(sys.prefix); print(site.getsitepackages())'", repo, env)
+    assert probe.returncode == 0 and str(venv) in probe.stdout.splitlines()[0], probe.stdout + probe.stderr
+    isolated = _run("python -c 'import torch'", repo, env)
+    assert isolated.returncode != 0, "the adopter's venv sees this project's packages (torch imports there)"
     install, usage = shells[0], shells[-1]
-    for cmd in install:  # the README's install lines, with the offline flags
-        cmd = cmd.replace("<path to kernel-parity>", str(ROOT)) + " " + " ".join(OFFLINE)
+    for cmd in install:  # the README's install lines, as written
+        cmd = cmd.replace("<path to kernel-parity>", str(ROOT))
         r = _run(cmd, repo, env)
-        assert r.returncode == 0, f"{cmd}\n{r.stdout}\n{r.stderr}"
+        assert r.returncode == 0, f"{cmd}\n{r.stdout}\n{r.stderr[-3000:]}"
     return repo, env, usage
+
+
+def test_the_venv_is_fresh_and_the_install_line_brings_what_the_section_runs(adopter):
+    repo, env, usage = adopter
+    r = _run("python -c 'import torch'", repo, env)
+    assert r.returncode != 0  # still nothing of this project's environment
+    for module in ("pytest", "hypothesis", "xdist", "kernel_parity"):
+        r = _run(f"python -c 'import {module}'", repo, env)
+        assert r.returncode == 0, f"the README's install line does not bring {module}: {r.stderr[-500:]}"
 
 
 def test_parity_gate_runs_the_adopters_suites_with_its_backends(adopter):

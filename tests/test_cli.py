@@ -42,7 +42,7 @@ def test_repro_prints_metrics_worst_elements_and_verdict(capsys):
     case = "softmax.softmax/np_noisy/fp16/rows=3,n=113,pad=0/normal/seed=0"
     assert main(["repro", case, "--backend", "tests.third_party:NOISY"]) == 1
     out = capsys.readouterr().out
-    assert "max_abs" in out and "cos_diff" in out and "worst    y[" in out
+    assert "max_abs" in out and "cos_diff" in out and "worst    OUT y[" in out
     assert "verdict  fail (numeric)" in out
     assert f"repro: parity repro {case} --backend tests.third_party:NOISY" in out
 
@@ -51,11 +51,15 @@ def test_repro_export_writes_a_standalone_bug_report(tmp_path):
     case = "combine.lse_combine/cpu/bf16/splits=5,rows=7,dv=64/empty/seed=0"
     assert main(["repro", case, "--export", str(tmp_path / "bug")]) == 0
     bug = tmp_path / "bug"
-    assert {p.name for p in bug.iterdir()} >= {"inputs.npz", "expected.npz", "actual.npz", "case.json", "repro.py"}
+    assert {p.name for p in bug.iterdir()} >= {"inputs.npz", "expected.npz", "actual.npz", "case.json", "repro.py",
+                                               "layout.json"}
     inputs = np.load(bug / "inputs.npz")
     assert inputs["o_parts"].dtype == np.uint16  # bf16 travels as its bits
+    layout = json.loads((bug / "layout.json").read_text())
+    assert layout["inputs/o_parts"]["dtype"] == "bfloat16"
     r = subprocess.run([sys.executable, str(bug / "repro.py")], capture_output=True, text=True)
-    assert r.returncode == 0 and "o: max_abs=" in r.stdout and "lse: max_abs=" in r.stdout
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "output o (bf16" in r.stdout and "output lse" in r.stdout and "verdict  pass" in r.stdout
 
 
 def test_list(capsys):

@@ -73,9 +73,13 @@ def test_worst_elements_are_ordered_by_error_over_limit():
     b = np.array([1.0, 100.0, 0.0, 2.0])
     a = np.array([1.1, 100.5, 0.0, 2.0], dtype=np.float32)
     c = compare(a, b, F32, Limits(atol=0.0, rtol=1e-2))
-    # |d|/(rtol |b|): 0.1/0.01 = 10 at index 0, 0.5/1 = 0.5 at index 1
-    assert [w["index"] for w in c.worst] == [[0], [1]]
+    # |d|/(rtol |b|): 0.1/0.01 = 10 at index 0 (out), 0.5/1 = 0.5 at index 1 (within: not listed
+    # beside an element that is out)
+    assert [(w["index"], w["out"]) for w in c.worst] == [([0], True)]
     assert c.elem_ratio == float(np.float32(1.1) - 1.0) / 0.01
+    # nothing out: the elements nearest their limit, each marked within
+    c = compare(a, b, F32, Limits(atol=0.0, rtol=2e-1))
+    assert [(w["index"], w["out"]) for w in c.worst] == [([0], False), ([1], False)]
 
 
 def test_exact_mismatch_compares_bits():

@@ -208,6 +208,10 @@ class Registry:
         self._cache[name] = b
         return b
 
+    def add(self, backend: Backend) -> None:
+        """Serve `backend` under its own name in this registry (a replay's saved outputs)."""
+        self._cache[backend.name] = backend
+
     def loaded(self) -> list[Backend]:
         return list(self._cache.values())
 

@@ -52,6 +52,9 @@ def select(args: Any) -> list[Mutant]:
                 raise UsageError(f"unknown bug class {b!r} (known: {', '.join(CLASSES)})")
         muts = [m for m in muts if m.bug in args.bug]
     if args.backend:
+        for b in args.backend:
+            if b not in ("triton", "cpu", "torch"):
+                raise UsageError(f"--backend {b!r}: mutants exist for our own kernels only (triton, cpu, torch)")
         muts = [m for m in muts if m.backend in args.backend]
     if not muts:
         raise UsageError("no mutant matches the filters")
@@ -181,11 +184,7 @@ def mutants_command(args: Any, command: str) -> int:
             flag = " [equivalent]" if m.equivalent else " [gpu only]" if m.gpu_only else ""
             print(f"{m.id:<40} {m.bug:<26} {m.file:<26} {m.doc}{flag}")
         return EXIT_OK
-    muts = select(args)
-    try:
-        files.check_outputs({"--json": args.json, "--html": args.html})
-    except files.OutputPathError as e:
-        raise UsageError(str(e)) from None
+    muts = select(args)  # output paths were checked before the command started (cli.check_paths)
     header = env.header(command, args.suite or suites.DEFAULT_SUITE)
     rows: list[dict] = []
     t0 = time.perf_counter()
@@ -205,14 +204,17 @@ def mutants_command(args: Any, command: str) -> int:
     doc = {"schema": SCHEMA, "header": {**header, "elapsed_s": round(time.perf_counter() - t0, 1),
                                          "props": bool(args.props)},
            "mutants": rows, "summary": summary(rows)}
-    if args.json:
-        import json
+    try:
+        if args.json:
+            import json
 
-        files.write_text(args.json, json.dumps(records.encode(doc), indent=1) + "\n")
-    if args.html:
-        from kernel_parity.reports import html
+            files.write_text(args.json, json.dumps(records.encode(doc), indent=1) + "\n")
+        if args.html:
+            from kernel_parity.reports import html
 
-        html.write_mutants(args.html, doc)
+            html.write_mutants(args.html, doc)
+    except OSError as e:
+        raise UsageError(f"the kill table could not be written ({e.strerror or e})") from None
     print(render_table(rows))
     s = doc["summary"]
     print(f"parity mutants: {len(rows)} mutants: " + ", ".join(f"{n} {k}" for k, n in s.items())

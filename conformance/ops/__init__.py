@@ -69,10 +69,22 @@ def unregister(names: list[str]) -> None:
         _EXTRA.pop(n, None)
 
 
+def _suggest(name: str, known: list[str]) -> str:
+    """'did you mean X?' for a near miss (difflib), else the list of known names (parity list ops)."""
+    import difflib
+
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    close += [k for k in known if name and k.split(".", 1)[-1] == name.split(".", 1)[-1] and k not in close]
+    if close:
+        return f"did you mean {' or '.join(repr(c) for c in close[:3])}?"
+    stems = sorted({k.split('.', 1)[0] for k in known})
+    return f"{len(known)} ops in the families {', '.join(stems)}: `parity list ops` shows them"
+
+
 def get(name: str) -> OpSpec:
     specs = all_specs()
     if name not in specs:
-        raise UsageError(f"unknown op {name!r} (known: {', '.join(specs)})")
+        raise UsageError(f"unknown op {name!r} ({_suggest(name, list(specs))})")
     return specs[name]
 
 
@@ -86,7 +98,7 @@ def match(patterns: list[str] | None) -> list[OpSpec]:
         hits = [s for n, s in specs.items()
                 if n == pat or n.startswith(pat + ".") or fnmatch.fnmatchcase(n, pat)]
         if not hits:
-            raise UsageError(f"--op {pat!r} matches no op (known: {', '.join(specs)})")
+            raise UsageError(f"--op {pat!r} matches no op ({_suggest(pat, list(specs))})")
         out.extend(h for h in hits if h not in out)
     return out
 

@@ -68,7 +68,36 @@ def load(stem: str) -> ctypes.CDLL:
         return lib
 
 
-def _build(stem: str) -> Path:
+def warm(jobs: int = 2) -> tuple[list[str], float, Path | None]:
+    """Compile every kernels/cpu/*.c whose library is not cached yet, `jobs` compilers at a time,
+    before worker processes would each build what they need (the first run on a machine):
+    (stems built, seconds, the cache folder). A source that fails to build is left to the case
+    that loads it, which records the compiler's one-line error."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        stems = [p.stem for p in sorted(SRC_DIR.glob("*.c")) if not _target(p.stem)[1].is_file()]
+    except CompilerUnavailable:
+        return [], 0.0, None
+    if not stems:
+        return [], 0.0, _cache_dir()
+    t0 = time.perf_counter()
+
+    def build(stem: str) -> str | None:
+        try:
+            _build(stem)
+            return stem
+        except CompilerUnavailable:
+            return None
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        built = [s for s in pool.map(build, stems) if s]
+    return built, time.perf_counter() - t0, _cache_dir()
+
+
+def _target(stem: str) -> tuple[Path, Path]:
+    """(source, the cached library's path): the name carries a hash of everything that builds it."""
     source = SRC_DIR / f"{stem}.c"
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", stem) or not source.is_file():
         raise ValueError(f"stem must name a C source in {SRC_DIR}, got {stem!r}")
@@ -79,8 +108,13 @@ def _build(stem: str) -> Path:
         key.update(part.encode() + b"\0")
     for path in [source, *_headers(source)]:
         key.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    out_dir = _cache_dir()
-    target = out_dir / f"{stem}-{key.hexdigest()[:24]}.so"
+    return source, _cache_dir() / f"{stem}-{key.hexdigest()[:24]}.so"
+
+
+def _build(stem: str) -> Path:
+    source, target = _target(stem)
+    cc = _find_compiler()
+    out_dir = target.parent
     if target.is_file():
         return target
     fd, tmp = tempfile.mkstemp(prefix=f".{stem}-", suffix=".so.tmp", dir=out_dir)
