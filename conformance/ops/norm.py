@@ -1,0 +1,176 @@
+"""Op specs of the normalisation family: `norm.rms_norm` and `norm.layer_norm`.
+
+Rows are stored in an aligned width aw = n + pad (C-Kernel-Engine's aligned_embed_dim): lanes
+[n, aw) of every input row hold zeros (the engine's invariant, which lets its dot products run over
+the aligned width) and must be written as zeros in every output row; the statistics run over the
+real width n only. Distributions make the bugs of this family show:
+
+- `tiny`: rows of tiny norm (scale 1e-4, and an all-zero row) next to unit rows: with mean(x^2)
+  ~ 1e-8 against eps = 1e-6, eps outside the square root is off by 10x; the large-eps cases
+  (eps = 1) show where eps sits at unit scale too;
+- `scales`: every row its own scale, 1e-3 .. 1e3 (a kernel that reads its neighbour's row, or its
+  neighbour's rstd, is off by orders of magnitude);
+- `outlier`: a few channels 100x larger (LLM activations): fp16 x^2 overflows without fp32 sums;
+- `shifted` (LayerNorm): x = 1000 + N(0, 1): the one-pass variance E[x^2] - E[x]^2 cancels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import kernel_parity.refimpl.norm as ref
+from kernel_parity.conformance import dtypes as dt
+from kernel_parity.conformance.params import Int, OneOf, Schema
+from kernel_parity.conformance.spec import Diagnosis, OpSpec, Output
+from kernel_parity.conformance.tolerance import Tol
+
+EPS = ("1e-6", "1e-5", "1e-2", "1")  # as they appear in case ids; 1 is the large eps
+DISTS = {
+    "normal": "x, r ~ N(0, 1); w ~ 1 + N(0, 0.1) (Gemma's stored w ~ N(0, 0.1))",
+    "tiny": "rows of scale 1e-4 and one all-zero row between unit rows: where eps sits shows",
+    "scales": "row i scaled by 10^u, u ~ U(-3, 3): neighbouring rows differ by orders of magnitude",
+    "outlier": "N(0, 1) with a few channels 100x larger (fp16 x^2 overflows outside fp32 sums)",
+    "shifted": "x = 1000 + N(0, 1) (LayerNorm: the one-pass variance cancels)",
+}
+
+
+def _rows(rng: np.random.Generator, rows: int, n: int, dist: str) -> np.ndarray:
+    """(rows, n) float64 values of the named distribution."""
+    x = rng.standard_normal((rows, n))
+    if dist == "tiny":
+        x[0::2] *= 1e-4
+        x[rows // 2] = 0.0
+    elif dist == "scales":
+        x *= 10.0 ** rng.uniform(-3.0, 3.0, (rows, 1))
+    elif dist == "outlier":
+        x[:, rng.choice(n, max(1, n // 64), replace=False)] *= 100.0
+    elif dist == "shifted":
+        x += 1000.0
+    elif dist != "normal":
+        raise ValueError(f"unknown distribution {dist!r}")
+    return x
+
+
+def _aligned(x: np.ndarray, pad: int, dtype: str) -> np.ndarray:
+    """(rows, n) values in a (rows, n + pad) array whose padding lanes are zero, rounded to dtype."""
+    out = np.zeros(x.shape[:-1] + (x.shape[-1] + pad,))
+    out[..., : x.shape[-1]] = x
+    return dt.round_to(out, dtype)
+
+
+def _inputs_rms(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    x = _rows(rng, p["rows"], p["n"], dist)
+    w = rng.standard_normal(p["n"]) * 0.1 + (0.0 if p["gemma"] else 1.0)
+    out = {"x": _aligned(x, p["pad"], dtype), "w": _aligned(w, p["pad"], dtype)}
+    if p["residual"]:
+        r = _rows(rng, p["rows"], p["n"], dist if dist != "tiny" else "normal")
+        if dist == "tiny":  # the sum x + r must be tiny where x is: r of the same scale
+            r[0::2] *= 1e-4
+            r[p["rows"] // 2] = 0.0
+        out["r"] = _aligned(r, p["pad"], dtype)
+    return out
+
+
+def _ref_rms(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    res = ref.rms_norm(x["x"], x["w"], float(p["eps"]), n=p["n"], gemma=bool(p["gemma"]), residual=x.get("r"))
+    return {k: v for k, v in res.items() if k in _rms_shapes(p)}
+
+
+def _rms_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    aw = p["n"] + p["pad"]
+    shapes = {"y": (p["rows"], aw)}
+    if p["residual"]:
+        shapes["h"] = (p["rows"], aw)
+    if p["rstd"]:
+        shapes["rstd"] = (p["rows"],)
+    return shapes
+
+
+def _inputs_ln(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    x = _rows(rng, p["rows"], p["n"], dist)
+    out = {"x": _aligned(x, p["pad"], dtype), "w": _aligned(1.0 + 0.1 * rng.standard_normal(p["n"]), p["pad"], dtype)}
+    if p["bias"]:
+        out["b"] = _aligned(rng.standard_normal(p["n"]), p["pad"], dtype)
+    return out
+
+
+def _ln_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    shapes = {"y": (p["rows"], p["n"] + p["pad"])}
+    if p["stats"]:
+        shapes.update(mean=(p["rows"],), rstd=(p["rows"],))
+    return shapes
+
+
+def _ref_ln(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    res = ref.layer_norm(x["x"], x["w"], x.get("b"), float(p["eps"]), n=p["n"])
+    return {k: v for k, v in res.items() if k in _ln_shapes(p)}
+
+
+def _row_len(p: dict[str, Any], output: str) -> int:
+    return p["n"]  # every output element depends on a sum over its row's n real lanes
+
+
+def _alt(**change):
+    def alter(p: dict[str, Any]) -> dict[str, Any] | None:
+        if all(p.get(k) == v for k, v in change.items()):
+            return None
+        return {**p, **change}
+    return alter
+
+
+_ROWS = dict(
+    rows=Int(1, 1 << 20, doc="rows (tokens)"),
+    n=Int(1, 1 << 18, edges=(64, 128, 1024, 4096, 8192), doc="real width (the normalised axis)"),
+    pad=Int(0, 256, edges=(0, 1, 16, 64), doc="padding lanes after the real width (zero in, zero out)"),
+)
+
+RMS_NORM = OpSpec(
+    name="norm.rms_norm",
+    golden=ref.rms_norm,
+    reference=_ref_rms,
+    params=Schema(dict(
+        _ROWS,
+        eps=OneOf(*EPS, doc="epsilon inside the square root"),
+        gemma=OneOf(0, 1, doc="apply (1 + w) (Gemma) instead of w"),
+        residual=OneOf(0, 1, doc="fused residual add: h = x + r is normalised and returned"),
+        rstd=OneOf(0, 1, doc="also return rstd = 1 / sqrt(mean(h^2) + eps) per row (fp32)"),
+    )),
+    make_inputs=_inputs_rms,
+    output_shapes=_rms_shapes,
+    outputs={
+        "y": Output("test", doc="the normalised rows, padding lanes zero"),
+        "h": Output("test", doc="the residual sum x + r (the new residual stream), padding lanes zero"),
+        "rstd": Output("fp32", doc="1 / sqrt(mean(h^2) + eps) per row (fp32 sums of the stored inputs)"),
+    },
+    tolerance=Tol(acc_len=_row_len),
+    dists={k: v for k, v in DISTS.items() if k != "shifted"},
+    diagnoses=(Diagnosis("matches (1 + w) where w was meant, or w where (1 + w): Gemma offset bug",
+                         lambda p: {**p, "gemma": 1 - p["gemma"]}),),
+    doc="RMSNorm over the real width of aligned rows: w or Gemma's (1 + w), fused residual add, rstd.",
+)
+
+LAYER_NORM = OpSpec(
+    name="norm.layer_norm",
+    golden=ref.layer_norm,
+    reference=_ref_ln,
+    params=Schema(dict(
+        _ROWS,
+        eps=OneOf(*EPS, doc="epsilon inside the square root"),
+        bias=OneOf(0, 1, doc="add the bias b"),
+        stats=OneOf(0, 1, doc="also return mean and rstd per row (fp32)"),
+    )),
+    make_inputs=_inputs_ln,
+    output_shapes=_ln_shapes,
+    outputs={
+        "y": Output("test", doc="(x - mean) * rstd * w (+ b), padding lanes zero"),
+        "mean": Output("fp32", doc="mean over the real width"),
+        "rstd": Output("fp32", doc="1 / sqrt(biased variance + eps)"),
+    },
+    tolerance=Tol(acc_len=_row_len),
+    dists={k: v for k, v in DISTS.items()},
+    doc="LayerNorm (biased variance, eps inside the sqrt) over the real width, with or without bias.",
+)
+
+SPECS = (RMS_NORM, LAYER_NORM)

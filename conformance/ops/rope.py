@@ -1,0 +1,192 @@
+"""Op specs of the rotary family: `rope.rope` and `rope.kv_update` (TensorRT-LLM's RoPE-fused
+KV-cache write).
+
+`rope.rope` rotates x (t, h, d): the rotary part (`rot` dims at the first or the last dims) in the
+`interleaved` or `half` pairing, at explicit positions (an offset, ragged sequences each from its
+own offset, or every token at a random position far from its neighbours), with the angle table in
+one of the layouts engines use, given as an input:
+
+    table = cos_sin   cos, sin: float32 [max_seq, rot/2] (HF, vLLM's cos_sin_cache halves, the seed)
+            cs_f16    table: float16 [max_seq, rot/2, 2] of (cos, sin) pairs (TensorRT-LLM)
+            cis       table: complex64 freqs_cis [max_seq, rot/2] (Meta), stored as its (real, imag)
+                      float32 pairs (torch.view_as_real): an adapter views it as complex
+            theta     no table: the kernel builds the angles from `theta` (and Llama-3's scaling)
+
+A given table is built in float64 from theta (and scaling), rounded to its storage dtype; the golden
+rotates by the rounded values it holds. With `theta` the golden's angles are exact: the kernel's
+own fp32 angle p w_i is off by ~eps32 p, so the limits grow with the largest position (acc_len).
+
+`rope.kv_update`: k_new rotated (half-split pairs, fp16 interleaved table, position pos[b] + t)
+and v_new unrotated, written into the kvcache family's contiguous or paged caches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import kernel_parity.refimpl.rope as ref
+from kernel_parity.conformance import dtypes as dt
+from kernel_parity.conformance.ops import kvcache as kv
+from kernel_parity.conformance.params import Int, OneOf, Schema
+from kernel_parity.conformance.spec import Diagnosis, OpSpec, Output
+from kernel_parity.conformance.tolerance import Override, Tol
+
+TABLES = ("cos_sin", "cs_f16", "cis", "theta")
+POSITIONS = ("offset", "ragged", "random")
+DISTS = {
+    "normal": "x ~ N(0, 1)",
+    "heads": "head j of every token scaled by 10^u_j, u ~ U(-3, 3): a neighbouring head's value is far off",
+}
+
+
+def _check(p: dict[str, Any]) -> str | None:
+    if p["rot"] % 2:
+        return f"rot={p['rot']} must be even (rotary dims come in pairs)"
+    if p["rot"] > p["d"]:
+        return f"rot={p['rot']} exceeds the head dim d={p['d']}"
+    if p["pos"] == "offset" and p["start"] + p["t"] > p["maxseq"]:
+        return f"positions start + t = {p['start'] + p['t']} exceed the table's maxseq={p['maxseq']}"
+    if p["pos"] == "ragged" and p["t"] > p["maxseq"]:
+        return f"t={p['t']} tokens of ragged sequences do not fit maxseq={p['maxseq']}"
+    if p["pos"] != "offset" and p["start"] != 0:
+        return "start is the offset of pos=offset (ragged and random positions draw their own)"
+    return None
+
+
+def positions(p: dict[str, Any], rng: np.random.Generator) -> np.ndarray:
+    """(t,) int32 positions of the named mode (module docstring)."""
+    t, maxseq = p["t"], p["maxseq"]
+    if p["pos"] == "offset":
+        return (p["start"] + np.arange(t)).astype(np.int32)
+    if p["pos"] == "random":
+        return rng.integers(0, maxseq, t).astype(np.int32)
+    seqs = min(4, t)  # ragged: up to 4 sequences of ragged lengths, each from its own offset
+    cuts = np.sort(rng.choice(np.arange(1, t), seqs - 1, replace=False)) if seqs > 1 else np.array([], dtype=int)
+    lens = np.diff(np.concatenate([[0], cuts, [t]]))
+    starts = [int(rng.integers(0, maxseq - n + 1)) for n in lens]
+    return np.concatenate([s + np.arange(n) for s, n in zip(starts, lens)]).astype(np.int32)
+
+
+def table_inputs(p: dict[str, Any], rot: int) -> dict[str, np.ndarray]:
+    """The angle table of `p["table"]`, built in float64 and rounded to its storage dtype."""
+    if p["table"] == "theta":
+        return {}
+    cos, sin = ref.tables(p["maxseq"], rot, float(p["theta"]), p["scaling"])
+    if p["table"] == "cos_sin":
+        return {"cos": cos.astype(np.float32), "sin": sin.astype(np.float32)}
+    pairs = np.stack([cos, sin], axis=-1)  # maxseq, rot/2, 2
+    return {"table": pairs.astype(np.float16 if p["table"] == "cs_f16" else np.float32)}
+
+
+def cos_sin_of(x: dict[str, np.ndarray], p: dict[str, Any], rot: int) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) float64 [maxseq, rot/2] the golden rotates by: the table's stored values."""
+    if "cos" in x:
+        return x["cos"], x["sin"]
+    if "table" in x:
+        return x["table"][..., 0], x["table"][..., 1]
+    return ref.tables(p["maxseq"], rot, float(p["theta"]), p["scaling"])
+
+
+def _inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    x = rng.standard_normal((p["t"], p["h"], p["d"]))
+    if dist == "heads":
+        x *= 10.0 ** rng.uniform(-3.0, 3.0, (1, p["h"], 1))
+    elif dist != "normal":
+        raise ValueError(f"unknown distribution {dist!r}")
+    return {"x": dt.round_to(x, dtype), "positions": positions(p, rng), **table_inputs(p, p["rot"])}
+
+
+def _ref(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    cos, sin = cos_sin_of(x, p, p["rot"])
+    return {"y": ref.rope(x["x"], cos, sin, x["positions"], style=p["style"], rot=p["rot"], at=p["at"])}
+
+
+def _angle_len(p: dict[str, Any], output: str) -> int:
+    """The rotation of a pair sums two products; a kernel that builds its angles (table=theta)
+    adds ~eps32 x the angle p w_0 = p to every element: sqrt(acc_len) = the largest position."""
+    if p.get("table", "cs_f16") == "theta":
+        return max(2, (p["maxseq"] - 1) ** 2)
+    return 2
+
+
+_ANGLES = (Override("a rotated element is off by ~|x| eps32 x its angle when the kernel computes the angle p w "
+                    "in fp32 (table=theta: acc_len is the largest position squared, sqrt of it the angle)",
+                    output="y", atol_acc=2.0),)
+
+ROPE = OpSpec(
+    name="rope.rope",
+    golden=ref.rope,
+    reference=_ref,
+    params=Schema(dict(
+        t=Int(1, 1 << 20, doc="tokens"),
+        h=Int(1, 256, edges=(1, 8, 32), doc="heads"),
+        d=Int(2, 1024, edges=(64, 128, 576), doc="head dim"),
+        rot=Int(2, 1024, edges=(32, 64, 128), doc="rotary dims (even, <= d): partial rotary when < d"),
+        style=OneOf(*ref.STYLES, doc="pairs (2i, 2i+1) or (i, i + rot/2)"),
+        at=OneOf(*ref.ENDS, doc="the rotary part is the first or the last rot dims"),
+        table=OneOf(*TABLES, doc="angle table layout given to the kernel, or theta: the kernel builds it"),
+        theta=OneOf(10000, 500000, 1000000, doc="frequency base"),
+        scaling=OneOf("none", "llama3", doc="Llama-3.1 frequency scaling (factor 8, low 1, high 4, 8192)"),
+        maxseq=Int(1, 1 << 20, doc="table rows (positions are < maxseq)"),
+        pos=OneOf(*POSITIONS, doc="offset (start + i), ragged sequences from their own offsets, random"),
+        start=Int(0, 1 << 20, doc="the offset of pos=offset (start_pos)"),
+    )),
+    make_inputs=_inputs,
+    output_shapes=lambda p: {"y": (p["t"], p["h"], p["d"])},
+    outputs={"y": Output("test", doc="x with its rotary part rotated; the other dims unchanged")},
+    tolerance=Tol(acc_len=_angle_len, overrides=_ANGLES),
+    dists=DISTS,
+    check=_check,
+    diagnoses=(
+        Diagnosis("matches the other pairing (interleaved vs half): RoPE style bug",
+                  lambda p: {**p, "style": "half" if p["style"] == "interleaved" else "interleaved"}),
+        Diagnosis("matches the rotary part at the other end of the head: rotary-dims bug",
+                  lambda p: None if p["rot"] == p["d"] else {**p, "at": "last" if p["at"] == "first" else "first"}),
+    ),
+    doc="RoPE: interleaved or half-split pairs, partial rotary at either end, explicit positions, four table layouts.",
+)
+
+
+# -- rope.kv_update ------------------------------------------------------------------------------
+def _kv_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    out = kv.UPDATE.make_inputs(p, dtype, "normal", rng)
+    if dist == "heads":
+        scale = 10.0 ** rng.uniform(-3.0, 3.0, (1, 1, p["hkv"], 1))
+        out["k_new"] = dt.round_to(out["k_new"].astype(np.float64) * scale, dtype)
+    elif dist != "normal":
+        raise ValueError(f"unknown distribution {dist!r}")
+    cos, sin = ref.tables(p["smax"], p["d"], 10000.0)
+    out["table"] = np.stack([cos, sin], axis=-1).astype(np.float16)  # smax, d/2, 2
+    return out
+
+
+def _kv_ref(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    kc, vc = ref.kv_update(x["k_cache"], x["v_cache"], x["k_new"], x["v_new"], x["pos"], x["table"][..., 0],
+                           x["table"][..., 1], block_table=x.get("block_table"), style="half")
+    return {"k_cache": kc, "v_cache": vc}
+
+
+def _kv_check(p: dict[str, Any]) -> str | None:
+    if p["d"] % 2:
+        return f"d={p['d']} must be even (rotary pairs)"
+    return kv.UPDATE.check(p)
+
+
+KV_UPDATE = OpSpec(
+    name="rope.kv_update",
+    golden=ref.kv_update,
+    reference=_kv_ref,
+    params=kv.UPDATE.params,
+    make_inputs=_kv_inputs,
+    output_shapes=kv.UPDATE.output_shapes,
+    outputs={"k_cache": Output("test", doc="K cache after the write: new rows rotated at pos[b] + t, old rows untouched"),
+             "v_cache": Output("test", exact=True, doc="V cache after the write (unrotated, bit-exact)")},
+    tolerance=Tol(acc_len=lambda p, o: 2),
+    dists=DISTS,
+    check=_kv_check,
+    doc="TensorRT-LLM's RoPE-fused KV write: k rotated (half pairs, fp16 [smax, d/2, 2] table), v copied.",
+)
+
+SPECS = (ROPE, KV_UPDATE)

@@ -1,0 +1,90 @@
+"""Golden gated MLP activations, float64: SwiGLU and GeGLU.
+
+    swiglu: y = silu(g) * u,   silu(g) = g / (1 + exp(-g))
+    geglu:  y = gelu(g) * u,   gelu(g) = g Phi(g) (erf), or the tanh approximation
+            0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))
+
+Conventions (OPS.md, layers; research/seed-systems.md §1): the gate g and the up projection u come
+either as separate tensors or as the halves of one fused projection h = x @ w1^T of width 2I,
+gate first (C-Kernel-Engine's "First half: W_gate ... Second half: W_up", vLLM's SiluAndMul,
+FlashInfer, ggml): g = h[..., :I], u = h[..., I:]. Everything in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numpy.typing import NDArray
+
+F64 = NDArray[np.float64]
+GELU_APPROX = ("tanh", "erf")
+
+
+def split(h: NDArray) -> tuple[F64, F64]:
+    """(gate, up) of a fused projection, gate first. h: (..., 2I) -> two (..., I)."""
+    h = np.asarray(h, dtype=np.float64)
+    if h.shape[-1] % 2:
+        raise ValueError(f"a fused gate/up projection has an even width, got {h.shape[-1]}")
+    half = h.shape[-1] // 2
+    return h[..., :half], h[..., half:]
+
+
+def silu(g: NDArray) -> F64:
+    """g * sigmoid(g), stable for |g| large (no exp overflow): sigmoid from exp(-|g|)."""
+    g = np.asarray(g, dtype=np.float64)
+    e = np.exp(-np.abs(g))
+    sig = np.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    return g * sig
+
+
+def _erf_small(y: F64) -> F64:
+    """erf(y) for |y| <= 2: 2/sqrt(pi) exp(-y^2) sum_n 2^n y^(2n+1) / (1 3 5 ... (2n+1)), a series of
+    positive terms (no cancellation); 60 terms reach float64 precision at |y| = 2."""
+    term = y.copy()
+    total = y.copy()
+    for n in range(1, 60):  # a fixed, small count: the series, not a loop over elements
+        term = term * (2.0 * y * y) / (2 * n + 1)
+        total += term
+    return 2.0 / math.sqrt(math.pi) * np.exp(-y * y) * total
+
+
+def _erfc_large(y: F64) -> F64:
+    """erfc(y) for y > 2: exp(-y^2)/sqrt(pi) / (y + (1/2)/(y + 1/(y + (3/2)/(y + 2/(y + ...))))),
+    the continued fraction evaluated from 120 levels deep (converged to float64 for y > 2)."""
+    frac = np.zeros_like(y)
+    for k in range(120, 0, -1):
+        frac = (k / 2.0) / (y + frac)
+    return np.exp(-y * y) / math.sqrt(math.pi) / (y + frac)
+
+
+def std_normal_cdf(g: NDArray) -> F64:
+    """Phi(g) = erfc(-g / sqrt 2) / 2, accurate to ~1e-13 relative in float64 over the whole line
+    (the lower tail from erfc's continued fraction, not 1 - erf). Checked against math.erfc."""
+    y = np.asarray(g, dtype=np.float64) / math.sqrt(2.0)
+    a = np.abs(y)
+    erfc_a = np.empty_like(a)
+    small = a <= 2.0
+    erfc_a[small] = 1.0 - _erf_small(a[small])
+    erfc_a[~small] = _erfc_large(a[~small])
+    return np.where(y >= 0, 1.0 - 0.5 * erfc_a, 0.5 * erfc_a)
+
+
+def gelu(g: NDArray, approx: str = "tanh") -> F64:
+    """GELU, exact (g Phi(g), "erf") or the tanh approximation (GPT-2, Gemma's gelu_pytorch_tanh)."""
+    g = np.asarray(g, dtype=np.float64)
+    if approx == "tanh":
+        return 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3)))
+    if approx == "erf":
+        return g * std_normal_cdf(g)
+    raise ValueError(f"unknown gelu approximation {approx!r} (tanh, erf)")
+
+
+def swiglu(gate: NDArray, up: NDArray) -> F64:
+    """silu(gate) * up. gate, up: (..., I) -> (..., I)"""
+    return silu(gate) * np.asarray(up, dtype=np.float64)
+
+
+def geglu(gate: NDArray, up: NDArray, approx: str = "tanh") -> F64:
+    """gelu(gate) * up. gate, up: (..., I) -> (..., I)"""
+    return gelu(gate, approx) * np.asarray(up, dtype=np.float64)

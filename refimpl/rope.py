@@ -1,0 +1,132 @@
+"""Golden rotary position embeddings (RoPE), float64.
+
+A pair (a, b) of the rotary part at position p, frequency w_i, is rotated by the angle p w_i:
+
+    (a, b) -> (a cos(p w_i) - b sin(p w_i),  a sin(p w_i) + b cos(p w_i))
+
+Conventions (OPS.md, layers; research/seed-systems.md "what the gate must also know"):
+- style "interleaved": pair i is (x[2i], x[2i+1]) of the rotary part (GPT-J, DeepSeek / MLA,
+  llama.cpp's normal mode, Meta's complex freqs_cis); "half": pair i is (x[i], x[i + r/2]) (NeoX,
+  HF Llama's rotate_half; TensorRT-LLM's "interleaved as [2, D//2]" is this one).
+- the rotary part is `rot` dims (partial rotary): at the first dims (HF models with a rotary
+  fraction) or the last (MLA's 64 of 576, TensorRT-LLM's [-rope_dim:]); the other dims pass
+  through unchanged (an exact copy).
+- frequencies w_i = theta^(-2i / rot), i < rot / 2; Llama-3 scaling (`llama3_scaling`) divides
+  the low frequencies by `factor` and blends the middle band, as Meta's `apply_scaling`.
+- positions are explicit integers per token (start_pos > 0, ragged per-sequence offsets): the
+  table row read is the token's position, never its index.
+- tables as engines store them: separate cos and sin [max_seq, rot/2]; interleaved [max_seq,
+  rot/2, 2] (cos, sin) pairs (TensorRT-LLM, fp16); complex freqs_cis [max_seq, rot/2] (Meta;
+  stored as its (real, imag) pairs, torch.view_as_real). A table given as an input is used with
+  the values it holds (its rounded storage values): the golden rotates exactly by them.
+Everything is float64; the golden never rounds an intermediate.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import NDArray
+
+F64 = NDArray[np.float64]
+STYLES = ("interleaved", "half")
+ENDS = ("first", "last")
+LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position": 8192}
+
+
+def llama3_scaling(freqs: NDArray, factor: float = 8.0, low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                   original_max_position: int = 8192) -> F64:
+    """Llama-3.1's frequency scaling of the inverse frequencies (Meta's `apply_scaling`).
+
+    wavelen = 2 pi / f; wavelen < orig / high: f kept; wavelen > orig / low: f / factor; in between
+    (1 - s) f / factor + s f with s = (orig / wavelen - low) / (high - low).
+    freqs: (r/2,) float64 inverse frequencies; returns (r/2,) float64
+    """
+    f = np.asarray(freqs, dtype=np.float64)
+    wavelen = 2.0 * np.pi / f
+    low_wavelen = original_max_position / low_freq_factor
+    high_wavelen = original_max_position / high_freq_factor
+    smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    mid = (1.0 - smooth) * f / factor + smooth * f
+    return np.where(wavelen < high_wavelen, f, np.where(wavelen > low_wavelen, f / factor, mid))
+
+
+def inv_freq(rot: int, theta: float, scaling: str = "none") -> F64:
+    """w_i = theta^(-2i / rot) for i < rot / 2, then the named scaling ("none" or "llama3")."""
+    if rot % 2 or rot < 2:
+        raise ValueError(f"the rotary dims must be even and >= 2, got {rot}")
+    f = float(theta) ** (-np.arange(0, rot, 2, dtype=np.float64) / rot)
+    if scaling == "llama3":
+        return llama3_scaling(f, **LLAMA3)
+    if scaling != "none":
+        raise ValueError(f"unknown rope scaling {scaling!r} (none, llama3)")
+    return f
+
+
+def tables(max_seq: int, rot: int, theta: float, scaling: str = "none") -> tuple[F64, F64]:
+    """(cos, sin) tables [max_seq, rot/2] of the angles p w_i, float64."""
+    ang = np.arange(max_seq, dtype=np.float64)[:, None] * inv_freq(rot, theta, scaling)[None, :]  # p, i
+    return np.cos(ang), np.sin(ang)
+
+
+def _pairs(part: F64, style: str) -> tuple[F64, F64]:
+    half = part.shape[-1] // 2
+    if style == "interleaved":
+        return part[..., 0::2], part[..., 1::2]
+    if style == "half":
+        return part[..., :half], part[..., half:]
+    raise ValueError(f"unknown rope style {style!r} (interleaved, half)")
+
+
+def rope(x: NDArray, cos: NDArray, sin: NDArray, positions: NDArray, *, style: str = "half", rot: int | None = None,
+         at: str = "first") -> F64:
+    """Rotate the rotary part of every head of every token by its position's angles.
+
+    x: (t, h, d) float (tokens, heads, head dim)
+    cos, sin: (max_seq, rot/2) float tables; row p holds cos(p w_i) / sin(p w_i)
+    positions: (t,) int, each token's position (a row of the tables)
+    style: "interleaved" or "half" (module docstring); rot: rotary dims (even, <= d; default d)
+    at: the rotary part is the "first" or the "last" rot dims
+    returns: (t, h, d) float64; the dims outside the rotary part are x's, unchanged
+    """
+    x = np.asarray(x, dtype=np.float64)
+    d = x.shape[-1]
+    rot = d if rot is None else int(rot)
+    if rot % 2 or not 2 <= rot <= d:
+        raise ValueError(f"rot={rot} must be even and in [2, d={d}]")
+    if at not in ENDS:
+        raise ValueError(f"unknown end {at!r} (first, last)")
+    pos = np.asarray(positions, dtype=np.int64)
+    c = np.asarray(cos, dtype=np.float64)[pos][:, None, :]  # t, 1, rot/2
+    s = np.asarray(sin, dtype=np.float64)[pos][:, None, :]
+    lo = 0 if at == "first" else d - rot
+    out = x.copy()
+    a, b = _pairs(x[..., lo:lo + rot], style)
+    ra, rb = a * c - b * s, a * s + b * c
+    part = out[..., lo:lo + rot]
+    if style == "interleaved":
+        part[..., 0::2], part[..., 1::2] = ra, rb
+    else:
+        part[..., : rot // 2], part[..., rot // 2:] = ra, rb
+    return out
+
+
+def kv_update(k_cache: NDArray, v_cache: NDArray, k_new: NDArray, v_new: NDArray, pos: NDArray, cos: NDArray,
+              sin: NDArray, *, block_table: NDArray | None = None, style: str = "half") -> tuple[F64, F64]:
+    """TensorRT-LLM's RoPE-fused KV-cache write: k rotated at position pos[b] + t, then both written
+    into the kvcache family's cache (contiguous, or paged through block_table); v unrotated.
+
+    k_cache, v_cache: (b, s_max, h_kv, d) or (num_blocks, page, h_kv, d) with block_table
+    k_new, v_new: (b, s_new, h_kv, d); pos: (b,) tokens already cached per sequence
+    cos, sin: (max_seq, d/2) tables (rows indexed by absolute position)
+    returns: (k_cache, v_cache) after the write, float64 (the old slots unchanged)
+    """
+    from kernel_parity.refimpl import kvcache
+
+    k_new = np.asarray(k_new, dtype=np.float64)
+    b, s_new, h, d = k_new.shape
+    p = (np.asarray(pos, dtype=np.int64)[:, None] + np.arange(s_new)[None, :]).reshape(-1)  # b * s_new
+    k_rot = rope(k_new.reshape(b * s_new, h, d), cos, sin, p, style=style, rot=d).reshape(k_new.shape)
+    kc = kvcache.update(np.asarray(k_cache, dtype=np.float64), k_rot, pos, block_table=block_table)
+    vc = kvcache.update(np.asarray(v_cache, dtype=np.float64), np.asarray(v_new, dtype=np.float64), pos,
+                        block_table=block_table)
+    return kc, vc
