@@ -6,6 +6,12 @@
 #   sweep   parity sweep --suite models --backend triton (+ torch) -> $OUT/sweep-models-<device>.jsonl
 #   gemm    benchmarks/gpu_gemm.py (quantized GEMMs vs torch / _scaled_mm and the limits) -> $OUT/gemm-bench-<device>.json
 #   mla     benchmarks/gpu_mla.py (MLA decode vs the copy / matmul limits and FlashMLA's figures) -> $OUT/mla-bench-<device>.json
+#   layers  benchmarks/gpu_{norm,rope,mlp}.py (RMSNorm, LayerNorm, RoPE, SwiGLU / GeGLU vs the copy rate, torch and
+#           the peers that import) -> $OUT/{norm,rope,mlp}-bench-<device>.json
+#   peers   the `peers` suite (liger, quack on norm / rope / mlp cases) -> $OUT/peers-<device>.jsonl
+# Peers: wheels carried in .whl/ (liger-kernel, quack-kernels, nvidia-cutlass-dsl and its libs, apache-tvm-ffi,
+# torch-c-dlpack-ext; research/peers-measured.md) are installed into /tmp/peers first when present; a wheel
+# over one call's 64 MiB travels in parts (.whl/*.part*, joined in name order) over calls on a warm machine.
 # $OPS narrows ci / models / sweep to some op families (e.g. OPS="--op quant --op gemm"); $TAG is
 # added to the file names.
 # Usage (on the device machine, repository root): STEPS="ci models" bash benchmarks/gpu_gate.sh
@@ -21,6 +27,13 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>
 PARITY="python3 -m kernel_parity.conformance.cli"
 DEV=$(python3 -c "import torch; n = torch.cuda.get_device_name(0).lower(); print('h200' if 'h200' in n else 'h100' if 'h100' in n else n.replace(' ', '-'))")
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+if ls .whl/*.whl >/dev/null 2>&1; then
+  for base in $(ls .whl/*.part* 2>/dev/null | sed 's/\.part[0-9]*$//' | sort -u); do cat "$base".part* > "$base"; done
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peers .whl/*.whl >>"$OUT/pip.log" 2>&1 \
+    || { tail -5 "$OUT/pip.log"; exit 1; }
+  SP=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo "import site; site.addsitedir('/tmp/peers')" > "$SP/zz_kernel_parity_peers.pth"  # cutlass-dsl is a .pth
+fi
 rc=0
 for step in $STEPS; do
   t0=$(date +%s)
@@ -32,6 +45,8 @@ for step in $STEPS; do
              --json "$OUT/sweep-models$TAG-$DEV.jsonl" || rc=1 ;;
     gemm) python3 benchmarks/gpu_gemm.py --quick --out "$OUT/gemm-bench-$DEV.json" --budget-s "${BUDGET_S:-60}" || rc=1 ;;
     mla) python3 benchmarks/gpu_mla.py --out "$OUT/mla-bench-$DEV.json" --tune-budget "${BUDGET_S:-60}" || rc=1 ;;
+    layers) for f in norm rope mlp; do python3 benchmarks/gpu_$f.py --out "$OUT/$f-bench-$DEV.json" || rc=1; done ;;
+    peers) $PARITY run --suite peers --no-progress -q --jobs "$JOBS" --json "$OUT/peers-$DEV.jsonl" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   echo "step $step: $(( $(date +%s) - t0 )) s"

@@ -276,7 +276,7 @@ class Run:
             bar.close()
         by_id = {r.id: r for r in self.done + fresh}
         results = [by_id[c.id] for c in self.cases if c.id in by_id]
-        stale = known.stale(results, session.entries)
+        stale = known.stale(results, session.entries, self.header.get("selection"))
         complete = {
             "cases": len(results),
             "elapsed_s": round(time.perf_counter() - t0, 3) + float(self.header.get("resumed_elapsed_s", 0.0)),

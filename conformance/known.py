@@ -6,12 +6,15 @@
     match = "*/masked/*"                        # glob on the rest of the id: dtype/params/dist/seed=N
     reason = "cuDNN with a boolean mask returns non-zero output for fully masked rows"
     seen = "torch 2.11, H200"                   # where it was observed
+    suites = ["ci"]                             # optional: the suites whose runs hold the failing cases
 
 A case that matches and fails (fail/error/crash/timeout/flaky) becomes `xfail`: it is still run,
 shown and counted, but does not fail the gate. A case that matches and passes becomes `xpass`,
 which fails the gate: the entry is out of date and must go. An entry whose op and backend ran
 (some case of the pair was not skipped) but which matched no case at all is `stale`, which also
-fails the gate.
+fails the gate -- judged only where the entry could have matched: not in a run narrowed within
+its op and backend (by --dtype, --dist or --shard), and not in a run of other suites than the
+entry's `suites` when it names them (a failure seen at the ci suite's shapes is no entry of smoke).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class Entry:
     reason: str
     seen: str = ""
     package: bool = False  # kernel-parity's own file: applies to its own backends only
+    suites: tuple[str, ...] = ()  # where it is expected to match (empty: any run of its op/backend)
 
     def matches(self, rec: CaseResult | dict) -> bool:
         op, backend, rid = ((rec.op, rec.backend, rec.id) if isinstance(rec, CaseResult)
@@ -57,7 +61,7 @@ class Entry:
 
 def entries(user_file: str | Path | None = None) -> list[Entry]:
     """kernel-parity's own known failures (scoped to its own backends) and, if given, the user's."""
-    own = [Entry(e.op, e.backend, e.match, e.reason, e.seen, package=True) for e in load(DEFAULT_FILE)]
+    own = [Entry(e.op, e.backend, e.match, e.reason, e.seen, package=True, suites=e.suites) for e in load(DEFAULT_FILE)]
     return own + (load(user_file) if user_file is not None else [])
 
 
@@ -84,15 +88,19 @@ def load(path: str | Path | None = None) -> list[Entry]:
     entries = []
     for i, e in enumerate(table):
         where = f"known-failures entry {i + 1} in {str(path)!r}"
-        extra = set(e) - {"op", "backend", "match", "reason", "seen"}
+        extra = set(e) - {"op", "backend", "match", "reason", "seen", "suites"}
         if extra:
-            raise UsageError(f"{where}: unknown key {sorted(extra)[0]!r} (expected op, backend, match, reason, seen)")
+            raise UsageError(f"{where}: unknown key {sorted(extra)[0]!r} (expected op, backend, match, reason, seen, "
+                             f"suites)")
         bad = [k for k in ("op", "backend", "match", "reason") if not isinstance(e.get(k), str) or not e[k].strip()]
         if bad:
             raise UsageError(f"{where}: {', '.join(bad)} must be non-empty string(s)")
         if not isinstance(e.get("seen", ""), str):
             raise UsageError(f"{where}: seen must be a string")
-        entries.append(Entry(e["op"], e["backend"], e["match"], e["reason"], e.get("seen", "")))
+        scope = e.get("suites", [])
+        if not isinstance(scope, list) or not all(isinstance(x, str) and x.strip() for x in scope):
+            raise UsageError(f"{where}: suites must be a list of suite names")
+        entries.append(Entry(e["op"], e["backend"], e["match"], e["reason"], e.get("seen", ""), suites=tuple(scope)))
     return entries
 
 
@@ -113,12 +121,24 @@ def apply_one(rec: CaseResult, entries: list[Entry]) -> None:
         return
 
 
-def stale(results: list[CaseResult], entries: list[Entry]) -> list[str]:
-    """Labels of entries whose op/backend pair ran (some case not skipped) but that matched nothing."""
+def stale(results: list[CaseResult], entries: list[Entry], selection: dict | None = None) -> list[str]:
+    """Labels of entries whose op/backend pair ran (some case not skipped) but that matched nothing,
+    among the entries that could have matched in this run (module docstring): none when the run was
+    narrowed within op/backend pairs (`selection` with dtypes, dists or a shard)."""
+    sel = selection or {}
+    if sel.get("dtypes") or sel.get("dists") or sel.get("shard"):
+        return []
+    ran_suites = {_suite_name(s) for s in sel.get("suites") or []}
     ran = {(r.op, r.backend) for r in results if r.verdict != "skip"}  # skipped pairs did not run
     return [e.label for e in entries
             if (e.op, e.backend) in ran and not (e.package and e.backend not in own_backends())
+            and not (e.suites and ran_suites and not ran_suites & set(e.suites))
             and not any(e.matches(r) for r in results)]
+
+
+def _suite_name(s: str) -> str:
+    """A suite as an entry names it: a built-in name, or a .toml path's file name without .toml."""
+    return Path(s).stem if s.endswith(".toml") else s
 
 
 @functools.lru_cache(maxsize=1)

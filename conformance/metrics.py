@@ -42,6 +42,10 @@ class Limits:
     # of an fp32 dot product of that length, for outputs that cancel (a GEMM's C); folded into
     # atol_max_eps by Tol.limits, which knows the length
     atol_acc: float = 0.0
+    # adds this many (eps(fp32) x sqrt(reduction length))^2 to cos_diff (twice that to nmse): the
+    # aggregate counterpart of atol_acc, for outputs whose every element may carry that relative
+    # error (RoPE's fp32 angle p w, off by ~eps32 p); folded into cos_diff / nmse by Tol.limits
+    agg_acc: float = 0.0
 
     def effective_atol(self, eps: float, max_ref: float) -> float:
         return self.atol + self.atol_max_eps * eps * max_ref

@@ -208,8 +208,19 @@ class Parity:
             collector.add(rec, _final_example())
         return rec
 
+    def _require(self, case: Any) -> None:
+        """Skip the whole test when its backend has no kernel for the op or cannot run on this
+        machine at all (rejecting every draw instead would end in Hypothesis' Unsatisfiable)."""
+        backend = self.runner.registry.get(case.backend)
+        if isinstance(getattr(backend, "ops", None), dict) and case.op not in backend.ops:
+            pytest.skip(f"{backend.name} has no kernel for {case.op}")
+        why = _unavailable(backend)
+        if why:
+            pytest.skip(f"{backend.name} is unavailable: {why}")
+
     def arrays(self, case: Any) -> tuple[CaseResult, dict]:
         """Run and record a case; also return its arrays {"inputs", "golden", "outputs"}."""
+        self._require(case)
         runner = self.runner
         runner.capture = {}
         try:
@@ -221,9 +232,7 @@ class Parity:
     def check(self, case: Any) -> CaseResult:
         """Run, record, steer hypothesis toward the worst error, and assert the verdict."""
         __tracebackhide__ = True
-        backend = self.runner.registry.get(case.backend)
-        if isinstance(getattr(backend, "ops", None), dict) and case.op not in backend.ops:
-            pytest.skip(f"{backend.name} has no kernel for {case.op}")  # the whole test, not one draw
+        self._require(case)
         rec = self.evaluate(case)
         _hypothesis_hooks(rec)
         if rec.verdict == "skip":
@@ -232,6 +241,14 @@ class Parity:
             pytest.xfail(rec.reason)
         assert_verdict(rec)
         return rec
+
+
+def _unavailable(backend: Any) -> str | None:
+    """The backend's `available()` reason (a hook that raises is that reason)."""
+    try:
+        return backend.available()
+    except Exception as e:  # noqa: BLE001 - reported as the skip reason
+        return f"available() raised {type(e).__name__}: {e}"
 
 
 def _final_example() -> bool | None:

@@ -67,7 +67,7 @@ GOLDEN_SELF_CHECK = Limits(atol=1e-12, rtol=1e-11)
 # Aggregate floor: RMS error <= AGG_FLOOR * atol passes cos_diff and nmse (see layer 3 above).
 AGG_FLOOR = 0.1
 TIERS = ("production", "baseline")
-LIMIT_FIELDS = ("atol", "rtol", "cos_diff", "nmse", "atol_max_eps", "atol_acc")  # what an Override may set
+LIMIT_FIELDS = ("atol", "rtol", "cos_diff", "nmse", "atol_max_eps", "atol_acc", "agg_acc")  # what an Override may set
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,7 @@ class Override:
     nmse: float | None = None
     atol_max_eps: float | None = None
     atol_acc: float | None = None
+    agg_acc: float | None = None
 
     def __post_init__(self) -> None:
         if not self.reason.strip():
@@ -137,8 +138,11 @@ class Tol:
         if self.acc_len is not None:
             n = max(1, int(self.acc_len(params, output)))
             acc = DTYPES["fp32"].eps * math.sqrt(n)
+            agg = base.agg_acc * acc * acc
             base = replace(base, rtol=base.rtol + self.acc_coeff * acc,
-                           atol_max_eps=base.atol_max_eps + base.atol_acc * acc / out_dtype.eps, atol_acc=0.0)
+                           atol_max_eps=base.atol_max_eps + base.atol_acc * acc / out_dtype.eps, atol_acc=0.0,
+                           cos_diff=None if base.cos_diff is None else base.cos_diff + agg,
+                           nmse=None if base.nmse is None else base.nmse + 2.0 * agg, agg_acc=0.0)
         return base
 
     def noise_factor(self, params: dict[str, Any], gradient: bool = False) -> float | None:

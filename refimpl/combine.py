@@ -60,3 +60,28 @@ def attention_state(s: NDArray, v: NDArray) -> tuple[F64, F64]:
     p = softmax(s, axis=-1)  # ..., k
     o = np.einsum("...k,...kd->...d", p, np.asarray(v, dtype=np.float64))
     return o, logsumexp(s, axis=-1)
+
+
+def lse_combine_backward(o_parts: NDArray, lse_parts: NDArray, do: NDArray, dlse: NDArray | None = None
+                         ) -> tuple[F64, F64]:
+    """VJP of `lse_combine`, written out. With w_i = exp(LSE_i - LSE), O = sum_i w_i O_i:
+
+        dO_i   = w_i dO
+        dLSE_i = w_i (dO . (O_i - O) + dLSE)
+
+    o_parts: (n, ..., d_v); lse_parts: (n, ...); do: (..., d_v); dlse: (...) or None
+    returns: (do_parts (n, ..., d_v), dlse_parts (n, ...)), float64; an empty split (LSE_i = -inf,
+    any O_i, NaN included) gets zero gradients, and so does every split of an all-empty row.
+    """
+    o_parts = np.asarray(o_parts, dtype=np.float64)
+    lse_parts = np.asarray(lse_parts, dtype=np.float64)
+    o, lse = lse_combine(o_parts, lse_parts)
+    live = ~np.isneginf(lse_parts)
+    lse_safe = np.where(np.isneginf(lse), 0.0, lse)
+    w = np.where(live, np.exp(np.where(live, lse_parts, 0.0) - lse_safe), 0.0)  # n, ...
+    do = np.asarray(do, dtype=np.float64)
+    o_live = np.where(live[..., None], o_parts, 0.0)
+    dl = 0.0 if dlse is None else np.asarray(dlse, dtype=np.float64)
+    dlse_parts = w * (np.sum(do * (o_live - o), axis=-1) + dl)
+    do_parts = w[..., None] * do
+    return do_parts, np.where(live, dlse_parts, 0.0)

@@ -223,3 +223,22 @@ def emulated_reference(a: NDArray, wfmt: str, weights: dict[str, NDArray], bias:
             raise ValueError(f"bias must be (N,) = ({c.shape[1]},), got {bias.shape}")
         c = c + bias
     return c
+
+
+def gemm_nt_backward(a: NDArray, w: NDArray, dc: NDArray, bias: bool = False) -> dict[str, F64]:
+    """VJP of C = a @ w^T (+ bias), written out, float64.
+
+        da = dc @ w,   dw = dc^T @ a,   db = sum over rows of dc
+
+    a: (M, K); w: (N, K) float -- for a quantized weight, its dequantized values: the gradient of the
+        activations through the weight the forward means (L1); dw of a quantized weight is not defined
+        (the caller does not ask for it); dc: (M, N) the cotangent of C; bias: whether C had one
+    returns: {"da": (M, K), "dw": (N, K), "db": (N,) when bias}
+    """
+    a, w, dc = (np.asarray(t, dtype=np.float64) for t in (a, w, dc))
+    if dc.shape != (a.shape[0], w.shape[0]) or a.shape[1] != w.shape[1]:
+        raise ValueError(f"gemm_nt_backward: a {a.shape}, w {w.shape} and dc {dc.shape} do not fit C = a w^T")
+    out = {"da": dc @ w, "dw": dc.T @ a}
+    if bias:
+        out["db"] = dc.sum(axis=0)
+    return out

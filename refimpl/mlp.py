@@ -30,12 +30,17 @@ def split(h: NDArray) -> tuple[F64, F64]:
     return h[..., :half], h[..., half:]
 
 
+def sigmoid(z: NDArray) -> F64:
+    """1 / (1 + exp(-z)), stable for |z| large (no exp overflow): from exp(-|z|)."""
+    z = np.asarray(z, dtype=np.float64)
+    e = np.exp(-np.abs(z))
+    return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
 def silu(g: NDArray) -> F64:
-    """g * sigmoid(g), stable for |g| large (no exp overflow): sigmoid from exp(-|g|)."""
+    """g * sigmoid(g)."""
     g = np.asarray(g, dtype=np.float64)
-    e = np.exp(-np.abs(g))
-    sig = np.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-    return g * sig
+    return g * sigmoid(g)
 
 
 def _erf_small(y: F64) -> F64:
@@ -71,10 +76,14 @@ def std_normal_cdf(g: NDArray) -> F64:
 
 
 def gelu(g: NDArray, approx: str = "tanh") -> F64:
-    """GELU, exact (g Phi(g), "erf") or the tanh approximation (GPT-2, Gemma's gelu_pytorch_tanh)."""
+    """GELU, exact (g Phi(g), "erf") or the tanh approximation (GPT-2, Gemma's gelu_pytorch_tanh).
+
+    The tanh form is evaluated as g sigmoid(2x), x = sqrt(2 / pi) (g + 0.044715 g^3), which is
+    0.5 g (1 + tanh(x)) exactly: 1 + tanh(x) itself cancels for g < -3 (at g = -7 it is ~2e-16,
+    all rounding error in float64)."""
     g = np.asarray(g, dtype=np.float64)
     if approx == "tanh":
-        return 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3)))
+        return g * sigmoid(2.0 * math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3))
     if approx == "erf":
         return g * std_normal_cdf(g)
     raise ValueError(f"unknown gelu approximation {approx!r} (tanh, erf)")

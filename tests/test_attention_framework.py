@@ -11,6 +11,7 @@ from kernel_parity.reports import records
 from kernel_parity.conformance import known, ops
 from kernel_parity.conformance.backends import Registry
 from kernel_parity.conformance.cli import main
+from kernel_parity.conformance.errors import UsageError
 from kernel_parity.conformance.results import CaseResult
 from kernel_parity.conformance.runner import Runner
 
@@ -49,6 +50,31 @@ def test_known_failures_xfail_xpass_and_stale():
     assert [r.verdict for r in results] == ["xfail", "xpass", "fail"]
     assert results[0].known["verdict"] == "fail"
     assert stale == ["attention.prefill/sdpa-cudnn/bf16/*/nope/*"]  # the decode entry is out of scope
+
+
+def test_stale_is_judged_only_where_an_entry_could_have_matched():
+    """A run narrowed within an op/backend pair (--dtype, --dist, --shard) cannot tell a stale entry
+    from one whose cases were filtered out; an entry scoped to suites is judged in runs of those only."""
+    entries = [known.Entry("attention.prefill", "sdpa-cudnn", "fp32/*/shifted/*", "fp32 only"),
+               known.Entry("attention.prefill", "sdpa-cudnn", "bf16/*/far/*", "ci shapes", suites=("ci",))]
+    results = [_rec("attention.prefill", "sdpa-cudnn", "bf16/b=1/normal/seed=0", "pass")]
+    both = [e.label for e in entries]
+    assert known.stale(results, entries) == both  # no selection known: every unmatched entry
+    assert known.stale(results, entries, {"suites": ["ci"]}) == both
+    assert known.stale(results, entries, {"suites": ["smoke"]}) == [both[0]]  # the second is ci's
+    assert known.stale(results, entries, {"suites": ["/repo/parity/ci.toml"]}) == both  # a path names ci too
+    for narrowed in ({"dtypes": ["bf16"]}, {"dists": ["normal"]}, {"shard": [1, 2]}):
+        assert known.stale(results, entries, {"suites": ["ci"], **narrowed}) == []
+
+
+def test_a_known_failures_entry_may_name_its_suites(tmp_path):
+    table = tmp_path / "known.toml"
+    table.write_text('[[known]]\nop = "a.b"\nbackend = "x"\nmatch = "*"\nreason = "r"\nsuites = ["ci", "models"]\n')
+    (entry,) = known.load(table)
+    assert entry.suites == ("ci", "models")
+    table.write_text('[[known]]\nop = "a.b"\nbackend = "x"\nmatch = "*"\nreason = "r"\nsuites = "ci"\n')
+    with pytest.raises(UsageError, match="suites must be a list of suite names"):
+        known.load(table)
 
 
 def test_known_failures_file_drives_the_gate(tmp_path):

@@ -76,7 +76,24 @@ CLASSES = {
     # MLA
     "v-aliasing": "MLA values not the first d_v dims of the key rows (V loaded from elsewhere in the row)",
     "rope-part": "the rope part of a 576-dim MLA row taken from the wrong end",
+    # rotary embeddings (rope family)
+    "rope-style": "RoPE pairs (2i, 2i+1) and (i, i + rot/2) confused",
+    "rope-position": "a token rotated by its index (or a neighbour's position) instead of its own position",
+    "rope-angle": "the angle table misread (cos and sin swapped, a row off by one) or its frequencies built wrong",
+    "rope-scope": "the rotation applied where it does not belong (V rotated too, pass-through dims rotated)",
     "sparse-padding": "a -1 top-k index (padding) gathered instead of skipped",
+    # gated MLP
+    "gate-up-order": "the gate and up halves of a gated MLP swapped (up goes through the activation)",
+    "activation": "an activation's formula wrong: a sigmoid that overflows or drops a term, GELU's tanh and erf forms swapped",
+    "neighbour-read": "a value read at a neighbouring column, row or position instead of its own",
+    # normalisations (norm family)
+    "eps-placement": "eps added outside the square root (sqrt(ms) + eps) instead of inside",
+    "gemma-offset": "Gemma's (1 + w) applied as w, or w as (1 + w)",
+    "residual-add": "the fused residual add left out: h = x is normalised and returned",
+    "padding-lanes": "an aligned row's padding lanes read into the statistics or left unwritten",
+    "one-pass-variance": "the variance as E[x^2] - E[x]^2 in fp32 (cancels when |mean| >> spread)",
+    # fused transformer blocks (blocks family)
+    "activation-quantization": "a quantized projection's activations not quantized as the production path does (L2)",
 }
 BACKEND_OF_DIR = {"triton": "triton", "cpu": "cpu", "torch": "torch"}
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]*$")

@@ -28,7 +28,7 @@ from kernel_parity import refimpl
 import kernel_parity.refimpl.gemm  # noqa: F401  (refimpl.gemm below)
 import kernel_parity.refimpl.quant  # noqa: F401
 from kernel_parity.conformance import dtypes as dt
-from kernel_parity.conformance.ops.quant import random_blocks, tie_rows
+from kernel_parity.conformance.ops.quant import decade_factors, random_blocks, tie_rows
 from kernel_parity.conformance.params import Int, OneOf, Schema
 from kernel_parity.conformance.spec import OpSpec, Output
 from kernel_parity.conformance.tolerance import Override, Tol
@@ -45,6 +45,10 @@ DISTS = {
     "random": "A ~ N(0, 1); W random codes with finite random scales (every code pattern; fast at real sizes)",
     "outlier": "A ~ N(0, 1) with a few channels 30x larger (activation scales set by outliers); W as normal",
     "ties": "A of Q8_0 rounding ties ((j + 1/2) / 4, one +-127/4 per 32-block); W as normal",
+    "blockscale": "A ~ N(0, 1) x 10^(u + v), u ~ U(-1.5, 1.5) per 128 channels, v ~ U(-1, 0) per 32; W as normal "
+                  "x 10^U(-2, 2) per scale block of its format (a GGML block, times 10^U(-1, 0) per 16 elements: "
+                  "K-quant sub-blocks; an FP8 128 x 128 block or row; an int4 group): every weight and "
+                  "activation scale differs from its neighbours' (in K, in N and in M) by up to 10^4",
 }
 
 
@@ -74,14 +78,31 @@ def _activations(rng: np.random.Generator, m: int, k: int, dist: str) -> np.ndar
     if dist == "outlier":
         cols = rng.choice(k, max(1, k // 64), replace=False)
         a[:, cols] *= 30.0
+    elif dist == "blockscale":  # Q8_0 (32), FP8 (128) and Q8_K (256) activation blocks apart
+        a *= decade_factors(rng, m, k, 128, 32, span=3.0)
     return a
+
+
+def _weight_factors(p: dict[str, Any], rng: np.random.Generator) -> np.ndarray:
+    """`blockscale`'s (n, k) factors on W: 10^U(-2, 2) per scale block of the format."""
+    w, n, k = p["wfmt"], p["n"], p["k"]
+    if w in FP8_W:
+        g = granularity(p)
+        u = rng.uniform(-2.0, 2.0, (-(-n // g["gn"]), -(-k // g["gk"])))
+        return 10.0 ** np.repeat(np.repeat(u, g["gn"], 0), g["gk"], 1)[:n, :k]
+    if w in INT4_W:
+        return decade_factors(rng, n, k, INT4_GROUP, 0)
+    return decade_factors(rng, n, k, refimpl.quant.FORMATS[w].block if w in GGML_W else 32, 16)
 
 
 def _weights(p: dict[str, Any], dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
     w, n, k = p["wfmt"], p["n"], p["k"]
     if w in GGML_W and dist == "random":
         return {"w": random_blocks(rng, w, n, k, special=False)}
-    dense = (rng.standard_normal((n, k)) * W_SIGMA).astype(np.float32)
+    dense = rng.standard_normal((n, k)) * W_SIGMA
+    if dist == "blockscale":
+        dense = dense * _weight_factors(p, rng)
+    dense = dense.astype(np.float32)
     if w == "f32":
         return {"w": dense}
     if w in GGML_W:

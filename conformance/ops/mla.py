@@ -206,11 +206,36 @@ def _fused_layout(p: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     return _decode_lens(p), _fused_new(p)
 
 
-def _fp8_heads(rng: np.random.Generator, h: int, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+def _fp8_heads(rng: np.random.Generator, h: int, n: int, k: int, spread: bool = False
+               ) -> tuple[np.ndarray, np.ndarray]:
     """(h, n, k) e4m3 weights from N(0, W_SIGMA) by refimpl.quant.fp8_quantize per (128 x 128) block of
-    each head, and their (h, n / 128, k / 128) float32 scales."""
-    q, s = zip(*(refimpl.quant.fp8_quantize(rng.standard_normal((n, k)) * W_SIGMA, 128, 128) for _ in range(h)))
+    each head, and their (h, n / 128, k / 128) float32 scales; spread: each block of each head times
+    10^U(-1, 1) first (`blockscale`)."""
+    def head() -> tuple[np.ndarray, np.ndarray]:
+        w = rng.standard_normal((n, k)) * W_SIGMA
+        if spread:
+            w = w * 10.0 ** np.repeat(np.repeat(rng.uniform(-1.0, 1.0, (n // 128, k // 128)), 128, 0), 128, 1)
+        return refimpl.quant.fp8_quantize(w, 128, 128)
+
+    q, s = zip(*(head() for _ in range(h)))
     return np.stack(q), np.stack(s)
+
+
+# Distributions of the fused branch beyond DISTS (drawn as `normal`, then changed). A kernel that reads
+# a neighbour's value (head h + 1's weight scales or query, the next 128 x 128 block's scale, the next
+# row's RMS) is off by far more than the tolerance only if neighbours differ by far more: with
+# `normal` every weight block's scale is max|N(0, 0.02)| / 448 within a few percent of the next, the
+# softmax is near uniform in every head, and every new row's mean square (~0.01) dwarfs eps = 1e-6.
+FUSED_DISTS = {
+    **DISTS,
+    "blockscale": "as normal, with each head's query scaled by 10^U(0, 2) (heads of different sharpness) and each "
+                  "128 x 128 block of W_UK and W_UV by 10^U(-1, 1) before quantization (block scales two decades "
+                  "apart, per head)",
+    "tinynorm": "as normal, with the latent of each new cache row (the RMSNorm's input) scaled by 10^U(-4, 0): mean "
+                "squares from 1e-10 to 1e-2 around eps = 1e-6, so where eps sits shows (the op's eps is a constant; "
+                "RMSNorm(c x; eps) = RMSNorm(x; eps / c^2), so a row of tiny norm is the test of a large eps)",
+}
+
 
 
 # FUSED_GAMMA. The RMSNorm weight is drawn in fp32, not the test dtype, to keep rounding ties out
@@ -226,12 +251,21 @@ def _fused_inputs(p, dtype, dist, rng):
     unused row is NaN, unused table entries poisoned; freqs_cis is DeepSeek's interleaved table."""
     cl, n = _fused_layout(p)
     off = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
-    cache, table = paged_latent_cache(rng, cl + n, dist, dtype)
+    base = dist if dist in DISTS else "normal"
+    cache, table = paged_latent_cache(rng, cl + n, base, dtype)
     h = p["hq"]
-    q = dt.round_to(_draw(rng, (int(off[-1]), h, DN + D_R), dist), dtype)
+    q = dt.round_to(_draw(rng, (int(off[-1]), h, DN + D_R), base), dtype)
     gamma = dt.round_to(1.0 + 0.1 * rng.standard_normal(D_C), "fp32")  # fp32: see FUSED_GAMMA above
-    w_uk, s_uk = _fp8_heads(rng, h, D_C, DN)
-    w_uv, s_uv = _fp8_heads(rng, h, DV_HEAD, D_C)
+    w_uk, s_uk = _fp8_heads(rng, h, D_C, DN, spread=dist == "blockscale")
+    w_uv, s_uv = _fp8_heads(rng, h, DV_HEAD, D_C, spread=dist == "blockscale")
+    if dist == "blockscale":
+        q = dt.round_to(q.astype(np.float64) * 10.0 ** rng.uniform(0.0, 2.0, (1, h, 1)), dtype)
+    elif dist == "tinynorm":  # the new tokens' rows: request i's tokens at positions cl_i .. cl_i + n_i - 1
+        req = np.repeat(np.arange(p["b"]), n)
+        pos = cl[req] + np.arange(int(n.sum())) - off[req]
+        page, slot = table[req, pos // PAGE], pos % PAGE
+        lat = cache[page, slot, 0, :D_C].astype(np.float64) * 10.0 ** rng.uniform(-4.0, 0.0, (pos.size, 1))
+        cache[page, slot, 0, :D_C] = dt.round_to(lat, dtype)
     ang = np.arange(int((cl + n).max()) + 1)[:, None] * ROPE_THETA ** (-np.arange(0, D_R, 2) / D_R)
     freqs = dt.round_to(np.stack([np.cos(ang), np.sin(ang)], -1).reshape(ang.shape[0], D_R), "fp32")
     x = {"q": q, "input_row_offsets": off, "freqs_cis": freqs, "gamma": gamma, "w_uk": w_uk, "w_uk_scale": s_uk,
@@ -313,7 +347,7 @@ DECODE_FUSED_FP8 = OpSpec(
     },
     tolerance=replace(attention_tolerance(_fused_acc, *_FUSED_OUT), baseline=FUSED_BASELINE),
     dtypes=("bf16", "fp16"),
-    dists=DISTS,
+    dists=FUSED_DISTS,
     backends=("triton", "torch"),
     doc="MAX's mla_decode_branch_fp8: RoPE + RMSNorm of the new cache rows in place, FP8 W_UK / W_UV "
         "block-scaled batched matmuls around the dense MLA decode.",

@@ -18,7 +18,7 @@ import kernel_parity.refimpl.mlp as ref
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.params import Int, OneOf, Schema
 from kernel_parity.conformance.spec import Diagnosis, OpSpec, Output
-from kernel_parity.conformance.tolerance import Tol
+from kernel_parity.conformance.tolerance import Override, Tier, Tol
 
 DISTS = {
     "normal": "gate, up ~ N(0, 1)",
@@ -61,6 +61,21 @@ def _geglu_ref(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndar
     return {"y": ref.geglu(*gate_up_of(x), approx=p["approx"])}
 
 
+# The eager baseline's tier for GeGLU (the torch backend only; production keeps the dtype defaults).
+# Measured on torch 2.13 CPU, 4M draws a distribution and dtype (max over elements of
+# |error| - rtol |golden|, the atol each would need): torch's F.gelu forms 0.5 x (1 + erf(x / sqrt 2))
+# (and 1 + tanh) in fp32, where 1 + erf cancels below x = -2 and its vectorised erf is off by up to
+# ~2.6e-6 (gelu relative error 6e-3 over x in [-4, -2]; tanh 8e-4); `halves` multiplies that by
+# |up| ~ 100-500: 2.0e-4 (fp32, erf), 9.4e-5 (fp16), 2.0e-5 (bf16), 1.9e-5 (fp32, tanh); normal
+# and large need < 3e-6. Our kernels form Phi from erfc and the tanh form as a sigmoid, and pass
+# the defaults.
+GELU_BASELINE = Tier(
+    reason="eager torch (CPU) evaluates 1 + erf(x / sqrt 2) and 1 + tanh in fp32: both cancel for x < -2 "
+           "(gelu error up to ~2.6e-6 absolute, 6e-3 relative), which `halves` scales by |up| ~ 100-500",
+    overrides=(Override("torch's fp32 1 + erf cancellation times |up| <= 500: measured need 2.0e-4 "
+                        "(fp32 erf), 9.4e-5 (fp16), 2.0e-5 (bf16), 2.5x margin", atol=5e-4),),
+)
+
 _COMMON = dict(
     t=Int(1, 1 << 20, doc="tokens"),
     i=Int(1, 1 << 18, edges=(64, 1024, 11008, 14336), doc="intermediate width (of gate and of up)"),
@@ -88,7 +103,7 @@ GEGLU = OpSpec(
     make_inputs=_inputs,
     output_shapes=lambda p: {"y": (p["t"], p["i"])},
     outputs={"y": Output("test", doc="gelu(gate) * up")},
-    tolerance=Tol(),
+    tolerance=Tol(baseline=GELU_BASELINE),
     dists=DISTS,
     diagnoses=(Diagnosis("matches the other GELU (tanh approximation vs erf)",
                          lambda p: {**p, "approx": "erf" if p["approx"] == "tanh" else "tanh"}),),

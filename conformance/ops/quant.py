@@ -37,6 +37,8 @@ DEQUANT_DISTS = {
     "quantized": "bytes of N(0, 1) rows quantized by the golden quantizer",
     "random": "uniform random bytes with finite fp16 scales of either sign (subnormals included)",
     "special": "random bytes whose scale fields are NaN, +-inf, +-0 or subnormal in some blocks",
+    "blockscale": "bytes of `blockscale` rows (QUANT_DISTS) quantized by the golden quantizer: every block's "
+                  "d / dmin and every sub-block's scale and min differ from their neighbours'",
 }
 
 QUANT_DISTS = {
@@ -45,7 +47,23 @@ QUANT_DISTS = {
              "N(0,1) x 1e-6, x 1e4, Student-t(2) heavy tails, N(0,1) x 1e15 (the K-quant searches' float32 "
              "sums overflow), all-positive |N(0,1)| + 1/2 (a sub-block minimum above 0)",
     "outlier": "N(0, 1) with one element per block 50x larger (a block's scale set by one value)",
+    "blockscale": "N(0, 1) x 10^(u + v): u ~ U(-2, 2) per block (32 or 256 elements), v ~ U(-1, 0) per 16 "
+                  "elements, so every block's scale and every K-quant sub-block's scale and min differ from "
+                  "their neighbours' (a kernel that reads a neighbour's is off by up to 10^4)",
 }
+
+
+def decade_factors(rng: np.random.Generator, rows: int, k: int, coarse: int, fine: int,
+                   span: float = 4.0) -> np.ndarray:
+    """(rows, k) factors 10^(u + v): u ~ U(-span / 2, span / 2) per run of `coarse` elements of a
+    row, v ~ U(-1, 0) per run of `fine` (0: none). Neighbouring blocks of `coarse` elements differ
+    by up to 10^span, neighbouring sub-blocks inside one by up to 10x (little enough that a K-quant's
+    6-bit (Q2_K: 4-bit) sub-block scales, relative to the block's largest, stay nonzero)."""
+    u = rng.uniform(-span / 2, span / 2, (rows, -(-k // coarse)))
+    f = np.repeat(u, coarse, 1)[:, :k]
+    if fine:
+        f = f + np.repeat(rng.uniform(-1.0, 0.0, (rows, -(-k // fine))), fine, 1)[:, :k]
+    return 10.0 ** f
 
 
 def block_of(fmt: str) -> int:
@@ -81,6 +99,8 @@ def quant_rows(rng: np.random.Generator, rows: int, k: int, dist: str, block: in
         x[kinds == 5] = rng.standard_t(2, (int((kinds == 5).sum()), k))
         x[kinds == 6] *= 1e15
         x[kinds == 7] = np.abs(x[kinds == 7]) + 0.5
+    elif dist == "blockscale":
+        x *= decade_factors(rng, rows, k, block, 16)
     elif dist != "normal":
         raise ValueError(f"unknown distribution {dist!r}")
     return x.astype(np.float32)
@@ -119,8 +139,9 @@ def random_blocks(rng: np.random.Generator, fmt: str, rows: int, k: int, special
 
 def _dequant_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
     fmt, rows, k = p["fmt"], p["rows"], p["k"]
-    if dist == "quantized":
-        data = refimpl.quant.quantize(fmt, quant_rows(rng, rows, k, "normal", block_of(fmt)))
+    if dist in ("quantized", "blockscale"):
+        data = refimpl.quant.quantize(fmt, quant_rows(rng, rows, k, "normal" if dist == "quantized" else dist,
+                                                      block_of(fmt)))
     elif dist in ("random", "special"):
         data = random_blocks(rng, fmt, rows, k, special=dist == "special")
     else:

@@ -31,7 +31,7 @@ from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.ops import kvcache as kv
 from kernel_parity.conformance.params import Int, OneOf, Schema
 from kernel_parity.conformance.spec import Diagnosis, OpSpec, Output
-from kernel_parity.conformance.tolerance import Override, Tol
+from kernel_parity.conformance.tolerance import Override, Tier, Tol
 
 TABLES = ("cos_sin", "cs_f16", "cis", "theta")
 POSITIONS = ("offset", "ragged", "random")
@@ -112,8 +112,27 @@ def _angle_len(p: dict[str, Any], output: str) -> int:
 
 
 _ANGLES = (Override("a rotated element is off by ~|x| eps32 x its angle when the kernel computes the angle p w "
-                    "in fp32 (table=theta: acc_len is the largest position squared, sqrt of it the angle)",
-                    output="y", atol_acc=2.0),)
+                    "in fp32 (table=theta: acc_len is the largest position squared, sqrt of it the angle); so is "
+                    "every element, so cos_diff / nmse grow by (eps32 x that angle)^2 too (measured: an exact-cos "
+                    "kernel on fp32 angles reaches cos_diff 1.5e-10 at positions < 20000, 150x the fp32 default); "
+                    "with a table (acc_len 2) the atol term is the two fp32 products' rounding, ~eps32 |x|, which "
+                    "dominates where they cancel", output="y", atol_acc=2.0, agg_acc=1.0),)
+
+# The eager baseline's tier (the torch backend only). HF's apply_rotary_pos_emb, which the torch
+# baseline's half-split path is, casts cos / sin to x's dtype and forms x cos + rotate_half(x) sin in
+# it: each product, the table and the sum round to fp16 / bf16, so where the two products cancel an
+# element is off by up to ~sqrt(2) eps(dtype) max|y| (u |a c| + u |b s| for the products, as much
+# again for the table; u = eps / 2). Measured: 0.55 eps(dtype) max|y| over 30 fresh seeds of every
+# ci shape (bf16, kv_update), 0.49 (fp16, rope); under this tier the worst norm_err of 2,000 fresh
+# seeds per op was 0.37. Meta's complex path (interleaved) is fp32 and needs none; fp32 is computed
+# in fp32 on both paths and keeps production's limits.
+_HF_16BIT = "HF's apply_rotary_pos_emb rounds cos, sin, both products and the sum to the 16-bit dtype"
+BASELINE_TIER = Tier(
+    "the torch baseline's half-split path is HF's apply_rotary_pos_emb in the test dtype: cos / sin and every "
+    "product rounded to fp16 / bf16, up to ~sqrt(2) eps(dtype) max|y| where the products cancel (measured 0.55)",
+    overrides=tuple(Override(_HF_16BIT, output=out, dtype=dtype, atol_max_eps=1.5)
+                    for out in ("y", "k_cache") for dtype in ("fp16", "bf16")),
+)
 
 ROPE = OpSpec(
     name="rope.rope",
@@ -136,7 +155,7 @@ ROPE = OpSpec(
     make_inputs=_inputs,
     output_shapes=lambda p: {"y": (p["t"], p["h"], p["d"])},
     outputs={"y": Output("test", doc="x with its rotary part rotated; the other dims unchanged")},
-    tolerance=Tol(acc_len=_angle_len, overrides=_ANGLES),
+    tolerance=Tol(acc_len=_angle_len, overrides=_ANGLES, baseline=BASELINE_TIER),
     dists=DISTS,
     check=_check,
     diagnoses=(
@@ -183,7 +202,10 @@ KV_UPDATE = OpSpec(
     output_shapes=kv.UPDATE.output_shapes,
     outputs={"k_cache": Output("test", doc="K cache after the write: new rows rotated at pos[b] + t, old rows untouched"),
              "v_cache": Output("test", exact=True, doc="V cache after the write (unrotated, bit-exact)")},
-    tolerance=Tol(acc_len=lambda p, o: 2),
+    tolerance=Tol(acc_len=lambda p, o: 2, overrides=(
+        Override("a rotated element sums two fp32 products, each rounded to ~eps32/2 of |x|: where they cancel the "
+                 "error is ~eps32 max|x| absolute (measured: fp32 k_new with heads 10^3 apart put 2-5 of 40960 "
+                 "elements outside atol 1e-5 without it)", output="k_cache", atol_acc=2.0),), baseline=BASELINE_TIER),
     dists=DISTS,
     check=_kv_check,
     doc="TensorRT-LLM's RoPE-fused KV write: k rotated (half pairs, fp16 [smax, d/2, 2] table), v copied.",

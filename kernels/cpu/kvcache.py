@@ -20,7 +20,8 @@ import ctypes
 
 import numpy as np
 
-from kernel_parity.kernels.cpu.loader import check_array, check_status, element_strides, load
+from kernel_parity.kernels.cpu.loader import (check_array, check_status, element_strides, load,
+                                              unit_last_strides)
 
 __all__ = ["update"]
 
@@ -38,14 +39,6 @@ def _kernels() -> ctypes.CDLL:
         lib.kvcache_update_kernel.restype = ctypes.c_int
         _lib = lib
     return _lib
-
-
-def _unit_last(name: str, a: np.ndarray) -> tuple[int, ...]:
-    strides = element_strides(name, a)
-    if a.shape[-1] > 1 and a.size > 0 and strides[-1] != 1:
-        raise ValueError(f"{name} last-axis stride must be 1 element, got {strides[-1]} "
-                         f"(strides {a.strides} bytes); no copy is made")
-    return strides
 
 
 def update(cache: np.ndarray, new: np.ndarray, pos: np.ndarray, *,
@@ -96,7 +89,7 @@ def update(cache: np.ndarray, new: np.ndarray, pos: np.ndarray, *,
             raise ValueError(f"{name} overlaps cache")
     if b * s_new == 0 or new.size == 0:
         return
-    sc, sn = _unit_last("cache", cache), _unit_last("new", new)
+    sc, sn = unit_last_strides("cache", cache), unit_last_strides("new", new)
     status = _kernels().kvcache_update_kernel(
         cache.dtype.itemsize, cache.ctypes.data, sc[0], sc[1], sc[2], new.ctypes.data, sn[0], sn[1],
         sn[2], pos.ctypes.data, element_strides("pos", pos)[0],

@@ -41,7 +41,7 @@ import ml_dtypes
 import numpy as np
 
 __all__ = ["CompilerUnavailable", "load", "DTYPE_CODES", "dtype_code", "check_status", "element_strides",
-           "check_array", "check_output"]
+           "unit_last_strides", "row_stride", "check_array", "check_output"]
 
 SRC_DIR = Path(__file__).resolve().parent
 FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-trapping-math",
@@ -243,6 +243,27 @@ def element_strides(name: str, a: np.ndarray) -> tuple[int, ...]:
         raise ValueError(f"{name} must be aligned to its {size}-byte elements, got strides "
                          f"{a.strides} bytes at address {a.ctypes.data:#x}")
     return tuple(s // size for s in strides)
+
+
+def unit_last_strides(name: str, a: np.ndarray) -> tuple[int, ...]:
+    """`a`'s element strides; ValueError unless its last axis is unit-stride (the kernels read rows
+    as contiguous runs and take no copy)."""
+    strides = element_strides(name, a)
+    if a.shape[-1] > 1 and a.size > 0 and strides[-1] != 1:
+        raise ValueError(f"{name} last-axis stride must be 1 element, got {strides[-1]} "
+                         f"(strides {a.strides} bytes); no copy is made")
+    return strides
+
+
+def row_stride(name: str, a: np.ndarray, width: str = "n") -> int:
+    """Row stride in elements of a (rows, n) array; ValueError unless its last axis is unit-stride and
+    its rows are disjoint (stride >= n, named `width` in the message)."""
+    stride_row = unit_last_strides(name, a)[0]
+    rows, n = a.shape
+    if a.size and rows > 1 and stride_row < n:
+        raise ValueError(f"{name} row stride must be >= {width} = {n} elements, got {stride_row} "
+                         f"(strides {a.strides} bytes): rows would overlap")
+    return stride_row
 
 
 def check_array(name: str, a: object, ndim: int, layout: str, dtypes: tuple[np.dtype, ...]) -> np.ndarray:

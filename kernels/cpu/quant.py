@@ -26,7 +26,7 @@ import ctypes
 
 import numpy as np
 
-from kernel_parity.kernels.cpu.loader import check_array, check_output, element_strides, load
+from kernel_parity.kernels.cpu.loader import check_array, check_output, load, unit_last_strides
 
 __all__ = ["FORMATS", "format_info", "quantize", "dequantize", "row_bytes"]
 
@@ -71,14 +71,6 @@ def row_bytes(fmt: str, k: int) -> int:
     return k // qk * nbytes
 
 
-def _row_stride(name: str, a: np.ndarray) -> int:
-    stride_row, stride_col = element_strides(name, a)
-    if a.size and a.shape[1] > 1 and stride_col != 1:
-        raise ValueError(f"{name} last-axis stride must be 1 element, got {stride_col} "
-                         f"(strides {a.strides} bytes); no copy is made")
-    return stride_row
-
-
 def _check_disjoint(out: np.ndarray, src: np.ndarray) -> None:
     if np.may_share_memory(out, src):
         raise ValueError("out overlaps the input; pass a separate array")
@@ -93,7 +85,7 @@ def quantize(fmt: str, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
     if out is None:
         out = np.empty(shape, dtype=np.uint8)
     check_output("out", out, shape, np.dtype(np.uint8), "(rows, row_bytes)")
-    stride_x, stride_out = _row_stride("x", x), _row_stride("out", out)
+    stride_x, stride_out = unit_last_strides("x", x)[0], unit_last_strides("out", out)[0]
     if rows == 0 or k == 0:
         return out
     _check_disjoint(out, x)
@@ -114,7 +106,7 @@ def dequantize(fmt: str, data: np.ndarray, out: np.ndarray | None = None) -> np.
     if out is None:
         out = np.empty((rows, k), dtype=np.float32)
     check_output("out", out, (rows, k), np.dtype(np.float32), "(rows, K)")
-    stride_d, stride_out = _row_stride("data", data), _row_stride("out", out)
+    stride_d, stride_out = unit_last_strides("data", data)[0], unit_last_strides("out", out)[0]
     if rows == 0 or k == 0:
         return out
     _check_disjoint(out, data)

@@ -21,7 +21,7 @@ import ctypes
 import numpy as np
 
 from kernel_parity.kernels.cpu.loader import (DTYPE_CODES, check_array, check_output, check_status, dtype_code,
-                                element_strides, load)
+                                              element_strides, load, row_stride)
 
 __all__ = ["softmax", "online_softmax"]
 
@@ -42,31 +42,16 @@ def _kernels() -> ctypes.CDLL:
     return _lib
 
 
-def _row_stride(name: str, a: np.ndarray) -> int:
-    """Row stride in elements of a (rows, n) array; ValueError unless rows are unit-stride and disjoint."""
-    rows, n = a.shape
-    stride_row, stride_col = element_strides(name, a)
-    if a.size == 0:
-        return 0
-    if n > 1 and stride_col != 1:
-        raise ValueError(f"{name} last-axis stride must be 1 element, got {stride_col} "
-                         f"(strides {a.strides} bytes); no copy is made")
-    if rows > 1 and stride_row < n:
-        raise ValueError(f"{name} row stride must be >= n = {n} elements, got {stride_row} "
-                         f"(strides {a.strides} bytes)")
-    return stride_row
-
-
 def _check_x(x: np.ndarray) -> int:
     check_array("x", x, 2, "(rows, n)", tuple(DTYPE_CODES))
-    return _row_stride("x", x)
+    return row_stride("x", x)
 
 
 def _check_out(out: np.ndarray | None, x: np.ndarray, stride_x: int) -> tuple[np.ndarray, int]:
     if out is None:
         out = np.empty(x.shape, dtype=x.dtype)
     check_output("out", out, x.shape, x.dtype, "(rows, n)")
-    stride_out = _row_stride("out", out)
+    stride_out = row_stride("out", out)
     same = out.ctypes.data == x.ctypes.data and (stride_out == stride_x or x.shape[0] <= 1)
     if not same and np.may_share_memory(out, x):
         raise ValueError("out overlaps x without being x itself; pass out=x for in place, or a "

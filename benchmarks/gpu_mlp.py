@@ -1,0 +1,162 @@
+"""GPU benchmark of the Triton SwiGLU / GeGLU kernels (Hopper target), beside liger-kernel and eager torch.
+
+    python benchmarks/gpu_mlp.py [--quick] [--tune] [--out PATH]
+
+1. Measures device copy bandwidth: a 1 GiB device-to-device copy, bytes read + written, median of
+   triton.testing.do_bench. Every figure is reported as a share of it.
+2. At every shape, checks ours against a float64 reference computed on the GPU from the same rounded
+   inputs (silu from a stable sigmoid, Phi from torch.special.ndtr): |y - ref| <= atol + rtol |ref|
+   with rtol one ulp of the storage dtype (fp32: 16 ulp) and atol 1e-5 |up| max; a miss is
+   reported and the script exits 1 after writing its JSON.
+3. Times ours (fused h and split gate / up), liger-kernel when it imports (LigerFusedGateUpSiLUMul,
+   LigerSiLUMul, LigerGELUMul) and eager torch (F.silu(g) * u, F.gelu(g) * u): median ms, GB/s with
+   bytes = read 2 t i + write t i elements (the memory-bound floor), % of copy bandwidth.
+4. --tune: the launch table (tile elements, widest column block, warps) swept at the headline shapes.
+Inputs are >= 470 MB, far beyond L2 (50-60 MB). Results go to --out (default $OUT/mlp_bench.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TOL = {"fp32": 16 * 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}  # rtol: 16 ulp fp32, one half-ulp + fp32
+SHAPES = ((16384, 14336), (4096, 14336), (16384, 18944), (4096, 18944))  # Llama-3-8B, Qwen2-7B widths
+QUICK_SHAPES = ((4096, 14336),)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="one shape, fewer repetitions")
+    p.add_argument("--tune", action="store_true", help="sweep the launch table at the headline shapes")
+    default_out = os.path.join(os.environ["OUT"], "mlp_bench.json") if os.environ.get("OUT") else None
+    p.add_argument("--out", default=default_out, help="JSON output path (default $OUT/mlp_bench.json)")
+    args = p.parse_args()
+    from kernel_parity.reports.files import check_output_or_exit
+
+    if args.out:
+        check_output_or_exit(p.prog, "--out", args.out)
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    import torch
+    import torch.nn.functional as F
+
+    if not torch.cuda.is_available():
+        print("gpu_mlp: no CUDA device; this benchmark must run on a GPU machine", file=sys.stderr)
+        return 2
+    import triton
+    from triton.testing import do_bench
+
+    from kernel_parity.kernels.triton import mlp as k
+
+    try:
+        import liger_kernel.ops as lk
+    except Exception as e:  # not installed: ours and torch only
+        lk = None
+        print(f"gpu_mlp: liger-kernel not importable ({type(e).__name__}: {e})")
+    dev = torch.device("cuda")
+    kw = dict(warmup=10 if args.quick else 25, rep=50 if args.quick else 200, return_mode="median")
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+    def ms(fn) -> float:
+        return float(do_bench(fn, **kw))
+
+    n = 1 << 29  # 1 GiB of bf16
+    src = torch.empty(n, dtype=torch.bfloat16, device=dev).normal_()
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * n * 2 / (ms(lambda: dst.copy_(src)) * 1e6)
+    del src, dst
+    print(f"{torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s (read + write)")
+
+    def reference(g, u, act):
+        g64, u64 = g.double(), u.double()
+        if act == "silu":
+            a = g64 * torch.sigmoid(g64)
+        elif act == "tanh":
+            a = g64 * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (g64 + 0.044715 * g64**3))
+        else:
+            a = g64 * torch.special.ndtr(g64)
+        return a * u64
+
+    results, failures, tuned = [], [], []
+    acts = ("silu", "tanh", "erf")
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    for (t, i), dname in itertools.product(shapes, ("bf16", "fp16", "fp32")):
+        if dname == "fp32" and (t, i) != shapes[0]:
+            continue
+        dtype = dtypes[dname]
+        h = torch.randn((t, 2 * i), device=dev, dtype=torch.float32).mul_(2.0).to(dtype)
+        g, u = h[:, :i], h[:, i:]
+        gs, us = g.contiguous(), u.contiguous()
+        y = torch.empty((t, i), device=dev, dtype=dtype)
+        nbytes = 3 * t * i * h.element_size()
+        for act in acts:
+            ours_fused = (lambda: k.swiglu_fused(h, out=y)) if act == "silu" else (lambda: k.geglu_fused(h, act, out=y))
+            ours_split = (lambda: k.swiglu(gs, us, out=y)) if act == "silu" else (lambda: k.geglu(gs, us, act, out=y))
+            ours_fused()
+            ref = reference(g, u, act)
+            err = (y.double() - ref).abs()
+            bound = 1e-5 * u.double().abs().max() + TOL[dname] * ref.abs()
+            worst = float((err / bound).max())
+            if worst > 1:
+                failures.append(f"{dname} t={t} i={i} {act}: max |err| / bound = {worst:.2f}")
+            del ref, err, bound
+            row = dict(t=t, i=i, dtype=dname, act=act, err_over_bound=worst)
+            for name, fn in (("ours_fused", ours_fused), ("ours_split", ours_split)):
+                m = ms(fn)
+                row[name] = dict(ms=m, gbs=nbytes / (m * 1e6), pct_copy=100 * nbytes / (m * 1e6) / copy_gbs)
+            torch_fn = (lambda: F.silu(g) * u) if act == "silu" else (
+                lambda: F.gelu(g, approximate="tanh" if act == "tanh" else "none") * u)
+            m = ms(torch_fn)
+            row["torch"] = dict(ms=m, gbs=nbytes / (m * 1e6), pct_copy=100 * nbytes / (m * 1e6) / copy_gbs)
+            if lk is not None and act != "erf":
+                liger = {"silu": [("liger_fused", lambda: lk.LigerFusedGateUpSiLUMulFunction.apply(h)),
+                                  ("liger_split", lambda: lk.LigerSiLUMulFunction.apply(gs, us))],
+                         "tanh": [("liger_split", lambda: lk.LigerGELUMulFunction.apply(gs, us))]}[act]
+                for name, fn in liger:
+                    m = ms(fn)
+                    row[name] = dict(ms=m, gbs=nbytes / (m * 1e6), pct_copy=100 * nbytes / (m * 1e6) / copy_gbs)
+            results.append(row)
+            print(f"{dname} t={t:>5} i={i:>5} {act:>4}: " + "  ".join(
+                f"{name} {v['ms']:.3f} ms {v['pct_copy']:.0f}%" for name, v in row.items() if isinstance(v, dict)))
+        if args.tune and (t, i) in ((16384, 14336), (4096, 14336)) and dname in ("bf16", "fp32"):
+            saved = (k.TILE, k.BLOCK_N_MAX, k.NUM_WARPS)
+            for tile, bn, warps in itertools.product((2048, 4096, 8192, 16384), (512, 1024, 2048, 4096), (4, 8)):
+                if bn > tile:
+                    continue
+                k.TILE, k.BLOCK_N_MAX, k.NUM_WARPS = tile, bn, warps
+                for act in ("silu", "erf"):
+                    fn = (lambda: k.swiglu_fused(h, out=y)) if act == "silu" else (lambda: k.geglu_fused(h, act, out=y))
+                    m = ms(fn)
+                    tuned.append(dict(t=t, i=i, dtype=dname, act=act, tile=tile, block_n=bn, warps=warps, ms=m,
+                                      pct_copy=100 * nbytes / (m * 1e6) / copy_gbs))
+            k.TILE, k.BLOCK_N_MAX, k.NUM_WARPS = saved
+            best = sorted((r for r in tuned if r["t"] == t and r["dtype"] == dname), key=lambda r: r["ms"])[:4]
+            for r in best:
+                print(f"  tune {dname} t={t} {r['act']}: tile {r['tile']} block_n {r['block_n']} warps {r['warps']}: "
+                      f"{r['ms']:.3f} ms {r['pct_copy']:.1f}%")
+        del h, g, u, gs, us, y
+        torch.cuda.empty_cache()
+    doc = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               time=time.strftime("%Y-%m-%d %H:%M:%S"), copy_gbs=copy_gbs,
+               config=dict(tile=k.TILE, block_n_max=k.BLOCK_N_MAX, num_warps=k.NUM_WARPS),
+               results=results, tuned=tuned, failures=failures)
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+    for f in failures:
+        print("FAIL", f)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,110 @@
+"""Adapters binding the rotary-family kernels of each built-in backend to `rope.rope` and
+`rope.kv_update`.
+
+The table a case gives is handed to the kernel in its own layout: `cos`/`sin` (cos_sin), the fp16
+(cos, sin) pairs (cs_f16), or Meta's complex64 freqs_cis (cis: the case stores its float32
+(real, imag) pairs; the adapters view them as complex, with no copy); table=theta passes theta
+and the scaling. kv_update writes in place, so each adapter first copies the old caches into the
+poisoned output buffers (harness work, outside what is judged) and lets the kernel write there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from kernel_parity.conformance.backends._torch import to_torch
+
+
+def _angles_torch(case, inputs, device) -> dict[str, Any]:
+    import torch
+
+    p = case.p
+    if p["table"] == "theta":
+        return {"theta": float(p["theta"]), "scaling": p["scaling"]}
+    if p["table"] == "cos_sin":
+        return {"cos": to_torch(inputs["cos"], device), "sin": to_torch(inputs["sin"], device)}
+    table = to_torch(inputs["table"], device)
+    return {"table": torch.view_as_complex(table) if p["table"] == "cis" else table}
+
+
+def _angles_numpy(case, inputs) -> dict[str, Any]:
+    p = case.p
+    if p["table"] == "theta":
+        return {"theta": float(p["theta"]), "scaling": p["scaling"]}
+    if p["table"] == "cos_sin":
+        return {"cos": inputs["cos"], "sin": inputs["sin"]}
+    table = inputs["table"]
+    return {"table": table.view(np.complex64)[..., 0] if p["table"] == "cis" else table}
+
+
+def _style(case) -> dict[str, Any]:
+    return {"style": case.p["style"], "rot": case.p["rot"], "at": case.p["at"]}
+
+
+def _torch_kv(device: str, kernel: Callable[[], Any]) -> Callable:
+    def run(case, inputs, out):
+        t = {k: to_torch(v, device) for k, v in inputs.items()}
+        kc, vc = out.torch("k_cache", device), out.torch("v_cache", device)
+        kc.copy_(t["k_cache"])
+        vc.copy_(t["v_cache"])
+        kernel()(kc, vc, t["k_new"], t["v_new"], t["pos"], t["table"], block_table=t.get("block_table"))
+        return {"k_cache": kc, "v_cache": vc}
+
+    return run
+
+
+def triton_ops(device: str) -> dict[str, Callable]:
+    def rope(case, inputs, out):
+        from kernel_parity.kernels.triton import rope as k
+
+        y = out.torch("y", device)
+        k.rope(to_torch(inputs["x"], device), to_torch(inputs["positions"], device),
+               **_angles_torch(case, inputs, device), **_style(case), out=y)
+        return {"y": y}
+
+    def kernel():
+        from kernel_parity.kernels.triton.rope_kv import kv_update
+
+        return kv_update
+
+    return {"rope.rope": rope, "rope.kv_update": _torch_kv(device, kernel)}
+
+
+def cpu_ops() -> dict[str, Callable]:
+    def rope(case, inputs, out):
+        from kernel_parity.kernels.cpu import rope as k
+
+        y = out.numpy("y")
+        k.rope(inputs["x"], inputs["positions"], **_angles_numpy(case, inputs), **_style(case), out=y)
+        return {"y": y}
+
+    def kv_update(case, inputs, out):
+        from kernel_parity.kernels.cpu import rope as k
+
+        kc, vc = out.numpy("k_cache"), out.numpy("v_cache")
+        kc[...] = inputs["k_cache"]
+        vc[...] = inputs["v_cache"]
+        k.kv_update(kc, vc, inputs["k_new"], inputs["v_new"], inputs["pos"], inputs["table"],
+                    block_table=inputs.get("block_table"))
+        return {"k_cache": kc, "v_cache": vc}
+
+    return {"rope.rope": rope, "rope.kv_update": kv_update}
+
+
+def torch_ops(device: str) -> dict[str, Callable]:
+    def rope(case, inputs, out):
+        from kernel_parity.kernels.torch import rope as k
+
+        y = out.torch("y", device)
+        y.copy_(k.rope(to_torch(inputs["x"], device), to_torch(inputs["positions"], device),
+                       **_angles_torch(case, inputs, device), **_style(case)))
+        return {"y": y}
+
+    def kernel():
+        from kernel_parity.kernels.torch.rope import kv_update
+
+        return kv_update
+
+    return {"rope.rope": rope, "rope.kv_update": _torch_kv(device, kernel)}

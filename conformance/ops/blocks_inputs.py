@@ -1,0 +1,216 @@
+"""Input builders of the fused transformer blocks (stem `blocks`): aligned rows, projection weights in
+their storage formats, head-major caches with history, RoPE tables.
+
+Everything the engine keeps zero is zero: the padding lanes of x, gamma, the residual and the biases,
+the weight rows of padded output lanes and the weight columns of padded input lanes, the padded lanes
+of the cached history. Every cache slot from the first new token on holds NaN (all lanes), so a kernel
+that reads a slot it has not written, or writes a row one slot late, fails structurally.
+
+Distributions separate neighbours (a bug that reads the neighbouring head, block, row or position is
+off by far more than rounding):
+- `heads`: q / k weight rows of each head scaled by 10^u, u ~ U(-0.5, 0.5) (logits up to ~30), v rows
+  and the cached values of each kv head by 10^u, u ~ U(-2, 2): a wrong kv head is off by orders of
+  magnitude;
+- `blocks`: every 32-lane block of x and every 32-column block of the weights scaled by 10^u,
+  u ~ U(-1.5, 1.5) / U(-1, 1): neighbouring Q8_0 / Q5_0 blocks and K-quant sub-blocks carry scales far
+  apart (a block dot with its neighbour's scale is far off); the Q/K/V rows are then rescaled to unit
+  output variance, so the logits keep the size of the other distributions';
+- `tiny`: rows of scale 1e-3 (and, with several rows, an all-zero row): mean(x^2) ~ 1e-6 sits at the
+  eps of the small-eps cases, and eps = 1 dominates it;
+- `rows`: row t scaled by 10^u, u ~ U(-3, 3) (the residual stream of neighbouring tokens far apart).
+Positions are parameters: decode at pos around the 64-key tiles (63, 64, 65) and far out (1024).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from kernel_parity import refimpl
+import kernel_parity.refimpl.quant  # noqa: F401  (refimpl.quant below)
+import kernel_parity.refimpl.rope  # noqa: F401
+from kernel_parity.conformance import dtypes as dt
+
+WFMTS = ("f32", "q8_0", "q5_0")  # attention projections (the seed's wq_dt / wo_dt)
+MLP_WFMTS = ("f32", "q8_0", "q5_0", "q4_k", "q6_k")  # the seed's MLP weight types
+EPS = ("1e-6", "1e-5", "1")  # as in case ids; 1 is the large eps
+THETAS = (10000, 500000, 1000000)
+DISTS = {
+    "normal": "x, residual, history ~ N(0, 1); W ~ N(0, 1/E) (unit-scale projections); gamma ~ 1 + N(0, 0.1)",
+    "heads": "q/k rows of each head x 10^U(-0.5, 0.5), v rows and cached values of each kv head x 10^U(-2, 2)",
+    "blocks": "32-lane blocks of x x 10^U(-1.5, 1.5), 32-column blocks of W x 10^U(-1, 1): block scales far apart",
+    "tiny": "rows of scale 1e-3 (and an all-zero row among several): eps decides the norm",
+    "rows": "row t of x (and the residual) x 10^U(-3, 3): neighbouring tokens far apart",
+}
+ATTN_DISTS = ("normal", "heads", "blocks", "tiny")
+ROW_DISTS = ("normal", "blocks", "tiny", "rows")
+
+
+def block_of(fmt: str) -> int:
+    return 1 if fmt == "f32" else refimpl.quant.FORMATS[fmt].block
+
+
+def aligned(x: np.ndarray, width: int) -> np.ndarray:
+    """(..., n) values in (..., width) with zero lanes [n, width)."""
+    out = np.zeros(x.shape[:-1] + (width,))
+    out[..., : x.shape[-1]] = x
+    return out
+
+
+def rows(rng: np.random.Generator, t: int, n: int, aw: int, dist: str) -> np.ndarray:
+    """(t, aw) float64 activation rows of the distribution, lanes [n, aw) zero."""
+    x = rng.standard_normal((t, n))
+    if dist == "blocks":
+        x *= np.repeat(10.0 ** rng.uniform(-1.5, 1.5, (t, -(-n // 32))), 32, axis=1)[:, :n]
+    elif dist == "tiny":
+        x[0::2] *= 1e-3
+        if t > 2:
+            x[t // 2] = 0.0
+    elif dist == "rows":
+        x *= 10.0 ** rng.uniform(-3.0, 3.0, (t, 1))
+    elif dist not in ("normal", "heads"):
+        raise ValueError(f"unknown distribution {dist!r}")
+    return aligned(x, aw)
+
+
+def gamma(rng: np.random.Generator, n: int, aw: int, gemma: int) -> np.ndarray:
+    """RMSNorm weight as stored: w ~ 1 + N(0, 0.1), or Gemma's w ~ N(0, 0.1) applied as (1 + w)."""
+    return dt.round_to(aligned(rng.standard_normal(n) * 0.1 + (0.0 if gemma else 1.0), aw), "fp32")
+
+
+def dense(rng: np.random.Generator, n_out: int, k: int, real_in: np.ndarray, real_out: np.ndarray, dist: str,
+          row_scale: np.ndarray | None = None) -> np.ndarray:
+    """(n_out, k) float64 weight ~ N(0, 1 / #real inputs): zero outside the real rows and columns."""
+    w = rng.standard_normal((n_out, k)) / math.sqrt(max(1, int(real_in.sum())))
+    if dist == "blocks":
+        w *= np.repeat(10.0 ** rng.uniform(-1.0, 1.0, (1, -(-k // 32))), 32, axis=1)[:, :k]
+    if row_scale is not None:
+        w *= row_scale[:, None]
+    return w * real_out[:, None] * real_in[None, :]
+
+
+def _lane_rms(x: np.ndarray, n: int) -> np.ndarray:
+    """(aw,) RMS over the rows of the normalised activations' lanes: each row divided by its own RMS over
+    its n real lanes (what RMSNorm makes of it; 0 for an all-zero row)."""
+    r = np.sqrt(np.mean(x[:, :n] ** 2, axis=1, keepdims=True))
+    xn = np.divide(x, r, out=np.zeros_like(x), where=r > 0)
+    return np.sqrt(np.mean(xn ** 2, axis=0))
+
+
+def unit_rows(w: np.ndarray, lanes: np.ndarray, row_scale: np.ndarray, dist: str) -> np.ndarray:
+    """`blocks`: each weight row rescaled so that its output over the normalised rows has the variance of
+    `row_scale`^2 (the other distributions' 1 or the head's scale): the blocks keep scales orders of
+    magnitude apart, the projections (and the attention logits) keep the other distributions' size."""
+    if dist != "blocks":
+        return w
+    norm = np.sqrt(((w * lanes[None, :]) ** 2).sum(axis=1))
+    return w * np.divide(row_scale, norm, out=np.zeros_like(norm), where=norm > 0)[:, None]
+
+
+def stored(fmt: str, w: np.ndarray) -> np.ndarray:
+    """The weight in its storage format: float32, or GGML blocks by the golden quantizers (ggml's)."""
+    w32 = w.astype(np.float32)
+    return w32 if fmt == "f32" else refimpl.quant.quantize(fmt, w32)
+
+
+def head_lanes(h: int, d: int, ad: int) -> np.ndarray:
+    """(h * ad,) 1.0 on the real lanes [0, d) of every head, 0.0 on the padding."""
+    return np.tile((np.arange(ad) < d).astype(np.float64), h)
+
+
+def head_scales(rng: np.random.Generator, h: int, ad: int, lo: float, hi: float) -> np.ndarray:
+    """(h,) per-head factors 10^u, u ~ U(lo, hi), and the same repeated over each head's ad lanes."""
+    s = 10.0 ** rng.uniform(lo, hi, h)
+    return s, np.repeat(s, ad)
+
+
+def history(rng: np.random.Generator, h_kv: int, cap: int, d: int, ad: int, start: int,
+            scale: np.ndarray) -> np.ndarray:
+    """(h_kv, cap, ad) float32 cache: slots < start ~ N(0, 1) x the head's scale on lanes [0, d), zero
+    padding lanes; slots >= start NaN."""
+    c = np.full((h_kv, cap, ad), np.nan)
+    c[:, :start, :] = 0.0
+    c[:, :start, :d] = rng.standard_normal((h_kv, start, d)) * scale[:, None, None]
+    return dt.round_to(c, "fp32")
+
+
+def tables(cap: int, d: int, theta: int) -> dict[str, np.ndarray]:
+    """cos, sin float32 [cap, d/2] of the angles p w_i (w_i = theta^(-2i/d)), as the seed stores them."""
+    cos, sin = refimpl.rope.tables(cap, d, float(theta))
+    return {"cos": cos.astype(np.float32), "sin": sin.astype(np.float32)}
+
+
+def attention_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator, t: int,
+                     start: int) -> dict[str, np.ndarray]:
+    """Inputs of the attention blocks: T tokens at start .. start + T - 1 (decode: T = 1, squeezed by
+    the caller)."""
+    e, ae, hq, hkv, d = p["e"], p["e"] + p["epad"], p["hq"], p["hkv"], p["d"]
+    ad, cap = d + p["dpad"], p["cap"]
+    x = rows(rng, t, e, ae, dist)
+    real_e = (np.arange(ae) < e).astype(np.float64)
+    q_lanes, kv_lanes = head_lanes(hq, d, ad), head_lanes(hkv, d, ad)
+    one_q, one_kv = np.ones(hq * ad), np.ones(hkv * ad)
+    qs, ks, vs = one_q, one_kv, one_kv
+    k_head, v_head = np.ones(hkv), np.ones(hkv)
+    if dist == "heads":
+        _, qs = head_scales(rng, hq, ad, -0.5, 0.5)
+        k_head, ks = head_scales(rng, hkv, ad, -0.5, 0.5)
+        v_head, vs = head_scales(rng, hkv, ad, -2.0, 2.0)
+    lanes = _lane_rms(x, e)
+    out = {
+        "x": dt.round_to(x, dtype),
+        "gamma": gamma(rng, e, ae, p["gemma"]),
+        "wq": stored(p["wqkv"], unit_rows(dense(rng, hq * ad, ae, real_e, q_lanes, dist, qs), lanes, qs, dist)),
+        "wk": stored(p["wqkv"], unit_rows(dense(rng, hkv * ad, ae, real_e, kv_lanes, dist, ks), lanes, ks, dist)),
+        "wv": stored(p["wqkv"], unit_rows(dense(rng, hkv * ad, ae, real_e, kv_lanes, dist, vs), lanes, vs, dist)),
+        "wo": stored(p["wo"], dense(rng, ae, hq * ad, q_lanes, real_e, dist)),
+        "k_cache": history(rng, hkv, cap, d, ad, start, k_head),
+        "v_cache": history(rng, hkv, cap, d, ad, start, v_head),
+        **tables(cap, d, p["theta"]),
+    }
+    if p["bias"]:
+        for name, lanes, s in (("bq", q_lanes, qs), ("bk", kv_lanes, ks), ("bv", kv_lanes, vs)):
+            out[name] = dt.round_to(rng.standard_normal(lanes.size) * lanes * s, "fp32")
+    if p["obias"]:
+        out["bo"] = dt.round_to(rng.standard_normal(ae) * real_e, "fp32")
+    if p["residual"]:
+        r = rows(rng, t, e, ae, "rows" if dist == "rows" else "normal")
+        out["r"] = dt.round_to(r, dtype)
+    return out
+
+
+def mlp_weights(p: dict[str, Any], rng: np.random.Generator, dist: str, ae: int) -> dict[str, np.ndarray]:
+    """w1 (2I, aE) gate rows then up rows, w2 (aE, I), in their storage formats."""
+    i = p["i"]
+    real_e = (np.arange(ae) < p["e"]).astype(np.float64)
+    ones = np.ones(2 * i)
+    return {"w1": stored(p["w1"], dense(rng, 2 * i, ae, real_e, ones, dist)),
+            "w2": stored(p["w2"], dense(rng, ae, i, np.ones(i), real_e, dist))}
+
+
+def mlp_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    ae = p["e"] + p["epad"]
+    return {"x": dt.round_to(rows(rng, p["t"], p["e"], ae, dist), dtype), "gamma": gamma(rng, p["e"], ae, p["gemma"]),
+            **mlp_weights(p, rng, dist, ae)}
+
+
+def outproj_mlp_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    e, ae, hq, d = p["e"], p["e"] + p["epad"], p["hq"], p["d"]
+    ad = d + p["dpad"]
+    t = p["t"]
+    lanes = head_lanes(hq, d, ad)
+    attn = rows(rng, t, hq * ad, hq * ad, dist) * lanes  # the attention output: padded lanes zero
+    real_e = (np.arange(ae) < e).astype(np.float64)
+    wo = dense(rng, ae, hq * ad, lanes, real_e, dist)
+    out = {"attn": dt.round_to(attn, dtype), "residual": dt.round_to(rows(rng, t, e, ae, dist), dtype)}
+    if p["wo_layout"] == "head_major":  # Wo[h][aE][ad]: the same W, per head
+        out["wo"] = wo.reshape(ae, hq, ad).transpose(1, 0, 2).astype(np.float32)
+    else:
+        out["wo"] = stored(p["wo"], wo)
+    if p["obias"]:
+        out["bo"] = dt.round_to(rng.standard_normal(ae) * real_e, "fp32")
+    out["gamma"] = gamma(rng, e, ae, p["gemma"])
+    out.update(mlp_weights(p, rng, dist, ae))
+    return out

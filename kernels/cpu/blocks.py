@@ -1,0 +1,274 @@
+"""Native CPU fused transformer blocks (kernels in blocks.c): C-Kernel-Engine's mega-fused decode
+attention block in one pass, and the prefill attention, MLP and outproj + MLP blocks stage by stage.
+
+    attention_decode / attention_prefill:  norm -> q, k, v (+ bias) -> RoPE -> cache write -> attention
+                                           -> W_o (+ bias) (+ residual)
+    mlp:          norm -> h = norm W1^T (gate | up) -> act = silu(gate) up -> down -> out = x + down
+    outproj_mlp:  proj = attn W_o^T (+ bias) -> h1 = proj + residual -> the mlp on h1
+
+Arrays (all float32 and C-contiguous unless said; no copy is made):
+x: (aE,) decode, (T, aE) prefill / mlp;  attn (outproj_mlp): (T, h_q a_d);  residual: like x
+gamma: (aE,);  eps: RMSNorm epsilon;  n: the real embed dim E (lanes [n, aE) are padding, zero)
+a weight: (fmt, array): "f32" (N, K) float32, or a GGML format (`WEIGHT_FORMATS`) (N, K / block * nbytes)
+    uint8 rows of blocks; wq (h_q a_d, aE), wk, wv (h_kv a_d, aE), wo (aE, h_q a_d) or ("f32_heads",
+    (h_q, aE, a_d)) for outproj_mlp, w1 (2I, aE) gate rows first, w2 (aE, I)
+bq (h_q a_d,), bk, bv (h_kv a_d,), bo (aE,): or None
+k_cache, v_cache: (h_kv, cap, a_d), written in place at slots start .. start + T - 1 (decode: pos)
+cos, sin: (max_seq, d / 2);  style: "half" or "interleaved";  gemma: RMSNorm weight (1 + gamma)
+out: a dict of preallocated stage outputs (any subset; the rest are allocated)
+quantize_activations: True (production, the `emulated` L2 arithmetic: activations quantized to Q8_0 /
+    Q8_K for integer block dots) or False (the same kernels with the weights dequantized: L1)
+returns: {stage name: array} (refimpl/blocks.py's names and shapes, the caches excepted)
+
+Conventions and precision: blocks.c's header (fp32 storage, double arithmetic). Launchers raise
+ValueError naming the argument, shape, dtype or value that is wrong.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from kernel_parity.kernels.cpu.loader import check_status, load
+from kernel_parity.kernels.cpu.quant import FORMATS
+
+__all__ = ["WEIGHT_FORMATS", "attention_decode", "attention_prefill", "isa", "mlp", "outproj_mlp"]
+
+WEIGHT_FORMATS = ("f32", "q4_0", "q5_0", "q8_0", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+STYLES = {"half": 0, "interleaved": 1}
+_F32 = np.dtype(np.float32)
+_I64, _PTR, _F64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
+_INTS = ("t", "e", "ae", "hq", "hkv", "d", "ad", "cap", "start", "inter", "max_seq", "style", "gemma", "wo_heads",
+         "quant_acts", "wqkv_type", "wo_type", "w1_type", "w2_type")
+_ARRAYS = ("x", "gamma", "wq", "wk", "wv", "wo", "w1", "w2", "bq", "bk", "bv", "bo", "res", "k_cache", "v_cache",
+           "cos", "sin", "norm", "q", "k", "v", "q_rope", "k_rope", "attn", "out", "proj", "h1", "h", "act", "down")
+_lib: ctypes.CDLL | None = None
+
+
+class _Params(ctypes.Structure):
+    """blocks.c's blk_params, field for field."""
+    _fields_ = [*((n, _I64) for n in _INTS), ("eps", _F64), *((n, _PTR) for n in _ARRAYS)]
+
+
+def _kernels() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        lib = load("blocks")
+        for name in ("blocks_attention_decode", "blocks_attention_prefill", "blocks_mlp", "blocks_outproj_mlp"):
+            fn = getattr(lib, name)
+            fn.argtypes = [ctypes.POINTER(_Params)]
+            fn.restype = ctypes.c_int
+        lib.blocks_q8_path.argtypes = []
+        lib.kp_set_isa_cap.argtypes = [ctypes.c_int]
+        for fn in (lib.blocks_q8_path, lib.kp_set_isa_cap):
+            fn.restype = ctypes.c_int
+        _lib = lib
+    return _lib
+
+
+def isa(cap: int | None = None) -> int:
+    """The SIMD path of the Q8_0 dots: 2 AVX-512 VNNI, 1 AVX2, 0 scalar (the other stages are compiled for
+    the same paths by KP_MULTIVERSION). `cap` first lowers the highest allowed path (process-wide; for tests
+    that compare the paths: every path gives the same bits)."""
+    lib = _kernels()
+    if cap is not None:
+        lib.kp_set_isa_cap(int(cap))
+    return lib.blocks_q8_path()
+
+
+def _array(name: str, a: Any, shape: tuple[int, ...], dtype: np.dtype = _F32, writeable: bool = False) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise ValueError(f"{name} must be a numpy.ndarray of shape {shape}, got {type(a).__name__}")
+    if a.shape != tuple(shape) or a.dtype != dtype:
+        raise ValueError(f"{name} must have shape {tuple(shape)} and dtype {dtype}, got shape {a.shape} and dtype {a.dtype}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (strides {a.strides}); no copy is made")
+    if writeable and not a.flags.writeable:
+        raise ValueError(f"{name} must be writeable")
+    return a
+
+
+def _weight(name: str, w: Any, n: int, k: int) -> tuple[int, np.ndarray]:
+    """(ggml type id, array) of a (fmt, array) weight of N = n rows and K = k columns."""
+    if not isinstance(w, tuple) or len(w) != 2:
+        raise ValueError(f"{name} must be a (format, array) pair, got {type(w).__name__}")
+    fmt, a = w
+    if fmt == "f32":
+        return 0, _array(name, a, (n, k))
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"{name}: unsupported weight format {fmt!r}; supported: {', '.join(WEIGHT_FORMATS)}")
+    type_id, qk, nbytes = FORMATS[fmt]
+    if k % qk:
+        raise ValueError(f"{name}: {fmt} needs K = {k} to be a multiple of its block of {qk} elements")
+    return type_id, _array(name, a, (n, k // qk * nbytes), np.dtype(np.uint8))
+
+
+def _optional(name: str, a: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+    return None if a is None else _array(name, a, shape)
+
+
+def _outputs(out: dict[str, np.ndarray] | None, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    out = dict(out or {})
+    unknown = set(out) - set(shapes)
+    if unknown:
+        raise ValueError(f"out names unknown output(s) {', '.join(sorted(unknown))} (outputs: {', '.join(shapes)})")
+    for name, shape in shapes.items():
+        out[name] = _array(f"out[{name!r}]", out[name], shape, writeable=True) if name in out else \
+            np.empty(shape, dtype=np.float32)
+    return out
+
+
+def _norm_args(gamma: Any, eps: Any, n: Any, ae: int) -> float:
+    _array("gamma", gamma, (ae,))
+    if not isinstance(n, (int, np.integer)) or not 1 <= n <= ae:
+        raise ValueError(f"n (the real embed dim) must be an int in [1, aE = {ae}], got {n!r}")
+    eps = float(eps)
+    if not np.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    return eps
+
+
+def _run(entry: str, fields: dict[str, Any], arrays: dict[str, np.ndarray | None]) -> None:
+    p = _Params(**{k: int(v) for k, v in fields.items() if k != "eps"}, eps=float(fields.get("eps", 0.0)))
+    for name, a in arrays.items():
+        if a is not None:
+            setattr(p, name, a.ctypes.data)
+    status = getattr(_kernels(), entry)(ctypes.byref(p))
+    if status == 3:
+        raise ValueError(f"{entry}: a reduction length is not a whole number of its weight format's blocks")
+    check_status(status, entry)
+
+
+def _attention(entry: str, x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, *, n, h_q, h_kv, d,
+               bq, bk, bv, bo, residual, style, gemma, quantize_activations, out, decode: bool) -> dict[str, np.ndarray]:
+    if not isinstance(x, np.ndarray) or x.ndim != (1 if decode else 2):
+        raise ValueError(f"x must be a float32 array ({'aE' if decode else 'T, aE'}), got "
+                         f"{getattr(x, 'shape', type(x).__name__)}")
+    t, ae = (1, x.shape[0]) if decode else x.shape
+    _array("x", x, x.shape)
+    eps = _norm_args(gamma, eps, n, ae)
+    if not (isinstance(h_kv, int) and isinstance(h_q, int) and h_kv >= 1 and h_q >= 1 and h_q % h_kv == 0):
+        raise ValueError(f"h_q={h_q!r} must be a positive multiple of h_kv={h_kv!r}")
+    if not isinstance(k_cache, np.ndarray) or k_cache.ndim != 3 or k_cache.shape[0] != h_kv:
+        raise ValueError(f"k_cache must be (h_kv = {h_kv}, cap, a_d) float32, got {getattr(k_cache, 'shape', None)}")
+    cap, ad = k_cache.shape[1:]
+    _array("k_cache", k_cache, (h_kv, cap, ad), writeable=True)
+    _array("v_cache", v_cache, (h_kv, cap, ad), writeable=True)
+    if not isinstance(d, int) or d < 2 or d % 2 or d > ad:
+        raise ValueError(f"d={d!r} must be an even int in [2, a_d = {ad}] (the caches' last axis)")
+    if not isinstance(start, (int, np.integer)) or start < 0 or start + t > cap:
+        raise ValueError(f"{'pos' if decode else 'start'}={start!r}: the new tokens' slots must lie in [0, cap = {cap})")
+    if not isinstance(cos, np.ndarray) or cos.ndim != 2 or cos.shape[1] != d // 2:
+        raise ValueError(f"cos must be (max_seq, d / 2 = {d // 2}) float32, got {getattr(cos, 'shape', None)}")
+    max_seq = cos.shape[0]
+    _array("cos", cos, (max_seq, d // 2))
+    _array("sin", sin, (max_seq, d // 2))
+    if start + t > max_seq:
+        raise ValueError(f"positions up to {start + t - 1} need cos/sin rows, the tables have {max_seq}")
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {', '.join(STYLES)}, got {style!r}")
+    wqkv_types = {_weight(nm, w, rows, ae)[0] for nm, w, rows in (("wq", wq, h_q * ad), ("wk", wk, h_kv * ad),
+                                                                    ("wv", wv, h_kv * ad))}
+    if len(wqkv_types) != 1:
+        raise ValueError(f"wq, wk, wv must share one format, got {wq[0]}, {wk[0]}, {wv[0]}")
+    wo_type, _ = _weight("wo", wo, ae, h_q * ad)
+    if wo_type and ad % FORMATS[wo[0]][1]:
+        raise ValueError(f"wo={wo[0]} quantizes the attention output per head: a_d = {ad} must be a multiple of "
+                         f"{FORMATS[wo[0]][1]}")
+    lead = () if decode else (t,)
+    shapes = {"norm": (*lead, ae), "q": (*lead, h_q, ad), "k": (*lead, h_kv, ad), "v": (*lead, h_kv, ad),
+              "q_rope": (*lead, h_q, ad), "k_rope": (*lead, h_kv, ad), "attn": (*lead, h_q, ad), "out": (*lead, ae)}
+    res = _outputs(out, shapes)
+    fields = dict(t=t, e=n, ae=ae, hq=h_q, hkv=h_kv, d=d, ad=ad, cap=cap, start=int(start), max_seq=max_seq,
+                  style=STYLES[style], gemma=bool(gemma), quant_acts=bool(quantize_activations),
+                  wqkv_type=wqkv_types.pop(), wo_type=wo_type, eps=eps)
+    arrays = dict(x=x, gamma=gamma, wq=wq[1], wk=wk[1], wv=wv[1], wo=wo[1], k_cache=k_cache, v_cache=v_cache,
+                  cos=cos, sin=sin, bq=_optional("bq", bq, (h_q * ad,)), bk=_optional("bk", bk, (h_kv * ad,)),
+                  bv=_optional("bv", bv, (h_kv * ad,)), bo=_optional("bo", bo, (ae,)),
+                  res=_optional("residual", residual, x.shape), **res)
+    _run(entry, fields, arrays)
+    return res
+
+
+def attention_decode(x: np.ndarray, gamma: np.ndarray, eps: float, wq, wk, wv, wo, k_cache: np.ndarray,
+                     v_cache: np.ndarray, cos: np.ndarray, sin: np.ndarray, pos: int, *, n: int, h_q: int, h_kv: int,
+                     d: int, bq=None, bk=None, bv=None, bo=None, residual=None, style: str = "half",
+                     gemma: bool = False, quantize_activations: bool = True,
+                     out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """The fused decode block for one token x (aE,) at position pos (slots 0 .. pos attended)."""
+    return _attention("blocks_attention_decode", x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, pos,
+                      n=n, h_q=h_q, h_kv=h_kv, d=d, bq=bq, bk=bk, bv=bv, bo=bo, residual=residual, style=style,
+                      gemma=gemma, quantize_activations=quantize_activations, out=out, decode=True)
+
+
+def attention_prefill(x: np.ndarray, gamma: np.ndarray, eps: float, wq, wk, wv, wo, k_cache: np.ndarray,
+                      v_cache: np.ndarray, cos: np.ndarray, sin: np.ndarray, start: int, *, n: int, h_q: int,
+                      h_kv: int, d: int, bq=None, bk=None, bv=None, bo=None, residual=None, style: str = "half",
+                      gemma: bool = False, quantize_activations: bool = True,
+                      out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """The attention block over x (T, aE) at positions start .. start + T - 1, stage by stage."""
+    return _attention("blocks_attention_prefill", x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start,
+                      n=n, h_q=h_q, h_kv=h_kv, d=d, bq=bq, bk=bk, bv=bv, bo=bo, residual=residual, style=style,
+                      gemma=gemma, quantize_activations=quantize_activations, out=out, decode=False)
+
+
+def _mlp_fields(x: np.ndarray, gamma, eps, w1, w2, n, gemma, quantize_activations) -> tuple[dict, dict]:
+    t, ae = x.shape
+    eps = _norm_args(gamma, eps, n, ae)
+    if not isinstance(w1, tuple) or len(w1) != 2 or not isinstance(w1[1], np.ndarray) or w1[1].ndim != 2 \
+            or w1[1].shape[0] % 2:
+        raise ValueError(f"w1 must be a (format, array) pair of 2I rows (gate, then up), got "
+                         f"{getattr(w1[1], 'shape', None) if isinstance(w1, tuple) and len(w1) == 2 else type(w1).__name__}")
+    inter = w1[1].shape[0] // 2
+    w1_type, _ = _weight("w1", w1, 2 * inter, ae)
+    w2_type, _ = _weight("w2", w2, ae, inter)
+    fields = dict(t=t, e=n, ae=ae, inter=inter, gemma=bool(gemma), quant_acts=bool(quantize_activations),
+                  w1_type=w1_type, w2_type=w2_type, eps=eps)
+    return fields, dict(gamma=gamma, w1=w1[1], w2=w2[1])
+
+
+def mlp(x: np.ndarray, gamma: np.ndarray, eps: float, w1, w2, *, n: int, gemma: bool = False,
+        quantize_activations: bool = True, out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """x (T, aE) -> {"norm", "h" (T, 2I), "act" (T, I), "down", "out" = x + down}."""
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        raise ValueError(f"x must be a float32 array (T, aE), got {getattr(x, 'shape', type(x).__name__)}")
+    _array("x", x, x.shape)
+    fields, arrays = _mlp_fields(x, gamma, eps, w1, w2, n, gemma, quantize_activations)
+    t, ae, i = x.shape[0], x.shape[1], fields["inter"]
+    res = _outputs(out, {"norm": (t, ae), "h": (t, 2 * i), "act": (t, i), "down": (t, ae), "out": (t, ae)})
+    _run("blocks_mlp", fields, dict(x=x, **arrays, **res))
+    return res
+
+
+def outproj_mlp(attn: np.ndarray, residual: np.ndarray, wo, gamma: np.ndarray, eps: float, w1, w2, *, n: int,
+                bo: np.ndarray | None = None, gemma: bool = False, quantize_activations: bool = True,
+                out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """attn (T, h_q a_d), residual (T, aE) -> {"proj", "h1" = proj + residual, "norm", "h", "act", "down", "out"}."""
+    if not isinstance(residual, np.ndarray) or residual.ndim != 2:
+        raise ValueError(f"residual must be a float32 array (T, aE), got {getattr(residual, 'shape', None)}")
+    _array("residual", residual, residual.shape)
+    t, ae = residual.shape
+    if not isinstance(attn, np.ndarray) or attn.ndim != 2 or attn.shape[0] != t:
+        raise ValueError(f"attn must be a float32 array (T = {t}, h_q a_d), got {getattr(attn, 'shape', None)}")
+    _array("attn", attn, attn.shape)
+    k = attn.shape[1]
+    fields, arrays = _mlp_fields(residual, gamma, eps, w1, w2, n, gemma, quantize_activations)
+    if isinstance(wo, tuple) and len(wo) == 2 and wo[0] == "f32_heads":
+        a = wo[1]
+        if not isinstance(a, np.ndarray) or a.ndim != 3 or a.shape[1] != ae or a.shape[0] * a.shape[2] != k:
+            raise ValueError(f"wo ('f32_heads') must be (h_q, aE = {ae}, a_d) with h_q a_d = {k}, got "
+                             f"{getattr(a, 'shape', None)}")
+        _array("wo", a, a.shape)
+        hq, ad, wo_type, heads = a.shape[0], a.shape[2], 0, 1
+    else:
+        wo_type, _ = _weight("wo", wo, ae, k)
+        hq, ad, heads = 1, k, 0
+    i = fields["inter"]
+    res = _outputs(out, {"proj": (t, ae), "h1": (t, ae), "norm": (t, ae), "h": (t, 2 * i), "act": (t, i),
+                         "down": (t, ae), "out": (t, ae)})
+    fields.update(hq=hq, ad=ad, wo_type=wo_type, wo_heads=heads)
+    _run("blocks_outproj_mlp", fields, dict(x=attn, res=residual, wo=wo[1], bo=_optional("bo", bo, (ae,)),
+                                            **arrays, **res))
+    return res

@@ -1,0 +1,125 @@
+"""Eager fused transformer blocks in the activations' dtype, stage by stage (the `blocks` family's
+same-precision baseline).
+
+    norm -> q, k, v (+ bias) -> RoPE -> cache write -> attention -> W_o (+ bias) (+ residual)
+    norm -> gate/up -> silu(gate) * up -> down -> + x;   outproj: attn @ W_o (+ bias) + residual, then the MLP
+
+What a PyTorch model runs without fused kernels: every weight dequantized to the activations' dtype
+(kernels/torch/gemm.py), every stage a separate torch op rounding to that dtype, no activation
+quantization (this baseline is held to the `dequant`, L1, reference). Conventions as refimpl/blocks.py:
+aligned rows (RMSNorm over the n real lanes, padding lanes zero), aligned heads (a cached row's lanes
+[d, a_d) cleared, dot products over a_d, scale 1/sqrt(d)), head-major caches (h_kv, cap, a_d) written
+in place at start .. start + T - 1, bottom-right causal attention over history + chunk, GQA query head
+h reading kv head h // (h_q / h_kv), W_o flat (aE, h_q a_d) or per head (h_q, aE, a_d) ("f32_heads").
+A weight is a (format, tensor) pair: "f32" (N, K) floats or GGML blocks (N, K / block * nbytes) uint8.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernel_parity.kernels.torch import attention as tattn
+from kernel_parity.kernels.torch import gemm as tgemm
+
+Weight = tuple[str, torch.Tensor]
+
+
+def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float, n: int, gemma: bool) -> torch.Tensor:
+    """x (..., aE) -> y (..., aE): the mean of squares over lanes [0, n), padding lanes zero."""
+    real = x[..., :n]
+    rstd = torch.rsqrt(real.pow(2).mean(dim=-1, keepdim=True) + eps)
+    g = gamma[:n].to(x.dtype)
+    y = torch.zeros_like(x)
+    y[..., :n] = real * rstd * ((1.0 + g) if gemma else g)
+    return y
+
+
+def project(a: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a (M, K) @ W^T (+ bias) in a's dtype, the weight dequantized first."""
+    fmt, data = w
+    if fmt == "f32_heads":  # Wo[h][aE][a_d], summed over heads, the bias once
+        h, n, ad = data.shape
+        c = torch.einsum("thj,hnj->tn", a.view(a.shape[0], h, ad), data.to(a.dtype))
+        return c if bias is None else c + bias.to(a.dtype)
+    return tgemm.gemm_nt(a, fmt, {"w": data}, bias)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, d: int,
+         style: str) -> torch.Tensor:
+    """x (t, h, a_d): the first d lanes rotated at each token's position; the rest unchanged."""
+    c = cos[positions][:, None, :].to(x.dtype)  # t, 1, d/2
+    s = sin[positions][:, None, :].to(x.dtype)
+    out = x.clone()
+    if style == "interleaved":
+        a, b = x[..., 0:d:2], x[..., 1:d:2]
+        out[..., 0:d:2], out[..., 1:d:2] = a * c - b * s, a * s + b * c
+    elif style == "half":
+        a, b = x[..., : d // 2], x[..., d // 2: d]
+        out[..., : d // 2], out[..., d // 2: d] = a * c - b * s, a * s + b * c
+    else:
+        raise ValueError(f"unknown rope style {style!r} (interleaved, half)")
+    return out
+
+
+def write_cache(cache: torch.Tensor, rows: torch.Tensor, start: int, d: int) -> None:
+    """cache (h_kv, cap, a_d)[:, start + t] = rows (T, h_kv, a_d)[t] with lanes [d, a_d) cleared, in place."""
+    t = rows.shape[0]
+    cache[:, start:start + t, :d] = rows[..., :d].transpose(0, 1).to(cache.dtype)
+    cache[:, start:start + t, d:] = 0
+
+
+def attention_prefill(x: torch.Tensor, gamma: torch.Tensor, eps: float, wq: Weight, wk: Weight, wv: Weight,
+                      wo: Weight, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      start: int, *, n: int, h_q: int, h_kv: int, d: int, bq: torch.Tensor | None = None,
+                      bk: torch.Tensor | None = None, bv: torch.Tensor | None = None, bo: torch.Tensor | None = None,
+                      residual: torch.Tensor | None = None, style: str = "half",
+                      gemma: bool = False) -> dict[str, torch.Tensor]:
+    """x (T, aE) at positions start .. start + T - 1; the caches (h_kv, cap, a_d) are written in place.
+
+    returns {"norm", "q", "k", "v", "q_rope", "k_rope", "attn", "out"} (refimpl.blocks.attention_prefill's
+    shapes; the caches are the arguments themselves)."""
+    t = x.shape[0]
+    ad = k_cache.shape[-1]
+    nrm = rms_norm(x, gamma, eps, n, gemma)
+    q = project(nrm, wq, bq).view(t, h_q, ad)
+    k = project(nrm, wk, bk).view(t, h_kv, ad)
+    v = project(nrm, wv, bv).view(t, h_kv, ad)
+    pos = torch.arange(start, start + t, device=x.device)
+    q_rope, k_rope = rope(q, cos, sin, pos, d, style), rope(k, cos, sin, pos, d, style)
+    write_cache(k_cache, k_rope, start, d)
+    write_cache(v_cache, v, start, d)
+    live = start + t
+    o, _ = tattn.attention(q_rope[None], k_cache[:, :live].transpose(0, 1)[None], v_cache[:, :live].transpose(0, 1)[None],
+                           scale=1.0 / math.sqrt(d), causal="bottom_right")
+    attn = o[0]
+    out = project(attn.reshape(t, h_q * ad), wo, bo)
+    if residual is not None:
+        out = out + residual
+    return {"norm": nrm, "q": q, "k": k, "v": v, "q_rope": q_rope, "k_rope": k_rope, "attn": attn, "out": out}
+
+
+def attention_decode(x: torch.Tensor, *args, residual: torch.Tensor | None = None, **kw) -> dict[str, torch.Tensor]:
+    """One token x (aE,) at position `start` (the 12th positional argument): `attention_prefill` with T = 1."""
+    res = attention_prefill(x[None], *args, residual=None if residual is None else residual[None], **kw)
+    return {k: v[0] for k, v in res.items()}
+
+
+def mlp(x: torch.Tensor, gamma: torch.Tensor, eps: float, w1: Weight, w2: Weight, *, n: int,
+        gemma: bool = False) -> dict[str, torch.Tensor]:
+    """x (T, aE) -> {"norm", "h" (T, 2I), "act" (T, I), "down", "out" = x + down}; w1's gate half first."""
+    nrm = rms_norm(x, gamma, eps, n, gemma)
+    h = project(nrm, w1)
+    i = h.shape[-1] // 2
+    act = torch.nn.functional.silu(h[:, :i]) * h[:, i:]
+    down = project(act, w2)
+    return {"norm": nrm, "h": h, "act": act, "down": down, "out": x + down}
+
+
+def outproj_mlp(attn: torch.Tensor, residual: torch.Tensor, wo: Weight, gamma: torch.Tensor, eps: float, w1: Weight,
+                w2: Weight, *, n: int, bo: torch.Tensor | None = None, gemma: bool = False) -> dict[str, torch.Tensor]:
+    """attn (T, h_q a_d) -> {"proj", "h1" = proj + residual, then `mlp` on h1}."""
+    proj = project(attn, wo, bo)
+    h1 = proj + residual
+    return {"proj": proj, "h1": h1, **mlp(h1, gamma, eps, w1, w2, n=n, gemma=gemma)}

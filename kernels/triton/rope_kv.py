@@ -1,0 +1,132 @@
+"""TensorRT-LLM's RoPE-fused KV-cache write, in Triton (the helpers are rope.py's).
+
+    p = pos[b] + t:   cache_k[slot(b, p)] = RoPE(k_new[b, t], p)      cache_v[slot(b, p)] = v_new[b, t]
+    slot(b, p) = (b, p) contiguous, (block_table[b, p // page], p % page) paged
+
+Conventions (OPS.md, layers; golden refimpl/rope.py kv_update, refimpl/kvcache.py update): k is
+rotated over its whole head dim with half-split pairs ("interleaved as [2, D//2]" in TensorRT-LLM's
+words) from an fp16 table of (cos, sin) pairs [max_seq, d/2, 2] indexed by absolute position; v is
+copied as it is (no conversion); every other slot keeps its bits. fp32 rotation, one rounding.
+
+One program writes BLOCK_T tokens x BLOCK_H heads of one sequence, K then V: the table rows are
+read once as contiguous (cos, sin) pairs and shared by the heads; a multi-token write at an
+unaligned start follows the block table into the sequence's next page token by token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .rope import STYLES, SUPPORTED_DTYPES, _blocks, _copy_rows, _pair_angles, _rope_rows, _tables, _warps
+
+
+@triton.jit
+def _kv_rows(New_ptr, new_rows, Cache_ptr, cache_rows, m_rows, head_dim, offs_p, mask_p, cos, sin,
+             HALF: tl.constexpr, ROTATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+             BLOCK_P: tl.constexpr):
+    """New rows into their cache slots: rotated over the whole head (K) or copied as they are (V)."""
+    if ROTATE:
+        _rope_rows(New_ptr, new_rows, Cache_ptr, cache_rows, m_rows, 0, head_dim, offs_p, mask_p, cos, sin,
+                   HALF, BLOCK_T, BLOCK_H, BLOCK_P)
+    else:
+        _copy_rows(New_ptr, new_rows, Cache_ptr, cache_rows, m_rows, 0, head_dim, 2 * BLOCK_P)
+
+
+@triton.jit
+def _rope_kv_update_kernel(
+    KC_ptr, VC_ptr, KN_ptr, VN_ptr, Pos_ptr, Cos_ptr, Sin_ptr, BT_ptr, s_new, n_heads, head_dim, t_blocks,
+    stride_kc_blk, stride_kc_slot, stride_kc_h, stride_vc_blk, stride_vc_slot, stride_vc_h,
+    stride_kn_b, stride_kn_t, stride_kn_h, stride_vn_b, stride_vn_t, stride_vn_h,
+    stride_tab_row, stride_tab_col, stride_bt_b, stride_bt_p,
+    HALF: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, TABLE_PAIRS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = (pid // t_blocks).to(tl.int64)
+    offs_t = (pid % t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_t = offs_t < s_new
+    m_rows = mask_t[:, None] & (offs_h < n_heads)[None, :]
+    offs_p = tl.arange(0, BLOCK_P)
+    mask_p = offs_p < head_dim // 2
+    p = tl.load(Pos_ptr + b).to(tl.int64) + offs_t  # absolute positions of the new tokens
+    if PAGED:
+        blk = tl.load(BT_ptr + b * stride_bt_b + (p // PAGE) * stride_bt_p, mask=mask_t, other=0).to(tl.int64)
+        slot = p % PAGE
+    else:
+        blk = b
+        slot = p
+    cos, sin = _pair_angles(p, mask_t, offs_p, mask_p, Cos_ptr, Sin_ptr, stride_tab_row, stride_tab_col, 0.0, 0.0,
+                            False, False, TABLE_PAIRS)
+    t64 = offs_t.to(tl.int64)[:, None]
+    _kv_rows(KN_ptr, b * stride_kn_b + t64 * stride_kn_t + (offs_h * stride_kn_h)[None, :],
+             KC_ptr, (blk * stride_kc_blk + slot * stride_kc_slot)[:, None] + (offs_h * stride_kc_h)[None, :],
+             m_rows, head_dim, offs_p, mask_p, cos, sin, HALF, ROTATE=True,
+             BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_P=BLOCK_P)
+    _kv_rows(VN_ptr, b * stride_vn_b + t64 * stride_vn_t + (offs_h * stride_vn_h)[None, :],
+             VC_ptr, (blk * stride_vc_blk + slot * stride_vc_slot)[:, None] + (offs_h * stride_vc_h)[None, :],
+             m_rows, head_dim, offs_p, mask_p, cos, sin, HALF, ROTATE=False,
+             BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_P=BLOCK_P)
+
+
+def kv_update(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+              pos: torch.Tensor, table: torch.Tensor, *, block_table: torch.Tensor | None = None,
+              style: str = "half") -> None:
+    """TensorRT-LLM's RoPE-fused KV write, in place: k_new rotated at position pos[b] + t by
+    table's row, v_new copied, both appended after the first pos[b] tokens of sequence b.
+
+    k_cache, v_cache: (b, s_max, h_kv, d), or (num_blocks, page, h_kv, d) with block_table; last-dim
+                      stride 1, other strides any
+    k_new, v_new: (b, s_new, h_kv, d), the caches' dtype, last-dim stride 1
+    pos: (b,) int32, tokens already cached; table: (max_seq, d/2, 2) (cos, sin) pairs (fp16 in
+    TensorRT-LLM; fp32 and complex64 freqs_cis read too), rows indexed by absolute position
+    block_table: (b, max_blocks) int32 for the paged layout
+    The caller guarantees that the writes fit, that pos[b] + s_new <= max_seq, and that no two
+    sequences share a written page (not checked: that would sync the device).
+    """
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
+        if not isinstance(c, torch.Tensor) or c.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor, got "
+                             f"{tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__}")
+        if c.dtype not in SUPPORTED_DTYPES or c.dtype != k_cache.dtype:
+            raise ValueError(f"{name} dtype {c.dtype} must be k_cache's ({k_cache.dtype}), one of {SUPPORTED_DTYPES}")
+        if c.shape[-1] > 1 and c.stride(-1) != 1:
+            raise ValueError(f"{name} must have last-dim stride 1, got strides {tuple(c.stride())}")
+        if c.device != k_cache.device:
+            raise ValueError(f"{name} is on {c.device}, k_cache on {k_cache.device}")
+    b, s_new, h, d = k_new.shape
+    if tuple(v_new.shape) != (b, s_new, h, d):
+        raise ValueError(f"v_new {tuple(v_new.shape)} must match k_new {tuple(k_new.shape)}")
+    if tuple(k_cache.shape) != tuple(v_cache.shape) or tuple(k_cache.shape[2:]) != (h, d):
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be alike, "
+                         f"with (h_kv, d) = {(h, d)}")
+    if d % 2:
+        raise ValueError(f"head dim d={d} must be even (rotary pairs)")
+    if style not in STYLES:
+        raise ValueError(f"style={style!r} must be one of {STYLES}")
+    if not isinstance(pos, torch.Tensor) or tuple(pos.shape) != (b,) or pos.dtype != torch.int32 \
+            or pos.device != k_cache.device:
+        raise ValueError(f"pos must be a ({b},) int32 tensor on {k_cache.device}")
+    cos_v, sin_v, s_row, s_col, pairs = _tables(None, None, table, d // 2, k_cache.device)
+    paged = block_table is not None
+    if paged:
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != b \
+                or block_table.dtype != torch.int32 or block_table.device != k_cache.device:
+            raise ValueError(f"block_table must be a ({b}, max_blocks) int32 tensor on {k_cache.device}")
+    elif k_cache.shape[0] != b:
+        raise ValueError(f"k_cache batch {k_cache.shape[0]} != k_new batch {b} (contiguous layout)")
+    if b * s_new == 0 or h * d == 0:
+        return
+    block_p = triton.next_power_of_2(d // 2)
+    block_t, block_h = _blocks(s_new, h, 4 * block_p)  # K and V rows
+    t_blocks = triton.cdiv(s_new, block_t)
+    _rope_kv_update_kernel[(b * t_blocks, triton.cdiv(h, block_h))](
+        k_cache, v_cache, k_new, v_new, pos, cos_v, sin_v, block_table if paged else pos, s_new, h, d, t_blocks,
+        *k_cache.stride()[:3], *v_cache.stride()[:3], *k_new.stride()[:3], *v_new.stride()[:3], s_row, s_col,
+        *(block_table.stride() if paged else (0, 0)),
+        HALF=style == "half", PAGED=paged, PAGE=k_cache.shape[1] if paged else 1, TABLE_PAIRS=pairs,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_P=block_p, num_warps=_warps(block_t * block_h * 4 * block_p),
+    )

@@ -1,0 +1,224 @@
+"""Property tests of the fused transformer blocks: every kernel vs the reference it claims, and invariants.
+
+- each block (decode, prefill, MLP, outproj + MLP) on every backend vs its claimed reference (C: L2
+  emulated, Triton and torch: L1 dequant), stage by stage, the caches after the call included;
+- the decode block on the token at position p equals the prefill block's row for p, given the same cache
+  history (the prefill's own cache up to p): two kernels, one function;
+- the C blocks with the activation quantization switched off compute L1 (`dequant`): their only
+  departure from L1 is the activation quantization L2 names;
+- the block golden is the composition of the family goldens stage by stage: each stage recomputed from
+  the previous one by refimpl.norm / gemm / rope / kvcache / attention (chunked_prefill, another golden
+  than the one the block uses) / mlp equals the block golden's stage.
+Shapes stay small: the Triton compositions run through the interpreter on CI.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from kernel_parity.conformance import ops
+from kernel_parity.conformance.metrics import compare
+from kernel_parity.conformance.runner import Prepared
+from kernel_parity.conformance.tolerance import GOLDEN_SELF_CHECK
+from kernel_parity.conformance.dtypes import get as get_dtype
+from kernel_parity.property_tests import runs
+from kernel_parity.property_tests.strategies import cases
+from kernel_parity.refimpl import attention, blocks as ref, gemm, kvcache, mlp, norm, rope
+
+QUANT = ("q8_0", "q5_0", "q4_k", "q6_k")
+TRITON_FEW = settings(max_examples=4)  # the interpreter: each example is seconds
+
+
+def _attention_shape(p):
+    """Valid attention parameters from free draws: GQA groups 1..4, even d, a_d a multiple of 32 for a
+    quantized W_o, aE a multiple of 32 for quantized Q/K/V, the new tokens inside the cache."""
+    hq = p["hkv"] * (1 + p["hq"] % 4)
+    d = 2 * (1 + p["d"] % 20)
+    dpad = (-d) % 32 if p["wo"] != "f32" else p["dpad"] % 5
+    epad = (-p["e"]) % 32 if p["wqkv"] != "f32" else p["epad"] % 5
+    last = p["pos"] + 1 if "pos" in p else p["start"] + p["t"]
+    return {**p, "hq": hq, "d": d, "dpad": dpad, "epad": epad, "cap": last + p["cap"] % 3}
+
+
+ATTN = dict(e=(8, 100), hkv=(1, 3), hq=(0, 3), d=(0, 19), dpad=(0, 4), epad=(0, 4), cap=(0, 2), transform=_attention_shape)
+
+
+def _mlp_shape(p):
+    """K-quant rows in multiples of 256 (aE for W1, I for W2), 32-blocks in multiples of 32."""
+    block1 = 256 if p["w1"] in ("q4_k", "q6_k") else 32 if p["w1"] != "f32" else 1
+    block2 = 256 if p["w2"] in ("q4_k", "q6_k") else 32 if p["w2"] != "f32" else 1
+    out = {**p, "epad": (-p["e"]) % block1 if block1 > 1 else p["epad"] % 5,
+           "i": max(block2, p["i"] // block2 * block2) if block2 > 1 else p["i"]}
+    if "hq" in p:
+        out["dpad"] = (-p["d"]) % 32 if p["wo"] != "f32" else p["dpad"] % 5
+        out["wo_layout"] = p["wo_layout"] if p["wo"] == "f32" else "flat"
+    return out
+
+
+MLP = dict(t=(1, 4), e=(8, 260), i=(1, 260), epad=(0, 4), transform=_mlp_shape)
+
+
+@pytest.mark.parity_backends("cpu", "torch")
+@given(case=cases("blocks.attention_decode", pos=(0, 140), **ATTN))
+def test_attention_decode(parity, backend, case):
+    parity.check(case.with_backend(backend))
+
+
+@pytest.mark.parity_backends("cpu", "torch")
+@given(case=cases("blocks.attention_prefill", t=(1, 20), start=(0, 80), **ATTN))
+def test_attention_prefill(parity, backend, case):
+    parity.check(case.with_backend(backend))
+
+
+@pytest.mark.parity_backends("cpu", "torch")
+@given(case=cases("blocks.mlp", **MLP))
+def test_mlp(parity, backend, case):
+    parity.check(case.with_backend(backend))
+
+
+@pytest.mark.parity_backends("cpu", "torch")
+@given(case=cases("blocks.outproj_mlp", hq=(1, 4), d=(2, 40), dpad=(0, 4), **MLP))
+def test_outproj_mlp(parity, backend, case):
+    parity.check(case.with_backend(backend))
+
+
+TRITON_SMALL = dict(wqkv=["f32", "q8_0"], wo=["f32", "q8_0"], w1=["f32", "q8_0"], w2=["f32", "q8_0"])
+
+
+@pytest.mark.parity_backends("triton")
+@TRITON_FEW
+@given(case=cases("blocks.attention_decode", pos=(0, 70), **{**ATTN, "e": (8, 64)},
+                  **{k: v for k, v in TRITON_SMALL.items() if k in ("wqkv", "wo")}))
+def test_triton_attention_decode(parity, backend, case):
+    parity.check(case.with_backend(backend))
+
+
+@pytest.mark.parity_backends("triton")
+@TRITON_FEW
+@given(case=cases("blocks.attention_prefill", t=(1, 9), start=(0, 70), **{**ATTN, "e": (8, 64)},
+                  **{k: v for k, v in TRITON_SMALL.items() if k in ("wqkv", "wo")}))
+def test_triton_attention_prefill(parity, backend, case):
+    parity.check(case.with_backend(backend))
+
+
+@pytest.mark.parity_backends("triton")
+@TRITON_FEW
+@given(case=cases("blocks.mlp", **{**MLP, "e": (8, 64), "i": (1, 64)},
+                  **{k: v for k, v in TRITON_SMALL.items() if k in ("w1", "w2")}))
+def test_triton_mlp(parity, backend, case):
+    parity.check(case.with_backend(backend))
+
+
+# -- invariants ------------------------------------------------------------------------------------------
+LAST_TOKEN = dict(t=(1, 6), start=(0, 70), **{**ATTN, "e": (8, 64)})
+
+
+@pytest.mark.parity_backends("cpu", "torch")
+@settings(max_examples=10)
+@given(case=cases("blocks.attention_prefill", **LAST_TOKEN))
+def test_decode_of_the_last_token_equals_the_prefill_row(parity, backend, case):
+    """Decode at p = start + T - 1, over the prefill's own cache up to p (NaN from p on), gives the prefill's
+    last row: every stage, and the cache (the same row written at p)."""
+    _decode_the_last_token(parity, case.with_backend(backend))
+
+
+@pytest.mark.parity_backends("triton")
+@settings(max_examples=2)
+@given(case=cases("blocks.attention_prefill", **LAST_TOKEN, wqkv=["f32", "q8_0"], wo=["f32", "q8_0"]))
+def test_triton_decode_of_the_last_token_equals_the_prefill_row(parity, backend, case):
+    _decode_the_last_token(parity, case.with_backend(backend))
+
+
+def _decode_the_last_token(parity, case) -> None:
+    backend = case.backend
+    rec, a = parity.arrays(case)
+    assume(rec.verdict != "skip")
+    p, x, y = case.p, a["inputs"], a["outputs"]
+    last = p["start"] + p["t"] - 1
+    dp = {k: v for k, v in p.items() if k not in ("t", "start")}
+    dec = ops.make_case("blocks.attention_decode", backend, case.dtype, {**dp, "pos": last}, case.dist, case.seed)
+    inp = {k: (v[-1] if k in ("x", "r") else v) for k, v in x.items() if k not in ("k_cache", "v_cache")}
+    for name in ("k_cache", "v_cache"):
+        c = np.array(y[name], dtype=np.float32, copy=True)
+        c[:, last:] = np.nan
+        inp[name] = c
+    got = runs.run(dec, inp)
+    want = {k: (np.asarray(v)[-1] if k not in ("k_cache", "v_cache") else np.asarray(v)) for k, v in y.items()}
+    runs.assert_close(dec, got, want, f"the prefill's last token (position {last}) was decoded alone")
+
+
+@given(case=cases("blocks.attention_decode", pos=(0, 80), **{**ATTN, "e": (8, 64)}))
+def test_c_without_activation_quantization_is_l1(case):
+    """blocks.c with quantize_activations=False vs the dequant (L1) reference, within the op's limits."""
+    from kernel_parity.kernels.cpu import blocks as k
+
+    case = case.with_backend("cpu")
+    prep = Prepared(ops.get(case.op), case)
+    x = {n: np.array(v, copy=True) for n, v in prep.inputs.items()}
+    p = case.p
+    got = k.attention_decode(x["x"], x["gamma"], float(p["eps"]), (p["wqkv"], x["wq"]), (p["wqkv"], x["wk"]),
+                             (p["wqkv"], x["wv"]), (p["wo"], x["wo"]), x["k_cache"], x["v_cache"], x["cos"], x["sin"],
+                             p["pos"], n=p["e"], h_q=p["hq"], h_kv=p["hkv"], d=p["d"], bq=x.get("bq"),
+                             bk=x.get("bk"), bv=x.get("bv"), bo=x.get("bo"), residual=x.get("r"), style=p["style"],
+                             gemma=bool(p["gemma"]), quantize_activations=False)
+    got.update(k_cache=x["k_cache"], v_cache=x["v_cache"])
+    runs.assert_close(case, got, prep.references["dequant"], "the activations were not quantized (L1 arithmetic)")
+
+
+# -- the golden is the composition of the family goldens --------------------------------------------------
+def _close(name: str, got: np.ndarray, want: np.ndarray, case) -> None:
+    cmp = compare(np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64), get_dtype("fp64"),
+                  GOLDEN_SELF_CHECK)
+    assert cmp.anomaly_mismatch == 0 and cmp.elem_ratio <= 1.0, (
+        f"{case.op} stage {name} != its family golden applied to the previous stage: "
+        f"{cmp.anomaly_detail or cmp.metrics}\n  repro: parity repro {case.id}")
+
+
+@given(case=cases("blocks.attention_prefill", t=(1, 12), start=(0, 90), **ATTN, backend="cpu"),
+       reference=st.sampled_from(ref.REFERENCES))
+def test_attention_golden_is_the_composition_of_the_goldens(case, reference):
+    x, p = Prepared(ops.get(case.op), case).inputs64, case.p
+    g = Prepared(ops.get(case.op), case).references[reference]
+    t, ad, hq, hkv, d, s = p["t"], p["d"] + p["dpad"], p["hq"], p["hkv"], p["d"], p["start"]
+    proj = gemm.emulated_reference if reference == "emulated" else gemm.dequant_reference
+    _close("norm", norm.rms_norm(x["x"], x["gamma"], float(p["eps"]), n=p["e"], gemma=bool(p["gemma"]))["y"], g["norm"],
+           case)
+    for name, w, b, h in (("q", "wq", "bq", hq), ("k", "wk", "bk", hkv), ("v", "wv", "bv", hkv)):
+        _close(name, proj(g["norm"], p["wqkv"], {"w": x[w]}, x.get(b)).reshape(t, h, ad), g[name], case)
+    pos = s + np.arange(t)
+    for src, dst in (("q", "q_rope"), ("k", "k_rope")):
+        _close(dst, rope.rope(g[src], x["cos"], x["sin"], pos, style=p["style"], rot=d), g[dst], case)
+    for new, name in ((g["k_rope"], "k_cache"), (g["v"], "v_cache")):
+        rows = new.copy()
+        rows[..., d:] = 0.0
+        want = kvcache.update(x[name].transpose(1, 0, 2)[None], rows[None], np.array([s]))[0].transpose(1, 0, 2)
+        _close(name, want, g[name], case)
+    o, _, _ = attention.chunked_prefill(g["q_rope"], g["k_cache"].transpose(1, 0, 2)[None],
+                                        g["v_cache"].transpose(1, 0, 2)[None], np.array([0, t]), np.array([s]),
+                                        scale=1.0 / math.sqrt(d))
+    _close("attn", o, g["attn"], case)
+    out = proj(g["attn"].reshape(t, hq * ad), p["wo"], {"w": x["wo"]}, x.get("bo"))
+    _close("out", out + x["r"] if "r" in x else out, g["out"], case)
+
+
+@given(case=cases("blocks.outproj_mlp", hq=(1, 4), d=(2, 40), dpad=(0, 4), **MLP, backend="cpu"),
+       reference=st.sampled_from(ref.REFERENCES))
+def test_mlp_golden_is_the_composition_of_the_goldens(case, reference):
+    prep = Prepared(ops.get(case.op), case)
+    x, p, g = prep.inputs64, case.p, prep.references[reference]
+    proj = gemm.emulated_reference if reference == "emulated" else gemm.dequant_reference
+    if p["wo_layout"] == "head_major":  # Wo[h][aE][a_d] summed over heads: the flat product of its columns
+        wo = x["wo"].transpose(1, 0, 2).reshape(x["wo"].shape[1], -1)
+        _close("proj", gemm.gemm_nt(x["attn"], wo, x.get("bo")), g["proj"], case)
+    else:
+        _close("proj", proj(x["attn"], p["wo"], {"w": x["wo"]}, x.get("bo")), g["proj"], case)
+    _close("h1", g["proj"] + x["residual"], g["h1"], case)
+    _close("norm", norm.rms_norm(g["h1"], x["gamma"], float(p["eps"]), n=p["e"], gemma=bool(p["gemma"]))["y"],
+           g["norm"], case)
+    _close("h", proj(g["norm"], p["w1"], {"w": x["w1"]}), g["h"], case)
+    _close("act", mlp.swiglu(*mlp.split(g["h"])), g["act"], case)
+    _close("down", proj(g["act"], p["w2"], {"w": x["w2"]}), g["down"], case)
+    _close("out", g["h1"] + g["down"], g["out"], case)

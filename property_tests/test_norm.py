@@ -1,0 +1,137 @@
+"""Property tests of the normalisation family: every kernel vs the golden, and the ops' invariants.
+
+- RMSNorm is scale invariant: y(2^k x) = y(x) with eps tiny against mean(x^2) (2^k scales exactly in
+  every dtype; eps's small share is put back exactly), rstd scales by 2^-k and h by 2^k;
+- LayerNorm is shift invariant: y(x + 8) = y(x), mean moves by 8, rstd stays (rows on a grid that
+  x + 8 keeps exact);
+- the fused residual form on (x, r) is the plain form on x + r (a grid where the sum is exact),
+  and h = x + r bit for bit;
+- the padding lanes of every row output are exactly zero.
+Shapes stay small: the Triton kernels run through the interpreter on CI.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from kernel_parity.conformance import ops
+from kernel_parity.conformance import dtypes as dt
+from kernel_parity.conformance.backends import NotProvided
+from kernel_parity.property_tests import runs
+from kernel_parity.property_tests.strategies import cases
+
+BACKENDS = ("triton", "cpu", "torch")
+SMALL = dict(rows=(1, 40), n=(1, 600), pad=(0, 64), max_numel=8000)
+
+
+def _skip_unsupported(case):
+    """Skip the whole test when the backend cannot take the kind of case every draw of the test is
+    (a plugin without the fused residual): rejecting each draw would leave Hypothesis none."""
+    backend = runs.registry().get(case.backend)
+    why = backend.available() or backend.supports(case)
+    if why:
+        pytest.skip(why)
+
+
+def _grid(a: np.ndarray, n: int, step: float, bound: float, dtype: str, rng: np.random.Generator) -> np.ndarray:
+    """`a` (rows, aw) with its real lanes replaced by multiples of `step` in [-bound, bound] (exact in
+    every test dtype, and so is their sum or shift in the tests below); padding lanes stay zero."""
+    out = a.copy()
+    k = int(round(bound / step))
+    out[:, :n] = dt.round_to(rng.integers(-k, k + 1, (a.shape[0], n)) * step, dtype)
+    return out
+
+
+@pytest.mark.parity_backends(*BACKENDS)
+@given(case=cases("norm.rms_norm", **SMALL))
+def test_rms_norm(parity, backend, case):
+    parity.check(case.with_backend(backend))
+
+
+@pytest.mark.parity_backends(*BACKENDS)
+@given(case=cases("norm.layer_norm", **SMALL))
+def test_layer_norm(parity, backend, case):
+    parity.check(case.with_backend(backend))
+
+
+@pytest.mark.parity_backends(*BACKENDS)
+@given(case=cases("norm.rms_norm", eps=["1e-6"], dists=("normal",), **SMALL), k=st.integers(1, 6))
+def test_rms_norm_scale_invariance(backend, case, k):
+    """RMSNorm(2^k x) = RMSNorm(x) but for eps's share: eps = 1e-6 against mean(h^2) ~ 1 moves y by
+    ~5e-7 relative, which is put back exactly (y' = y sqrt((ms + eps) / (ms + eps 4^-k)) per row)
+    so that rows of small mean square (n = 1) compare as tightly as the rest."""
+    case = case.with_backend(backend)
+    inputs = runs.inputs_of(case)
+    scaled = {name: dt.round_to(a.astype(np.float64) * 2.0**k, case.dtype) if name in ("x", "r") else a
+              for name, a in inputs.items()}
+    a, b = runs.run(case, inputs), runs.run(case, scaled)
+    n, eps = case.p["n"], float(case.p["eps"])
+    h = inputs["x"].astype(np.float64)[:, :n] + (inputs["r"].astype(np.float64)[:, :n] if "r" in inputs else 0.0)
+    ms = np.mean(h * h, axis=1)
+    share = np.sqrt((ms + eps) / (ms + eps * 4.0**-k))  # rows
+    expect = {"y": a["y"].astype(np.float64) * share[:, None]}
+    if "rstd" in a and not isinstance(a["rstd"], NotProvided):
+        expect["rstd"] = a["rstd"].astype(np.float64) * share * 2.0**-k
+    if "h" in a:
+        expect["h"] = a["h"].astype(np.float64) * 2.0**k
+    runs.assert_close(case, b, expect, f"x{' and r' if 'r' in inputs else ''} were scaled by 2^{k}")
+
+
+@pytest.mark.parity_backends(*BACKENDS)
+@given(case=cases("norm.layer_norm", eps=["1e-6"], dists=("normal",), **SMALL), grid_seed=st.integers(0, 2**32 - 1))
+def test_layer_norm_shift_invariance(backend, case, grid_seed):
+    """LayerNorm(x + 8) = LayerNorm(x), on rows of multiples of 1/8 in [-4, 4] (x + 8 exact in bf16)."""
+    case = case.with_backend(backend)
+    inputs = runs.inputs_of(case)
+    n = case.p["n"]
+    x = _grid(inputs["x"].astype(np.float64), n, 0.125, 4.0, case.dtype, np.random.default_rng(grid_seed))
+    shifted = x.copy()
+    shifted[:, :n] += 8.0
+    base = dict(inputs, x=dt.round_to(x, case.dtype))
+    a, b = runs.run(case, base), runs.run(case, dict(inputs, x=dt.round_to(shifted, case.dtype)))
+    expect = {k: v.astype(np.float64) for k, v in a.items() if not isinstance(v, NotProvided)}
+    if "mean" in expect:
+        expect["mean"] = expect["mean"] + 8.0
+    runs.assert_close(case, b, expect, "every real lane was shifted by 8")
+
+
+@pytest.mark.parity_backends(*BACKENDS)
+@given(case=cases("norm.rms_norm", residual=[1], dists=("normal",), **SMALL), grid_seed=st.integers(0, 2**32 - 1))
+def test_rms_norm_residual_form_is_the_norm_of_the_sum(backend, case, grid_seed):
+    """rms_norm(x, residual=r) = rms_norm(x + r) with h = x + r exactly (x, r multiples of 1/16 in
+    [-4, 4]: their sum is exact in every dtype)."""
+    case = case.with_backend(backend)
+    _skip_unsupported(case)
+    inputs = runs.inputs_of(case)
+    n, rng = case.p["n"], np.random.default_rng(grid_seed)
+    x = _grid(inputs["x"].astype(np.float64), n, 1 / 16, 4.0, case.dtype, rng)
+    r = _grid(inputs["r"].astype(np.float64), n, 1 / 16, 4.0, case.dtype, rng)
+    fused = runs.run(case, dict(inputs, x=dt.round_to(x, case.dtype), r=dt.round_to(r, case.dtype)))
+    plain_case = ops.make_case(case.op, backend, case.dtype, {**case.p, "residual": 0}, case.dist, case.seed)
+    plain = runs.run(plain_case, {"x": dt.round_to(x + r, case.dtype), "w": inputs["w"]})
+    h = np.asarray(fused["h"]).astype(np.float64)
+    bad = np.flatnonzero(h != x + r)
+    assert bad.size == 0, (f"{backend} rms_norm h differs from x + r (exact here) at {bad.size} elements, "
+                           f"first flat index {bad[0] if bad.size else None}\n  repro: parity repro {case.id}")
+    runs.assert_close(case, {k: v for k, v in fused.items() if k != "h"},
+                      {k: v.astype(np.float64) for k, v in plain.items()},
+                      "the residual was added by the caller instead (plain form on x + r)")
+
+
+@pytest.mark.parity_backends(*BACKENDS)
+@given(case=st.one_of(cases("norm.rms_norm", rows=(1, 40), n=(1, 600), pad=(1, 64), max_numel=8000),
+                      cases("norm.layer_norm", rows=(1, 40), n=(1, 600), pad=(1, 64), max_numel=8000)))
+def test_padding_lanes_are_zero(parity, backend, case):
+    """Every padding lane of y (and h) is written as an exact zero, whatever the row holds."""
+    rec, arrays = parity.arrays(case.with_backend(backend))
+    assume(rec.verdict != "skip")  # a draw the backend cannot take (a plugin without the residual form)
+    n = case.p["n"]
+    for name in ("y", "h"):
+        got = arrays.get("outputs", {}).get(name)
+        if got is None or isinstance(got, NotProvided):
+            continue
+        pad = np.asarray(got)[:, n:].astype(np.float64)
+        bad = np.argwhere(pad != 0)
+        assert bad.size == 0, (f"{backend} {case.op} {name}: {len(bad)} padding lane(s) not zero, first at "
+                               f"[{bad[0][0]}, {n + bad[0][1]}] = {pad[tuple(bad[0])]:g}\n  repro: {rec.repro}")

@@ -1,0 +1,162 @@
+"""Self-tests of refimpl/rope.py against independent float64 constructions: Meta's complex multiply
+(interleaved pairs), HF's rotate_half (half pairs), Llama-3.1's apply_scaling written out scalar by
+scalar from the published formula, and kv_update against rope + kvcache.update."""
+
+import math
+
+import numpy as np
+import pytest
+
+from kernel_parity.refimpl import kvcache
+from kernel_parity.refimpl import rope as ref
+
+F64_REL = 1e-13  # the same products and sums in another order: a few ulps of the largest term
+
+
+def _close(got, want, what, rel=F64_REL):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    err = np.abs(got - want)
+    tol = rel * max(np.abs(want).max(initial=0), 1e-300)
+    where = np.unravel_index(err.argmax(), err.shape) if err.size else ()
+    assert err.max(initial=0) <= tol, f"{what}: max |d| = {err.max(initial=0):.3e} > {tol:.3e} at {where}"
+
+
+def _case(rng, t=6, h=3, d=32, rot=16, maxseq=50, theta=10000.0, scaling="none"):
+    x = rng.standard_normal((t, h, d))
+    pos = rng.integers(0, maxseq, t)
+    cos, sin = ref.tables(maxseq, rot, theta, scaling)
+    return x, pos, cos, sin
+
+
+def _angles(pos, rot, theta, scaling="none"):
+    """(t, rot/2) angles p w_i, the frequencies written out independently of inv_freq."""
+    w = np.array([theta ** (-(2.0 * i) / rot) for i in range(rot // 2)])
+    if scaling == "llama3":
+        w = np.array([_meta_apply_scaling(f) for f in w])
+    return np.asarray(pos, dtype=np.float64)[:, None] * w[None, :]
+
+
+def _meta_apply_scaling(freq, factor=8.0, low=1.0, high=4.0, orig=8192):
+    """Llama-3.1's apply_scaling for one frequency, as its published formula reads (scalar branches)."""
+    low_wavelen, high_wavelen = orig / low, orig / high
+    wavelen = 2 * math.pi / freq
+    if wavelen < high_wavelen:
+        return freq
+    if wavelen > low_wavelen:
+        return freq / factor
+    smooth = (orig / wavelen - low) / (high - low)
+    return (1 - smooth) * freq / factor + smooth * freq
+
+
+@pytest.mark.parametrize("at", ["first", "last"])
+@pytest.mark.parametrize("rot", [2, 16, 32])
+def test_interleaved_is_metas_complex_multiply(at, rot):
+    rng = np.random.default_rng(rot)
+    x, pos, cos, sin = _case(rng, rot=rot)
+    d = x.shape[-1]
+    lo = 0 if at == "first" else d - rot
+    part = x[..., lo:lo + rot]
+    xc = part[..., 0::2] + 1j * part[..., 1::2]  # t, h, rot/2
+    freqs_cis = np.exp(1j * _angles(pos, rot, 10000.0))[:, None, :]
+    rotated = xc * freqs_cis
+    want = x.copy()
+    want[..., lo:lo + rot] = np.stack([rotated.real, rotated.imag], axis=-1).reshape(part.shape)
+    _close(ref.rope(x, cos, sin, pos, style="interleaved", rot=rot, at=at), want, f"interleaved rot={rot} at={at}")
+
+
+@pytest.mark.parametrize("at", ["first", "last"])
+@pytest.mark.parametrize("rot", [2, 16, 32])
+def test_half_is_hfs_rotate_half(at, rot):
+    rng = np.random.default_rng(100 + rot)
+    x, pos, cos, sin = _case(rng, rot=rot)
+    d = x.shape[-1]
+    lo = 0 if at == "first" else d - rot
+    ang = _angles(pos, rot, 10000.0)
+    emb = np.concatenate([ang, ang], axis=-1)[:, None, :]  # HF: cat(freqs, freqs)
+    part = x[..., lo:lo + rot]
+    rotate_half = np.concatenate([-part[..., rot // 2:], part[..., : rot // 2]], axis=-1)
+    want = x.copy()
+    want[..., lo:lo + rot] = part * np.cos(emb) + rotate_half * np.sin(emb)
+    _close(ref.rope(x, cos, sin, pos, style="half", rot=rot, at=at), want, f"half rot={rot} at={at}")
+
+
+def test_the_two_styles_agree_on_one_pair():
+    """rot = 2: one pair, (x[0], x[1]) in both styles."""
+    rng = np.random.default_rng(7)
+    x, pos, cos, sin = _case(rng, d=5, rot=2)
+    a = ref.rope(x, cos, sin, pos, style="half", rot=2, at="last")
+    b = ref.rope(x, cos, sin, pos, style="interleaved", rot=2, at="last")
+    assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("theta", [10000.0, 500000.0, 1000000.0])
+@pytest.mark.parametrize("rot", [64, 128])
+def test_llama3_scaling_is_the_published_formula(theta, rot):
+    f = theta ** (-np.arange(0, rot, 2, dtype=np.float64) / rot)
+    want = np.array([_meta_apply_scaling(v) for v in f])
+    _close(ref.llama3_scaling(f), want, f"llama3_scaling theta={theta} rot={rot}", rel=0)
+    _close(ref.inv_freq(rot, theta, "llama3"), want, f"inv_freq llama3 theta={theta} rot={rot}")
+
+
+def test_llama3_scaling_bands_at_llama31_8b():
+    """Llama-3.1-8B (theta 500000, head dim 128): high frequencies kept, low ones / 8, a smooth band."""
+    f = ref.inv_freq(128, 500000.0)
+    g = ref.llama3_scaling(f)
+    wavelen = 2 * np.pi / f
+    keep, low = wavelen < 8192 / 4, wavelen > 8192 / 1
+    assert keep.any() and low.any() and (~keep & ~low).any()
+    assert np.array_equal(g[keep], f[keep]) and np.array_equal(g[low], f[low] / 8)
+    mid = ~keep & ~low
+    assert np.all((g[mid] < f[mid]) & (g[mid] > f[mid] / 8))
+
+
+def test_tables_are_cos_and_sin_of_position_times_frequency():
+    cos, sin = ref.tables(40, 32, 500000.0, "llama3")
+    ang = _angles(np.arange(40), 32, 500000.0, "llama3")
+    _close(cos, np.cos(ang), "cos table")
+    _close(sin, np.sin(ang), "sin table")
+    assert np.array_equal(cos[0], np.ones(16)) and np.array_equal(sin[0], np.zeros(16))
+
+
+def test_dims_outside_the_rotary_part_are_x_bit_for_bit():
+    rng = np.random.default_rng(3)
+    x, pos, cos, sin = _case(rng, d=40, rot=16)
+    for at, outside in (("first", np.s_[..., 16:]), ("last", np.s_[..., :24])):
+        for style in ref.STYLES:
+            y = ref.rope(x, cos, sin, pos, style=style, rot=16, at=at)
+            assert np.array_equal(y[outside].view(np.uint64), x[outside].view(np.uint64)), (style, at)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_kv_update_is_rope_then_kvcache_update(layout):
+    rng = np.random.default_rng(11)
+    b, s_new, h, d, smax, page = 3, 5, 2, 16, 24, 8
+    k_new, v_new = rng.standard_normal((2, b, s_new, h, d))
+    pos = rng.integers(0, smax - s_new + 1, b)
+    cos, sin = ref.tables(smax, d, 10000.0)
+    if layout == "paged":
+        table = rng.permutation(b * smax // page + 2)[: b * smax // page].reshape(b, smax // page)
+        k_cache, v_cache = rng.standard_normal((2, b * smax // page + 2, page, h, d))
+    else:
+        table = None
+        k_cache, v_cache = rng.standard_normal((2, b, smax, h, d))
+    kc, vc = ref.kv_update(k_cache, v_cache, k_new, v_new, pos, cos, sin, block_table=table)
+    # k at position pos[b] + t, one sequence and one token at a time
+    k_rot = np.stack([ref.rope(k_new[i], cos, sin, pos[i] + np.arange(s_new), style="half") for i in range(b)])
+    assert np.array_equal(kc, kvcache.update(k_cache, k_rot, pos, block_table=table))
+    assert np.array_equal(vc, kvcache.update(v_cache, v_new, pos, block_table=table))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(rot=3), "even"), (dict(rot=66), "d=64"), (dict(at="middle"), "first, last"),
+    (dict(style="neox"), "interleaved, half"),
+])
+def test_bad_arguments_raise(bad, match):
+    rng = np.random.default_rng(0)
+    x, pos, cos, sin = _case(rng, d=64, rot=32)
+    kw = dict(style="half", rot=32, at="first") | bad
+    with pytest.raises(ValueError, match=match):
+        ref.rope(x, cos, sin, pos, **kw)
+    with pytest.raises(ValueError, match="llama3"):
+        ref.inv_freq(32, 10000.0, "yarn")
