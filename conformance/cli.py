@@ -3,7 +3,9 @@
     parity list [ops|backends|suites|cases]      what exists (cases: after filters)
     parity run      run a suite (filters; --json/--html/--junit/--md; --jobs; progress bar;
                     --resume FILE continues a killed run)
-    parity gate     run + baseline diff; exit 1 on any failure or regression
+    parity gate     run + baseline diff; exit 1 on any failure or regression (--bench: and slowdowns)
+    parity bench    run and time the kernels: time, GB/s or TFLOP/s, the share of the device's ceiling
+                    measured in the same run, and the ratio to every peer backend, in the records
     parity sweep    fresh seeds over a suite's cases: failures, flaky verdicts, worst norm_err
     parity repro ID replay one case bit for bit: metrics, worst elements, verdict (--export DIR)
     parity report   render results JSON to --html/--junit/--md
@@ -14,6 +16,8 @@
     parity calibrate  measure error quantiles over seeds and print the limits they suggest
     parity coverage what each backend covers: per op, the parameter values, dtypes and
                     distributions that run, and those it skips with the reasons
+    parity shrink   the smallest shape of a failing case that fails the same way (Hypothesis)
+    parity bisect   the first commit where a case starts failing, or its error grows past a factor
 
 Exit codes: 0 pass, 1 parity failure or regression, 2 usage or input error (one line).
 
@@ -155,6 +159,16 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                    help="run cases in this process (debugging only: a kernel that exits or crashes ends the run)")
     p.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds per case before it is killed as a timeout (default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--executor", choices=["local", "ray"], default="local",
+                   help="where case groups run: this host's worker processes (default) or a Ray cluster "
+                        "(--address)")
+    p.add_argument("--address", metavar="ADDR", default=None,
+                   help="with --executor ray: host:port or ray://host:port of a cluster, 'local' (a new local "
+                        "cluster for this run) or 'auto' (default: RAY_ADDRESS or a cluster started here, else a new "
+                        "local one)")
+    p.add_argument("--devices", metavar="all|I,J", default=None,
+                   help="one worker per GPU of this host (CUDA_VISIBLE_DEVICES per worker; --jobs N: N per GPU), "
+                        "without Ray; exit 2 on a machine without a GPU")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-recheck", action="store_true", help="do not re-run borderline cases on fresh seeds")
     p.add_argument("--no-diagnose", action="store_true", help="do not re-run failed cases' goldens under alternative semantics")
@@ -202,10 +216,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="FILE",
                    help="continue the run whose --json results file this is (its selection, the missing cases)")
     _input(p, "resume", "resumed results file")
+    p = sub.add_parser("bench", help="run and time the selected cases' kernels (records gain perf)")
+    _add_run_args(p)
+    p.set_defaults(bench=True)
+
     p = sub.add_parser("gate", help="run, diff against a baseline, exit 1 on failure")
     _add_run_args(p)
+    p.add_argument("--bench", action="store_true",
+                   help="also time each case (as parity bench), so a --baseline with times can flag slowdowns")
+    p.add_argument("--slowdown", type=positive_float, default=1.3,
+                   help="with --bench and a baseline of the same device: a case this many times slower fails "
+                        "(default 1.3)")
     p.add_argument("--baseline", metavar="JSON", help="results of a previous run to diff against")
     p.add_argument("--growth", type=positive_float, default=4.0, help="flag errors that grew by more than this factor")
+    p.add_argument("--changed-since", metavar="REF", default=None,
+                   help="run the op families the files changed since git REF touch thoroughly (the suite's "
+                        "cases at extra fresh seeds) and the others quickly (smoke); prints what and why")
+    p.add_argument("--thorough-seeds", type=nonneg_int, default=2,
+                   help="fresh seeds per case of a thorough family with --changed-since (default 2)")
     _input(p, "baseline", "--baseline file")
 
     p = sub.add_parser("sweep", help="fresh seeds over a suite's cases: false alarms and flaky verdicts")
@@ -237,8 +265,28 @@ def build_parser() -> argparse.ArgumentParser:
                            "into this directory", OUTPUT_DIR, "DIR")
     _output(p, "--json", "write the one-record results document")
 
-    p = sub.add_parser("report", help="render a results file (exit 1 if it does not pass the gate)")
-    p.add_argument("results")
+    p = sub.add_parser("bisect", help="the first commit where a case starts failing (or its error grows)")
+    p.add_argument("case_id")
+    p.add_argument("--good", required=True, metavar="REF", help="a commit where the case passes")
+    p.add_argument("--bad", required=True, metavar="REF", help="a later commit where it fails")
+    p.add_argument("--growth", type=positive_float, default=None,
+                   help="bad means norm_err above this factor x its value at --good (not only failing)")
+    _list_flag(p, "--backend", "module:object for a third-party backend (imported from each commit's tree)")
+
+    p = sub.add_parser("shrink", help="the smallest shape of a failing case that fails the same way")
+    p.add_argument("case_id", nargs="?", default=None)
+    p.add_argument("--results", metavar="FILE", default=None, help="shrink the failing cases of this results file")
+    _list_flag(p, "--backend", "module:object for a third-party backend")
+    p.add_argument("--max-examples", type=positive_int, default=100,
+                   help="shapes Hypothesis draws before it shrinks (default 100)")
+    p.add_argument("--limit", type=positive_int, default=20, help="with --results: at most this many failing cases")
+    _output(p, "--json", "write the records (each original with its `shrunk` note, then the shrunk case)")
+    _input(p, "results", "results file")
+
+    p = sub.add_parser("report", help="render a results file, or several runs side by side (exit 1 if one does not "
+                                      "pass the gate)")
+    p.add_argument("results", nargs="+", help="a results file; several (runs on different devices): one --html page "
+                                              "with a column per device")
     p.add_argument("--mutants", metavar="JSON", help="a `parity mutants --json` file: its kill table joins the HTML")
     _output(p, "--html", "write the HTML report")
     _output(p, "--junit", "write JUnit XML")
@@ -286,11 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
 # subcommand -> (module, function(args, command line) -> exit code); imported only when run, and no
 # module below imports this one: the CLI sits on top of the framework, never inside a cycle.
 COMMANDS = {
-    "run": ("commands", "cmd_run"), "gate": ("commands", "cmd_gate"), "report": ("commands", "cmd_report"),
+    "run": ("commands", "cmd_run"), "gate": ("commands", "cmd_gate"), "bench": ("commands", "cmd_run"), "report": ("commands", "cmd_report"),
     "diff": ("commands", "cmd_diff"), "merge": ("commands", "cmd_merge"), "config": ("commands", "cmd_config"),
     "sweep": ("sweep", "sweep"), "list": ("listing", "list_things"), "repro": ("repro", "repro"),
     "calibrate": ("calibrate", "calibrate"), "mutants": ("mutants.run", "main"),
-    "coverage": ("listing", "coverage"),
+    "coverage": ("listing", "coverage"), "shrink": ("shrink", "shrink"), "bisect": ("bisect", "bisect"),
 }
 
 

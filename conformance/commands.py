@@ -249,8 +249,14 @@ class Run:
         bar = progress(len(todo), disable=args.no_progress)
         fresh: list[CaseResult] = []
 
+        ceilings = self.header.get("ceilings") or {}
+
         def on_result(rec: CaseResult) -> None:
             known.apply_one(rec, session.entries)
+            if rec.perf and "ms" in rec.perf and rec.perf.get("on") in ceilings:
+                from kernel_parity.conformance import bench
+
+                rec.perf = bench.classify(rec.perf, bench.Ceilings(**ceilings[rec.perf["on"]]))
             fresh.append(rec)
             if self.stream is not None and self.stream_error is None:
                 try:
@@ -263,15 +269,17 @@ class Run:
 
         diagnose = not getattr(args, "no_diagnose", False)
         try:
+            bench = bool(getattr(args, "bench", False))
             if getattr(args, "no_isolate", False):
-                session.runner(recheck=not args.no_recheck, diagnose=diagnose).run(todo, on_result=on_result)
+                session.runner(recheck=not args.no_recheck, diagnose=diagnose, bench=bench).run(todo, on_result=on_result)
             else:
-                from kernel_parity.conformance.parallel import run_isolated
+                from kernel_parity.conformance import executors
 
                 origins = {b.name: b.origin for b in session.registry.loaded() if b.origin}
-                run_isolated(todo, jobs=args.jobs, extra_backends=session.registry.extra_specs(),
-                             recheck=not args.no_recheck, timeout=args.timeout, on_result=on_result,
-                             origins=origins, diagnose=diagnose, setup=self.setup, overrides=session.overrides)
+                executors.run(args, todo, jobs=args.jobs, extra_backends=session.registry.extra_specs(),
+                              recheck=not args.no_recheck, timeout=args.timeout, on_result=on_result,
+                              origins=origins, diagnose=diagnose, setup=self.setup, overrides=session.overrides,
+                              bench=bench)
         finally:
             bar.close()
         by_id = {r.id: r for r in self.done + fresh}
@@ -292,7 +300,19 @@ class Run:
                 self.stream_error = f"{e.strerror or e} at the completion record"
         header = {**self.header, "elapsed_s": complete["elapsed_s"], "known_failures": complete["known_failures"],
                   "backends": complete["backends"]}
-        return {"schema": records.SCHEMA, "header": header, "results": [r.to_json() for r in results],
+        as_json = [r.to_json() for r in results]
+        if ceilings:  # a bench: every record's peers, then the file once more with them
+            from kernel_parity.conformance import bench
+
+            bench.add_peers(as_json)
+            for r, j in zip(results, as_json):
+                r.perf = j.get("perf")
+            if self.stream is not None and self.stream_error is None and getattr(args, "json", None):
+                try:
+                    records.write(args.json, self.header, as_json, complete)
+                except OSError as e:
+                    self.stream_error = f"{e.strerror or e} when the peers' ratios were added"
+        return {"schema": records.SCHEMA, "header": header, "results": as_json,
                 "complete": complete, "case_results": results}
 
 
@@ -312,6 +332,9 @@ def warm_caches(cases: list[Case], jobs: int) -> None:
 def prepare(args: Any, command: str, cases: list[Case] | None = None, extra_inputs: dict[str, str | None] | None = None,
             header_extra: dict | None = None) -> Run:
     """Everything before the first case: session, cases, output checks, header, the stream."""
+    from kernel_parity.conformance import executors
+
+    executors.choose(args)  # --executor / --address / --devices: exit 2 before anything is written
     if getattr(args, "resume", None):
         return _prepare_resume(args, command)
     session = open_session(args.backend, args.known_failures)
@@ -323,6 +346,8 @@ def prepare(args: Any, command: str, cases: list[Case] | None = None, extra_inpu
     check_output_paths(args, **{"known-failures file": session.known_file, **suite_files, **(extra_inputs or {})})
     if left.count and not getattr(args, "quiet", False):
         print(f"parity: {left.line()}", file=sys.stderr)
+    if getattr(args, "bench", False):
+        header_extra = {**(header_extra or {}), "ceilings": _ceilings(cases, session, args)}
     header = env.header(command, sel.label)
     header.update(planned=len(cases), planned_digest=digest(cases), selection=sel.to_json(),
                   plan=plan_summary(cases), left_out=left.to_json() if left.count else None,
@@ -330,6 +355,24 @@ def prepare(args: Any, command: str, cases: list[Case] | None = None, extra_inpu
                   config=_shown_path(session.config.path), **(header_extra or {}))
     stream = open_stream(args.json, header) if args.json else None
     return Run(args, command, session, cases, header, stream)
+
+
+def _ceilings(cases: list[Case], session: Session, args: Any) -> dict:
+    """The copy, read and matmul rates of every device the cases run on, measured now (a bench)."""
+    from kernel_parity.conformance import bench
+
+    if args.jobs != 1:
+        print(f"parity: a bench times one case at a time: --jobs {args.jobs} -> 1", file=sys.stderr)
+        args.jobs = 1
+    devices = sorted({str(getattr(session.registry.get(c.backend), "device", "cpu")) for c in cases})
+    out = {}
+    for dev in devices:
+        c = bench.measure_ceilings(dev)
+        out[dev] = c.to_json()
+        if not args.quiet:
+            print(f"parity: ceilings on {c.device}: copy {c.copy_gbps:.1f} GB/s, read {c.read_gbps:.1f} GB/s, "
+                  f"{c.matmul_dtype} matmul {c.matmul_tflops:.3g} TFLOP/s", file=sys.stderr)
+    return out
 
 
 def open_stream(path: str, header: dict) -> records.Stream:
@@ -363,6 +406,8 @@ def _prepare_resume(args: Any, command: str) -> Run:
     if doc["complete"] is not None:
         raise UsageError(f"results file {path!r} is complete: nothing to resume")
     header = doc["header"]
+    if header.get("changed_since"):
+        raise UsageError(f"results file {path!r} is a gate --changed-since run: run the gate again")
     sel = Selection.from_json(header.get("selection"), f"results file {path!r}")
     session = open_session(list(sel.backends), args.known_failures)
     cases = select_cases(sel, session)
@@ -467,13 +512,19 @@ def cmd_gate(args: Any, command: str) -> int:
         status = records.status_line(old)
         if status:
             raise UsageError(f"--baseline {baseline!r} is {status}: finish it with parity run --resume")
-    run = prepare(args, command, extra_inputs={"--baseline file": baseline})
+    cases, extra = (None, None)
+    if getattr(args, "changed_since", None):
+        cases, extra = changed_cases(args)
+    run = prepare(args, command, cases=cases, extra_inputs={"--baseline file": baseline},
+                  header_extra={"changed_since": extra} if extra else None)
     doc = run.execute()
     diff = None
     if old is not None:
         from kernel_parity.reports.diff import compare
 
-        diff = compare(old, doc, growth=args.growth)
+        diff = compare(old, doc, growth=args.growth, slowdown=args.slowdown if getattr(args, "bench", False) else None)
+        if getattr(args, "bench", False) and not any(isinstance(r.get("perf"), dict) for r in old["results"]):
+            diff.perf_note = f"times not compared: the baseline {baseline!r} holds no times (take it with --bench)"
         doc["header"]["baseline"] = {"path": baseline, "git_commit": old["header"].get("git_commit")}
     write_outputs(args, doc, diff)
     ok = print_summary(doc, args.quiet)
@@ -482,6 +533,64 @@ def cmd_gate(args: Any, command: str) -> int:
         ok = ok and not diff.failed
     run.check_stream()
     return EXIT_OK if ok else EXIT_FAIL
+
+
+THOROUGH_STRIDE = 7_000_003  # fresh seed k of a thorough case with seed s is s + k * THOROUGH_STRIDE
+
+
+def changed_cases(args: Any) -> tuple[list[Case], dict]:
+    """`gate --changed-since REF`: the families the change touches run thorough (the selected suites'
+    cases, each also at `--thorough-seeds` fresh seeds), the others quick (the smoke suite); prints what
+    it selected and why. Returns (cases, the header's record of the selection)."""
+    from kernel_parity.conformance import changes, ops
+
+    session = open_session(args.backend, args.known_failures)
+    sel = Selection.from_args(args, session)
+    files = changes.git_changed(args.changed_since)
+    stems = sorted({s.stem for s in ops.all_specs().values()})
+    picked = changes.select(files, stems, changes.plugin_sources(session.registry))
+    thorough = stems if picked.everything else sorted(picked.families)
+    quick = [s for s in stems if s not in thorough]
+    print(f"parity: changed since {args.changed_since}: {len(files)} files")
+    if picked.everything:
+        print(f"parity: every family runs thorough: {picked.everything}")
+    else:
+        for stem in thorough:
+            reasons = picked.families[stem]
+            more = f"; and {len(reasons) - 3} more" if len(reasons) > 3 else ""
+            print(f"parity: {stem}: thorough ({'; '.join(reasons[:3])}{more})")
+    if quick:
+        print(f"parity: quick (the smoke suite): {', '.join(quick)}")
+    cases: list[Case] = []
+    if thorough:
+        base = [c for c in _cases_or_none(dataclasses_replace(sel, ops=sel.ops or tuple(f"{s}.*" for s in thorough)),
+                                          session) if c.op.split(".", 1)[0] in thorough]
+        cases += base
+        cases += [c.with_seed(c.seed + k * THOROUGH_STRIDE) for k in range(1, args.thorough_seeds + 1) for c in base]
+    if quick:
+        smoke = dataclasses_replace(sel, suites=("smoke",), ops=sel.ops or tuple(f"{s}.*" for s in quick))
+        cases += [c for c in _cases_or_none(smoke, session) if c.op.split(".", 1)[0] in quick]
+    cases = list(dict.fromkeys(cases))
+    if not cases:
+        raise UsageError(f"--changed-since {args.changed_since!r}: the change selects no case to run")
+    record = {"ref": args.changed_since, "files": files, "thorough": thorough, "quick": quick,
+              "everything": picked.everything, "thorough_seeds": args.thorough_seeds,
+              "why": {k: v for k, v in picked.families.items()}}
+    return cases, record
+
+
+def _cases_or_none(sel: Selection, session: Session) -> list[Case]:
+    """The selection's cases, or none when it selects nothing (select_cases raises then)."""
+    try:
+        return select_cases(sel, session)
+    except UsageError:
+        return []
+
+
+def dataclasses_replace(obj: Any, **kw: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)
 
 
 def cmd_config(args: Any, command: str) -> int:
@@ -494,14 +603,43 @@ def cmd_config(args: Any, command: str) -> int:
 def cmd_report(args: Any, command: str) -> int:
     if not (args.html or args.junit or args.md):
         raise UsageError("report needs at least one of --html, --junit, --md")
-    check_output_paths(args, **{"results file": args.results, "mutants file": args.mutants})
-    doc = load_input(args.results, "report")
+    paths = list(args.results)
+    check_output_paths(args, **{f"results file {p}": p for p in paths}, **{"mutants file": args.mutants})
+    if len(paths) > 1:
+        return _report_devices(args, paths)
+    doc = load_input(paths[0], "report")
     mutants = _load_mutants(args.mutants) if args.mutants else None
     write_outputs(args, doc, mutants=mutants)
     status = records.status_line(doc)
     if status:
-        print(f"parity: {args.results}: {status}", file=sys.stderr)
+        print(f"parity: {paths[0]}: {status}", file=sys.stderr)
     return EXIT_OK if records.doc_passed(doc) else EXIT_FAIL
+
+
+def _report_devices(args: Any, paths: list[str]) -> int:
+    """`parity report a.jsonl b.jsonl ... --html m.html`: the runs side by side, a column per device;
+    exit 1 unless every run passes its own gate."""
+    from kernel_parity.reports import html
+
+    for flag in ("junit", "md", "mutants"):
+        if getattr(args, flag, None):
+            raise UsageError(f"--{flag} takes one results file; with several (a device matrix) only --html")
+    seen: dict[str, str] = {}
+    for p in paths:
+        real = os.path.realpath(p)
+        if real in seen:
+            raise UsageError(f"results file {p!r} is given twice (as {seen[real]!r})")
+        seen[real] = p
+    runs = [(p, load_input(p, "report")) for p in paths]
+    try:
+        html.write_devices(args.html, runs)
+    except OSError as e:
+        raise UsageError(f"--html {args.html!r} could not be written ({e.strerror or e})") from None
+    for p, doc in runs:
+        status = records.status_line(doc)
+        if status:
+            print(f"parity: {p}: {status}", file=sys.stderr)
+    return EXIT_OK if all(records.doc_passed(doc) for _, doc in runs) else EXIT_FAIL
 
 
 def cmd_merge(args: Any, command: str) -> int:

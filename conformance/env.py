@@ -68,9 +68,14 @@ def _gpu() -> tuple[str | None, str | None]:
     return name, driver
 
 
+def cpu_name() -> str:
+    """The CPU as results files name it: model and core count."""
+    return f"{_cpu_name()} ({_cpu_count()} cores)"
+
+
 def header(command: str | None = None, suite: str | None = None) -> dict:
     gpu, driver = _gpu()
-    cpu = f"{_cpu_name()} ({_cpu_count()} cores)"
+    cpu = cpu_name()
     return {
         "package_version": __version__,
         "git_commit": _git_commit(),

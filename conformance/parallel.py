@@ -122,7 +122,7 @@ def run_isolated(cases: list[Case], *, jobs: int, extra_backends: list[str], rec
                  timeout: float | None = None, on_result: Callable[[CaseResult], None] | None = None,
                  origins: dict[str, str] | None = None, diagnose: bool = True,
                  setup: tuple | None = None, stop: Callable[[], bool] | None = None,
-                 overrides: dict[str, tuple] | None = None) -> list[CaseResult]:
+                 overrides: dict[str, tuple] | None = None, bench: bool = False) -> list[CaseResult]:
     """Evaluate `cases` in `jobs` worker processes; `setup` = (module, function, *args) runs first
     in every worker (before any kernel is imported). When `stop()` turns true (checked after each
     record) the run ends early: the workers are killed and the records so far returned."""
@@ -131,7 +131,7 @@ def run_isolated(cases: list[Case], *, jobs: int, extra_backends: list[str], rec
     results: dict[str, CaseResult] = {}
     origins = origins or {}
     threads = max(1, _cores() // jobs) if jobs > 1 else 0
-    options = {"recheck": recheck, "diagnose": diagnose, "overrides": overrides or {}}
+    options = {"recheck": recheck, "diagnose": diagnose, "overrides": overrides or {}, "bench": bench}
     workers = [_Worker(ctx, extra_backends, options, threads, setup) for _ in range(min(jobs, len(pending)) or 1)]
     idle = list(workers)
 

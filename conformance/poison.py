@@ -169,3 +169,18 @@ def tensor_to_numpy(t: Any, d: dt.DType | None = None) -> np.ndarray:
         ints = {1: torch.uint8, 2: torch.int16}[d.np.itemsize]
         return t.view(ints).cpu().numpy().view(d.np)
     return t.cpu().numpy()
+
+
+class BenchRequest(OutputRequest):
+    """An OutputRequest for timing: each output buffer is made (and poisoned) once, then handed back
+    as it is on every later call, so repeated calls time the kernel and not the allocation."""
+
+    def numpy(self, name: str) -> np.ndarray:
+        if name not in self.buffers:
+            super().numpy(name)
+        return self.buffers[name].view
+
+    def torch(self, name: str, device: Any) -> Any:
+        if name not in self.buffers:
+            super().torch(name, device)
+        return self.buffers[name].view

@@ -15,7 +15,7 @@ passes). FAILING verdicts fail the gate.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 SCHEMA = "kernel-parity/results/2"
@@ -92,13 +92,17 @@ class OutputResult:
     stage: int | None = None  # position in the op's ordered intermediates, if it is one
 
     def to_json(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        # field by field, not dataclasses.asdict: its deep copy of every metrics dict and worst
+        # element was 80% of the time `parity report` took to read a 20,000-case file; a shallow copy
+        # of each dict and list (their values are scalars, or the worst elements' small dicts, copied
+        # too) keeps an edit of the JSON from reaching the record
+        return {k: _copy(v) for k in _OUTPUT_FIELDS if (v := getattr(self, k)) is not None}
 
     @staticmethod
     def from_json(d: Any, where: str) -> "OutputResult":
         if not isinstance(d, dict):
             raise ResultsError(f"{where} must be an object")
-        unknown = set(d) - {f.name for f in fields(OutputResult)}
+        unknown = d.keys() - _OUTPUT_FIELDS
         if unknown:
             raise ResultsError(f"{where}: unknown key {sorted(unknown)[0]!r}")
         shape = _want(d, "shape", (list,), where, [])
@@ -123,6 +127,17 @@ class OutputResult:
             references={k: _numbers(v, f"references.{k}", where) or {} for k, v in refs.items()} if refs else None,
             stage=_want(d, "stage", (int, type(None)), where, None),
         )
+
+
+_OUTPUT_FIELDS = tuple(f.name for f in fields(OutputResult))  # fields() is slow: read once
+
+
+def _copy(v: Any) -> Any:
+    if type(v) is dict:
+        return {k: dict(x) if type(x) is dict else x for k, x in v.items()}
+    if type(v) is list:
+        return [dict(x) if type(x) is dict else x for x in v]
+    return v
 
 
 @dataclass
@@ -151,15 +166,17 @@ class CaseResult:
     diagnosis_skipped: str | None = None
     first_divergence: str | None = None  # the first intermediate stage that fails (fused ops)
     known: dict | None = None  # the known-failures entry that matched: reason, seen, verdict
+    shrunk: dict | None = None  # `parity shrink`: the smallest case failing the same way (id, verdict, kind, ...)
+    perf: dict | None = None  # `parity bench`: time, throughput, ceilings and ratios measured in the run
 
     @property
     def failing(self) -> bool:
         return self.verdict in FAILING
 
     def to_json(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d = {k: getattr(self, k) for k in _CASE_FIELDS}
         d["outputs"] = {k: o.to_json() for k, o in self.outputs.items()}
-        for k in ("diagnosis", "diagnosis_skipped", "first_divergence", "known"):
+        for k in ("diagnosis", "diagnosis_skipped", "first_divergence", "known", "shrunk", "perf"):
             if d[k] is None:
                 del d[k]
         return d
@@ -167,11 +184,11 @@ class CaseResult:
     @staticmethod
     def from_json(d: Any, where: str = "record") -> "CaseResult":
         """Validate and build; ResultsError naming `where` and the key otherwise. Every field is
-        required but tier (absent from schema-1 files) and the four that are written only when set
-        (diagnosis, diagnosis_skipped, first_divergence, known)."""
+        required but tier (absent from schema-1 files) and those written only when set
+        (diagnosis, diagnosis_skipped, first_divergence, known, shrunk, perf)."""
         if not isinstance(d, dict):
             raise ResultsError(f"{where}: a record must be a JSON object, got {_TYPE_NAMES.get(type(d), type(d).__name__)}")
-        unknown = set(d) - {f.name for f in fields(CaseResult)}
+        unknown = d.keys() - _CASE_FIELDS
         if unknown:
             raise ResultsError(f"{where}: unknown key {sorted(unknown)[0]!r}")
         rid = _want(d, "id", (str,), where)
@@ -209,7 +226,12 @@ class CaseResult:
             diagnosis_skipped=_want(d, "diagnosis_skipped", (str, type(None)), where, None),
             first_divergence=_want(d, "first_divergence", (str, type(None)), where, None),
             known=_want(d, "known", (dict, type(None)), where, None),
+            shrunk=_want(d, "shrunk", (dict, type(None)), where, None),
+            perf=_want(d, "perf", (dict, type(None)), where, None),
         )
+
+
+_CASE_FIELDS = tuple(f.name for f in fields(CaseResult))
 
 
 def counts(results: list[CaseResult] | list[dict]) -> dict[str, int]:

@@ -107,9 +107,10 @@ def _call_hook(hook: str, fn: Callable, *args: Any) -> Any:
 
 class Runner:
     def __init__(self, registry: Registry | None = None, *, recheck: bool = True, noise: bool = True,
-                 diagnose: bool = True, overrides: dict[str, tuple] | None = None) -> None:
+                 diagnose: bool = True, overrides: dict[str, tuple] | None = None, bench: bool = False) -> None:
         self.registry = registry or Registry()
         self.recheck = recheck
+        self.bench = bench  # also time each judged case's kernel (rec.perf; conformance/bench.py)
         self.noise = noise
         self.diagnose = diagnose
         self.overrides = dict(overrides or {})  # op -> a repo's tolerance overrides ([tool.kernel-parity])
@@ -247,9 +248,31 @@ class Runner:
         rec = judge_case(case, spec, prep, outputs, ev, repro_command(case, origin), tier, diagnosis)
         timing["total_s"] = time.perf_counter() - t_start
         rec.timing = timing
+        if self.bench:
+            try:
+                rec.perf = self._time(backend, case, spec, prep)
+            except Exception as e:  # a kernel that cannot be timed keeps its verdict; the record says why
+                rec.perf = {"error": f"{type(e).__name__}: {_first_line(e)}"}
         if spec.baseline and case.backend == spec.baseline and prep.baseline_err is None:
             prep.baseline_err = _baseline_from(rec)
         return rec
+
+    def _time(self, backend: Any, case: Case, spec: OpSpec, prep: Prepared) -> dict:
+        """Median ms of the kernel on this case's inputs, and the bytes and flops of one call."""
+        from kernel_parity.conformance import bench
+        from kernel_parity.conformance.backends._torch import device_inputs
+        from kernel_parity.conformance.poison import BenchRequest
+
+        device = getattr(backend, "device", "cpu")
+        inputs = {k: clone(v) for k, v in prep.inputs.items()}
+        names = case_outputs(prep)
+        req = BenchRequest({k: v for k, v in prep.shapes.items() if k in names}, prep.out_dtypes, dict(prep.pads),
+                           backend=backend, device=device)
+        with device_inputs():
+            ms = bench.time_call(lambda: backend.run(case, inputs, req), device)
+        read, written, flops = bench.cost(spec, case.p, prep.inputs, {k: prep.shapes[k] for k in names},
+                                          prep.out_dtypes)
+        return {"ms": ms, "bytes_read": read, "bytes_written": written, "flops": flops, "on": str(device)}
 
     def _unwritten(self, backend: Any, case: Case, prep: Prepared, outputs: dict) -> dict[str, int]:
         """Elements of each output still holding the poison. Where the dtype has no spare NaN

@@ -6,9 +6,13 @@
 - changed: any other verdict change (pass -> skip loses coverage, fail -> crash, skip -> pass, ...);
 - grew: a case that still passes (or is vacuous) whose error grew: new > growth * old for a metric
   of an output, or for the record's norm_err, and new is above the metric's floor (FLOORS);
+- slower: with `slowdown` (parity gate --bench) and both runs timed on the same device, a case whose
+  kernel time (perf.ms) grew past slowdown x the baseline's;
 - added / removed: ids only in the new / only in the old document.
 
-`Diff.failed` is True when there are regressions; everything else is information.
+`Diff.failed` is True when there are regressions, errors that grew past the factor (a kernel made
+less accurate, still inside its tolerance, fails the gate against its baseline) or slowdowns;
+changed, fixed, added and removed are information.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ FLOORS: dict[str, float] = {
     "norm_err": 0.01,
 }
 GROWTH_METRICS = ("max_abs", "nmse", "cos_diff", "max_ulp")
-KINDS = ("regression", "grew", "changed", "removed", "added", "fixed")  # most severe first
+KINDS = ("regression", "grew", "slower", "changed", "removed", "added", "fixed")  # most severe first
 
 
 @dataclass(frozen=True)
@@ -77,13 +81,16 @@ class Diff:
     removed: list[Change] = field(default_factory=list)
     old_header: dict = field(default_factory=dict)
     new_header: dict = field(default_factory=dict)
+    slowdown: float | None = None
+    slower: list[Growth] = field(default_factory=list)
+    perf_note: str | None = None  # why times were not compared (other devices, no times)
 
     @property
     def failed(self) -> bool:
-        return bool(self.regressions)
+        return bool(self.regressions or self.grew or self.slower)
 
     def counts(self) -> dict[str, int]:
-        return {"regression": len(self.regressions), "grew": len(self.grew),
+        return {"regression": len(self.regressions), "grew": len(self.grew), "slower": len(self.slower),
                 "changed": len(self.changed), "removed": len(self.removed),
                 "added": len(self.added), "fixed": len(self.fixed)}
 
@@ -96,6 +103,8 @@ class Diff:
             ratio = ("nan" if math.isnan(g.ratio) else "was 0" if math.isinf(g.ratio)
                      else f"{g.ratio:.3g}x")
             yield "grew", g.id, f"{where} {_num(g.old)} -> {_num(g.new)} ({ratio})"
+        for g in sorted(self.slower, key=_growth_order):
+            yield "slower", g.id, f"kernel {_num(g.old)} ms -> {_num(g.new)} ms ({g.ratio:.3g}x > {self.slowdown:g}x)"
         for kind, changes in (("changed", self.changed), ("removed", self.removed),
                               ("added", self.added), ("fixed", self.fixed)):
             for c in changes:
@@ -105,7 +114,8 @@ class Diff:
         base = self.old_header.get("git_commit") or "?"
         head = self.new_header.get("git_commit") or "?"
         parts = ", ".join(f"{k}: {n}" for k, n in self.counts().items())
-        return f"baseline diff {base[:12]} -> {head[:12]} (growth > {self.growth:g}x): {parts}"
+        note = f"; {self.perf_note}" if self.perf_note else ""
+        return f"baseline diff {base[:12]} -> {head[:12]} (growth > {self.growth:g}x): {parts}{note}"
 
     def render_text(self) -> str:
         """One summary line, then one line per entry, most severe first."""
@@ -120,8 +130,9 @@ class Diff:
             "growth": self.growth, "failed": self.failed,
             "old": {k: self.old_header.get(k) for k in keep},
             "new": {k: self.new_header.get(k) for k in keep},
+            "slowdown": self.slowdown, "perf_note": self.perf_note,
             **{name: [asdict(x) for x in getattr(self, name)]
-               for name in ("regressions", "fixed", "changed", "grew", "added", "removed")},
+               for name in ("regressions", "fixed", "changed", "grew", "slower", "added", "removed")},
         })
 
 
@@ -177,11 +188,23 @@ def _growths(old: dict, new: dict, growth: float) -> list[Growth]:
     return out
 
 
-def compare(old: dict, new: dict, *, growth: float = 4.0) -> Diff:
-    """Diff two results documents (as from records.load), matching records by id."""
+def _ms(rec: dict) -> float | None:
+    perf = rec.get("perf")
+    ms = perf.get("ms") if isinstance(perf, dict) else None
+    return float(ms) if _is_num(ms) and ms > 0 else None
+
+
+def compare(old: dict, new: dict, *, growth: float = 4.0, slowdown: float | None = None) -> Diff:
+    """Diff two results documents (as from records.load), matching records by id; with `slowdown`,
+    also the kernel times of records timed on the same device (module docstring)."""
     olds = {str(r["id"]): r for r in old.get("results") or []}
     news = {str(r["id"]): r for r in new.get("results") or []}
-    d = Diff(growth=growth, old_header=old.get("header") or {}, new_header=new.get("header") or {})
+    d = Diff(growth=growth, old_header=old.get("header") or {}, new_header=new.get("header") or {},
+             slowdown=slowdown)
+    same_device = d.old_header.get("device") == d.new_header.get("device")
+    if slowdown and not same_device:
+        d.perf_note = (f"times not compared: the baseline ran on {d.old_header.get('device')}, this run on "
+                       f"{d.new_header.get('device')}")
     for case_id, n in news.items():
         o = olds.get(case_id)
         if o is None:
@@ -198,6 +221,9 @@ def compare(old: dict, new: dict, *, growth: float = 4.0) -> Diff:
                 d.changed.append(change)
         if vn in ("pass", "vacuous") and vo in ("pass", "vacuous"):
             d.grew.extend(_growths(o, n, growth))
+            t_old, t_new = _ms(o), _ms(n)
+            if slowdown and same_device and t_old and t_new and t_new > slowdown * t_old:
+                d.slower.append(Growth(case_id, None, "ms", t_old, t_new))
     d.removed = [Change(i, r["verdict"], None, r.get("reason"))
                  for i, r in olds.items() if i not in news]
     rank = records.VERDICTS.index

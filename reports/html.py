@@ -1,11 +1,19 @@
-"""HTML report: one self-contained page (inline CSS and SVG, no network) rendered from a results
-document (`reports.records`).
+"""HTML report: one self-contained page (inline CSS, SVG and script, no network) rendered from a
+results document (`reports.records`), or from several runs on different devices side by side.
 
-Sections, in order: header, summary badge, op x backend x dtype matrix, baseline diff (when a
-`reports.diff.Diff` is given), failures (worst first, with metrics, worst elements, message and
-repro), skips grouped by reason, all cases (collapsed), error vs size plots (inline SVG).
-The page reads fully without JavaScript; a few lines of inline JS add sorting, filtering and
-copy buttons.
+A run's page, in order: header, summary badge, op x backend x dtype matrix, baseline diff (when a
+`reports.diff.Diff` is given), mutant kill table, failures grouped by (op, backend, diagnosis,
+layer) with one example each in full, known failures and skips by reason, parameter coverage,
+error-vs-size plots (SVG, a fixed grid), and the all-cases table.
+
+Everything above the all-cases table is static HTML and reads without JavaScript. The table is a
+compact JSON document at the end of the page (`reports.casetable`) that the inline script draws:
+only the rows in view are in the DOM, so filtering and sorting 20,000 cases stays interactive,
+and a row's details (and those of the failures listed under each group's example) are built on
+demand.
+
+`render_devices` puts runs of one suite on several devices side by side (`reports.devices`): a
+column per device, per case the norm_err on each and the ratio of the largest to the smallest.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from typing import Any
 import jinja2
 from markupsafe import Markup
 
-from kernel_parity.reports import records
+from kernel_parity.reports import casetable, coverage, devices, plots, records, views
 
 HEADER_FIELDS = (
     ("suite", "suite"), ("device", "device"), ("driver", "driver"),
@@ -29,43 +37,13 @@ HEADER_FIELDS = (
     ("platform", "platform"), ("command", "command"),
 )
 METRIC_COLUMNS = ("max_abs", "max_rel", "rmse", "nmse", "cos_diff", "max_ulp")
-TABLE_METRICS = ("max_abs", "cos_diff", "max_ulp")  # per output, in the all-cases table
-OPEN_FAILURES = 50  # failure blocks rendered open; the rest start collapsed
-SKIP_EXAMPLES = 5
-NO_PLOT = frozenset({"skip", "error", "crash", "timeout"})  # verdicts without trustworthy metrics
+OPEN_FAILURES = 200  # failure groups whose example starts open (every one, in any real run); the rest collapsed
+DIFFER_LISTED = 200  # device page: cases listed statically under "where the devices differ"
+NORM_ERR_HELP = ("norm_err: the case's worst error divided by its limit, over every output and tolerance layer "
+                 "(elementwise, cos_diff, nmse, noise); at most 1 passes, 0.5 used half the allowance")
 
-
-# Formatting (jinja filters).
-
-def _is_num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def fmt_num(x: Any, digits: int = 3) -> str:
-    """Compact number: '—' when missing, 'nan'/'inf' spelled out, ints exact, floats %.{digits}g."""
-    if x is None:
-        return "—"
-    if not _is_num(x):
-        return str(x)
-    if isinstance(x, int):
-        return str(x)
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if x == int(x) and abs(x) < 1e6:
-        return str(int(x))
-    return f"{x:.{digits}g}"
-
-
-def fmt_dur(s: Any) -> str:
-    if not _is_num(s) or not math.isfinite(s):
-        return "—"
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} µs"
+fmt_num = views.fmt_num
+fmt_dur = views.fmt_dur
 
 
 def case_id_markup(case_id: Any) -> Markup:
@@ -78,147 +56,11 @@ def case_id_markup(case_id: Any) -> Markup:
     return Markup('<span class="cid">{}</span>').format(inner)
 
 
-NORM_ERR_HELP = ("norm_err: the case's worst error divided by its limit, over every output and tolerance layer "
-                 "(elementwise, cos_diff, nmse, noise); at most 1 passes, 0.5 used half the allowance")
-
-
-def sort_value(x: Any) -> str:
-    """data-v attribute for the JS sorter: NaN and inf sort as the largest, missing as the smallest."""
-    if not _is_num(x) or x == -math.inf:
-        return "-1e999"
-    return "1e999" if math.isnan(x) or x == math.inf else repr(float(x))
-
-
-def _nonfinite(x: Any) -> bool:
-    return _is_num(x) and not math.isfinite(x)
-
-
 def _over(x: Any, limit: Any) -> bool:
     """A metric above its limit, or non-finite (highlighted in the metrics table)."""
-    if _nonfinite(x):
+    if views.nonfinite(x):
         return True
-    return _is_num(x) and _is_num(limit) and x > limit
-
-
-# View model: every field the template reads exists, so missing optional fields render as '—'.
-
-def _output_view(name: str, out: dict) -> dict:
-    metrics = out.get("metrics") or {}
-    return {
-        "name": name,
-        "dtype": out.get("dtype") or "—",
-        "shape": "[" + ", ".join(str(s) for s in out["shape"]) + "]"
-                 if isinstance(out.get("shape"), (list, tuple)) else "—",
-        "exact": bool(out.get("exact")),
-        "metrics": metrics,
-        "limits": {k: v for k, v in (out.get("limits") or {}).items() if v is not None},
-        "layers": [(k, (v or {}).get("ok"), (v or {}).get("detail") or "")
-                   for k, v in (out.get("layers") or {}).items()],
-        "worst": [{"index": "[" + ", ".join(str(i) for i in w.get("index", [])) + "]",
-                   "got": w.get("got"), "expected": w.get("expected"),
-                   "abs": w.get("abs"), "rel": w.get("rel"), "out": w.get("out")} for w in out.get("worst") or []],
-        "noise": out.get("noise") or None,
-    }
-
-
-def _record_view(r: dict) -> dict:
-    outputs = [_output_view(n, o) for n, o in (r.get("outputs") or {}).items()]
-    numel = sum(o["metrics"].get("numel") or 0 for o in outputs if _is_num(o["metrics"].get("numel")))
-    timing = r.get("timing") or {}
-    return {
-        "id": str(r.get("id") or "?"), "verdict": r.get("verdict") or "error",
-        "op": records.cell_key(r)[0], "backend": records.cell_key(r)[1],
-        "dtype": records.cell_key(r)[2],
-        "kind": r.get("kind"), "tier": r.get("tier"), "reason": r.get("reason"), "message": r.get("message"),
-        "repro": r.get("repro"), "norm_err": r.get("norm_err"),
-        "layers": r.get("layers") or {}, "recheck": r.get("recheck"), "known": r.get("known") or {},
-        "kernel_s": timing.get("kernel_s"), "total_s": timing.get("total_s"),
-        "outputs": outputs, "numel": numel,
-        # all-cases table: per metric, (sort key = worst over outputs, [(output, value), ...])
-        "table": [(max((sort_value(o["metrics"].get(m)) for o in outputs), key=float, default="-1e999"),
-                   [(o["name"], o["metrics"].get(m)) for o in outputs]) for m in TABLE_METRICS],
-    }
-
-
-def _severity(v: dict) -> tuple:
-    """Worst verdict first, then the largest norm_err (NaN first), then id."""
-    e = v["norm_err"]
-    err = math.inf if _nonfinite(e) else (e if _is_num(e) else -math.inf)
-    return (records.VERDICTS.index(v["verdict"]) if v["verdict"] in records.VERDICTS else 0,
-            -err, v["id"])
-
-
-def _grouped(views: list[dict], verdict: str) -> list[dict]:
-    """Records of `verdict` grouped by reason (xfail: the known-failures entry's reason)."""
-    groups: dict[str, list[str]] = {}
-    for v in views:
-        if v["verdict"] == verdict:
-            reason = v["known"].get("reason") if verdict == "xfail" else None
-            groups.setdefault(reason or v["reason"] or "no reason given", []).append(v["id"])
-    return [{"reason": k, "count": len(ids), "examples": ids[:SKIP_EXAMPLES]}
-            for k, ids in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
-
-
-# Error-vs-size plots: geometry computed here, drawn by the template (so it is autoescaped).
-
-PLOT_W, PLOT_H = 300, 170
-PLOT_Y_MIN = -6  # decades: norm_err below 1e-6 of the limit is drawn hollow on the bottom edge
-_ML, _MR, _MT, _MB = 44, 10, 10, 28  # margins: left, right, top, bottom
-
-
-def _decade_label(k: int) -> str:
-    return str(10 ** k) if 0 <= k <= 3 else f"1e{k}"
-
-
-def _ticks(lo: int, hi: int) -> list[int]:
-    step = max(1, math.ceil((hi - lo) / 6))
-    return list(range(lo, hi + 1, step))
-
-
-def _plot(points: list[tuple[float, Any, str, str]]) -> dict:
-    """points: (numel, norm_err, verdict, id). y = norm_err (log), x = numel (log)."""
-    xs = [math.log10(p[0]) for p in points]
-    ys = [math.log10(p[1]) for p in points if _is_num(p[1]) and math.isfinite(p[1]) and p[1] > 0]
-    xlo, xhi = math.floor(min(xs)), math.ceil(max(xs))
-    xhi = max(xhi, xlo + 1)
-    ylo = max(min(math.floor(min(ys)) if ys else -3, -1), PLOT_Y_MIN)
-    yhi = max(math.ceil(max(ys)) if ys else 1, 1)
-    pw, ph = PLOT_W - _ML - _MR, PLOT_H - _MT - _MB
-
-    def px(lx: float) -> float:
-        return round(_ML + (lx - xlo) / (xhi - xlo) * pw, 1)
-
-    def py(ly: float) -> float:
-        return round(_MT + (yhi - min(max(ly, ylo), yhi)) / (yhi - ylo) * ph, 1)
-
-    dots = []
-    for (n, e, verdict, case_id), lx in zip(points, xs):
-        if _nonfinite(e):
-            shape, y = "top", _MT  # NaN/inf error: pinned to the top edge
-        elif e <= 0:
-            shape, y = "zero", _MT + ph  # exact match: pinned to the bottom edge
-        else:
-            shape, y = ("dot" if math.log10(e) >= ylo else "zero"), py(math.log10(e))
-        dots.append({"x": px(lx), "y": y, "shape": shape, "verdict": verdict,
-                     "title": f"{case_id}\nnorm_err={fmt_num(e)}  numel={n}"})
-    return {
-        "w": PLOT_W, "h": PLOT_H, "x0": _ML, "x1": _ML + pw, "y0": _MT, "y1": _MT + ph,
-        "limit_y": py(0.0), "dots": dots,
-        "xticks": [(px(k), _decade_label(k)) for k in _ticks(xlo, xhi)],
-        "yticks": [(py(k), _decade_label(k)) for k in _ticks(ylo, yhi)],
-    }
-
-
-def _plots(views: list[dict], order: list[tuple[str, str, str]]) -> list[dict]:
-    groups: dict[tuple[str, str, str], list] = {}
-    for v in views:
-        numeric = any(not o["exact"] for o in v["outputs"])
-        if NO_PLOT & {v["verdict"], v["known"].get("verdict")} or not numeric or not _is_num(v["norm_err"]) or v["numel"] <= 0:
-            continue
-        groups.setdefault((v["op"], v["backend"], v["dtype"]), []).append(
-            (v["numel"], v["norm_err"], v["verdict"], v["id"]))
-    return [{"key": key, "n": len(groups[key]), "plot": _plot(groups[key])}
-            for key in order if len(groups.get(key, ())) >= 3]
+    return views.is_num(x) and views.is_num(limit) and x > limit
 
 
 @functools.lru_cache(maxsize=1)
@@ -226,10 +68,18 @@ def _env() -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
         autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(num=fmt_num, dur=fmt_dur, sortv=sort_value, cid=case_id_markup)
-    env.tests.update(nonfinite=_nonfinite)
-    env.globals.update(over=_over)
+    env.filters.update(num=fmt_num, dur=fmt_dur, cid=case_id_markup)
+    env.tests.update(nonfinite=views.nonfinite)
+    env.globals.update(over=_over, verdicts=records.VERDICTS, metric_columns=METRIC_COLUMNS,
+                       norm_err_help=NORM_ERR_HELP, open_failures=OPEN_FAILURES, plot_w=plots.PLOT_W,
+                       plot_h=plots.PLOT_H, palette=plots.PALETTE)
     return env
+
+
+@functools.lru_cache(maxsize=1)
+def _script() -> Markup:
+    """The page's script (templates/report.js), inlined as it is."""
+    return Markup((Path(__file__).parent / "templates" / "report.js").read_text(encoding="utf-8"))
 
 
 def _mutants_view(mdoc: dict | None) -> dict | None:
@@ -257,31 +107,75 @@ def render(doc: dict, diff: Any = None, mutants: dict | None = None) -> str:
     `mutants` (a `parity mutants` document) the kill table."""
     header = doc.get("header") or {}
     results = doc.get("results") or []
-    views = sorted((_record_view(r) for r in results), key=_severity)
+    ordered = sorted(results, key=views.severity)
+    row = {id(r): i for i, r in enumerate(ordered)}
+    failing = [(r, None) for r in ordered if r.get("verdict") in records.FAILING]
     ops, columns, cells = records.matrix(results, records.plan_of(doc))
-    order = [(op, b, d) for op in ops for b, dts in columns for d in dts]
     left_out = header.get("left_out") if isinstance(header.get("left_out"), dict) else None
     counts = records.summary(results)
+    data, omitted = casetable.run_table(ordered)
     return _env().get_template("report.html.j2").render(
-        header=[(label, header.get(key)) for key, label in HEADER_FIELDS],
+        page="run", header=[(label, header.get(key)) for key, label in HEADER_FIELDS],
         title=f"kernel-parity · {header.get('suite') or 'results'} · {header.get('device') or '?'}",
         passed=records.doc_passed(doc), total=len(results), incomplete=records.status_line(doc),
         stale=records.stale_entries(doc),
         counts=[(v, counts[v]) for v in records.VERDICTS if counts.get(v)],
-        ops=ops, columns=columns, cells=cells,
-        failures=[v for v in views if v["verdict"] in records.FAILING],
-        open_failures=OPEN_FAILURES, skips=_grouped(views, "skip"), known=_grouped(views, "xfail"),
-        cases=views,
-        table_metrics=TABLE_METRICS, metric_columns=METRIC_COLUMNS,
-        plots=_plots(views, order), diff=diff, left_out=left_out, plot_w=PLOT_W, norm_err_help=NORM_ERR_HELP, verdicts=records.VERDICTS, mutants=_mutants_view(mutants),
+        ops=ops, columns=columns, cells=cells, failing=len(failing),
+        groups=views.failure_groups(failing, lambda r: row[id(r)]),
+        skips=views.by_reason(results, "skip"), known=views.by_reason(results, "xfail"),
+        coverage=coverage.coverage(results), plots=plots.plot_grid(results),
+        diff=diff, left_out=left_out, mutants=_mutants_view(mutants),
         version=header.get("package_version") or "",
         diff_entries=list(diff.entries()) if diff is not None else [],
+        data=Markup(data), omitted=omitted, script=_script(),
     )
 
 
 def write(path: str | os.PathLike, doc: dict, diff: Any = None, mutants: dict | None = None) -> None:
     """Render `doc` and write it to `path` atomically."""
     records.atomic_write_text(path, render(doc, diff, mutants))
+
+
+def _differ_view(c: dict) -> dict:
+    errs = [r.get("norm_err") if r is not None and views.is_num(r.get("norm_err")) else None for r in c["records"]]
+    finite = [(math.inf if math.isnan(e) else e) for e in errs if e is not None]
+    top = max(finite) if len(finite) > 1 else None
+    cells = [None if r is None else {"verdict": r.get("verdict"), "norm_err": r.get("norm_err"),
+                                     "max": top is not None and e is not None and (math.inf if math.isnan(e) else e) == top}
+             for r, e in zip(c["records"], errs)]
+    return {"id": c["id"], "cells": cells, "ratio": c["ratio"],
+            "flag_ratio": c["ratio"] is not None and c["ratio"] >= devices.RATIO_FLAG}
+
+
+def render_devices(runs: list[tuple[str, dict]]) -> str:
+    """One page comparing runs on several devices: `runs` as (path, results document) pairs."""
+    names = devices.labels(runs)
+    docs = [doc for _, doc in runs]
+    cases = devices.compare(docs)
+    row = {c["id"]: i for i, c in enumerate(cases)}
+    failing = [(r, names[i]) for i, doc in enumerate(docs)
+               for r in sorted(doc.get("results") or [], key=views.severity) if r.get("verdict") in records.FAILING]
+    dmatrix = devices.matrix(docs, cases)
+    for i, r in enumerate(dmatrix):
+        r["op_span"] = 0 if i and dmatrix[i - 1]["op"] == r["op"] else sum(1 for x in dmatrix if x["op"] == r["op"])
+        r["flag"] = r["ratio"] is not None and r["ratio"] >= devices.RATIO_FLAG
+    differ = [c for c in cases if c["flag"]]
+    data, omitted = casetable.devices_table(names, cases)
+    suites = sorted({str((d.get("header") or {}).get("suite")) for d in docs if (d.get("header") or {}).get("suite")})
+    version = next(((d.get("header") or {}).get("package_version") for d in docs
+                    if (d.get("header") or {}).get("package_version")), "")
+    return _env().get_template("report.html.j2").render(
+        page="devices", title=f"kernel-parity · device matrix · {', '.join(suites) or 'results'} · {' vs '.join(names)}",
+        runs=devices.runs_view(runs, names), passed=all(records.doc_passed(d) for d in docs),
+        summary=devices.summary(cases), dmatrix=dmatrix, differ=[_differ_view(c) for c in differ[:DIFFER_LISTED]],
+        differ_total=len(differ), failing=len(failing),
+        groups=views.failure_groups(failing, lambda r: row[str(r.get("id"))]),
+        version=version, data=Markup(data), omitted=omitted, script=_script(),
+    )
+
+
+def write_devices(path: str | os.PathLike, runs: list[tuple[str, dict]]) -> None:
+    records.atomic_write_text(path, render_devices(runs))
 
 
 def render_diff_section(diff: Any) -> str:

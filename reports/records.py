@@ -44,6 +44,10 @@ One record per case:
     layers      {structure|exact|numeric|noise|trust: "pass" | "fail" | "n/a"}  (worst over outputs)
     recheck     null, or {"seeds": [...], "verdicts": [...]} for a borderline case
     timing      {"inputs_s", "golden_s", "kernel_s", "total_s"}
+    shrunk      (optional) `parity shrink`'s smallest case failing the same way: {"id", "verdict", "kind",
+                "norm_err", "reason", "repro"}
+    perf        (optional) `parity bench`'s timing: {"ms", "bytes", "flops", "gbps", "tflops", "bound",
+                "ceiling", "pct_of_ceiling", "peers": {backend: {"ms", "ratio"}}, "device"}
 
 Floats are written with `repr` precision (json's default), so metrics round-trip to the bit;
 NaN and infinities are written as the strings "nan", "inf", "-inf". Every line is validated on

@@ -69,7 +69,7 @@ def test_list(capsys):
         assert needle in out
     assert main(["list", "cases", "--suite", "smoke", "--op", "combine"]) == 0
     ids = capsys.readouterr().out.split()
-    assert ids and all(i.startswith("combine.lse_combine/") for i in ids)
+    assert ids and all(i.startswith(("combine.lse_combine/", "combine.lse_combine_backward/")) for i in ids)
 
 
 def test_report_and_diff(smoke_run, tmp_path):
@@ -97,7 +97,9 @@ def test_gate_against_a_baseline_flags_a_regression(smoke_run, tmp_path):
     records.write(path, smoke_run["header"], base)
     code = main(["gate", "--suite", "smoke", "--op", "softmax.softmax", "--backend", "cpu", "--dtype",
                  target["dtype"], "--no-progress", "-q", "--baseline", str(path)])
-    assert code == 0  # grown errors are reported, not a failure: only verdict regressions fail
+    # the cpu kernel's errors sit below diff.FLOORS (rounding level), so a baseline 1000x "better" than
+    # that is no growth; growth above the floors fails the gate (tests/test_gate_baseline.py)
+    assert code == 0
 
 
 def test_jobs_give_the_same_results(tmp_path):
@@ -108,7 +110,21 @@ def test_jobs_give_the_same_results(tmp_path):
     ra = {r["id"]: r for r in records.load(a)["results"]}
     rb = {r["id"]: r for r in records.load(b)["results"]}  # streamed in completion order
     assert sorted(ra) == sorted(rb)
-    assert all(ra[i]["outputs"] == rb[i]["outputs"] for i in ra)
+    assert all(_kernel_side(ra[i]["outputs"]) == _kernel_side(rb[i]["outputs"]) for i in ra)
+    assert all(ra[i]["verdict"] == rb[i]["verdict"] for i in ra)
+
+
+def _kernel_side(outputs: dict) -> dict:
+    """A record's outputs without what the eager-torch baseline measured: torch's CPU matmuls split
+    their reductions by thread count (--jobs 2 gives each worker one thread), so the baseline's error
+    may differ in its last bits; the kernel's own metrics and the golden's must not."""
+    out = {}
+    for name, o in outputs.items():
+        o = dict(o)
+        o.pop("noise", None)
+        o["layers"] = {k: v for k, v in (o.get("layers") or {}).items() if k != "noise"}
+        out[name] = o
+    return out
 
 
 def test_calibrate_prints_quantiles(capsys):

@@ -4,6 +4,7 @@ intermediates, in-place outputs, gradients; plus the dtype table and the one res
 
 from __future__ import annotations
 
+import copy
 import math
 
 import ml_dtypes
@@ -129,7 +130,7 @@ def test_case_result_round_trips_and_validates():
     bad["verdict"] = "nearly"
     with pytest.raises(ResultsError, match="'verdict' 'nearly' is not one of"):
         CaseResult.from_json(bad, "line 3")
-    bad = rec.to_json()
+    bad = copy.deepcopy(rec.to_json())  # to_json shares the record's metrics dicts (no deep copy: speed)
     bad["outputs"]["norm"]["metrics"]["max_abs"] = "big"
     with pytest.raises(ResultsError, match="metrics.max_abs must be a number"):
         CaseResult.from_json(bad)

@@ -65,6 +65,7 @@ def _argv(cmd: str, results: Path) -> list[str]:
         "mutants": ["mutants", "--mutant", "tri-softmax-no-max", "-q"],
         "calibrate": ["calibrate", "softmax.softmax", "--backend", "cpu", "--seeds", "1", "--no-progress"],
         "coverage": ["coverage", "--suite", "smoke", "--op", "softmax.softmax"],
+        "bench": ["bench", *sel], "shrink": ["shrink", CPU_CASE, "--max-examples", "1"],
     }[cmd]
 
 
@@ -76,7 +77,7 @@ def _commands_with_outputs() -> dict[str, dict[str, str]]:
 def test_every_command_with_an_output_path_is_covered_by_the_bad_path_test(results_file):
     cmds = _commands_with_outputs()
     assert set(cmds) == {"run", "gate", "sweep", "report", "merge", "diff", "repro", "mutants", "calibrate",
-                         "coverage"}
+                         "coverage", "bench", "shrink"}
     for c in cmds:
         _argv(c, results_file)  # each has its minimal argv here
 
@@ -307,7 +308,7 @@ def test_comma_lists_are_accepted(tmp_path, capsys):
                  "--no-progress", "-q", "--json", str(out)]) == 0
     res = records.load(out)["results"]
     assert {r["backend"] for r in res} == {"cpu", "torch"}
-    assert {r["op"] for r in res} == {"softmax.softmax", "combine.lse_combine"}
+    assert {r["op"] for r in res} == {"softmax.softmax", "combine.lse_combine", "combine.lse_combine_backward"}
     assert "empty item" in _usage_error(capsys, ["run", "--backend", "cpu,,torch"])
 
 
@@ -320,11 +321,17 @@ def _rec(case_id: str, verdict: str = "pass", norm_err: float = 0.1) -> dict:
 
 
 def test_case_ids_wrap_only_after_slash_or_comma_and_plots_sit_in_a_grid():
-    recs = [_rec(f"attention.prefill/sdpa-cpu/fp16/b={i},s=17,h-x=2/normal/seed=0") for i in range(3)]
+    # ids rendered in the page (failure groups, skips) wrap server-side; those the script draws (a row's
+    # details) go through its cid(), which tests/test_reports.py checks in a real browser
+    recs = [_rec(f"attention.prefill/sdpa-cpu/fp16/b={i},s=17,h-x=2/normal/seed=0", *vn)
+            for i, vn in enumerate([("fail", 3.0), ("pass", 0.1), ("pass", 0.2)])]
     page = html.render({"schema": records.SCHEMA, "header": {}, "results": recs})
     assert "<span>sdpa-cpu/</span><wbr>" in page and "<span>b=0,</span><wbr>" in page
     assert ".cid > span { white-space: nowrap; }" in page
-    assert re.search(r"\.plots \{ display: grid; grid-template-columns: repeat\(auto-fill, \d+px\)", page)
+    assert 'return "<span>" + esc(p) + "</span>";' in page and '}).join("<wbr>")' in page  # report.js cid()
+    # a fixed grid: a row per op, a column per backend, every plot the same width
+    assert re.search(r"\.plots \{ display: grid; grid-template-columns: \d+px repeat\(var\(--nb\), \d+px\)", page)
+    assert '<div class="plots" style="--nb: 1">' in page and page.count("<svg") == 1
     assert "worst error divided by its limit" in page  # norm_err, explained where it is shown
 
 

@@ -1,0 +1,138 @@
+"""Performance beside accuracy: `parity bench` (and `parity gate --bench`).
+
+Each selected case is judged as in `parity run`, then its kernel is timed on the same inputs:
+
+- on a CUDA device, `triton.testing.do_bench` (25 warm-up, 100 ms of repetitions, median; it clears
+  L2 between calls); on the CPU a steady-state timer: one warm call, then calls until 0.25 s (at least
+  5, at most 200), median. The inputs are moved to the device once and the output buffers allocated
+  once (no poison fill between calls: a bench times the kernel, the judge already checked it);
+  a kernel that writes into its inputs (a cache) keeps writing into the same copies.
+- bytes moved = every input read once + every output written once (the memory-bound floor; an op may
+  declare its own `OpSpec.bytes_moved`, e.g. a decode that reads a cache only up to each length), and
+  the matmul work `OpSpec.flops(params)` where the op declares it.
+- the ceilings are measured once per run on the device the cases run on: copy (bytes read + written
+  of a large device-to-device copy), read (a large reduction) and the matmul rate (fp32 on a CPU, bf16
+  on a GPU). A case is compute-bound when its flops take longer at the matmul rate than its bytes at
+  the copy rate; else read-bound when it writes under a tenth of what it reads, else copy-bound. Its
+  record's `perf` holds ms, bytes, flops, GB/s, TFLOP/s, the bound, that ceiling and the share of it,
+  and per peer backend of the same inputs (the other backends of the run) its ms and the ratio
+  peer ms / this ms.
+A gate against a baseline taken on the same device fails a case whose time grew past `--slowdown`
+(reports/diff.py). Timings are measurements, never asserted by a test.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+CPU_MIN_S, CPU_MIN_CALLS, CPU_MAX_CALLS = 0.25, 5, 200
+MIB = 1 << 20
+
+
+def is_cuda(device: Any) -> bool:
+    return str(device).startswith("cuda")
+
+
+def time_call(fn: Callable[[], Any], device: Any) -> float:
+    """Median milliseconds of fn() (module docstring)."""
+    if is_cuda(device):
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < CPU_MAX_CALLS and (len(times) < CPU_MIN_CALLS or time.perf_counter() - start < CPU_MIN_S):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(statistics.median(times))
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    device: str
+    copy_gbps: float
+    read_gbps: float
+    matmul_tflops: float
+    matmul_dtype: str
+
+    def to_json(self) -> dict:
+        return {"device": self.device, "copy_gbps": self.copy_gbps, "read_gbps": self.read_gbps,
+                "matmul_tflops": self.matmul_tflops, "matmul_dtype": self.matmul_dtype}
+
+
+def measure_ceilings(device: str = "cpu", quick: bool = False) -> Ceilings:
+    """Copy, read and matmul rates of `device` ("cpu" or a CUDA device), measured now."""
+    if is_cuda(device):
+        import torch
+
+        n = (256 if quick else 1024) * MIB // 4
+        src = torch.rand(n, device=device)
+        dst = torch.empty_like(src)
+        copy_ms = time_call(lambda: dst.copy_(src), device)
+        read_ms = time_call(lambda: src.sum(), device)
+        m = 4096 if quick else 8192
+        a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+        mm_ms = time_call(lambda: a @ a, device)
+        return Ceilings(torch.cuda.get_device_name(device), 2 * n * 4 / copy_ms / 1e6, n * 4 / read_ms / 1e6,
+                        2 * m ** 3 / mm_ms / 1e9, "bf16")
+    from kernel_parity.conformance.env import cpu_name
+
+    n = (16 if quick else 64) * MIB // 4
+    src = np.random.default_rng(0).random(n, dtype=np.float32)
+    dst = np.empty_like(src)
+    copy_ms = time_call(lambda: np.copyto(dst, src), "cpu")
+    read_ms = time_call(lambda: np.add.reduce(src), "cpu")
+    m = 512 if quick else 1024
+    a = np.random.default_rng(1).random((m, m), dtype=np.float32)
+    mm_ms = time_call(lambda: a @ a, "cpu")
+    return Ceilings(cpu_name(), 2 * n * 4 / copy_ms / 1e6, n * 4 / read_ms / 1e6, 2 * m ** 3 / mm_ms / 1e9, "fp32")
+
+
+def cost(spec: Any, params: dict, inputs: dict, out_shapes: dict, out_dtypes: dict) -> tuple[int, int, float]:
+    """(bytes read, bytes written, flops) of one call (module docstring)."""
+    declared = getattr(spec, "bytes_moved", None)
+    if declared is not None:
+        read, written = declared(params)
+    else:
+        read = sum(int(np.asarray(v).size) * np.asarray(v).dtype.itemsize for v in inputs.values())
+        written = sum(int(np.prod(s)) * out_dtypes[k].np.itemsize for k, s in out_shapes.items())
+    fl = getattr(spec, "flops", None)
+    return int(read), int(written), float(fl(params)) if fl is not None else 0.0
+
+
+def classify(perf: dict, ceil: Ceilings) -> dict:
+    """perf (ms, bytes_read, bytes_written, flops) + throughput, bound, ceiling and the share of it."""
+    ms = perf["ms"]
+    total = perf["bytes_read"] + perf["bytes_written"]
+    gbps = total / ms / 1e6 if ms > 0 else 0.0
+    tflops = perf["flops"] / ms / 1e9 if ms > 0 and perf["flops"] else 0.0
+    t_mem = total / (ceil.copy_gbps * 1e6) if ceil.copy_gbps else 0.0
+    t_mm = perf["flops"] / (ceil.matmul_tflops * 1e9) if perf["flops"] and ceil.matmul_tflops else 0.0
+    if t_mm > t_mem:
+        bound, ceiling, pct = "matmul", ceil.matmul_tflops, 100 * tflops / ceil.matmul_tflops
+    elif perf["bytes_written"] < 0.1 * perf["bytes_read"]:
+        bound, ceiling, pct = "read", ceil.read_gbps, 100 * gbps / ceil.read_gbps
+    else:
+        bound, ceiling, pct = "copy", ceil.copy_gbps, 100 * gbps / ceil.copy_gbps
+    return {**perf, "gbps": gbps, "tflops": tflops, "bound": bound, "ceiling": ceiling, "pct_of_ceiling": pct,
+            "device": ceil.device}
+
+
+def add_peers(records: list[dict]) -> None:
+    """Per record with perf: the other backends' times on the same inputs and the ratio peer / this."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if isinstance(r.get("perf"), dict):
+            key = (r["op"], r["dtype"], tuple(sorted(r["params"].items())), r["dist"], r["seed"])
+            groups.setdefault(key, []).append(r)
+    for recs in groups.values():
+        for r in recs:
+            r["perf"]["peers"] = {o["backend"]: {"ms": o["perf"]["ms"], "ratio": o["perf"]["ms"] / r["perf"]["ms"]}
+                                  for o in recs if o is not r and r["perf"]["ms"] > 0}

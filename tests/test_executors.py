@@ -1,0 +1,221 @@
+"""--executor ray and --devices (conformance/executors.py): the records of a Ray run are a local run's,
+a Ray worker killed mid-run loses no case, and a flag that cannot be honoured is exit 2 with one line.
+
+The Ray tests share one local cluster on CPU (started once for the module; Ray's start-up is slow).
+The backend below runs in an isolated worker whose parent is a Ray worker process, and kills that
+parent: the way a node or a worker dies on a real cluster.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernel_parity.conformance import executors, suites
+from kernel_parity.conformance.backends import Backend
+from kernel_parity.conformance.cli import main
+from kernel_parity.reports import records
+
+ROOT = Path(__file__).resolve().parent.parent
+HAS_RAY = importlib.util.find_spec("ray") is not None
+needs_ray = pytest.mark.skipif(not HAS_RAY, reason="ray is not installed")
+
+# a few hundred fast cases over five op families, among them float64 and float32 reductions whose
+# last bits depend on the worker's thread count (gemm backward, the kv cache, the MLP block backward)
+SELECTION = ["--suite", "ci", "--op", "softmax.*", "--op", "combine.*", "--op", "gemm.gemm_nt_backward",
+             "--op", "rope.kv_update", "--backend", "cpu", "--dtype", "fp32", "--no-progress", "-q"]
+SOFTMAX_CI = ["--suite", "ci", "--op", "softmax.softmax", "--dtype", "fp32", "--dist", "normal", "--no-progress", "-q"]
+N_SOFTMAX_CI = len(suites.cases("ci", suites.Filters(ops=("softmax.softmax",), backends=("cpu",), dtypes=("fp32",),
+                                                     dists=("normal",))))
+KILL_ONCE_N, KILL_ALWAYS_N = 17, 239  # softmax.softmax ci cases (params n) whose kernel kills its Ray worker
+
+
+# -- a backend that kills the Ray worker running it -------------------------------------------------------
+def _kill_ray_worker() -> None:
+    parent = os.getppid()
+    cmdline = Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ")
+    if b"ray::" not in cmdline and b"default_worker" not in cmdline:  # never the test process itself
+        raise RuntimeError(f"not run under a Ray worker: parent {parent} is {cmdline[:80]!r}")
+    os.kill(parent, signal.SIGKILL)
+    time.sleep(60)  # mid-case when its Ray worker dies; executors.worker_setup's watch ends this process
+
+
+def _kills(case, inputs, out):
+    n = case.p["n"]
+    marker = Path(os.environ["KP_TEST_RAY_DIR"]) / f"killed-n{n}"
+    if n == KILL_ALWAYS_N or (n == KILL_ONCE_N and not marker.exists()):
+        with marker.open("a") as f:
+            f.write("x")
+        _kill_ray_worker()
+    x = inputs["x"].astype(np.float64)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    y = out.numpy("y")
+    y[...] = (e / e.sum(axis=-1, keepdims=True)).astype(y.dtype)
+    return {"y": y}
+
+
+KILLS_RAY_WORKER = Backend(name="np_kills_ray_worker", device="cpu", ops={"softmax.softmax": _kills},
+                           doc="test backend: kills its Ray worker on two cases")
+
+
+def _spy(case, inputs, out):
+    """A correct softmax that notes which GPU its worker was given (CUDA_VISIBLE_DEVICES)."""
+    with open(Path(os.environ["KP_TEST_DEVICES_DIR"]) / str(os.getpid()), "a") as f:
+        f.write(os.environ.get("CUDA_VISIBLE_DEVICES", "unset") + "\n")
+    x = inputs["x"].astype(np.float64)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    y = out.numpy("y")
+    y[...] = (e / e.sum(axis=-1, keepdims=True)).astype(y.dtype)
+    return {"y": y}
+
+
+DEVICE_SPY = Backend(name="np_device_spy", device="cpu", ops={"softmax.softmax": _spy},
+                     doc="test backend: notes each worker's CUDA_VISIBLE_DEVICES")
+
+
+# -- fixtures ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One local Ray cluster (2 CPUs) for the module; this process is its driver. Yields its address."""
+    if not HAS_RAY:
+        pytest.skip("ray is not installed")
+    import ray
+
+    shared = tmp_path_factory.mktemp("ray")
+    with pytest.MonkeyPatch.context() as mp:  # the raylet and every worker inherit these
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        mp.setenv("KP_TEST_RAY_DIR", str(shared))
+        mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        mp.delenv("RAY_ADDRESS", raising=False)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        try:
+            yield ray.get_runtime_context().gcs_address
+        finally:
+            ray.shutdown()
+
+
+def _comparable(path: Path) -> dict[str, dict]:
+    """id -> record, less the wall-clock timings (the only field two runs of one case may differ in)."""
+    doc = records.load(path)
+    assert doc["complete"] is not None, f"{path}: the run did not finish"
+    return {r["id"]: {k: v for k, v in r.items() if k != "timing"} for r in doc["results"]}
+
+
+def _cli(*argv: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kernel_parity.conformance.cli", *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# -- tests ------------------------------------------------------------------------------------------------
+@needs_ray
+def test_ray_run_on_a_local_cluster_gives_the_records_of_a_local_run(cluster, tmp_path):
+    local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    assert main(["run", *SELECTION, "--jobs", "2", "--json", str(local)]) == 0
+    # a separate driver process connecting to the cluster by its address, as `parity run` on a laptop would
+    done = _cli("run", *SELECTION, "--jobs", "2", "--executor", "ray", "--address", cluster, "--json", str(on_ray))
+    assert done.returncode == 0, done.stderr
+    a, b = _comparable(local), _comparable(on_ray)
+    assert len(a) >= 200 and len({i.split("/")[0].split(".")[0] for i in a}) >= 4
+    assert sorted(b) == sorted(a)
+    differ = [i for i in a if a[i] != b[i]]
+    assert not differ, f"{len(differ)} of {len(a)} records differ from the local run's, first: {differ[0]}\n" \
+                       f"  local: {json.dumps(a[differ[0]])[:400]}\n  ray:   {json.dumps(b[differ[0]])[:400]}"
+
+
+@needs_ray
+def test_a_killed_ray_worker_loses_no_case(cluster, tmp_path, capsys):
+    out = tmp_path / "r.jsonl"
+    marker_dir = Path(os.environ.get("KP_TEST_RAY_DIR") or "")
+    not_quiet = [a for a in SOFTMAX_CI if a != "-q"]  # the lost workers are told on stderr
+    code = main(["run", *not_quiet, "--backend", "tests.test_executors:KILLS_RAY_WORKER", "--executor", "ray",
+                 "--jobs", "2", "--timeout", "120", "--json", str(out)])
+    err = capsys.readouterr().err
+    assert code == 1, err  # the case that kills every Ray worker running it is a crash
+    doc = records.load(out)
+    assert doc["complete"] is not None
+    by_n = {}
+    for r in doc["results"]:
+        by_n.setdefault(r["params"]["n"], []).append(r)
+    assert len(doc["results"]) == N_SOFTMAX_CI and all(len(rs) == 1 for rs in by_n.values())
+    once, always = by_n[KILL_ONCE_N][0], by_n[KILL_ALWAYS_N][0]
+    assert marker_dir.joinpath(f"killed-n{KILL_ONCE_N}").read_text() == "x"  # it did kill a worker, once
+    assert once["verdict"] == "pass"  # and was run again on another
+    assert marker_dir.joinpath(f"killed-n{KILL_ALWAYS_N}").read_text() == "x" * executors.LOST_LIMIT
+    assert always["verdict"] == "crash"
+    assert f"its Ray worker died {executors.LOST_LIMIT} times" in always["reason"]
+    rest = [r for n, rs in by_n.items() if n not in (KILL_ONCE_N, KILL_ALWAYS_N) for r in rs]
+    assert rest and {r["verdict"] for r in rest} == {"pass"}
+    assert f"lost the worker running {once['id']}" in err
+
+
+def test_devices_run_one_worker_per_gpu_with_the_records_of_a_local_run(tmp_path, monkeypatch):
+    """Two GPUs as CUDA would number them, on a machine with none: each worker is started with its
+    CUDA_VISIBLE_DEVICES (which a CPU kernel ignores), so the path runs in CI without a GPU."""
+    monkeypatch.setattr(executors, "visible_gpus", lambda: ["0", "1"])
+    spied = tmp_path / "spy"
+    spied.mkdir()
+    monkeypatch.setenv("KP_TEST_DEVICES_DIR", str(spied))
+    argv = ["run", *SOFTMAX_CI, "--backend", "cpu", "--backend", "tests.test_executors:DEVICE_SPY"]
+    local, on_devices = tmp_path / "local.jsonl", tmp_path / "devices.jsonl"
+    assert main([*argv, "--jobs", "2", "--json", str(local)]) == 0
+    for f in spied.iterdir():
+        f.unlink()
+    assert main([*argv, "--devices", "all", "--json", str(on_devices)]) == 0
+    a, b = _comparable(local), _comparable(on_devices)
+    assert len(a) == 2 * N_SOFTMAX_CI and a == b
+    seen = {f.name: set(f.read_text().split()) for f in spied.iterdir()}
+    assert all(len(devices) == 1 for devices in seen.values()), seen  # a worker keeps its one GPU
+    assert set().union(*seen.values()) == {"0", "1"}, seen  # one worker on each
+
+
+def _usage_error(argv: list[str], capsys) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("parity: error: "), (code, err)
+    return err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--address", "127.0.0.1:6379"], "add --executor ray"),
+    (["--executor", "ray", "--devices", "all"], "drop --devices"),
+    (["--devices", "0,0"], "names a GPU twice"),
+    (["--executor", "ray", "--no-isolate"], "cannot be combined with --executor ray"),
+])
+def test_executor_flags_that_cannot_be_honoured_are_one_line_exit_2(flags, says, capsys, tmp_path):
+    out = tmp_path / "r.jsonl"
+    assert says in _usage_error(["run", *SOFTMAX_CI, *flags, "--json", str(out)], capsys)
+    assert not out.exists()  # nothing written, nothing run
+
+
+@pytest.mark.skipif(executors.gpu_count() > 0, reason="this machine has a GPU")
+def test_devices_all_without_a_gpu_is_one_line_exit_2(capsys):
+    assert "this machine has no CUDA GPU" in _usage_error(["run", *SOFTMAX_CI, "--devices", "all"], capsys)
+
+
+def test_executor_ray_without_ray_installed_is_one_line_exit_2(capsys, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
+    err = _usage_error(["run", *SOFTMAX_CI, "--executor", "ray"], capsys)
+    assert "--executor ray needs the ray package: pip install 'kernel-parity[ray]'" in err
+
+
+@needs_ray
+def test_an_unreachable_address_is_one_line_exit_2():
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = _cli("run", *SOFTMAX_CI, "--executor", "ray", "--address", f"127.0.0.1:{port}", env=env, timeout=60)
+    err = done.stderr.strip()
+    assert done.returncode == 2 and len(err.splitlines()) == 1, done.stderr
+    assert f"--address 127.0.0.1:{port}: no Ray cluster answers there" in err

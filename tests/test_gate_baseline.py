@@ -1,0 +1,89 @@
+"""The gate against a baseline: a kernel made slightly less accurate (still inside its tolerance)
+shows as error growth and fails the gate, an unchanged kernel passes; with --bench a kernel that got
+slower than the declared factor on the same device fails, and `parity bench` records time, the
+throughput, the share of the ceiling measured in the same run and the peers' ratios."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from kernel_parity.conformance.cli import main
+from kernel_parity.reports import records
+
+KERNEL = '''import time
+
+import numpy as np
+
+from kernel_parity.conformance.backends import Backend
+
+NOISE, SLEEP = {noise!r}, {sleep!r}
+
+
+def _softmax(case, inputs, out):
+    x = inputs["x"].astype(np.float64)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    y64 = e / e.sum(axis=-1, keepdims=True)
+    y64 = y64 * (1.0 + NOISE * np.cos(np.arange(y64.size)).reshape(y64.shape))  # a bounded, deterministic error
+    if SLEEP:
+        time.sleep(SLEEP)
+    y = out.numpy("y")
+    y[...] = y64.astype(y.dtype)
+    return {{"y": y}}
+
+
+BACKEND = Backend(name="scratch", ops={{"softmax.softmax": _softmax}}, dtypes=("fp32",))
+'''
+ARGS = ["--backend", "scratch_kernel:BACKEND", "--op", "softmax.softmax", "--dtype", "fp32", "--dist", "normal", "--suite", "smoke",
+        "--no-progress", "-q"]
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "scratch_kernel.py"
+
+    def write(noise: float = 0.0, sleep: float = 0.0) -> None:
+        path.write_text(KERNEL.format(noise=noise, sleep=sleep))
+        sys.modules.pop("scratch_kernel", None)
+
+    return write
+
+
+def test_error_growth_inside_the_tolerance_fails_the_gate(plugin, tmp_path, capsys):
+    plugin(noise=0.0)
+    assert main(["gate", *ARGS, "--json", str(tmp_path / "base.jsonl")]) == 0
+    plugin(noise=5e-7)  # inside the fp32 rtol (1.3e-6 + accumulation): every case still passes
+    code = main(["gate", *ARGS, "--baseline", str(tmp_path / "base.jsonl"), "--json", str(tmp_path / "new.jsonl")])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert all(r["verdict"] == "pass" for r in records.load(tmp_path / "new.jsonl")["results"])
+    assert "GREW" in out and "norm_err" in out
+    plugin(noise=0.0)  # the tree as the baseline was taken: passes
+    assert main(["gate", *ARGS, "--baseline", str(tmp_path / "base.jsonl")]) == 0
+
+
+def test_a_slower_kernel_fails_a_bench_gate_on_the_same_device(plugin, tmp_path, capsys):
+    plugin()
+    assert main(["bench", *ARGS, "--json", str(tmp_path / "base.jsonl")]) == 0
+    doc = records.load(tmp_path / "base.jsonl")
+    perf = doc["results"][0]["perf"]
+    assert perf["ms"] > 0 and perf["bound"] in ("read", "copy", "matmul") and perf["pct_of_ceiling"] > 0
+    assert doc["header"]["ceilings"]["cpu"]["copy_gbps"] > 0
+    plugin(sleep=0.05)
+    code = main(["gate", *ARGS, "--bench", "--slowdown", "2", "--baseline", str(tmp_path / "base.jsonl")])
+    out = capsys.readouterr().out
+    assert code == 1 and "SLOWER" in out, out
+
+
+def test_bench_records_the_peers_ratio(tmp_path, capsys):
+    out = tmp_path / "b.jsonl"
+    assert main(["bench", "--suite", "smoke", "--op", "softmax.softmax", "--dtype", "fp32", "--backend", "cpu,torch",
+                 "--no-progress", "-q", "--json", str(out)]) == 0
+    by_backend = {}
+    for r in records.load(out)["results"]:
+        by_backend.setdefault(r["backend"], []).append(r)
+    cpu = by_backend["cpu"][0]["perf"]
+    assert set(cpu["peers"]) == {"torch"}
+    assert cpu["peers"]["torch"]["ratio"] == pytest.approx(cpu["peers"]["torch"]["ms"] / cpu["ms"])
