@@ -102,6 +102,10 @@ class OpSpec:
     cotangent_of: tuple[str, ...] = ()  # forward outputs that receive a cotangent
     gradients: dict[str, Output] = field(default_factory=dict)  # gradient outputs (judged like outputs)
     gradient_shapes: Callable[[dict[str, Any]], dict[str, tuple[int, ...]]] | None = None
+    # `parity bench`'s cost model: the matmul work of one call, and (bytes read, bytes written) when
+    # "every input read once, every output written once" is not what the kernel moves
+    flops: Callable[[dict[str, Any]], float] | None = None
+    bytes_moved: Callable[[dict[str, Any]], tuple[int, int]] | None = None
 
     def canonical_dtype(self, name: str) -> str:
         """A case dtype: the name of one of the op's dtype sets, or a dtype (aliases resolved)."""

@@ -9,6 +9,15 @@
 - the block golden is the composition of the family goldens stage by stage: each stage recomputed from
   the previous one by refimpl.norm / gemm / rope / kvcache / attention (chunked_prefill, another golden
   than the one the block uses) / mlp equals the block golden's stage.
+The whole-layer backward (blocks.mlp_backward, blocks.attention_prefill_backward):
+- every backend's gradients vs the golden, stage by stage;
+- the gradients are linear in dout: G(2^j dout) = 2^j G(dout) bit for bit (every stage is linear in the
+  cotangent, and a power of two commutes with every rounding), G(d1 + d2) = G(d1) + G(d2) within the op's
+  limits (d1 + d2 exact in fp32, the sum of the two gradients taken in float64);
+- a row of the MLP block alone gives that row's gradients (dx and the stages, bit for bit on the C
+  kernel), and the weight gradients of the T rows are the sums of the rows' own (within the op's limits);
+- a quantized block's dx is the dx of the float32 block holding its dequantized weights (the L1 meaning),
+  bit for bit on the C and eager kernels.
 Shapes stay small: the Triton compositions run through the interpreter on CI.
 """
 
@@ -26,7 +35,7 @@ from kernel_parity.conformance.tolerance import GOLDEN_SELF_CHECK
 from kernel_parity.conformance.dtypes import get as get_dtype
 from kernel_parity.property_tests import runs
 from kernel_parity.property_tests.strategies import cases
-from kernel_parity.refimpl import attention, blocks as ref, gemm, kvcache, mlp, norm, rope
+from kernel_parity.refimpl import attention, blocks as ref, gemm, kvcache, mlp, norm, quant, rope
 
 QUANT = ("q8_0", "q5_0", "q4_k", "q6_k")
 TRITON_FEW = settings(max_examples=4)  # the interpreter: each example is seconds
@@ -222,3 +231,162 @@ def test_mlp_golden_is_the_composition_of_the_goldens(case, reference):
     _close("act", mlp.swiglu(*mlp.split(g["h"])), g["act"], case)
     _close("down", proj(g["act"], p["w2"], {"w": x["w2"]}), g["down"], case)
     _close("out", g["h1"] + g["down"], g["out"], case)
+
+
+# -- the whole-layer backward ---------------------------------------------------------------------------------
+MLP_BWD, ATTN_BWD = "blocks.mlp_backward", "blocks.attention_prefill_backward"
+
+
+@pytest.mark.parity_backends("cpu", "torch")
+@given(case=cases(MLP_BWD, **MLP))
+def test_mlp_backward(parity, backend, case):
+    parity.check(case.with_backend(backend))
+
+
+@pytest.mark.parity_backends("cpu", "torch")
+@given(case=cases(ATTN_BWD, t=(1, 20), start=(0, 80), **ATTN))
+def test_attention_prefill_backward(parity, backend, case):
+    parity.check(case.with_backend(backend))
+
+
+TRITON_BWD = dict(w1=["f32", "q8_0"], w2=["f32", "q8_0"], wqkv=["f32", "q8_0"], wo=["f32", "q8_0"])
+
+
+def _backward_case(op: str, data, triton: bool = False, **fmts):
+    """A small backward case of `op` (Triton: the formats its composition takes, shorter rows)."""
+    if op == MLP_BWD:
+        bounds = {**MLP, "e": (8, 64), "i": (1, 64)} if triton else MLP
+        fmts = {k: v for k, v in {**(TRITON_BWD if triton else {}), **fmts}.items() if k in ("w1", "w2")}
+    else:
+        bounds = dict(t=(1, 9), start=(0, 40), **{**ATTN, "e": (8, 64)})
+        fmts = {k: v for k, v in {**(TRITON_BWD if triton else {}), **fmts}.items() if k in ("wqkv", "wo")}
+    return data.draw(cases(op, **bounds, **fmts))
+
+
+@pytest.mark.parity_backends("triton")
+@TRITON_FEW
+@given(case=cases(MLP_BWD, **{**MLP, "e": (8, 64), "i": (1, 64)}, w1=TRITON_BWD["w1"], w2=TRITON_BWD["w2"]))
+def test_triton_mlp_backward(parity, backend, case):
+    parity.check(case.with_backend(backend))
+
+
+@pytest.mark.parity_backends("triton")
+@TRITON_FEW
+@given(case=cases(ATTN_BWD, t=(1, 9), start=(0, 40), **{**ATTN, "e": (8, 64)}, wqkv=TRITON_BWD["wqkv"],
+                  wo=TRITON_BWD["wo"]))
+def test_triton_attention_prefill_backward(parity, backend, case):
+    parity.check(case.with_backend(backend))
+
+
+def _scales_with_dout(case, j: int) -> None:
+    x = runs.inputs_of(case)
+    base = runs.run(case, x)
+    scaled = runs.run(case, {**x, "dout": (x["dout"] * np.float32(2.0 ** j)).astype(np.float32)})
+    want = {k: (np.asarray(v, dtype=np.float64) * 2.0 ** j).astype(np.float32) for k, v in base.items()}
+    runs.assert_same_bits(case, scaled, want, f"dout was scaled by 2^{j}")
+
+
+@pytest.mark.parity_backends(by_op={MLP_BWD: ("cpu", "torch"), ATTN_BWD: ("cpu", "torch")})
+@settings(max_examples=10)
+@given(data=st.data(), j=st.sampled_from([-2, 3]))
+def test_backward_scales_with_dout(op, backend, data, j):
+    _scales_with_dout(_backward_case(op, data).with_backend(backend), j)
+
+
+@pytest.mark.parity_backends(by_op={MLP_BWD: ("triton",), ATTN_BWD: ("triton",)})
+@settings(max_examples=2)
+@given(data=st.data(), j=st.sampled_from([-2, 3]))
+def test_triton_backward_scales_with_dout(op, backend, data, j):
+    _scales_with_dout(_backward_case(op, data, triton=True).with_backend(backend), j)
+
+
+def _additive_in_dout(case) -> None:
+    """G(d1 + d2) = G(d1) + G(d2) within the op's limits. d1 (the case's dout), d2 (drawn) on a grid of 2^-10
+    below 2^4: d1 + d2 is exact in fp32, so the two sides differ only by the kernel's own rounding; the
+    padding lanes stay zero (the cotangent's contract)."""
+    x = runs.inputs_of(case)
+    grid, e = 2.0 ** -10, case.p["e"]
+    d1 = np.clip(np.round(x["dout"].astype(np.float64) / grid) * grid, -15.0, 15.0)
+    d2 = np.zeros_like(d1)
+    d2[:, :e] = np.clip(np.round(np.random.default_rng(case.seed + 1).standard_normal((d1.shape[0], e)) / grid) * grid,
+                        -15.0, 15.0)
+    g1, g2, g12 = (runs.run(case, {**x, "dout": d.astype(np.float32)}) for d in (d1, d2, d1 + d2))
+    runs.assert_close(case, g12, {k: np.asarray(g1[k], dtype=np.float64) + np.asarray(g2[k], dtype=np.float64)
+                                  for k in g1}, "dout was the sum of two cotangents")
+
+
+@pytest.mark.parity_backends(by_op={MLP_BWD: ("cpu", "torch"), ATTN_BWD: ("cpu", "torch")})
+@settings(max_examples=6)
+@given(data=st.data())
+def test_backward_is_additive_in_dout(op, backend, data):
+    _additive_in_dout(_backward_case(op, data).with_backend(backend))
+
+
+@pytest.mark.parity_backends(by_op={MLP_BWD: ("triton",), ATTN_BWD: ("triton",)})
+@settings(max_examples=2)
+@given(data=st.data())
+def test_triton_backward_is_additive_in_dout(op, backend, data):
+    _additive_in_dout(_backward_case(op, data, triton=True).with_backend(backend))
+
+
+@pytest.mark.parity_backends("cpu", "torch")
+@settings(max_examples=10)
+@given(case=cases(MLP_BWD, **{**MLP, "t": (2, 5)}, w1=["f32"], w2=["f32"]), row=st.integers(0, 4))
+def test_mlp_backward_rows_are_independent(backend, case, row):
+    """Row `row` alone gives its row of every stage and of dx; the T rows' dgamma, dw1, dw2 are the sums
+    of each row's own."""
+    case = case.with_backend(backend)
+    row = row % case.p["t"]
+    x = runs.inputs_of(case)
+    whole = runs.run(case, x)
+    rows = [k for k in ("x", "norm", "rstd", "h", "act", "dout")]
+    parts = []
+    for r in range(case.p["t"]):
+        one = ops.make_case(MLP_BWD, backend, case.dtype, {**case.p, "t": 1}, case.dist, case.seed)
+        parts.append(runs.run(one, {**x, **{k: np.ascontiguousarray(x[k][r:r + 1]) for k in rows}}))
+    one = ops.make_case(MLP_BWD, backend, case.dtype, {**case.p, "t": 1}, case.dist, case.seed)
+    mine = {k: v for k, v in parts[row].items() if k in ("dact", "dh", "dnorm", "dx")}
+    want = {k: np.asarray(whole[k])[row:row + 1] for k in mine}
+    if backend == "cpu":
+        runs.assert_same_bits(one, mine, want, f"row {row} was differentiated alone")
+    else:
+        runs.assert_close(one, mine, {k: v.astype(np.float64) for k, v in want.items()},
+                          f"row {row} was differentiated alone")
+    sums = {k: sum(np.asarray(part[k], dtype=np.float64) for part in parts) for k in ("dgamma", "dw1", "dw2")}
+    runs.assert_close(case, {k: whole[k] for k in sums}, sums, "the rows' weight gradients were summed")
+
+
+def _dx_of_dequantized_weights(case) -> None:
+    """The quantized block's gradients vs the float32 block's given the dequantized weights (exact in fp32):
+    bit for bit on the C and eager kernels (the same arithmetic once the weight is read); within the op's
+    limits on the Triton composition (its GGML decoder's tiles vs its fp32 matmul's)."""
+    names = ({"w1": "w1", "w2": "w2"} if case.op == MLP_BWD
+             else {"wq": "wqkv", "wk": "wqkv", "wv": "wqkv", "wo": "wo"})
+    x = runs.inputs_of(case)
+    got = runs.run(case, x)
+    params = {**case.p, **{fmt: "f32" for fmt in names.values()}}
+    plain = ops.make_case(case.op, case.backend, case.dtype, params, case.dist, case.seed)
+    dense = {w: quant.dequantize(case.p[fmt], x[w]).astype(np.float32) for w, fmt in names.items()}  # exact
+    want = runs.run(plain, {**x, **dense})
+    if case.backend == "triton":
+        runs.assert_close(case, got, {k: np.asarray(want[k], dtype=np.float64) for k in got},
+                          "the weights were given dequantized, as float32")
+    else:
+        runs.assert_same_bits(case, {k: got[k] for k in got}, {k: want[k] for k in got},
+                              "the weights were given dequantized, as float32")
+
+
+@pytest.mark.parity_backends(by_op={MLP_BWD: ("cpu", "torch"), ATTN_BWD: ("cpu", "torch")})
+@settings(max_examples=8)
+@given(data=st.data())
+def test_quantized_block_dx_is_the_dx_of_its_dequantized_weights(op, backend, data):
+    fmts = (dict(w1=list(QUANT), w2=list(QUANT)) if op == MLP_BWD else dict(wqkv=["q8_0", "q5_0"], wo=["q8_0", "q5_0"]))
+    _dx_of_dequantized_weights(_backward_case(op, data, **fmts).with_backend(backend))
+
+
+@pytest.mark.parity_backends(by_op={MLP_BWD: ("triton",), ATTN_BWD: ("triton",)})
+@settings(max_examples=2)
+@given(data=st.data())
+def test_triton_quantized_block_dx_is_the_dx_of_its_dequantized_weights(op, backend, data):
+    fmts = dict(w1=["q8_0"], w2=["q8_0"]) if op == MLP_BWD else dict(wqkv=["q8_0"], wo=["q8_0"])
+    _dx_of_dequantized_weights(_backward_case(op, data, triton=True, **fmts).with_backend(backend))

@@ -6,11 +6,20 @@
 - gemm_nt is linear in A for fixed W (L1): C(a1 + a2) = C(a1) + C(a2), C(t a) = t C(a);
 - a kernel's rows do not depend on the other rows of A (row i alone gives row i of the batch),
   except with a per-tensor activation scale, which couples them.
+The backward (gemm.gemm_nt_backward):
+- every backend's gradients against the golden (da, and dw / db for float32 W);
+- the gradients are linear in dc: G(2^j dc) = 2^j G(dc) bit for bit (a power of two scales every
+  product and partial sum exactly), G(dc1 + dc2) = G(dc1) + G(dc2) within the op's limits (fp32);
+- da of a quantized weight is da of its dequantized float32 weight (the L1 meaning): bit for bit on the
+  C kernel (the same panel arithmetic), within the op's limits on the others;
+- db is the sum of dc over the rows (float64 sum of the fp32 / bf16 dc, within db's limits);
+- the gradient of a batch is the sum of its parts': rows [0, r) and [r, M) differentiated apart give
+  dw and db summing to the whole's (summed in float64) and da's rows (bit for bit on the C kernel).
 """
 
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kernel_parity.conformance import ops
@@ -86,3 +95,113 @@ def test_a_row_alone_gives_that_row(parity, backend, case, row):
         runs.assert_same_bits(case, got, want, f"row {row} of A is multiplied alone")
     else:
         runs.assert_close(single, got, want, f"row {row} of A is multiplied alone")
+
+
+# -- gemm.gemm_nt_backward ---------------------------------------------------------------------------------
+BWD = "gemm.gemm_nt_backward"
+FEW = settings(max_examples=6)  # each example runs the kernels two or three times (the interpreter: seconds)
+
+
+def _backend_takes(backend: str, case) -> None:
+    """Reject a draw the backend has no path for (a weight format it does not decode, a dtype it does not
+    take): drawn again, never a silent pass."""
+    b = runs.registry().get(backend)
+    assume(b.available() is None and b.supports(case.with_backend(backend)) is None)
+
+
+@pytest.mark.parity_backends("triton", "cpu", "torch")
+@given(case=cases(BWD, m=[1, 2, 5, 16, 17, 33], n=(0, 5), k=(0, 1), transform=_shape))
+def test_gemm_nt_backward(parity, backend, case):
+    _backend_takes(backend, case)
+    parity.check(case.with_backend(backend))
+
+
+@FEW
+@pytest.mark.parity_backends("triton", "cpu", "torch")
+@given(case=cases(BWD, m=[1, 3, 17], n=(0, 5), k=(0, 1), dtypes=("fp32", "bf16"), dists=("normal", "outlier"),
+                  transform=_shape),
+       j=st.sampled_from([-3, 2, 5]))
+def test_backward_scales_with_dc(backend, case, j):
+    """G(2^j dc) = 2^j G(dc), bit for bit: scaling by a power of two commutes with every rounding."""
+    case = case.with_backend(backend)
+    _backend_takes(backend, case)
+    x = runs.inputs_of(case)
+    base = runs.run(case, x)
+    scaled = runs.run(case, {**x, "dc": (x["dc"] * np.float32(2.0 ** j)).astype(x["dc"].dtype)})
+    want = {k: (np.asarray(v, dtype=np.float64) * 2.0 ** j).astype(np.asarray(v).dtype) for k, v in base.items()}
+    runs.assert_same_bits(case, scaled, want, f"dc was scaled by 2^{j}")
+
+
+@FEW
+@pytest.mark.parity_backends("triton", "cpu", "torch")
+@given(case=cases(BWD, m=[1, 3, 17], n=(0, 5), k=(0, 1), dtypes=("fp32",), transform=_shape),
+       seed=st.integers(0, 2**32 - 1))
+def test_backward_is_additive_in_dc(backend, case, seed):
+    """G(dc1 + dc2) = G(dc1) + G(dc2) within the op's limits (fp32: the sums round once more)."""
+    case = case.with_backend(backend)
+    _backend_takes(backend, case)
+    x = runs.inputs_of(case)
+    dc2 = np.random.default_rng(seed).standard_normal(x["dc"].shape).astype(np.float32)
+    g1, g2 = runs.run(case, x), runs.run(case, {**x, "dc": dc2})
+    g12 = runs.run(case, {**x, "dc": (x["dc"].astype(np.float64) + dc2).astype(np.float32)})
+    runs.assert_close(case, g12, {k: np.asarray(g1[k], dtype=np.float64) + np.asarray(g2[k], dtype=np.float64)
+                                  for k in g1}, "dc was the sum of two cotangents")
+
+
+@FEW
+@pytest.mark.parity_backends("triton", "cpu", "torch")
+@given(case=cases(BWD, m=[1, 5, 17], n=(0, 5), k=(0, 1), wfmt=[w for w in GGML_W], transform=_shape))
+def test_da_of_a_quantized_weight_is_da_of_its_dequantized_weight(backend, case):
+    case = case.with_backend(backend)
+    _backend_takes(backend, case)
+    x = runs.inputs_of(case)
+    got = runs.run(case, x)
+    plain = ops.make_case(BWD, backend, case.dtype, {**case.p, "wfmt": "f32", "bias": 0}, case.dist, case.seed)
+    w32 = quant.dequantize(case.p["wfmt"], x["w"]).astype(np.float32)  # exact: ggml's values are fp32
+    want = runs.run(plain, {"a": x["a"], "w": w32, "dc": x["dc"]})
+    if backend == "triton":  # two kernels (the GGML decoder's tiles, the fp32 matmul's)
+        runs.assert_close(case, {"da": got["da"]}, {"da": np.asarray(want["da"], dtype=np.float64)},
+                          "W was given dequantized, as float32")
+    else:
+        runs.assert_same_bits(case, {"da": got["da"]}, {"da": want["da"]}, "W was given dequantized, as float32")
+
+
+@FEW
+@pytest.mark.parity_backends("triton", "cpu", "torch")
+@given(case=cases(BWD, m=[1, 3, 17, 40], n=(0, 5), k=(0, 1), dtypes=("fp32", "bf16"), dists=("normal", "outlier"),
+                  wfmt=["f32"], bias=[1], transform=_shape))
+def test_db_is_the_sum_of_dc_over_rows(backend, case):
+    case = case.with_backend(backend)
+    _backend_takes(backend, case)
+    x = runs.inputs_of(case)
+    got = runs.run(case, x)
+    runs.assert_close(case, {"db": got["db"]}, {"db": np.asarray(x["dc"], dtype=np.float64).sum(axis=0)},
+                      "db was checked against the float64 sum of dc's rows")
+
+
+@FEW
+@pytest.mark.parity_backends("triton", "cpu", "torch")
+@given(case=cases(BWD, m=[2, 5, 17, 33], n=(0, 5), k=(0, 1), dtypes=("fp32",), wfmt=["f32"], bias=[1],
+                  transform=_shape),
+       cut=st.integers(1, 32))
+def test_the_gradient_of_a_batch_is_the_sum_of_its_parts(backend, case, cut):
+    """Rows [0, r) and [r, M) apart: dw and db add up (float64) to the whole batch's; da's rows are theirs."""
+    case = case.with_backend(backend)
+    _backend_takes(backend, case)
+    x = runs.inputs_of(case)
+    whole = runs.run(case, x)
+    r = 1 + cut % (case.p["m"] - 1)
+    parts = []
+    for rows in (slice(0, r), slice(r, case.p["m"])):
+        one = ops.make_case(BWD, backend, case.dtype, {**case.p, "m": rows.stop - rows.start}, case.dist, case.seed)
+        parts.append(runs.run(one, {**x, "a": np.ascontiguousarray(x["a"][rows]),
+                                    "dc": np.ascontiguousarray(x["dc"][rows])}))
+    sums = {k: np.asarray(parts[0][k], dtype=np.float64) + np.asarray(parts[1][k], dtype=np.float64)
+            for k in ("dw", "db")}
+    runs.assert_close(case, {k: whole[k] for k in sums}, sums, f"rows [0, {r}) and [{r}, M) were summed")
+    da = np.concatenate([np.asarray(parts[0]["da"]), np.asarray(parts[1]["da"])])
+    if backend == "cpu":  # one row's da is its own panel dot on the C kernel
+        runs.assert_same_bits(case, {"da": whole["da"]}, {"da": da}, f"rows [0, {r}) and [{r}, M) ran apart")
+    else:  # the tile a row falls in may change the BLAS blocking of the interpreter's / eager matmul
+        runs.assert_close(case, {"da": whole["da"]}, {"da": da.astype(np.float64)},
+                          f"rows [0, {r}) and [{r}, M) ran apart")

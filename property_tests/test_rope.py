@@ -5,10 +5,14 @@ Kernel (every backend, or the --parity-backend plugins):
   mode the spec has (shapes small: the Triton kernels run through the interpreter on CI);
 - at position 0 RoPE is the identity: every position set to 0 gives x back, value for value;
 - the dims outside the rotary part are x's, bit for bit.
+- rope.rope_backward vs its golden; and the backward is the forward at the negated angle: each
+  backend's dx equals its own rope.rope of dy with the table's sin negated, within the op's limits
+  (the pass-through dims dy's, bit for bit).
 Golden (float64):
 - every pair keeps its norm;
 - rotating by p and then by -p gives x back;
-- q at m and k at n: their dot product depends on m - n only (the relative-position property).
+- q at m and k at n: their dot product depends on m - n only (the relative-position property);
+- the backward is the adjoint of the forward, <RoPE(x), dy> = <x, dx>, and RoPE at -p of dy.
 """
 
 import numpy as np
@@ -17,6 +21,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import kernel_parity.refimpl.rope as ref
+from kernel_parity.conformance import ops
 from kernel_parity.conformance.dtypes import get as get_dtype
 from kernel_parity.conformance.metrics import compare
 from kernel_parity.conformance.tolerance import GOLDEN_SELF_CHECK
@@ -88,6 +93,47 @@ def test_dims_outside_the_rotary_part_are_copied_bit_for_bit(parity, backend, ca
     assert bad == 0, f"{backend} rope changed {bad} bytes of the pass-through dims\n  repro: {rec.repro}"
 
 
+# -- backward ------------------------------------------------------------------------------------------
+def _stored_table(p):
+    """A valid draw whose angles come from a stored table (theta's are built by the kernel)."""
+    p = _valid(p)
+    return {**p, "table": "cos_sin"} if p["table"] == "theta" else p
+
+
+@pytest.mark.parity_backends(*BACKENDS)
+@given(case=cases("rope.rope_backward", transform=_valid, **SMALL))
+def test_rope_backward(parity, backend, case):
+    parity.check(case.with_backend(backend))
+
+
+@pytest.mark.parity_backends(*BACKENDS)
+@given(case=cases("rope.rope_backward", transform=_stored_table, **SMALL))
+def test_backward_is_the_forward_at_the_negated_angle(backend, case):
+    """dx = rope.rope(dy) with sin -> -sin in the stored table (exact in every table dtype), on the
+    same backend: within the backward's limits, and the pass-through dims bit for bit."""
+    case = case.with_backend(backend)
+    inputs = runs.inputs_of(case)
+    fwd_in = {"x": inputs["dy"], "positions": inputs["positions"]}
+    if "sin" in inputs:
+        fwd_in.update(cos=inputs["cos"], sin=-inputs["sin"])
+    else:
+        table = inputs["table"].copy()
+        table[..., 1] = -table[..., 1]
+        fwd_in["table"] = table
+    fwd = ops.make_case("rope.rope", case.backend, case.dtype, case.p, case.dist, case.seed)
+    dx, y = runs.run(case, inputs)["dx"], runs.run(fwd, fwd_in)["y"]
+    what = "compared with rope.rope of dy at the negated angle (sin negated in the table)"
+    runs.assert_close(case, {"dx": dx}, {"dx": y.astype(np.float64)}, what)
+    p = case.p
+    lo = 0 if p["at"] == "first" else p["d"] - p["rot"]
+    keep = np.ones(p["d"], dtype=bool)
+    keep[lo:lo + p["rot"]] = False
+    a, b = np.ascontiguousarray(dx[..., keep]), np.ascontiguousarray(inputs["dy"][..., keep])
+    bad = int(np.count_nonzero(a.view(np.uint8) != b.view(np.uint8)))
+    assert bad == 0, (f"{backend} rope_backward changed {bad} bytes of dy's pass-through dims\n"
+                      f"  repro: parity repro {case.id}")
+
+
 # -- golden invariants ----------------------------------------------------------------------------
 def _golden_close(got, want, what):
     cmp = compare(got, want, get_dtype("fp64"), GOLDEN_SELF_CHECK)
@@ -146,3 +192,14 @@ def test_golden_dot_products_depend_on_relative_position_only(r, where):
     dot = lambda mm, nn: np.einsum("thd,thd->th", ref.rope(q, r["cos"], r["sin"], mm, **kw),  # noqa: E731
                                    ref.rope(k, r["cos"], r["sin"], nn, **kw))
     _golden_close(dot(m + shift, n + shift), dot(m, n), f"q.k at (m + {shift}, n + {shift}) vs at (m, n)")
+
+
+@given(r=rotations())
+def test_golden_backward_is_the_adjoint_and_the_negated_angle(r):
+    """<RoPE(x), dy> = <x, RoPE_backward(dy)> per head, and RoPE_backward(dy) = RoPE(dy) at -p."""
+    kw = dict(style=r["style"], rot=r["rot"], at=r["at"])
+    dy = np.random.default_rng(r["positions"].sum()).standard_normal(r["x"].shape)
+    dx = ref.rope_backward(dy, r["cos"], r["sin"], r["positions"], **kw)
+    y = ref.rope(r["x"], r["cos"], r["sin"], r["positions"], **kw)
+    _golden_close(np.einsum("thd,thd->th", r["x"], dx), np.einsum("thd,thd->th", y, dy), "<x, dx> vs <RoPE(x), dy>")
+    _golden_close(dx, ref.rope(dy, r["cos"], -r["sin"], r["positions"], **kw), "rope_backward(dy) vs RoPE(dy) at -p")

@@ -351,3 +351,18 @@ def chunked_prefill(q: NDArray, k_cache: NDArray, v_cache: NDArray, cu_seqlens_q
     o_p = o.reshape(-1, *o.shape[2:])[flat]  # total_q, h_q, d_v
     lse_p, lse_sink_p = (x.transpose(0, 2, 1).reshape(flat.size, -1)[flat].T for x in (lse, lse_sink))
     return o_p, lse_p, lse_sink_p
+
+
+# Backward (VJP) goldens live beside the forward ones, in their own module (refimpl/attention_grad.py),
+# and are part of this family's namespace: attention.prefill_backward's golden is refimpl.attention.prefill_backward.
+# Resolved on first use (PEP 562): attention_grad imports this module, so an import here would fail
+# whenever attention_grad is the module imported first.
+_BACKWARD = ("prefill_backward", "varlen_backward")
+
+
+def __getattr__(name: str):
+    if name in _BACKWARD:
+        from kernel_parity.refimpl import attention_grad
+
+        return getattr(attention_grad, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -36,6 +36,22 @@ Conventions (OPS.md, layers; research/seed-systems.md §1):
   L2's quantization of the attention output before a quantized W_o is the seed's prefill step
   (`quantize_attn_out_head_major_q8_0`); with a_d a multiple of 32 its Q8_0 blocks lie inside heads.
 Everything else is float64; the golden never rounds an intermediate.
+
+Backward (OPS.md, backward; the seed's whole-layer backward): `mlp_backward` and
+`attention_prefill_backward` are the VJPs of `mlp` and `attention_prefill` with respect to the block's
+inputs, for the cotangent `dout` of its output, composed of the family VJP goldens (gemm.gemm_nt_backward,
+mlp.swiglu_backward, norm.rms_norm_backward, rope.rope_backward, attention_grad.prefill_backward) in
+reverse pipeline order, every intermediate gradient returned as a stage:
+    mlp:        dact = dout W2;  dh = (dgate, dup) of SwiGLU;  dnorm = dh W1;  dx = RMSNorm's dx + dout;
+                dgamma, dw1 = dh^T norm, dw2 = dout^T act
+    attention:  dattn = dout W_o;  (dq_rope, dk_rope, dv) of the causal attention over history + chunk
+                (the history a constant: only the new keys' gradients);  dq, dk = RoPE^T;
+                dnorm = dq Wq + dk Wk + dv Wv;  dx, dgamma of RMSNorm;  dW = dY^T X and db = sum dY per
+                projection;  dr = dout
+Quantized weights mean their dequantized values (L1); the weight gradients are returned for every
+format (what a float32 weight of those values would get). The forward is recomputed in float64 from
+the inputs: the exact VJP at them. The new k / v rows' lanes [d, a_d) are cleared by the cache write,
+so their gradients there are zero.
 """
 
 from __future__ import annotations
@@ -46,13 +62,15 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from kernel_parity.refimpl import attention, gemm, kvcache, mlp as mlp_ref, norm, rope
+from kernel_parity.refimpl import attention, attention_grad, gemm, kvcache, mlp as mlp_ref, norm, rope
 
 F64 = NDArray[np.float64]
 REFERENCES = ("dequant", "emulated")
 ATTENTION_STAGES = ("norm", "q", "k", "v", "q_rope", "k_rope", "attn")
 MLP_STAGES = ("norm", "h", "act", "down")
 OUTPROJ_MLP_STAGES = ("proj", "h1", "norm", "h", "act", "down")
+MLP_GRAD_STAGES = ("dact", "dh", "dnorm")
+ATTENTION_GRAD_STAGES = ("dattn", "dq_rope", "dk_rope", "dv", "dq", "dk", "dnorm")
 
 
 class Weight(NamedTuple):
@@ -183,3 +201,83 @@ def outproj_mlp(attn: NDArray, residual: NDArray, wo: Weight, gamma: NDArray, ep
     proj = project(np.asarray(attn, dtype=np.float64), wo, bo, reference)
     h1 = proj + np.asarray(residual, dtype=np.float64)
     return {"proj": proj, "h1": h1, **mlp(h1, gamma, eps, w1, w2, n=n, gemma=gemma, reference=reference)}
+
+
+# -- backward ---------------------------------------------------------------------------------------------
+def dense(w: Weight, k: int) -> F64:
+    """The (N, K) float64 values of a Weight of K columns (dequantized; "f32_heads" flattened)."""
+    if w.fmt == "f32_heads":
+        h, n, ad = np.shape(w.data)
+        return np.asarray(w.data, dtype=np.float64).transpose(1, 0, 2).reshape(n, h * ad)
+    return gemm.dequantize_weight(w.fmt, {"w": w.data}, k)
+
+
+def mlp_backward(x: NDArray, gamma: NDArray, eps: float, w1: Weight, w2: Weight, dout: NDArray, *, n: int,
+                 gemma: bool = False) -> dict[str, F64]:
+    """VJP of `mlp` (the dequantized weights: L1) for the cotangent dout of its output.
+
+    x: (T, aE), lanes [n, aE) zero;  gamma: (aE,);  w1: Weight (2I, aE) gate rows first;  w2: Weight (aE, I)
+    dout: (T, aE) the cotangent of out = x + down
+    returns: {"dact": (T, I), "dh": (T, 2I) (dgate | dup), "dnorm": (T, aE), "dx": (T, aE),
+              "dgamma": (aE,), "dw1": (2I, aE), "dw2": (aE, I)}
+    """
+    x, dout = np.asarray(x, dtype=np.float64), np.asarray(dout, dtype=np.float64)
+    fwd = mlp(x, gamma, eps, w1, w2, n=n, gemma=gemma)
+    i = fwd["act"].shape[-1]
+    g2 = gemm.gemm_nt_backward(fwd["act"], dense(w2, i), dout)  # down = act W2^T
+    sw = mlp_ref.swiglu_backward(*mlp_ref.split(fwd["h"]), g2["da"])
+    dh = np.concatenate([sw["dgate"], sw["dup"]], axis=-1)  # T, 2I: gate first, as h
+    g1 = gemm.gemm_nt_backward(fwd["norm"], dense(w1, x.shape[-1]), dh)  # h = norm W1^T
+    nb = norm.rms_norm_backward(x, gamma, g1["da"], eps, n=n, gemma=gemma)
+    return {"dact": g2["da"], "dh": dh, "dnorm": g1["da"], "dx": nb["dx"] + dout, "dgamma": nb["dw"],
+            "dw1": g1["dw"], "dw2": g2["dw"]}
+
+
+def attention_prefill_backward(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: Weight, wv: Weight,
+                               wo: Weight, k_cache: NDArray, v_cache: NDArray, cos: NDArray, sin: NDArray, start: int,
+                               dout: NDArray, *, n: int, h_q: int, h_kv: int, d: int, bq: NDArray | None = None,
+                               bk: NDArray | None = None, bv: NDArray | None = None, bo: NDArray | None = None,
+                               residual: NDArray | None = None, style: str = "half",
+                               gemma: bool = False) -> dict[str, F64]:
+    """VJP of `attention_prefill` (the dequantized weights: L1) for the cotangent dout of its output; the
+    cache history (slots < start) is a constant.
+
+    arguments: as `attention_prefill`;  dout: (T, aE) the cotangent of out
+    returns: stages {"dattn", "dq_rope", "dq": (T, h_q, a_d), "dk_rope", "dv", "dk": (T, h_kv, a_d),
+             "dnorm": (T, aE)} and {"dx": (T, aE), "dgamma": (aE,), "dwq": (h_q a_d, aE), "dwk", "dwv":
+             (h_kv a_d, aE), "dwo": (aE, h_q a_d)}, with "dbq", "dbk", "dbv", "dbo" for the biases given and
+             "dr" (= dout) for a residual
+    """
+    x, dout = np.asarray(x, dtype=np.float64), np.asarray(dout, dtype=np.float64)
+    t, ae = x.shape
+    ad = np.shape(k_cache)[-1]
+    fwd = attention_prefill(x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, n=n, h_q=h_q, h_kv=h_kv,
+                            d=d, bq=bq, bk=bk, bv=bv, bo=bo, residual=residual, style=style, gemma=gemma)
+    go = gemm.gemm_nt_backward(fwd["attn"].reshape(t, h_q * ad), dense(wo, h_q * ad), dout, bias=bo is not None)
+    dattn = go["da"].reshape(t, h_q, ad)
+    live = start + t  # keys 0 .. live - 1: the history, then the chunk's own rows (bottom-right causal)
+    ga = attention_grad.prefill_backward(fwd["q_rope"][None], _head_major(fwd["k_cache"][:, :live]),
+                                         _head_major(fwd["v_cache"][:, :live]), dattn[None], causal="bottom_right",
+                                         scale=1.0 / math.sqrt(d))
+    real = (np.arange(ad) < d).astype(np.float64)  # the cache write cleared lanes [d, a_d) of the new rows
+    dq_rope = ga["dq"][0]
+    dk_rope, dv = ga["dk"][0, start:] * real, ga["dv"][0, start:] * real  # the new keys' rows only
+    pos = start + np.arange(t)
+    dq = rope.rope_backward(dq_rope, cos, sin, pos, style=style, rot=d, at="first")
+    dk = rope.rope_backward(dk_rope, cos, sin, pos, style=style, rot=d, at="first")
+    nrm = fwd["norm"]
+    proj = {name: gemm.gemm_nt_backward(nrm, dense(w, ae), dy.reshape(t, -1), bias=b is not None)
+            for name, w, dy, b in (("q", wq, dq, bq), ("k", wk, dk, bk), ("v", wv, dv, bv))}
+    dnorm = proj["q"]["da"] + proj["k"]["da"] + proj["v"]["da"]
+    nb = norm.rms_norm_backward(x, gamma, dnorm, eps, n=n, gemma=gemma)
+    out = {"dattn": dattn, "dq_rope": dq_rope, "dk_rope": dk_rope, "dv": dv, "dq": dq, "dk": dk, "dnorm": dnorm,
+           "dx": nb["dx"], "dgamma": nb["dw"], "dwq": proj["q"]["dw"], "dwk": proj["k"]["dw"],
+           "dwv": proj["v"]["dw"], "dwo": go["dw"]}
+    for name in ("q", "k", "v"):
+        if "db" in proj[name]:
+            out[f"db{name}"] = proj[name]["db"]
+    if "db" in go:
+        out["dbo"] = go["db"]
+    if residual is not None:
+        out["dr"] = dout.copy()
+    return out

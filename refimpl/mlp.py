@@ -8,6 +8,17 @@ Conventions (OPS.md, layers; research/seed-systems.md §1): the gate g and the u
 either as separate tensors or as the halves of one fused projection h = x @ w1^T of width 2I,
 gate first (C-Kernel-Engine's "First half: W_gate ... Second half: W_up", vLLM's SiluAndMul,
 FlashInfer, ggml): g = h[..., :I], u = h[..., I:]. Everything in float64.
+
+Backward (OPS.md "backward"): with dy the cotangent of y = act(g) u,
+
+    dgate = dy u act'(g),   dup = dy act(g)
+    silu'(g)       = s(g) + g s(g) s(-g)                          s = sigmoid
+    gelu'(g), erf  = Phi(g) + g phi(g),   phi(g) = exp(-g^2 / 2) / sqrt(2 pi)
+    gelu'(g), tanh = s(z) + g s(z) s(-z) z',   z = 2 sqrt(2 / pi) (g + 0.044715 g^3),  z' = dz / dg
+
+The sigmoid's derivative s(z) (1 - s(z)) is taken as s(z) s(-z) = e / (1 + e)^2, e = exp(-|z|):
+1 - s(z) cancels for z > 0 (all rounding error past z = 37 in float64), the product form never does.
+For the fused layout the gradient of h is [dgate, dup] (gate first).
 """
 
 from __future__ import annotations
@@ -97,3 +108,40 @@ def swiglu(gate: NDArray, up: NDArray) -> F64:
 def geglu(gate: NDArray, up: NDArray, approx: str = "tanh") -> F64:
     """gelu(gate) * up. gate, up: (..., I) -> (..., I)"""
     return gelu(gate, approx) * np.asarray(up, dtype=np.float64)
+
+
+def sigmoid_grad(z: NDArray) -> F64:
+    """s(z) (1 - s(z)) = s(z) s(-z) = e / (1 + e)^2, e = exp(-|z|): no cancellation, no overflow."""
+    e = np.exp(-np.abs(np.asarray(z, dtype=np.float64)))
+    return e / ((1.0 + e) * (1.0 + e))
+
+
+def silu_grad(g: NDArray) -> F64:
+    """d silu / dg = s(g) + g s(g) s(-g)."""
+    g = np.asarray(g, dtype=np.float64)
+    return sigmoid(g) + g * sigmoid_grad(g)
+
+
+def gelu_grad(g: NDArray, approx: str = "tanh") -> F64:
+    """d gelu / dg: Phi(g) + g phi(g) ("erf"), or of g s(z) with z = 2 sqrt(2/pi) (g + 0.044715 g^3) ("tanh")."""
+    g = np.asarray(g, dtype=np.float64)
+    if approx == "tanh":
+        k = 2.0 * math.sqrt(2.0 / math.pi)
+        z = k * (g + 0.044715 * g ** 3)
+        dz = k * (1.0 + 3.0 * 0.044715 * g * g)
+        return sigmoid(z) + g * sigmoid_grad(z) * dz
+    if approx == "erf":
+        return std_normal_cdf(g) + g * np.exp(-0.5 * g * g) / math.sqrt(2.0 * math.pi)
+    raise ValueError(f"unknown gelu approximation {approx!r} (tanh, erf)")
+
+
+def swiglu_backward(gate: NDArray, up: NDArray, dy: NDArray) -> dict[str, F64]:
+    """VJP of `swiglu`: dgate = dy up silu'(gate), dup = dy silu(gate). gate, up, dy: (..., I)."""
+    gate, up, dy = (np.asarray(a, dtype=np.float64) for a in (gate, up, dy))
+    return {"dgate": dy * up * silu_grad(gate), "dup": dy * silu(gate)}
+
+
+def geglu_backward(gate: NDArray, up: NDArray, dy: NDArray, approx: str = "tanh") -> dict[str, F64]:
+    """VJP of `geglu`: dgate = dy up gelu'(gate), dup = dy gelu(gate). gate, up, dy: (..., I)."""
+    gate, up, dy = (np.asarray(a, dtype=np.float64) for a in (gate, up, dy))
+    return {"dgate": dy * up * gelu_grad(gate, approx), "dup": dy * gelu(gate, approx)}

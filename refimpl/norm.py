@@ -15,6 +15,19 @@ Conventions (OPS.md, layers):
 - rstd = 1 / sqrt(mean(h^2) + eps) per row (and mean, for LayerNorm): what a backward needs.
 Everything is computed in float64 on the inputs as given (the rounded storage values); the
 golden never rounds an intermediate.
+
+Backward (OPS.md "backward"; the VJPs written out, vectorised; tests/test_layers_grad_golden.py checks
+them against central differences and torch autograd in float64):
+
+    rms_norm_backward:   dx = rstd (g dy - h rstd^2 mean(h g dy)) (+ dh),  dw = sum over rows of dy h rstd
+    layer_norm_backward: dx = rstd (d - mean(d) - xhat mean(d xhat)),  d = w dy,  xhat = (x - mean) rstd
+                         dw = sum over rows of dy xhat,  db = sum over rows of dy
+
+With the fused residual h = x + r, x and r have the same gradient dx (= dr), which includes the
+cotangent dh of the returned h. Gemma's (1 + w) scales dy in dx; dw has the same formula (d(1 + w) /
+dw = 1). The padding lanes [n, aw) are constants of the forward: their gradients are exactly zero
+and the cotangents' padding lanes are never read. The statistics are recomputed in float64 from the
+inputs: the golden is the exact VJP at the inputs, whatever rstd or mean a kernel is handed.
 """
 
 from __future__ import annotations
@@ -93,3 +106,76 @@ def layer_norm(x: NDArray, w: NDArray | None, b: NDArray | None, eps: float, *, 
     if b is not None:
         y[..., :n] += np.asarray(b, dtype=np.float64)[..., :n]
     return {"y": y, "mean": mean, "rstd": rstd}
+
+
+def _dh_of(dh: NDArray | None, residual: NDArray | None) -> F64 | None:
+    if dh is not None and residual is None:
+        raise ValueError("dh (the cotangent of h = x + r) given without a residual")
+    return None if dh is None else np.asarray(dh, dtype=np.float64)
+
+
+def _weight_grad(w: NDArray | None, terms: F64, n: int) -> F64 | None:
+    """sum over every row (all leading axes) of terms (..., n), in w's shape (zeros past n)."""
+    if w is None:
+        return None
+    out = np.zeros(np.shape(w)[-1])
+    out[:n] = terms.reshape(-1, n).sum(axis=0)
+    return out
+
+
+def rms_norm_backward(x: NDArray, w: NDArray | None, dy: NDArray, eps: float, *, n: int | None = None,
+                      gemma: bool = False, residual: NDArray | None = None, dh: NDArray | None = None
+                      ) -> dict[str, F64]:
+    """VJP of `rms_norm` (module docstring), the statistics recomputed in float64.
+
+    x, residual: (..., aw) as the forward; w: (aw,) or (n,) or None
+    dy: (..., aw) cotangent of y (lanes [n, aw) not read); dh: (..., aw) cotangent of h = x + r, or None
+    returns: {"dx": (..., aw) the gradient of x (and of r: the same), zeros on lanes [n, aw);
+              "dw": w's shape, zeros past n (when w is given)}
+    """
+    x, n = _real(x, n)
+    aw = x.shape[-1]
+    dh = _dh_of(dh, residual)
+    h = x if residual is None else x + np.asarray(residual, dtype=np.float64)
+    real = h[..., :n]
+    rstd = 1.0 / np.sqrt(np.mean(real * real, axis=-1) + eps)  # ...
+    dyr = np.asarray(dy, dtype=np.float64)[..., :n]
+    gdy = dyr * _gain(w, n, aw, 1.0 if gemma else 0.0)[:n]
+    m = np.mean(real * gdy, axis=-1)  # ...: mean(h g dy)
+    dx = np.zeros_like(h)
+    dx[..., :n] = rstd[..., None] * (gdy - real * (rstd * rstd * m)[..., None])
+    if dh is not None:
+        dx[..., :n] += dh[..., :n]
+    out = {"dx": dx}
+    dw = _weight_grad(w, dyr * real * rstd[..., None], n)
+    if dw is not None:
+        out["dw"] = dw
+    return out
+
+
+def layer_norm_backward(x: NDArray, w: NDArray | None, b: NDArray | None, dy: NDArray, eps: float, *,
+                        n: int | None = None) -> dict[str, F64]:
+    """VJP of `layer_norm` (module docstring), mean and rstd recomputed in float64.
+
+    x: (..., aw); w, b: (aw,) or (n,) or None; dy: (..., aw) cotangent of y (lanes [n, aw) not read)
+    returns: {"dx": (..., aw) zeros on lanes [n, aw); "dw": w's shape (when w is given);
+              "db": b's shape (when b is given); zeros past n}
+    """
+    x, n = _real(x, n)
+    aw = x.shape[-1]
+    real = x[..., :n]
+    c = real - real.mean(axis=-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(np.mean(c * c, axis=-1) + eps)  # ...
+    xhat = c * rstd[..., None]
+    dyr = np.asarray(dy, dtype=np.float64)[..., :n]
+    d = dyr * _gain(w, n, aw, 0.0)[:n]
+    dx = np.zeros_like(x)
+    dx[..., :n] = rstd[..., None] * (d - d.mean(axis=-1, keepdims=True)
+                                     - xhat * np.mean(d * xhat, axis=-1, keepdims=True))
+    out = {"dx": dx}
+    dw, db = _weight_grad(w, dyr * xhat, n), _weight_grad(b, dyr, n)
+    if dw is not None:
+        out["dw"] = dw
+    if db is not None:
+        out["db"] = db
+    return out

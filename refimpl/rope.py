@@ -20,6 +20,14 @@ Conventions (OPS.md, layers; research/seed-systems.md "what the gate must also k
   stored as its (real, imag) pairs, torch.view_as_real). A table given as an input is used with
   the values it holds (its rounded storage values): the golden rotates exactly by them.
 Everything is float64; the golden never rounds an intermediate.
+
+Backward (`rope_backward`, OPS.md "backward"): RoPE is linear and each pair's rotation is
+orthogonal, so the VJP is the transposed rotation, RoPE at the negated angle (cos kept, sin
+negated) applied to the cotangent dy:
+
+    (da, db) = (dy_a cos + dy_b sin,  -dy_a sin + dy_b cos)
+
+and the pass-through dims' gradient is dy itself (an exact copy). x does not enter the gradient.
 """
 
 from __future__ import annotations
@@ -108,6 +116,35 @@ def rope(x: NDArray, cos: NDArray, sin: NDArray, positions: NDArray, *, style: s
     else:
         part[..., : rot // 2], part[..., rot // 2:] = ra, rb
     return out
+
+
+def rope_backward(dy: NDArray, cos: NDArray, sin: NDArray, positions: NDArray, *, style: str = "half",
+                  rot: int | None = None, at: str = "first") -> F64:
+    """VJP of `rope` with respect to x: the rotary pairs of dy rotated by the negated angles.
+
+    dy: (t, h, d) float, the cotangent of y; cos, sin, positions, style, rot, at: as `rope`
+    returns: (t, h, d) float64 dx; the dims outside the rotary part are dy's, unchanged
+    """
+    dy = np.asarray(dy, dtype=np.float64)
+    d = dy.shape[-1]
+    rot = d if rot is None else int(rot)
+    if rot % 2 or not 2 <= rot <= d:
+        raise ValueError(f"rot={rot} must be even and in [2, d={d}]")
+    if at not in ENDS:
+        raise ValueError(f"unknown end {at!r} (first, last)")
+    pos = np.asarray(positions, dtype=np.int64)
+    c = np.asarray(cos, dtype=np.float64)[pos][:, None, :]  # t, 1, rot/2
+    s = np.asarray(sin, dtype=np.float64)[pos][:, None, :]
+    lo = 0 if at == "first" else d - rot
+    dx = dy.copy()
+    a, b = _pairs(dy[..., lo:lo + rot], style)
+    da, db = a * c + b * s, b * c - a * s  # the transposed rotation R(p w)^T = R(-p w)
+    part = dx[..., lo:lo + rot]
+    if style == "interleaved":
+        part[..., 0::2], part[..., 1::2] = da, db
+    else:
+        part[..., : rot // 2], part[..., rot // 2:] = da, db
+    return dx
 
 
 def kv_update(k_cache: NDArray, v_cache: NDArray, k_new: NDArray, v_new: NDArray, pos: NDArray, cos: NDArray,

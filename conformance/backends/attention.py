@@ -14,7 +14,8 @@ from kernel_parity.conformance.backends._torch import to_torch
 from kernel_parity.conformance.ops.attention_inputs import value_dim
 
 DECODE_OPS = ("attention.decode", "attention.decode_paged")
-TRITON_MAX_D = {"attention.prefill": 256, "attention.varlen": 256, "attention.chunked_prefill": 256}
+TRITON_MAX_D = {"attention.prefill": 256, "attention.varlen": 256, "attention.chunked_prefill": 256,
+                "attention.prefill_backward": 256, "attention.varlen_backward": 256}
 
 
 def _kw(case, sinks) -> dict[str, Any]:
@@ -86,8 +87,8 @@ def triton_ops(device: str) -> dict[str, Callable]:
             return {"o": o, "lse": lse, "o_parts": o_parts, "lse_parts": lse_parts}
         return {"o": o, "lse": lse}
 
-    return {op: run for op in ("attention.prefill", "attention.varlen", *DECODE_OPS, "attention.decode_split",
-                               "attention.chunked_prefill")}
+    return {**{op: run for op in ("attention.prefill", "attention.varlen", *DECODE_OPS, "attention.decode_split",
+                                  "attention.chunked_prefill")}, **triton_backward_ops(device)}
 
 
 def triton_supports() -> dict[str, Callable]:
@@ -120,7 +121,7 @@ def cpu_ops() -> dict[str, Callable]:
                            out_lse=lse)
         return {"o": o, "lse": lse}
 
-    return {op: run for op in ("attention.prefill", *DECODE_OPS, "attention.chunked_prefill")}
+    return {**{op: run for op in ("attention.prefill", *DECODE_OPS, "attention.chunked_prefill")}, **cpu_backward_ops()}
 
 
 def torch_ops(device: str) -> dict[str, Callable]:
@@ -142,5 +143,67 @@ def torch_ops(device: str) -> dict[str, Callable]:
             bufs[n].copy_(r)
         return bufs
 
-    return {op: run for op in ("attention.prefill", "attention.varlen", *DECODE_OPS, "attention.decode_split",
-                               "attention.chunked_prefill")}
+    return {**{op: run for op in ("attention.prefill", "attention.varlen", *DECODE_OPS, "attention.decode_split",
+                                  "attention.chunked_prefill")}, **torch_backward_ops(device)}
+
+
+# -- backward ops (attention.prefill_backward, attention.varlen_backward) --------------------------
+BACKWARD_OPS = ("attention.prefill_backward", "attention.varlen_backward")
+
+
+def _grad_names(case) -> tuple[str, ...]:
+    return ("dq", "dk", "dv", "dsinks") if case.p["sink"] else ("dq", "dk", "dv")
+
+
+def _backward_args(case, t: dict[str, Any]):
+    """Positional tensors (q, k, v, [cu_seqlens_q, cu_seqlens_k], o, lse, do, dlse) and keywords."""
+    seq = (t["cu_seqlens_q"], t["cu_seqlens_k"]) if case.op == "attention.varlen_backward" else ()
+    return (t["q"], t["k"], t["v"], *seq, t["o"], t["lse"], t["do"], t.get("dlse")), _kw(case, t.get("sinks"))
+
+
+def triton_backward_ops(device: str) -> dict[str, Callable]:
+    def run(case, inputs, out):
+        from kernel_parity.kernels.triton import attention_bwd as bwd
+
+        t = {k: to_torch(v, device) for k, v in inputs.items()}
+        args, kw = _backward_args(case, t)
+        bufs = {n: out.torch(n, device) for n in _grad_names(case)}
+        outs = dict(out_dq=bufs["dq"], out_dk=bufs["dk"], out_dv=bufs["dv"], out_dsinks=bufs.get("dsinks"))
+        if case.op == "attention.varlen_backward":
+            bwd.varlen_backward(*args, *_max_lens(inputs), **kw, **outs)
+        else:
+            bwd.prefill_backward(*args, **kw, **outs)
+        return bufs
+
+    return {op: run for op in BACKWARD_OPS}
+
+
+def cpu_backward_ops() -> dict[str, Callable]:
+    def run(case, inputs, out):
+        from kernel_parity.kernels.cpu import attention_bwd as bwd
+
+        args, kw = _backward_args(case, inputs)
+        bufs = {n: out.numpy(n) for n in _grad_names(case)}
+        fn = bwd.varlen_backward if case.op == "attention.varlen_backward" else bwd.prefill_backward
+        fn(*args, **kw, out_dq=bufs["dq"], out_dk=bufs["dk"], out_dv=bufs["dv"], out_dsinks=bufs.get("dsinks"))
+        return bufs
+
+    return {op: run for op in BACKWARD_OPS}
+
+
+def torch_backward_ops(device: str) -> dict[str, Callable]:
+    def run(case, inputs, out):
+        from kernel_parity.kernels.torch import attention as k
+
+        t = {n: to_torch(v, device) for n, v in inputs.items()}
+        kw = _kw(case, t.get("sinks"))
+        if case.op == "attention.varlen_backward":
+            g = k.varlen_backward(t["q"], t["k"], t["v"], t["cu_seqlens_q"], t["cu_seqlens_k"], t["do"], t.get("dlse"), **kw)
+        else:
+            g = k.prefill_backward(t["q"], t["k"], t["v"], t["do"], t.get("dlse"), **kw)
+        bufs = {n: out.torch(n, device) for n in _grad_names(case)}
+        for n, buf in bufs.items():
+            buf.copy_(g[n])
+        return bufs
+
+    return {op: run for op in BACKWARD_OPS}

@@ -7,6 +7,10 @@ reference each claims.
 - triton: kernels/triton/blocks.py: each block composed of our Triton kernels (weights dequantized in
           registers, float products): claims `dequant` (L1)
 - torch:  kernels/torch/blocks.py: eager, stage by stage, weights dequantized: claims `dequant` (L1)
+The whole-layer backward (`blocks.mlp_backward`, `blocks.attention_prefill_backward`; one reference, L1):
+cpu kernels/cpu/blocks_bwd.c (the seed's fp32 backward stage kernels), torch autograd through the eager
+forward in fp32, triton kernels/triton/blocks_bwd.py (a composition of the families' Triton backward
+kernels: gemm_bwd, norm_backward, mlp, rope, attention_bwd; a skip naming any that is missing).
 """
 
 from __future__ import annotations
@@ -18,6 +22,16 @@ from kernel_parity.conformance.backends._torch import to_torch
 DECODE, PREFILL, MLP, OUTPROJ_MLP = ("blocks.attention_decode", "blocks.attention_prefill", "blocks.mlp",
                                      "blocks.outproj_mlp")
 OPS = (DECODE, PREFILL, MLP, OUTPROJ_MLP)
+MLP_BWD, PREFILL_BWD = "blocks.mlp_backward", "blocks.attention_prefill_backward"
+SAVED_MLP = ("norm", "rstd", "h", "act")
+SAVED_ATTENTION = ("norm", "rstd", "q_rope", "k_rope", "v", "attn")
+# stage gradient -> the forward tensor (kernels/torch/blocks.py's stage outputs) whose gradient it is
+MLP_GRAD_OF = {"dact": "act", "dh": "h", "dnorm": "norm"}
+ATTENTION_GRAD_OF = {"dattn": "attn", "dq_rope": "q_rope", "dk_rope": "k_rope", "dv": "v", "dq": "q", "dk": "k",
+                     "dnorm": "norm"}
+# final gradient -> the input it differentiates
+INPUT_OF = {"dx": "x", "dgamma": "gamma", "dw1": "w1", "dw2": "w2", "dwq": "wq", "dwk": "wk", "dwv": "wv", "dwo": "wo",
+            "dbq": "bq", "dbk": "bk", "dbv": "bv", "dbo": "bo", "dr": "r"}
 ATTENTION_STAGES = ("norm", "q", "k", "v", "q_rope", "k_rope", "attn", "out")
 BIASES = (("bq", "bq"), ("bk", "bk"), ("bv", "bv"), ("bo", "bo"), ("r", "residual"))
 
@@ -87,7 +101,40 @@ def _torch_path(device: str, module: str) -> dict[str, Callable]:
 
 
 def torch_ops(device: str) -> dict[str, Callable]:
-    return _torch_path(device, "kernel_parity.kernels.torch.blocks")
+    ops = _torch_path(device, "kernel_parity.kernels.torch.blocks")
+    ops.update({MLP_BWD: _torch_backward(device, MLP_BWD), PREFILL_BWD: _torch_backward(device, PREFILL_BWD)})
+    return ops
+
+
+def _torch_backward(device: str, op: str) -> Callable:
+    """Autograd through the eager forward (kernels/torch/blocks.py) in fp32: the stage gradients are those of
+    the forward's stage tensors, the final ones those of the inputs (the float32 weights' only for a block
+    whose weights are all float32). The caches are copied: the forward writes the new rows into them."""
+    from kernel_parity.conformance.ops.blocks_grad import attention_grad_shapes, mlp_grad_shapes
+
+    def run(case, inputs, out):
+        import torch
+
+        from kernel_parity.kernels.torch import blocks as k
+
+        shapes = (mlp_grad_shapes if op == MLP_BWD else attention_grad_shapes)(case.p)
+        t = {name: to_torch(v, device) for name, v in inputs.items()}
+        for name in ("k_cache", "v_cache"):
+            if name in t:
+                t[name] = t[name].clone()
+        leaves = {g: t[INPUT_OF[g]].requires_grad_() for g in shapes if g in INPUT_OF}
+        with torch.enable_grad():
+            if op == MLP_BWD:
+                args, kw = _mlp_args(case, t)
+                res, stage_of = k.mlp(*args, **kw), MLP_GRAD_OF
+            else:
+                args, kw = _attention_args(case, t)
+                res, stage_of = k.attention_prefill(*args, **kw), ATTENTION_GRAD_OF
+            stages = {g: res[name] for g, name in stage_of.items()}
+            grads = torch.autograd.grad(res["out"], [*stages.values(), *leaves.values()], t["dout"])
+        return _torch_results(out, device, dict(zip([*stages, *leaves], grads)))
+
+    return run
 
 
 def torch_claims() -> dict[str, Any]:
@@ -124,11 +171,33 @@ def cpu_ops() -> dict[str, Callable]:
     mlp_names = ("norm", "h", "act", "down", "out")
     return {DECODE: attention("attention_decode"), PREFILL: attention("attention_prefill"),
             MLP: rows("mlp", _mlp_args, mlp_names),
-            OUTPROJ_MLP: rows("outproj_mlp", _outproj_mlp_args, ("proj", "h1") + mlp_names)}
+            OUTPROJ_MLP: rows("outproj_mlp", _outproj_mlp_args, ("proj", "h1") + mlp_names),
+            MLP_BWD: _cpu_backward(MLP_BWD), PREFILL_BWD: _cpu_backward(PREFILL_BWD)}
 
 
 def cpu_claims() -> dict[str, Any]:
     return {op: "emulated" for op in OPS}
+
+
+def _cpu_backward(op: str) -> Callable:
+    """kernels/cpu/blocks_bwd.c through its wrapper: the forward's arguments, the saved activations, dout."""
+    from kernel_parity.conformance.ops.blocks_grad import attention_grad_shapes, f32_block, mlp_grad_shapes
+
+    def run(case, inputs, out):
+        from kernel_parity.kernels.cpu import blocks_bwd as k
+
+        if op == MLP_BWD:
+            names = mlp_grad_shapes(case.p)
+            args, kw = _mlp_args(case, inputs)
+            return k.mlp_backward(*args, inputs["dout"], **kw, **{n: inputs[n] for n in SAVED_MLP},
+                                  weight_grads=f32_block(case.p, "w1", "w2"), out=_numpy_results(out, tuple(names)))
+        names = attention_grad_shapes(case.p)
+        args, kw = _attention_args(case, inputs)
+        return k.attention_prefill_backward(*args, inputs["dout"], **kw, **{n: inputs[n] for n in SAVED_ATTENTION},
+                                            weight_grads=f32_block(case.p, "wqkv", "wo"),
+                                            out=_numpy_results(out, tuple(names)))
+
+    return run
 
 
 TRITON_FORMATS = ("f32", "q8_0", "q4_k", "q6_k")  # the Triton GEMMs' GGML formats among the blocks', and fp32
@@ -159,10 +228,58 @@ def triton_ops(device: str) -> dict[str, Callable]:
 
         return run
 
+    def backward(op: str):
+        from kernel_parity.conformance.ops.blocks_grad import attention_grad_shapes, f32_block, mlp_grad_shapes
+
+        def run(case, inputs, out):
+            from kernel_parity.kernels.triton import blocks_bwd as k
+
+            t = {name: to_torch(v, device) for name, v in inputs.items()}
+            if op == MLP_BWD:
+                names = mlp_grad_shapes(case.p)
+                args, kw = _mlp_args(case, t)
+                return k.mlp_backward(*args, t["dout"], **kw, **{n: t[n] for n in SAVED_MLP},
+                                      weight_grads=f32_block(case.p, "w1", "w2"),
+                                      out={n: out.torch(n, device) for n in names})
+            names = attention_grad_shapes(case.p)
+            args, kw = _attention_args(case, t)
+            return k.attention_prefill_backward(*args, t["dout"], **kw, **{n: t[n] for n in (*SAVED_ATTENTION, "lse")},
+                                                weight_grads=f32_block(case.p, "wqkv", "wo"),
+                                                out={n: out.torch(n, device) for n in names})
+
+        return run
+
     mlp_names = ("norm", "h", "act", "down", "out")
     return {DECODE: attention("attention_decode"), PREFILL: attention("attention_prefill"),
             MLP: rows("mlp", _mlp_args, mlp_names),
-            OUTPROJ_MLP: rows("outproj_mlp", _outproj_mlp_args, ("proj", "h1") + mlp_names)}
+            OUTPROJ_MLP: rows("outproj_mlp", _outproj_mlp_args, ("proj", "h1") + mlp_names),
+            MLP_BWD: backward(MLP_BWD), PREFILL_BWD: backward(PREFILL_BWD)}
+
+
+# The Triton backward kernels the composition of each block's backward takes beyond gemm_bwd.py's projections
+# (kernels/triton/blocks_bwd.py): (module, function), looked up when a case asks.
+TRITON_BACKWARD_STAGES = {
+    MLP_BWD: (("norm_backward", "rms_norm_backward"), ("mlp", "glu_backward_fused")),
+    PREFILL_BWD: (("norm_backward", "rms_norm_backward"), ("rope", "rope_backward"),
+                  ("attention_bwd", "prefill_backward")),
+}
+
+
+def _triton_backward_missing(op: str) -> str | None:
+    """The family Triton backward kernels the composition of `op` lacks, as a skip reason (None: all there)."""
+    import importlib
+
+    missing = []
+    for module, fn in TRITON_BACKWARD_STAGES[op]:
+        try:
+            found = hasattr(importlib.import_module(f"kernel_parity.kernels.triton.{module}"), fn)
+        except ImportError:
+            found = False
+        if not found:
+            missing.append(f"{module}.{fn}")
+    if missing:
+        return f"the Triton composition of {op} needs the Triton backward kernels {', '.join(missing)}"
+    return None
 
 
 def triton_claims() -> dict[str, Any]:
@@ -178,4 +295,7 @@ def triton_supports() -> dict[str, Callable]:
                     f"and fp32), not {', '.join(bad)}")
         return None
 
-    return {op: check for op in OPS}
+    def check_backward(case) -> str | None:
+        return check(case) or _triton_backward_missing(case.op)
+
+    return {**{op: check for op in OPS}, MLP_BWD: check_backward, PREFILL_BWD: check_backward}

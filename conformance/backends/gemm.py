@@ -1,5 +1,5 @@
-"""Adapters binding the quantized GEMM kernels of each built-in backend to `gemm.gemm_nt`, the
-reference each kernel claims, and the weight formats each has a path for.
+"""Adapters binding the quantized GEMM kernels of each built-in backend to `gemm.gemm_nt` (and its VJP
+`gemm.gemm_nt_backward`), the reference each kernel claims, and the weight formats each has a path for.
 
 - cpu:    kernels/cpu/gemm.c, ggml's integer path (activations quantized to Q8_0 / Q8_1 / Q8_K,
           integer block dots, float32 accumulation): claims `emulated`; float32 A and C
@@ -7,6 +7,9 @@ reference each kernel claims, and the weight formats each has a path for.
           (claims `dequant`), FP8 block-scaled with activations quantized per 1 x 128 group in
           the kernel (claims `emulated`), int4 groups dequantized to A's dtype (`dequant`)
 - torch:  kernels/torch/gemm.py: W dequantized to A's dtype, then `a @ w.T` (claims `dequant`)
+The backward (one reference, L1: da through the dequantized weight): cpu kernels/cpu/gemm_bwd.c (fp32,
+float32 and GGML weights), triton kernels/triton/gemm_bwd.py (float32 and the Triton GGML formats),
+torch autograd through the eager forward (every format).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from kernel_parity.conformance.backends._torch import to_torch
 from kernel_parity.conformance.ops.gemm import FP8_W, GGML_W, INT4_GROUP, INT4_W, granularity
 
 OP = "gemm.gemm_nt"
+BWD = "gemm.gemm_nt_backward"
 CPU_W = ("f32",) + GGML_W
 TRITON_GGML = ("q8_0", "q4_0", "q4_k", "q6_k")
 
@@ -33,7 +37,21 @@ def cpu_ops() -> dict[str, Callable]:
         k.gemm_nt(inputs["a"], case.p["wfmt"], inputs["w"], inputs.get("bias"), out=c)
         return {"c": c}
 
-    return {OP: run}
+    def backward(case, inputs, out):
+        from kernel_parity.kernels.cpu import gemm as k
+
+        names = _gradients(case)
+        return k.gemm_nt_backward(inputs["a"], case.p["wfmt"], inputs["w"], inputs["dc"], bias=bool(case.p["bias"]),
+                                  out={n: out.numpy(n) for n in names})
+
+    return {OP: run, BWD: backward}
+
+
+def _gradients(case) -> tuple[str, ...]:
+    """The gradient outputs of a gemm.gemm_nt_backward case (its spec's shapes)."""
+    if case.p["wfmt"] != "f32":
+        return ("da",)
+    return ("da", "dw", "db") if case.p["bias"] else ("da", "dw")
 
 
 def cpu_claims() -> dict[str, Any]:
@@ -47,7 +65,7 @@ def cpu_supports() -> dict[str, Callable]:
             return f"the C GEMM takes float32 activations (ggml's), not {case.dtype}"
         return None if w in CPU_W else f"the C GEMM runs float32 and GGML weights, not {w}"
 
-    return {OP: check}
+    return {OP: check, BWD: check}
 
 
 def triton_ops(device: str) -> dict[str, Callable]:
@@ -68,7 +86,14 @@ def triton_ops(device: str) -> dict[str, Callable]:
             gemm.gemm_nt(a, w, to_torch(inputs["w"], device), bias, out=c)
         return {"c": c}
 
-    return {OP: run}
+    def backward(case, inputs, out):
+        from kernel_parity.kernels.triton import gemm_bwd
+
+        return gemm_bwd.gemm_nt_backward(to_torch(inputs["a"], device), case.p["wfmt"], to_torch(inputs["w"], device),
+                                         to_torch(inputs["dc"], device), bias=bool(case.p["bias"]),
+                                         out={n: out.torch(n, device) for n in _gradients(case)})
+
+    return {OP: run, BWD: backward}
 
 
 def triton_claims() -> dict[str, Any]:
@@ -86,7 +111,13 @@ def triton_supports() -> dict[str, Callable]:
             return None
         return f"the Triton GEMMs decode {', '.join(TRITON_GGML)}, fp8 and int4 weights, not {w}"
 
-    return {OP: check}
+    def check_backward(case) -> str | None:
+        w = case.p["wfmt"]
+        if w == "f32" or w in TRITON_GGML:
+            return None
+        return f"the Triton GEMM backward takes float32 and {', '.join(TRITON_GGML)} weights, not {w}"
+
+    return {OP: check, BWD: check_backward}
 
 
 def torch_ops(device: str) -> dict[str, Callable]:
@@ -106,7 +137,32 @@ def torch_ops(device: str) -> dict[str, Callable]:
         c.copy_(k.gemm_nt(to_torch(inputs["a"], device), wfmt, weights, _bias(inputs, device), **extra))
         return {"c": c}
 
-    return {OP: run}
+    def backward(case, inputs, out):
+        from kernel_parity.kernels.torch import gemm as k
+
+        p = case.p
+        weights = {n: to_torch(v, device) for n, v in inputs.items() if n not in ("a", "bias", "dc")}
+        wfmt, extra = _torch_format(p)
+        grads = k.gemm_nt_backward(to_torch(inputs["a"], device), wfmt, weights, to_torch(inputs["dc"], device),
+                                   _bias(inputs, device), **extra)
+        res = {}
+        for name in _gradients(case):
+            res[name] = out.torch(name, device)
+            res[name].copy_(grads[name])
+        return res
+
+    return {OP: run, BWD: backward}
+
+
+def _torch_format(p: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(the torch path's weight format, its keyword arguments) of a case's wfmt."""
+    w = p["wfmt"]
+    if w in FP8_W:
+        g = granularity(p)
+        return "fp8", {"gn": g["gn"], "gk": g["gk"]}
+    if w in INT4_W:
+        return "int4", {"order": INT4_W[w], "group": INT4_GROUP}
+    return w, {}
 
 
 def torch_claims() -> dict[str, Any]:

@@ -43,7 +43,7 @@ def triton_ops(device: str) -> dict[str, Any]:
                      out=res["y"], out_mean=res.get("mean"), out_rstd=res.get("rstd"))
         return res
 
-    return {"norm.rms_norm": rms_norm, "norm.layer_norm": layer_norm}
+    return {"norm.rms_norm": rms_norm, "norm.layer_norm": layer_norm, **_triton_backward(device)}
 
 
 def cpu_ops() -> dict[str, Any]:
@@ -72,7 +72,7 @@ def cpu_ops() -> dict[str, Any]:
                      out=res["y"], out_mean=res.get("mean"), out_rstd=res.get("rstd"))
         return res
 
-    return {"norm.rms_norm": rms_norm, "norm.layer_norm": layer_norm}
+    return {"norm.rms_norm": rms_norm, "norm.layer_norm": layer_norm, **_cpu_backward()}
 
 
 def torch_ops(device: str) -> dict[str, Any]:
@@ -105,4 +105,78 @@ def torch_ops(device: str) -> dict[str, Any]:
             res["rstd"] = out.torch("rstd", device).copy_(rstd)
         return res
 
-    return {"norm.rms_norm": rms_norm, "norm.layer_norm": layer_norm}
+    def rms_norm_backward(case, inputs, out):
+        from kernel_parity.kernels.torch import norm as k
+
+        p = case.p
+        t = {name: to_torch(a, device) for name, a in inputs.items()}
+        dx, dw = k.rms_norm_backward(t["x"], t["w"], t["dy"], _eps(case), n=p["n"], gemma=bool(p["gemma"]),
+                                     residual=t.get("r"), dh=t.get("dh"), out=out.torch("dx", device))
+        return {"dx": dx, "dw": out.torch("dw", device).copy_(dw)}
+
+    def layer_norm_backward(case, inputs, out):
+        from kernel_parity.kernels.torch import norm as k
+
+        p = case.p
+        t = {name: to_torch(a, device) for name, a in inputs.items()}
+        dx, dw, db = k.layer_norm_backward(t["x"], t["w"], t.get("b"), t["dy"], _eps(case), n=p["n"],
+                                           out=out.torch("dx", device))
+        res = {"dx": dx, "dw": out.torch("dw", device).copy_(dw)}
+        if p["bias"]:
+            res["db"] = out.torch("db", device).copy_(db)
+        return res
+
+    return {"norm.rms_norm": rms_norm, "norm.layer_norm": layer_norm,
+            "norm.rms_norm_backward": rms_norm_backward, "norm.layer_norm_backward": layer_norm_backward}
+
+
+# -- backward ---------------------------------------------------------------------------------------
+def _triton_backward(device: str) -> dict[str, Any]:
+    def rms_norm_backward(case, inputs, out):
+        from kernel_parity.kernels.triton import norm_backward as k
+
+        p = case.p
+        t = {name: to_torch(a, device) for name, a in inputs.items()}
+        dx, dw = out.torch("dx", device), out.torch("dw", device)
+        k.rms_norm_backward(t["x"], t["w"], t["rstd"], t["dy"], n=p["n"], gemma=bool(p["gemma"]),
+                            residual=t.get("r"), dh=t.get("dh"), out_dx=dx, out_dw=dw)
+        return {"dx": dx, "dw": dw}
+
+    def layer_norm_backward(case, inputs, out):
+        from kernel_parity.kernels.triton import norm_backward as k
+
+        p = case.p
+        t = {name: to_torch(a, device) for name, a in inputs.items()}
+        res = {"dx": out.torch("dx", device), "dw": out.torch("dw", device)}
+        if p["bias"]:
+            res["db"] = out.torch("db", device)
+        k.layer_norm_backward(t["x"], t["w"], t["mean"], t["rstd"], t["dy"], n=p["n"], out_dx=res["dx"],
+                              out_dw=res["dw"], out_db=res.get("db"))
+        return res
+
+    return {"norm.rms_norm_backward": rms_norm_backward, "norm.layer_norm_backward": layer_norm_backward}
+
+
+def _cpu_backward() -> dict[str, Any]:
+    def rms_norm_backward(case, inputs, out):
+        from kernel_parity.kernels.cpu import norm_backward as k
+
+        p = case.p
+        dx, dw = out.numpy("dx"), out.numpy("dw")
+        k.rms_norm_backward(inputs["x"], inputs["w"], inputs["rstd"], inputs["dy"], n=p["n"],
+                            gemma=bool(p["gemma"]), residual=inputs.get("r"), dh=inputs.get("dh"), out_dx=dx,
+                            out_dw=dw)
+        return {"dx": dx, "dw": dw}
+
+    def layer_norm_backward(case, inputs, out):
+        from kernel_parity.kernels.cpu import norm_backward as k
+
+        p = case.p
+        res = {"dx": out.numpy("dx"), "dw": out.numpy("dw")}
+        if p["bias"]:
+            res["db"] = out.numpy("db")
+        k.layer_norm_backward(inputs["x"], inputs["w"], inputs["mean"], inputs["rstd"], inputs["dy"], n=p["n"],
+                              out_dx=res["dx"], out_dw=res["dw"], out_db=res.get("db"))
+        return res
+
+    return {"norm.rms_norm_backward": rms_norm_backward, "norm.layer_norm_backward": layer_norm_backward}

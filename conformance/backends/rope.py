@@ -4,7 +4,8 @@
 The table a case gives is handed to the kernel in its own layout: `cos`/`sin` (cos_sin), the fp16
 (cos, sin) pairs (cs_f16), or Meta's complex64 freqs_cis (cis: the case stores its float32
 (real, imag) pairs; the adapters view them as complex, with no copy); table=theta passes theta
-and the scaling. kv_update writes in place, so each adapter first copies the old caches into the
+and the scaling. rope.rope_backward hands the kernels dy (the cotangent) where the forward hands x:
+our Triton and C backward run the forward kernel at the negated angles. kv_update writes in place, so each adapter first copies the old caches into the
 poisoned output buffers (harness work, outside what is judged) and lets the kernel write there.
 """
 
@@ -69,7 +70,15 @@ def triton_ops(device: str) -> dict[str, Callable]:
 
         return kv_update
 
-    return {"rope.rope": rope, "rope.kv_update": _torch_kv(device, kernel)}
+    def rope_backward(case, inputs, out):
+        from kernel_parity.kernels.triton import rope as k
+
+        dx = out.torch("dx", device)
+        k.rope_backward(to_torch(inputs["dy"], device), to_torch(inputs["positions"], device),
+                        **_angles_torch(case, inputs, device), **_style(case), out=dx)
+        return {"dx": dx}
+
+    return {"rope.rope": rope, "rope.kv_update": _torch_kv(device, kernel), "rope.rope_backward": rope_backward}
 
 
 def cpu_ops() -> dict[str, Callable]:
@@ -90,7 +99,14 @@ def cpu_ops() -> dict[str, Callable]:
                     block_table=inputs.get("block_table"))
         return {"k_cache": kc, "v_cache": vc}
 
-    return {"rope.rope": rope, "rope.kv_update": kv_update}
+    def rope_backward(case, inputs, out):
+        from kernel_parity.kernels.cpu import rope as k
+
+        dx = out.numpy("dx")
+        k.rope_backward(inputs["dy"], inputs["positions"], **_angles_numpy(case, inputs), **_style(case), out=dx)
+        return {"dx": dx}
+
+    return {"rope.rope": rope, "rope.kv_update": kv_update, "rope.rope_backward": rope_backward}
 
 
 def torch_ops(device: str) -> dict[str, Callable]:
@@ -107,4 +123,13 @@ def torch_ops(device: str) -> dict[str, Callable]:
 
         return kv_update
 
-    return {"rope.rope": rope, "rope.kv_update": _torch_kv(device, kernel)}
+    def rope_backward(case, inputs, out):
+        from kernel_parity.kernels.torch import rope as k
+
+        dx = out.torch("dx", device)
+        dx.copy_(k.rope_backward(to_torch(inputs["x"], device), to_torch(inputs["positions"], device),
+                                 to_torch(inputs["dy"], device), **_angles_torch(case, inputs, device),
+                                 **_style(case)))
+        return {"dx": dx}
+
+    return {"rope.rope": rope, "rope.kv_update": _torch_kv(device, kernel), "rope.rope_backward": rope_backward}

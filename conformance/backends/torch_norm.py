@@ -16,6 +16,13 @@ These are kernels nobody here wrote; `supports()` says what their public API can
 - aligned rows: torch is called on the real lanes x[:, :n] (a strided view, no copy) and knows
   nothing of the padding; this adapter writes the padding lanes [n, n + pad) of the output as
   zeros itself, so a pass there says nothing about torch (it never sees those lanes).
+
+The backward ops (`norm.rms_norm_backward`, `norm.layer_norm_backward`) are torch autograd of the
+same calls on the real lanes: x, w (and b) as leaves, F.rms_norm's / F.layer_norm's own backward
+kernels (ATen's, which recompute or save their own statistics: the case's rstd / mean are not
+used), the cotangent dy's real lanes. Gemma's fold (1 + w) sits inside the graph, so dw is the
+gradient of w itself. The fused residual is unsupported as in the forward; the padding lanes of dx,
+dw and db are this adapter's zeros.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import Any
 from kernel_parity.conformance.backends import Backend, NotProvided
 from kernel_parity.conformance.backends._torch import cuda_available, to_torch, torch_available
 
-OPS = ("norm.rms_norm", "norm.layer_norm")
+OPS = ("norm.rms_norm", "norm.layer_norm", "norm.rms_norm_backward", "norm.layer_norm_backward")
 
 
 @dataclass
@@ -46,11 +53,13 @@ class TorchNormBackend(Backend):
             return f"{self.name} has no kernel for {case.op}"
         if case.dtype not in self.dtypes:
             return f"{self.name} does not support {case.dtype}"
-        if case.op == "norm.rms_norm" and case.p["residual"]:
+        if case.op in ("norm.rms_norm", "norm.rms_norm_backward") and case.p["residual"]:
             return "F.rms_norm has no fused residual add (it returns y only, never h = x + r)"
         return None
 
     def run(self, case: Any, inputs: dict, out: Any) -> dict:
+        if case.op.endswith("_backward"):
+            return self._backward(case, inputs, out)
         import torch
         import torch.nn.functional as F
 
@@ -74,6 +83,35 @@ class TorchNormBackend(Backend):
                 res["mean"] = NotProvided("F.layer_norm returns no mean")
                 res["rstd"] = NotProvided("F.layer_norm returns no rstd")
         y[:, n:] = 0  # the adapter's zeros in the padding lanes: torch never sees them
+        return res
+
+
+    def _backward(self, case: Any, inputs: dict, out: Any) -> dict:
+        import torch
+        import torch.nn.functional as F
+
+        p, dev = case.p, self.device
+        n, eps = p["n"], float(p["eps"])
+        x = to_torch(inputs["x"], dev)[:, :n].detach().requires_grad_()
+        w = to_torch(inputs["w"], dev)[:n].detach().requires_grad_()
+        dy = to_torch(inputs["dy"], dev)[:, :n]
+        leaves = [x, w]
+        with torch.enable_grad():
+            if case.op == "norm.rms_norm_backward":
+                wf = (1.0 + w.to(torch.float32)).to(w.dtype) if p["gemma"] else w  # the fold, inside the graph
+                y = F.rms_norm(x, (n,), wf, eps)
+            else:
+                b = to_torch(inputs["b"], dev)[:n].detach().requires_grad_() if p["bias"] else None
+                leaves += [b] if b is not None else []
+                y = F.layer_norm(x, (n,), w, b, eps)
+            grads = torch.autograd.grad([y], leaves, [dy])
+        res = {"dx": out.torch("dx", dev)}
+        res["dx"][:, :n] = grads[0]
+        res["dx"][:, n:] = 0  # the adapter's zeros in the padding lanes: torch never sees them
+        for name, g in zip(("dw", "db"), grads[1:]):
+            res[name] = out.torch(name, dev)
+            res[name][:n] = g
+            res[name][n:] = 0
         return res
 
 

@@ -70,7 +70,9 @@ def _install_dot() -> None:
     def widen(h: "interp.TensorHandle") -> "interp.TensorHandle":
         if h.dtype.scalar != tl.bfloat16:
             return h
-        bits = np.asarray(h.data).astype(np.uint32) << 16  # bf16 is the top half of an fp32
+        # bf16 is the top half of an fp32; C order, because a transposed operand (tl.trans) kept in
+        # its strides leaves numpy's BLAS path (measured 30 ms instead of 0.04 for a 64 x 128 x 64 dot)
+        bits = np.asarray(h.data).astype(np.uint32, order="C") << 16
         return interp.TensorHandle(bits.view(np.float32), tl.float32)
 
     def fixed_dot(self, a, b, d, input_precision, max_num_imprecise_acc):

@@ -94,6 +94,17 @@ CLASSES = {
     "one-pass-variance": "the variance as E[x^2] - E[x]^2 in fp32 (cancels when |mean| >> spread)",
     # fused transformer blocks (blocks family)
     "activation-quantization": "a quantized projection's activations not quantized as the production path does (L2)",
+    # gradients (the backward ops)
+    "grad-accumulation": "a gradient not summed over the rows it sums over: db, dW or dgamma of one row or block of rows",
+    "vjp-transpose": "a backward stage applies the forward map, not its transpose (dW written transposed, RoPE's "
+                     "gradient rotated by +angle)",
+    "residual-grad": "the residual branch's gradient not added to dx (only the normalised path's)",
+    "vjp-term": "a term of a VJP dropped (the rstd^2 factor of RMSNorm's dx, the mean term of LayerNorm's dx)",
+    "activation-grad": "an activation's derivative wrong: the sigmoid's without its (1 - s) factor, the wrong GELU's",
+    # attention backward
+    "softcap-grad": "the softcap's derivative (1 - tanh^2) left out of dS",
+    "gqa-grad": "dk / dv of a kv head not summed over its query heads (one head's, or each head's alone)",
+    "backward-mask": "the backward recomputes P without the forward's mask (causal or window dropped)",
 }
 BACKEND_OF_DIR = {"triton": "triton", "cpu": "cpu", "torch": "torch"}
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]*$")

@@ -22,8 +22,9 @@ import numpy as np
 import kernel_parity.refimpl.attention as ref
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.ops.attention_inputs import (CACHE_SLACK, DISTS, chunk_lengths, chunked_inputs,
-                                                           contiguous_cache, cu_seqlens, lengths, paged_cache, qkv,
-                                                           sinks, split_bounds, value_dim, values)
+                                                           contiguous_cache, cu_seqlens, golden_kw, lengths,
+                                                           paged_cache, qkv, sinks, split_bounds, value_dim, values,
+                                                           varlen_lens)
 from kernel_parity.conformance.params import Defaults, Int, OneOf
 from kernel_parity.conformance.spec import Diagnosis, OpSpec, Output
 from kernel_parity.conformance.tolerance import Override, Tier, Tol
@@ -71,12 +72,6 @@ def _check(p: dict[str, Any]) -> str | None:
     return None
 
 
-def golden_kw(p: dict[str, Any]) -> dict[str, Any]:
-    """Golden keyword arguments of a case; `_head_map` and `_scale` come only from diagnoses."""
-    return dict(causal=p["causal"], window=(p["wl"], p["wr"]), softcap=float(p["cap"]),
-                head_map=p.get("_head_map", "grouped"), scale=p.get("_scale"))
-
-
 def _lse_out(lse: np.ndarray, p: dict[str, Any]) -> np.ndarray:
     return lse * math.log2(math.e) if p.get("_lse_base2") else lse
 
@@ -88,12 +83,8 @@ def _prefill_inputs(p, dtype, dist, rng):
     return {"q": dt.round_to(q, dtype), "k": dt.round_to(k, dtype), "v": dt.round_to(v, dtype), **sinks(rng, p)}
 
 
-def _varlen_lens(p):
-    return lengths(p["b"], p["sq"], p["lens"]), lengths(p["b"], p["sk"], p["lens"], shift=2)
-
-
 def _varlen_inputs(p, dtype, dist, rng):
-    lq, lk = _varlen_lens(p)
+    lq, lk = varlen_lens(p)
     q, k, v = qkv(rng, dist, (int(lq.sum()), p["hq"], p["d"]), (int(lk.sum()), p["hkv"], p["d"]),
                   (int(lk.sum()), p["hkv"], value_dim(p)))
     return {"q": dt.round_to(q, dtype), "k": dt.round_to(k, dtype), "v": dt.round_to(v, dtype),
@@ -177,6 +168,9 @@ DIAGNOSES = (
     Diagnosis("matches window left + 1: window off-by-one", _window_by(1)),
     Diagnosis("matches window left - 1: window off-by-one", _window_by(-1)),
     Diagnosis("matches no softcap: the softcap is not applied", lambda p: {**p, "cap": 0} if p["cap"] else None),
+)
+MASK_DIAGNOSES = DIAGNOSES  # the semantics of the attention itself (the backward ops have these)
+DIAGNOSES = MASK_DIAGNOSES + (
     Diagnosis("matches a base-2 LSE: LSE not converted to natural log", lambda p: {**p, "_lse_base2": True}),
 )
 
@@ -280,12 +274,19 @@ OUT = {
     "lse": Output("fp32", doc="natural-log LSE of each query row, without the sink; -inf when fully masked"),
 }
 
+def prefill_flops(p: dict[str, Any]) -> float:
+    """The two matmuls of dense attention, 2 b h_q s_q s_k (d + d_v), halved for a square causal mask
+    (FlashAttention's count; `parity bench`)."""
+    full = 2.0 * p["b"] * p["hq"] * p["sq"] * p["sk"] * (p["d"] + value_dim(p))
+    return full / 2 if p["causal"] != "none" and p["sq"] == p["sk"] else full
+
+
 PREFILL = OpSpec(
     name="attention.prefill", golden=ref.prefill, reference=_prefill_ref,
     params=_schema(b=Int(1, 64), sq=Int(1, 1 << 16), sk=Int(1, 1 << 16), **HEADS, **DV, **MASKING),
     make_inputs=_prefill_inputs,
     output_shapes=lambda p: {"o": (p["b"], p["sq"], p["hq"], value_dim(p)), "lse": (p["b"], p["hq"], p["sq"])},
-    outputs=OUT, tolerance=_tol(), dists=DISTS, check=_check, diagnoses=DIAGNOSES,
+    outputs=OUT, tolerance=_tol(), dists=DISTS, check=_check, diagnoses=DIAGNOSES, flops=lambda p: prefill_flops(p),
     doc="Dense batched attention (b, s, h, d) with GQA, causal alignment, window, softcap, sinks, d_v != d.",
 )
 
@@ -293,8 +294,8 @@ VARLEN = OpSpec(
     name="attention.varlen", golden=ref.varlen, reference=_varlen_ref,
     params=_schema(b=Int(1, 64), sq=Int(1, 1 << 16), sk=Int(1, 1 << 16), **HEADS, **DV, lens=LENS, **MASKING),
     make_inputs=_varlen_inputs,
-    output_shapes=lambda p: {"o": (int(_varlen_lens(p)[0].sum()), p["hq"], value_dim(p)),
-                             "lse": (p["hq"], int(_varlen_lens(p)[0].sum()))},
+    output_shapes=lambda p: {"o": (int(varlen_lens(p)[0].sum()), p["hq"], value_dim(p)),
+                             "lse": (p["hq"], int(varlen_lens(p)[0].sum()))},
     outputs=OUT, tolerance=_tol(), dists=DISTS, check=_check, diagnoses=DIAGNOSES,
     backends=("triton", "torch"),
     doc="Packed variable-length attention with cu_seqlens (per-sequence alignment); LSE (h_q, total_q).",
@@ -361,4 +362,8 @@ CHUNKED_PREFILL = OpSpec(
         "sequence's history (hist) and the chunk's keys; LSE (h_q, total_q).",
 )
 
-SPECS = (PREFILL, VARLEN, DECODE, DECODE_PAGED, DECODE_SPLIT, CHUNKED_PREFILL)
+# The backward ops (OPS.md "backward"): each derived from its forward op (attention_grad.py).
+from kernel_parity.conformance.ops.attention_grad import backward_specs  # noqa: E402
+
+PREFILL_BACKWARD, VARLEN_BACKWARD = backward_specs(PREFILL, VARLEN, MASK_DIAGNOSES)
+SPECS = (PREFILL, VARLEN, DECODE, DECODE_PAGED, DECODE_SPLIT, CHUNKED_PREFILL, PREFILL_BACKWARD, VARLEN_BACKWARD)

@@ -98,6 +98,19 @@ def paged_cache(rng: np.random.Generator, k_seq: np.ndarray, v_seq: np.ndarray, 
     return dt.round_to(k_pages, dtype), dt.round_to(v_pages, dtype), table
 
 
+def varlen_lens(p: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """(query lengths, key lengths) of a varlen case, each (b,) int32: `lengths` of sq and of sk,
+    the keys' pattern rotated by two."""
+    return lengths(p["b"], p["sq"], p["lens"]), lengths(p["b"], p["sk"], p["lens"], shift=2)
+
+
+def golden_kw(p: dict[str, Any]) -> dict[str, Any]:
+    """Golden keyword arguments of an attention case (forward and backward ops); `_head_map` and
+    `_scale` come only from diagnoses."""
+    return dict(causal=p["causal"], window=(p["wl"], p["wr"]), softcap=float(p["cap"]),
+                head_map=p.get("_head_map", "grouped"), scale=p.get("_scale"))
+
+
 def cu_seqlens(lens: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 

@@ -1,4 +1,4 @@
-"""Op spec of the split-KV merge: `combine.lse_combine`.
+"""Op specs of the split-KV merge: `combine.lse_combine` and its backward `combine.lse_combine_backward`.
 
 Partial outputs O_i (splits, rows, d_v) are stored in the test dtype, their LSEs
 (splits, rows) in float32 (every peer keeps LSE in fp32). An empty split has LSE -inf and
@@ -79,4 +79,47 @@ LSE_COMBINE = OpSpec(
     doc="Merge of per-split partial attention states (O_i, LSE_i) into (O, LSE).",
 )
 
-SPECS = (LSE_COMBINE,)
+
+# ---- backward ------------------------------------------------------------------------------------
+def _backward_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The forward's inputs (same draws), its float64 golden (o, lse) rounded to their dtypes, then
+    the cotangents do (test dtype) and dlse (fp32), N(0, 1) from the same generator."""
+    fwd = _inputs(p, dtype, dist, rng)
+    o, lse = refimpl.combine.lse_combine(fwd["o_parts"].astype(np.float64), fwd["lse_parts"].astype(np.float64))
+    do = rng.standard_normal((p["rows"], p["dv"]))
+    dlse = rng.standard_normal(p["rows"])
+    return {**fwd, "o": dt.round_to(o, dtype), "lse": dt.round_to(lse, "fp32"),
+            "do": dt.round_to(do, dtype), "dlse": dt.round_to(dlse, "fp32")}
+
+
+def _backward_ref(inputs: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    do_parts, dlse_parts = refimpl.combine.lse_combine_backward(inputs["o_parts"], inputs["lse_parts"],
+                                                                 inputs["do"], inputs["dlse"])
+    return {"do_parts": do_parts, "dlse_parts": dlse_parts}
+
+
+def _backward_acc_len(p: dict[str, Any], output: str) -> int:
+    # dO_i = w_i dO: the weights' sum runs over the splits; dLSE_i = w_i (dO . O_i - sum_j w_j dO . O_j
+    # + dLSE): a dot of d_v products, then the weighted sum over the splits
+    return p["splits"] if output == "do_parts" else p["dv"] + p["splits"]
+
+
+LSE_COMBINE_BACKWARD = OpSpec(
+    name="combine.lse_combine_backward",
+    golden=refimpl.combine.lse_combine_backward,
+    reference=_backward_ref,
+    params=LSE_COMBINE.params,
+    make_inputs=_backward_inputs,
+    output_shapes=lambda p: {"do_parts": (p["splits"], p["rows"], p["dv"]), "dlse_parts": (p["splits"], p["rows"])},
+    outputs={
+        "do_parts": Output("test", doc="gradient of each split's O: w_i dO; exactly 0 for an empty split"),
+        "dlse_parts": Output("fp32", doc="gradient of each split's LSE: w_i (dO . (O_i - O) + dLSE); 0 when empty"),
+    },
+    # No override: 25 fresh seeds of every ci combination stay within the dtype defaults (worst
+    # norm_err 0.78, fp16 do_parts against the noise floor).
+    tolerance=Tol(acc_len=_backward_acc_len, noise_k=3.0),
+    dists=DISTS,
+    doc="VJP of combine.lse_combine: inputs o_parts, lse_parts, o, lse, do, dlse; outputs do_parts, dlse_parts.",
+)
+
+SPECS = (LSE_COMBINE, LSE_COMBINE_BACKWARD)

@@ -16,6 +16,10 @@ packing). Two references, both float64 and both recorded for every case:
 A backend claims the one its kernel computes (the C kernels and ggml: emulated; a kernel that
 dequantizes W and multiplies in floating point: dequant); L1 - L2 is the activation quantization
 error itself and shows in the record as the claimed reference's distance to the other.
+
+`gemm.gemm_nt_backward` is its VJP (OPS.md, backward): the forward's params, dists and inputs, then the
+cotangent dc of C; da = dc W through the weight the forward means (L1, a quantized W dequantized), and
+for float32 W also dw = dc^T A and db = the sum of dc's rows (a quantized weight has no gradient).
 """
 
 from __future__ import annotations
@@ -195,7 +199,86 @@ GEMM_NT = OpSpec(
     tolerance=Tol(acc_len=lambda p, output: p["k"], overrides=_C_SCALE),
     dists=DISTS,
     check=_check,
+    flops=lambda p: 2.0 * p["m"] * p["n"] * p["k"],
     doc="C = A @ W^T (+ bias) with W stored quantized: GGML blocks, FP8 block-scaled, int4 groups.",
 )
 
-SPECS = (GEMM_NT,)
+
+
+# -- gemm.gemm_nt_backward -----------------------------------------------------------------------------
+# The VJP of C = A W^T (+ bias) (OPS.md, backward): the forward's inputs, built as the forward builds
+# them, then the cotangent dc of C (N(0, 1) from the same generator, rounded to C's dtype). Outputs: da
+# through the weight the forward means (a quantized W dequantized: L1); dw and db only for float32 W
+# (gradients of quantized weights are not defined).
+def _backward_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    inputs = _inputs(p, dtype, dist, rng)
+    inputs["dc"] = dt.round_to(rng.standard_normal((p["m"], p["n"])), dtype)
+    return inputs
+
+
+def _backward_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    shapes = {"da": (p["m"], p["k"])}
+    if p["wfmt"] == "f32":
+        shapes["dw"] = (p["n"], p["k"])
+        if p["bias"]:
+            shapes["db"] = (p["n"],)
+    return shapes
+
+
+def dequantized_weight(inputs: dict[str, np.ndarray], p: dict[str, Any]) -> np.ndarray:
+    """The (N, K) float64 weight the case's W stores (its dequantization), whatever the format."""
+    wfmt, weights, extra = _weight_args({k: v for k, v in inputs.items() if k != "dc"}, p)
+    extra = {k: v for k, v in extra.items() if k != "gm"}  # the FP8 activation group: not the weight's
+    return refimpl.gemm.dequantize_weight(wfmt, weights, p["k"], **extra)
+
+
+def _backward_ref(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    g = refimpl.gemm.gemm_nt_backward(x["a"], dequantized_weight(x, p), x["dc"], bias=bool(p["bias"]))
+    return {k: g[k] for k in _backward_shapes(p)}
+
+
+def _backward_acc(p: dict[str, Any], output: str) -> int:
+    """da sums over N (dc's rows times W's columns), dw and db over M (the tokens)."""
+    return p["n"] if output == "da" else p["m"]
+
+
+_GRAD_SCALE = (
+    # Every gradient is a sum with cancellation (da over N, dw and db over M): an element near 0 carries
+    # the rounding of the larger terms, ~eps32 sqrt(reduction length) of the output's scale (as C's).
+    *(Override(f"{g} sums its reduction with cancellation: absolute error ~ eps32 sqrt(length) max|{g}|",
+               output=g, atol_acc=1.0) for g in ("da", "dw", "db")),
+    # Their aggregate error grows with the length too: a sum of n terms added in index order in fp32 (the C
+    # kernel, the seed's arithmetic: ISA-independent bits) has relative rms error ~ eps32 sqrt(n / 24), so
+    # cos_diff ~ eps32^2 n / 48: 1.2e-12 at n = 4096, past the fixed fp32 default (measured: C da at
+    # m=2, n=4096 cos_diff 1.09e-12, flaky in a 180-run sweep). agg_acc 0.125 = 6x that expectation.
+    *(Override(f"{g}: an fp32 sum in index order, cos_diff ~ eps32^2 n / 48 (1.09e-12 measured at n = 4096, C)",
+               output=g, agg_acc=0.125) for g in ("da", "dw", "db")),
+    # The 16-bit paths (eager torch; the Triton kernel on tensor cores) round W to the activation dtype
+    # before the product, as the forward does: the same allowance as C's (module overrides above).
+    Override("bf16 dc: one rounding of each (dequantized) weight, as the forward's C (0.14 eps x max|da|)",
+             output="da", dtype="bf16", atol_max_eps=0.5),
+    Override("fp16 dc: one rounding of each (dequantized) weight, as the forward's C (0.29 eps x max|da|)",
+             output="da", dtype="fp16", atol_max_eps=1.0),
+)
+
+GEMM_NT_BACKWARD = OpSpec(
+    name="gemm.gemm_nt_backward",
+    golden=refimpl.gemm.gemm_nt_backward,
+    reference=_backward_ref,
+    params=GEMM_NT.params,
+    make_inputs=_backward_inputs,
+    output_shapes=_backward_shapes,
+    outputs={
+        "da": Output("test", doc="dc @ W (W dequantized for a quantized format), in A's dtype"),
+        # dw and db are float32 (W's and the bias's storage) but come from 16-bit dc and A in a 16-bit case:
+        # the eager baseline's autograd rounds them to the activation dtype through the cast of W.
+        "dw": Output("fp32", tol_dtype="test", doc="dc^T @ A (float32 W only), float32"),
+        "db": Output("fp32", tol_dtype="test", doc="the sum of dc over the rows (float32 W with a bias)"),
+    },
+    tolerance=Tol(acc_len=_backward_acc, overrides=_GRAD_SCALE, noise_k=3.0),
+    dists=DISTS,
+    check=_check,
+    doc="The VJP of C = A @ W^T (+ bias): da = dc W (W dequantized), dw = dc^T A and db = sum dc for float32 W.",
+)
+
+SPECS = (GEMM_NT, GEMM_NT_BACKWARD)

@@ -24,7 +24,7 @@ import kernel_parity.refimpl.norm as ref
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.params import Int, OneOf, Schema
 from kernel_parity.conformance.spec import Diagnosis, OpSpec, Output
-from kernel_parity.conformance.tolerance import Tol
+from kernel_parity.conformance.tolerance import Override, Tol
 
 EPS = ("1e-6", "1e-5", "1e-2", "1")  # as they appear in case ids; 1 is the large eps
 DISTS = {
@@ -174,3 +174,101 @@ LAYER_NORM = OpSpec(
 )
 
 SPECS = (RMS_NORM, LAYER_NORM)
+
+
+# -- backward (OPS.md "backward") -------------------------------------------------------------------
+# Each backward op takes its forward's params (the same Schema: the ids mirror the forward's) and
+# dists. Inputs: the forward's, built by its builder from the same generator; then the forward
+# outputs a backward kernel needs, computed by the float64 golden and rounded to their output dtype
+# (rstd, LayerNorm's mean: fp32); then the cotangents N(0, 1) drawn from that generator, rounded to
+# the output's dtype, over the whole aligned row: their padding lanes hold values that no correct
+# kernel reads (y's and h's padding lanes are constants). The forward's `rstd` / `stats` flag says
+# whether the forward returned them; its backward receives them either way.
+def _cotangent(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    return dt.round_to(rng.standard_normal(shape), dtype)
+
+
+def _inputs_rms_bwd(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    x = _inputs_rms(p, dtype, dist, rng)
+    x64 = {k: v.astype(np.float64) for k, v in x.items()}
+    fwd = ref.rms_norm(x64["x"], x64["w"], float(p["eps"]), n=p["n"], gemma=bool(p["gemma"]), residual=x64.get("r"))
+    out = {**x, "rstd": fwd["rstd"].astype(np.float32)}
+    row = (p["rows"], p["n"] + p["pad"])
+    out["dy"] = _cotangent(rng, row, dtype)
+    if p["residual"]:
+        out["dh"] = _cotangent(rng, row, dtype)
+    return out
+
+
+def _ref_rms_bwd(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    return ref.rms_norm_backward(x["x"], x["w"], x["dy"], float(p["eps"]), n=p["n"], gemma=bool(p["gemma"]),
+                                 residual=x.get("r"), dh=x.get("dh"))
+
+
+def _inputs_ln_bwd(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    x = _inputs_ln(p, dtype, dist, rng)
+    fwd = ref.layer_norm(x["x"].astype(np.float64), None, None, float(p["eps"]), n=p["n"])
+    out = {**x, "mean": fwd["mean"].astype(np.float32), "rstd": fwd["rstd"].astype(np.float32)}
+    out["dy"] = _cotangent(rng, (p["rows"], p["n"] + p["pad"]), dtype)
+    return out
+
+
+def _ref_ln_bwd(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    return ref.layer_norm_backward(x["x"], x["w"], x.get("b"), x["dy"], float(p["eps"]), n=p["n"])
+
+
+def _grad_len(p: dict[str, Any], output: str) -> int:
+    """dx sums over its row's n lanes (mean(h g dy)); dw and db over the rows."""
+    return p["n"] if output == "dx" else p["rows"]
+
+
+# The dx limits assume rows of at least 7 lanes (LayerNorm's one lane aside, dx = 0): on fewer, dx is
+# the cotangent projected onto the n - 1 (RMSNorm) or n - 2 (LayerNorm) dimensions orthogonal to h (1
+# and xhat), whose row condition |g dy| / |dx| is heavy-tailed; the ci suite and the property
+# strategies leave those rows out (figures in ci.toml).
+_GRAD_OVERRIDES = (
+    Override("dx = rstd (g dy - h rstd^2 mean(h g dy)) (LayerNorm: rstd (d - mean(d) - xhat mean(d xhat))) cancels "
+             "where its terms agree: fp32 keeps ~eps32 of the larger term and the row mean, a sum of n products, "
+             "~eps32 sqrt(n) of its own size, so the error is absolute at the scale of the row's terms (measured: "
+             "eager fp32 autograd 0.03 eps32 max|dx| past rtol at such elements, `scales` rows)", output="dx",
+             atol_acc=1.0),
+) + tuple(Override("dw and db are sums over the rows of terms of either sign (dy h rstd, dy xhat, dy) that cancel: "
+                   "an fp32 sum carries ~eps32 sqrt(rows) of the largest column's size, not of its own", output=o,
+                   atol_acc=2.0) for o in ("dw", "db"))
+
+RMS_NORM_BACKWARD = OpSpec(
+    name="norm.rms_norm_backward",
+    golden=ref.rms_norm_backward,
+    reference=_ref_rms_bwd,
+    params=RMS_NORM.params,
+    make_inputs=_inputs_rms_bwd,
+    output_shapes=lambda p: {"dx": (p["rows"], p["n"] + p["pad"]), "dw": (p["n"] + p["pad"],)},
+    outputs={
+        "dx": Output("test", doc="gradient of x (and of r: the same) with dh added, padding lanes zero"),
+        "dw": Output("test", doc="gradient of the weight: sum over rows of dy h rstd, padding lanes zero"),
+    },
+    tolerance=Tol(acc_len=_grad_len, noise_k=3.0, overrides=_GRAD_OVERRIDES),
+    dists=RMS_NORM.dists,
+    diagnoses=RMS_NORM.diagnoses,
+    doc="RMSNorm's VJP: dx (= dr, + dh) and dw from x (+ r), w, the forward's fp32 rstd and the cotangents dy (dh).",
+)
+
+LAYER_NORM_BACKWARD = OpSpec(
+    name="norm.layer_norm_backward",
+    golden=ref.layer_norm_backward,
+    reference=_ref_ln_bwd,
+    params=LAYER_NORM.params,
+    make_inputs=_inputs_ln_bwd,
+    output_shapes=lambda p: {"dx": (p["rows"], p["n"] + p["pad"]), "dw": (p["n"] + p["pad"],),
+                             **({"db": (p["n"] + p["pad"],)} if p["bias"] else {})},
+    outputs={
+        "dx": Output("test", doc="gradient of x, padding lanes zero"),
+        "dw": Output("test", doc="sum over rows of dy xhat, padding lanes zero"),
+        "db": Output("test", doc="sum over rows of dy (with a bias), padding lanes zero"),
+    },
+    tolerance=Tol(acc_len=_grad_len, noise_k=3.0, overrides=_GRAD_OVERRIDES),
+    dists=LAYER_NORM.dists,
+    doc="LayerNorm's VJP: dx, dw (and db) from x, w, the forward's fp32 mean and rstd and the cotangent dy.",
+)
+
+SPECS = (RMS_NORM, LAYER_NORM, RMS_NORM_BACKWARD, LAYER_NORM_BACKWARD)

@@ -212,3 +212,47 @@ KV_UPDATE = OpSpec(
 )
 
 SPECS = (ROPE, KV_UPDATE)
+
+
+# -- rope.rope_backward (OPS.md "backward") -----------------------------------------------------------
+# The forward's params and dists; inputs: rope.rope's (x, positions, the table), built from the same
+# generator, then the cotangent dy ~ N(0, 1) of y, rounded to the dtype. The gradient of x is RoPE
+# at the negated angle applied to dy (the pass-through dims: dy copied); x itself does not enter it.
+def _bwd_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    out = _inputs(p, dtype, dist, rng)
+    out["dy"] = dt.round_to(rng.standard_normal((p["t"], p["h"], p["d"])), dtype)
+    return out
+
+
+def _bwd_ref(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    cos, sin = cos_sin_of(x, p, p["rot"])
+    return {"dx": ref.rope_backward(x["dy"], cos, sin, x["positions"], style=p["style"], rot=p["rot"], at=p["at"])}
+
+
+# The backward of HF's rotation under autograd, dx = dy cos + rotate_half^T(dy sin), rounds the same
+# products and sum to the 16-bit dtype as its forward: the forward's measured reason holds for dx.
+BACKWARD_BASELINE_TIER = Tier(
+    "eager autograd of HF's apply_rotary_pos_emb forms dy cos + rotate_half^T(dy sin) in the test dtype: cos / sin "
+    "and every product rounded to fp16 / bf16, up to ~sqrt(2) eps(dtype) max|dx| where the products cancel",
+    overrides=tuple(Override(_HF_16BIT, output="dx", dtype=dtype, atol_max_eps=1.5) for dtype in ("fp16", "bf16")),
+)
+
+ROPE_BACKWARD = OpSpec(
+    name="rope.rope_backward",
+    golden=ref.rope_backward,
+    reference=_bwd_ref,
+    params=ROPE.params,
+    make_inputs=_bwd_inputs,
+    output_shapes=lambda p: {"dx": (p["t"], p["h"], p["d"])},
+    outputs={"dx": Output("test", doc="dy's rotary part rotated by the negated angles; the other dims dy's")},
+    tolerance=Tol(acc_len=_angle_len, noise_k=3.0,
+                  overrides=tuple(Override(o.reason, output="dx", atol_acc=o.atol_acc, agg_acc=o.agg_acc)
+                                  for o in _ANGLES),
+                  baseline=BACKWARD_BASELINE_TIER),
+    dists=DISTS,
+    check=_check,
+    diagnoses=ROPE.diagnoses,
+    doc="RoPE's VJP: dx = RoPE at the negated angles of dy (pass-through dims copied), every layout and table.",
+)
+
+SPECS = (ROPE, KV_UPDATE, ROPE_BACKWARD)

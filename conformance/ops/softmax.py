@@ -1,4 +1,5 @@
-"""Op specs of the softmax family: `softmax.softmax` and `softmax.online_softmax`.
+"""Op specs of the softmax family: `softmax.softmax` and `softmax.online_softmax`, and their
+backward ops `softmax.softmax_backward` and `softmax.online_softmax_backward`.
 
 Inputs are (rows, n) with an optional row-stride padding of `pad` elements that holds NaN.
 Distributions cover the numerics a softmax kernel gets wrong: large logits (no max
@@ -18,7 +19,7 @@ from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.inputs import draw, padded
 from kernel_parity.conformance.params import Int, OneOf, Schema
 from kernel_parity.conformance.spec import OpSpec, Output
-from kernel_parity.conformance.tolerance import Tol
+from kernel_parity.conformance.tolerance import Override, Tier, Tol
 
 DISTS = {
     "normal": "N(0, 1) logits",
@@ -112,4 +113,103 @@ ONLINE_SOFTMAX = OpSpec(
     doc="Streaming softmax over tiles (running max and sum), returning the row LSE too.",
 )
 
-SPECS = (SOFTMAX, ONLINE_SOFTMAX)
+
+# ---- backward ------------------------------------------------------------------------------------
+# softmax.softmax_backward and softmax.online_softmax_backward (OPS.md "backward"): the forward's
+# params (so ids mirror the forward's) and distributions, plus `rows`, which makes neighbouring
+# rows' sums D = sum_j dy_j y_j differ by orders of magnitude (a kernel that uses its neighbour's
+# D is wrong by that much, not by the few percent two N(0, 1) rows differ).
+BACKWARD_DISTS = {
+    **DISTS,
+    "rows": "N(0, 1) logits; each row's cotangent times 10^U(-2, 2): neighbouring rows' sum(dy y) "
+            "differ by orders of magnitude",
+}
+
+
+def _backward_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator,
+                     online: bool) -> dict[str, np.ndarray]:
+    """The forward's x (built as the forward builds it, same draws), its float64 golden outputs
+    rounded to their dtypes (y: the test dtype, lse: fp32), then the cotangents dy (and dlse),
+    N(0, 1) from the same generator, rounded to their outputs' dtypes. y and dy carry x's padding."""
+    d = dt.get(dtype)
+    rows, n, pad = p["rows"], p["n"], p["pad"]
+    x = _inputs(p, dtype, "normal" if dist == "rows" else dist, rng)["x"]
+    x64 = x.astype(np.float64)
+    if online:
+        y, lse = refimpl.softmax.online_softmax(x64, p["tile"], axis=-1)
+    else:
+        y, lse = refimpl.softmax.softmax(x64, axis=-1), None
+    dy = rng.standard_normal((rows, n))
+    if dist == "rows":
+        dy *= 10.0 ** rng.uniform(-2.0, 2.0, (rows, 1))
+    out = {"x": x, "y": padded(y, pad, d)}
+    if online:
+        out["lse"] = dt.round_to(lse, "fp32")
+    out["dy"] = padded(dy, pad, d)
+    if online:
+        out["dlse"] = dt.round_to(rng.standard_normal(rows), "fp32")
+    return out
+
+
+def _softmax_backward_ref(inputs: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {"dx": refimpl.softmax.softmax_backward(inputs["x"], inputs["dy"], axis=-1)}
+
+
+def _online_backward_ref(inputs: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {"dx": refimpl.softmax.online_softmax_backward(inputs["x"], p["tile"], inputs["dy"], inputs["dlse"])}
+
+
+# dx = y (dy - D) is computed from the forward's y rounded to the dtype (eps/2 each), whose sum is no
+# longer 1: D = sum_k dy_k y_k carries sum_k dy_k e_k (e_k the rounding of y_k), and every dx_j carries y_j times that,
+# absolute, however far dy_j - D cancels. Measured on the ci shapes (12 seeds per combination, our
+# kernels and torch's alike): up to 1.48 eps x max|dx| (fp16, n = 2), 0.65 (bf16); nothing in fp32.
+_DX_FROM_ROUNDED_Y = Override("dx comes from y rounded to the dtype: D inherits sum_k dy_k x (rounding of y_k), "
+                              "absolute in every y_j (dy_j - D); measured up to 1.48 eps x max|dx| (fp16, n = 2)",
+                              output="dx", atol_max_eps=3.0)
+_BACKWARD_TOL = Tol(acc_len=_row_len, noise_k=3.0, overrides=(_DX_FROM_ROUNDED_Y,))
+# The eager online backward differentiates torch.logsumexp too, whose gradient is exp(x - lse) with
+# lse rounded to fp32: at |lse| ~ 6e4 (neg_large) its ulp, 0.0039, scales every element of the LSE
+# term by up to 0.2%. In 16-bit, autograd adds the softmax and LSE gradients of x in the dtype (a
+# third rounding). Measured over 25 fresh seeds of every ci combination; 2x / 4x that.
+_ONLINE_EAGER = Tier(
+    "torch's logsumexp backward uses its fp32-rounded LSE, and eager sums two 16-bit gradients",
+    overrides=(
+        Override("exp(x - lse) with lse rounded to fp32: measured 1.94e4 eps32 x max|dx|, cos_diff 1.67e-6 "
+                 "(neg_large, |lse| ~ 6e4)", output="dx", dtype="fp32", atol_max_eps=4e4, cos_diff=7e-6, nmse=1.4e-5),
+        Override("two gradients summed in fp16: measured cos_diff 1.76e-6", output="dx", dtype="fp16",
+                 cos_diff=7e-6, nmse=1.4e-5),
+        Override("two gradients summed in bf16: measured cos_diff 2.06e-5", output="dx", dtype="bf16",
+                 cos_diff=8e-5, nmse=1.6e-4),
+    ),
+)
+_ONLINE_BACKWARD_TOL = Tol(acc_len=_row_len, noise_k=3.0, overrides=(_DX_FROM_ROUNDED_Y,), baseline=_ONLINE_EAGER)
+
+SOFTMAX_BACKWARD = OpSpec(
+    name="softmax.softmax_backward",
+    golden=refimpl.softmax.softmax_backward,
+    reference=_softmax_backward_ref,
+    params=SOFTMAX.params,
+    make_inputs=lambda p, dtype, dist, rng: _backward_inputs(p, dtype, dist, rng, online=False),
+    output_shapes=lambda p: {"dx": (p["rows"], p["n"])},
+    output_pads=lambda p: {"dx": p["pad"]},
+    outputs={"dx": Output("test", doc="gradient of x: y (dy - sum(dy y)); 0 at -inf logits and on all -inf rows")},
+    tolerance=_BACKWARD_TOL,
+    dists=BACKWARD_DISTS,
+    doc="VJP of softmax.softmax: inputs x, y (the forward output), dy; output dx.",
+)
+
+ONLINE_SOFTMAX_BACKWARD = OpSpec(
+    name="softmax.online_softmax_backward",
+    golden=refimpl.softmax.online_softmax_backward,
+    reference=_online_backward_ref,
+    params=ONLINE_SOFTMAX.params,
+    make_inputs=lambda p, dtype, dist, rng: _backward_inputs(p, dtype, dist, rng, online=True),
+    output_shapes=lambda p: {"dx": (p["rows"], p["n"])},
+    output_pads=lambda p: {"dx": p["pad"]},
+    outputs={"dx": Output("test", doc="gradient of x: y (dy - sum(dy y) + dlse)")},
+    tolerance=_ONLINE_BACKWARD_TOL,
+    dists=BACKWARD_DISTS,
+    doc="VJP of softmax.online_softmax (outputs y and lse): inputs x, y, lse, dy, dlse; output dx.",
+)
+
+SPECS = (SOFTMAX, ONLINE_SOFTMAX, SOFTMAX_BACKWARD, ONLINE_SOFTMAX_BACKWARD)

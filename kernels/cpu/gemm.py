@@ -19,6 +19,10 @@ Conventions (gemm.c's header says where each float32 rounding happens):
   mins), summed in block order; f32: 16 lanes, pairwise, then the tail;
 - bias added last (one rounding). Deterministic: every ISA path (AVX-512 VNNI, AVX2, scalar) gives
   the same bits, and the result of a row does not depend on M, N or the other rows.
+
+`gemm_nt_backward` (gemm_bwd.c, its arithmetic in gemm_bwd.h) is the VJP: da = dc W (a GGML W dequantized
+as ggml's dequantize_row_*), dw = dc^T A and db = the sum of dc's rows for float32 W; float32 storage and
+sums, each in its reduction index's order, the same bits on every ISA path.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import numpy as np
 from kernel_parity.kernels.cpu.loader import check_array, check_output, element_strides, load
 from kernel_parity.kernels.cpu.quant import FORMATS
 
-__all__ = ["WEIGHT_FORMATS", "act_format", "gemm_nt", "isa"]
+__all__ = ["WEIGHT_FORMATS", "act_format", "gemm_nt", "gemm_nt_backward", "isa"]
 
 # weight format -> activation (vec_dot) format, as ggml-cpu's type_traits_cpu[...].vec_dot_type
 WEIGHT_FORMATS: dict[str, str] = {
@@ -42,6 +46,7 @@ WEIGHT_FORMATS: dict[str, str] = {
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _lib: ctypes.CDLL | None = None
+_bwd: ctypes.CDLL | None = None
 
 
 def _kernels() -> ctypes.CDLL:
@@ -136,3 +141,82 @@ def gemm_nt(a: np.ndarray, wfmt: str, w: np.ndarray, bias: np.ndarray | None = N
     if status != 0:
         raise RuntimeError(f"gemm_q_kernel returned {status} for {wfmt}")
     return out
+
+
+def _backward_kernel() -> ctypes.CDLL:
+    global _bwd
+    if _bwd is None:
+        lib = load("gemm_bwd")
+        lib.gemm_nt_backward.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64,
+                                         _PTR, _I64, _I64, _I64]
+        lib.gemm_nt_backward.restype = ctypes.c_int
+        _bwd = lib
+    return _bwd
+
+
+def gemm_nt_backward(a: np.ndarray, wfmt: str, w: np.ndarray, dc: np.ndarray, *, bias: bool = False,
+                     out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """The VJP of C = A @ W^T (+ bias) (gemm_bwd.c, float32 arithmetic):
+
+        da = dc @ W (M, K), W dequantized for a GGML format;  dw = dc^T @ A (N, K) and db = sum_m dc (N,)
+        for "f32" weights only (db when `bias`)
+
+    a: (M, K) float32, w as `gemm_nt`'s, dc: (M, N) float32 (last-axis stride 1, any row stride)
+    out: preallocated {"da", "dw", "db"} (any subset; the rest are allocated)
+    returns {"da"} (+ {"dw"} (+ {"db"}) for "f32")
+    """
+    act_format(wfmt)
+    f32 = np.dtype(np.float32)
+    check_array("a", a, 2, "(M, K)", (f32,))
+    check_array("dc", dc, 2, "(M, N)", (f32,))
+    m, k = a.shape
+    n = dc.shape[1]
+    if dc.shape[0] != m:
+        raise ValueError(f"gemm_nt_backward: dc must be (M, N) with M = {m} (from a), got shape {dc.shape}")
+    if wfmt == "f32":
+        check_array("w", w, 2, "(N, K)", (f32,))
+        if w.shape != (n, k):
+            raise ValueError(f"gemm_nt_backward f32: w must be (N, K) = ({n}, {k}), got shape {w.shape}")
+        type_id, row_bytes = 0, 4
+    else:
+        type_id, qk, nbytes = FORMATS[wfmt]
+        if k % qk:
+            raise ValueError(f"gemm_nt_backward {wfmt}: K must be a multiple of {qk}, got K = {k}")
+        check_array("w", w, 2, "(N, K // block * nbytes)", (np.dtype(np.uint8),))
+        if w.shape != (n, k // qk * nbytes):
+            raise ValueError(f"gemm_nt_backward {wfmt}: w must be ({n}, {k // qk * nbytes}) uint8, got {w.shape}")
+        row_bytes = 1
+    shapes = {"da": (m, k)}
+    if wfmt == "f32":
+        shapes["dw"] = (n, k)
+        if bias:
+            shapes["db"] = (n,)
+    res = dict(out or {})
+    unknown = set(res) - set(shapes)
+    if unknown:
+        raise ValueError(f"out names {', '.join(sorted(unknown))}, not among this call's gradients {', '.join(shapes)}")
+    for name, shape in shapes.items():
+        if name not in res:
+            res[name] = np.empty(shape, dtype=f32)
+        check_output(f"out[{name!r}]", res[name], shape, f32, str(shape))
+    if "db" in res and res["db"].size and not res["db"].flags.c_contiguous:
+        raise ValueError(f"out['db'] must be contiguous, got strides {res['db'].strides}; no copy is made")
+    strides = {name: _unit_rows(name, x) for name, x in (("a", a), ("w", w), ("dc", dc), ("da", res["da"]))}
+    dw = res.get("dw")
+    stride_dw = _unit_rows("dw", dw) if dw is not None else 0
+    for name, x in res.items():
+        if any(np.may_share_memory(x, y) for y in (a, w, dc)):
+            raise ValueError(f"out[{name!r}] overlaps a, w or dc; pass a separate array")
+    if m == 0 or n == 0 or k == 0:
+        for x in res.values():
+            x[...] = 0.0
+        return res
+    status = _backward_kernel().gemm_nt_backward(
+        type_id, a.ctypes.data, strides["a"], w.ctypes.data, strides["w"] * row_bytes, dc.ctypes.data, strides["dc"],
+        res["da"].ctypes.data, strides["da"], None if dw is None else dw.ctypes.data, stride_dw,
+        res["db"].ctypes.data if "db" in res else None, m, n, k)
+    if status == 2:
+        raise MemoryError(f"gemm_nt_backward {wfmt}: out of memory for the dequantized weight panel")
+    if status != 0:
+        raise RuntimeError(f"gemm_nt_backward returned {status} for {wfmt}")
+    return res

@@ -20,6 +20,12 @@
  *   least-squares fit of ln(erfc(a) e^(a^2) / t) over a in [0, 10.5] (max error 5.1e-8), with
  *   a^2 = g^2 / 2 formed in double (exact: a float squared has 48 bits) so the exponent is rounded
  *   once. g is clamped to +-16, where Phi is 0 or 1 in fp32.
+ *
+ * Backward (glu_backward_kernel; OPS.md "backward"): dgate = dy u act'(g), dup = dy act(g), each
+ * rounded once. act' is silu' = s(g) + g s(g) s(-g), tanh gelu' = s(z) + g s(z) s(-z) z' and erf
+ * gelu' = Phi(g) + g phi(g); the sigmoid's derivative s(z) s(-z) = e / (1 + e)^2 from e = exp(-|z|),
+ * never 1 - s(z) (which is all rounding once s(z) rounds to 1, past z = 17 in fp32). phi(g) =
+ * exp(-g^2 / 2) / sqrt(2 pi) with g^2 in double (one rounding of the exponent, as Phi's).
  */
 #include "common.h"
 
@@ -31,6 +37,7 @@ enum { KP_ERR_ACT = 3 };
 #define RSQRT2 0.7071067811865476f
 #define ERFC_T_MIN 0.16f             /* 1 / (1 + 10.5 / 2): erfc(10.5) underflows fp32 */
 #define CDF_CLAMP 16.0f
+#define RSQRT_2PI 0.3989422804014327f  /* 1 / sqrt(2 pi) */
 
 /* P(t), constant term first (see the header comment). */
 static const float ERFC_C[10] = {
@@ -105,3 +112,77 @@ KP_MULTIVERSION(glu_kernel,
                 (int dtype, int act, const void *G_ptr, int64_t stride_g_row, const void *U_ptr,
                  int64_t stride_u_row, void *Y_ptr, int64_t stride_y_row, int64_t rows, int64_t n),
                 (dtype, act, G_ptr, stride_g_row, U_ptr, stride_u_row, Y_ptr, stride_y_row, rows, n))
+
+/* ---- backward ---------------------------------------------------------------------------------- */
+
+/* s(z) (1 - s(z)) as s(z) s(-z) = e / (1 + e)^2, e = exp(-|z|): nothing cancels, nothing overflows. */
+KP_INLINE float sigmoid_grad_f32(float z) {
+    float e = kp_expf(-fabsf(z));
+    float q = 1.0f / (1.0f + e);
+    return e * q * q;
+}
+
+/* act'(g), with act(g) stored in *a (both from one evaluation of the sigmoid or Phi). */
+KP_INLINE float activation_grad(float g, int act, float *a) {
+    switch (act) {
+    case ACT_GELU_TANH: {
+        float z = g * (GELU_K0 + GELU_K1 * g * g);
+        float s = sigmoid_f32(z);
+        *a = g * s;
+        return s + g * sigmoid_grad_f32(z) * (GELU_K0 + 3.0f * GELU_K1 * g * g);
+    }
+    case ACT_GELU_ERF: {
+        float p = std_normal_cdf_f32(g);
+        *a = g * p;
+        return p + g * (kp_expf((float)(-0.5 * ((double)g * (double)g))) * RSQRT_2PI);
+    }
+    default: {
+        float s = sigmoid_f32(g);
+        *a = g * s;
+        return s + g * sigmoid_grad_f32(g);
+    }
+    }
+}
+
+KP_INLINE void glu_bwd_rows(const char *g, int64_t sg, const char *u, int64_t su, const char *dy, int64_t sdy,
+                            char *dg, int64_t sdg, char *du, int64_t sdu, int64_t rows, int64_t n, int act, int dt) {
+    const int64_t size = kp_itemsize(dt);
+    for (int64_t i = 0; i < rows; i++) {
+        const char *gi = g + i * sg * size, *ui = u + i * su * size, *dyi = dy + i * sdy * size;
+        char *dgi = dg + i * sdg * size, *dui = du + i * sdu * size;
+        for (int64_t j = 0; j < n; j++) {
+            float a;
+            float da = activation_grad(kp_load(gi, j, dt), act, &a);
+            float t = kp_load(dyi, j, dt);
+            kp_store(dgi, j, t * kp_load(ui, j, dt) * da, dt);
+            kp_store(dui, j, t * a, dt);
+        }
+    }
+}
+
+#define GLU_BWD_DTYPES(act)                                                                         \
+    switch (dtype) {                                                                                \
+    case KP_F32: glu_bwd_rows(G_ptr, sg, U_ptr, su, DY_ptr, sdy, DG_ptr, sdg, DU_ptr, sdu, rows, n, act, KP_F32); \
+        return KP_OK;                                                                               \
+    case KP_F16: glu_bwd_rows(G_ptr, sg, U_ptr, su, DY_ptr, sdy, DG_ptr, sdg, DU_ptr, sdu, rows, n, act, KP_F16); \
+        return KP_OK;                                                                               \
+    case KP_BF16: glu_bwd_rows(G_ptr, sg, U_ptr, su, DY_ptr, sdy, DG_ptr, sdg, DU_ptr, sdu, rows, n, act, KP_BF16); \
+        return KP_OK;                                                                               \
+    default: return KP_ERR_DTYPE;                                                                   \
+    }
+
+KP_INLINE int glu_backward_kernel_impl(int dtype, int act, const void *G_ptr, int64_t sg, const void *U_ptr,
+                                       int64_t su, const void *DY_ptr, int64_t sdy, void *DG_ptr, int64_t sdg,
+                                       void *DU_ptr, int64_t sdu, int64_t rows, int64_t n) {
+    switch (act) {
+    case ACT_SILU: GLU_BWD_DTYPES(ACT_SILU)
+    case ACT_GELU_TANH: GLU_BWD_DTYPES(ACT_GELU_TANH)
+    case ACT_GELU_ERF: GLU_BWD_DTYPES(ACT_GELU_ERF)
+    default: return KP_ERR_ACT;
+    }
+}
+
+KP_MULTIVERSION(glu_backward_kernel,
+                (int dtype, int act, const void *G_ptr, int64_t sg, const void *U_ptr, int64_t su, const void *DY_ptr,
+                 int64_t sdy, void *DG_ptr, int64_t sdg, void *DU_ptr, int64_t sdu, int64_t rows, int64_t n),
+                (dtype, act, G_ptr, sg, U_ptr, su, DY_ptr, sdy, DG_ptr, sdg, DU_ptr, sdu, rows, n))

@@ -17,6 +17,8 @@
  *   come from double cos / sin of that float, rounded once.
  * - x and y (t, h, d) share a dtype; head and token strides in elements, last axis stride 1. y may
  *   be x (in place): each pair is read before it is written.
+ * - conj = 1 rotates by the negated angles (sin negated after it is read or built): RoPE's backward,
+ *   dx = R(-p w) dy, is this kernel run on the cotangent dy; the pass-through dims are dy copied.
  *
  * fp32 arithmetic: x widened on load, a c - b s and a s + b c as two fp32 products and one fp32 sum
  * (no FMA: -ffp-contract=off), one RNE rounding on store. Each token's cos / sin row is widened
@@ -99,8 +101,8 @@ KP_INLINE void rotate_row(const char *x, char *y, const float *c, const float *s
 KP_INLINE int rope_rows(const char *X_ptr, int64_t stride_xt, int64_t stride_xh, char *Y_ptr, int64_t stride_yt,
                         int64_t stride_yh, const int32_t *POS_ptr, int64_t stride_pos, const void *COS_ptr,
                         const void *SIN_ptr, int tab_dt, int64_t stride_tab_row, int64_t stride_tab_col,
-                        double theta, int scaling, int style, int64_t lo, int64_t rot, int64_t t, int64_t h,
-                        int64_t d, int dt) {
+                        double theta, int scaling, int conj, int style, int64_t lo, int64_t rot, int64_t t,
+                        int64_t h, int64_t d, int dt) {
     const int64_t size = kp_itemsize(dt), half = rot / 2;
     float *buf = malloc((size_t)(3 * half) * sizeof(float));
     if (!buf) return KP_ERR_NOMEM;
@@ -109,6 +111,8 @@ KP_INLINE int rope_rows(const char *X_ptr, int64_t stride_xt, int64_t stride_xh,
     for (int64_t tok = 0; tok < t; tok++) {
         angle_row(c, s, half, POS_ptr[tok * stride_pos], COS_ptr, SIN_ptr, tab_dt, stride_tab_row,
                   stride_tab_col, w);
+        if (conj)  /* the transposed rotation: R(p w)^T = R(-p w) */
+            for (int64_t i = 0; i < half; i++) s[i] = -s[i];
         for (int64_t head = 0; head < h; head++)
             rotate_row(X_ptr + (tok * stride_xt + head * stride_xh) * size,
                        Y_ptr + (tok * stride_yt + head * stride_yh) * size, c, s, lo, rot, d, style, dt);
@@ -120,12 +124,12 @@ KP_INLINE int rope_rows(const char *X_ptr, int64_t stride_xt, int64_t stride_xh,
 KP_INLINE int rope_kernel_impl(int dtype, const void *X_ptr, int64_t stride_xt, int64_t stride_xh, void *Y_ptr,
                                int64_t stride_yt, int64_t stride_yh, const int32_t *POS_ptr, int64_t stride_pos,
                                const void *COS_ptr, const void *SIN_ptr, int tab_dt, int64_t stride_tab_row,
-                               int64_t stride_tab_col, double theta, int scaling, int style, int64_t lo,
-                               int64_t rot, int64_t t, int64_t h, int64_t d) {
+                               int64_t stride_tab_col, double theta, int scaling, int conj, int style,
+                               int64_t lo, int64_t rot, int64_t t, int64_t h, int64_t d) {
     /* one instantiation per dtype, so the loads and stores inline as constants */
 #define ROPE_ROWS(DT) rope_rows(X_ptr, stride_xt, stride_xh, Y_ptr, stride_yt, stride_yh, POS_ptr, stride_pos, \
-                                COS_ptr, SIN_ptr, tab_dt, stride_tab_row, stride_tab_col, theta, scaling, style, \
-                                lo, rot, t, h, d, DT)
+                                COS_ptr, SIN_ptr, tab_dt, stride_tab_row, stride_tab_col, theta, scaling, conj, \
+                                style, lo, rot, t, h, d, DT)
     switch (dtype) {
     case KP_F32: return ROPE_ROWS(KP_F32);
     case KP_F16: return ROPE_ROWS(KP_F16);
@@ -139,10 +143,10 @@ KP_MULTIVERSION(rope_kernel,
                 (int dtype, const void *X_ptr, int64_t stride_xt, int64_t stride_xh, void *Y_ptr,
                  int64_t stride_yt, int64_t stride_yh, const int32_t *POS_ptr, int64_t stride_pos,
                  const void *COS_ptr, const void *SIN_ptr, int tab_dt, int64_t stride_tab_row,
-                 int64_t stride_tab_col, double theta, int scaling, int style, int64_t lo, int64_t rot,
+                 int64_t stride_tab_col, double theta, int scaling, int conj, int style, int64_t lo, int64_t rot,
                  int64_t t, int64_t h, int64_t d),
                 (dtype, X_ptr, stride_xt, stride_xh, Y_ptr, stride_yt, stride_yh, POS_ptr, stride_pos,
-                 COS_ptr, SIN_ptr, tab_dt, stride_tab_row, stride_tab_col, theta, scaling, style, lo, rot,
+                 COS_ptr, SIN_ptr, tab_dt, stride_tab_row, stride_tab_col, theta, scaling, conj, style, lo, rot,
                  t, h, d))
 
 /* One new token's row of every head into its cache slot: rotated (K) or copied as bits (V). */

@@ -10,6 +10,8 @@ rope: x (t, h, d) float32 / float16 / bfloat16, last-axis stride 1, other stride
       (float32 / float16 / bfloat16) | theta (> 1) with scaling "none" or "llama3": the angles are
       built in the kernel (frequencies in double rounded to float, fp32 angle p w_i).
       out: like x (may be x itself); allocated when None.
+rope_backward: dx = RoPE of the cotangent dy (t, h, d) at the negated angles (the same kernel with
+      sin negated as it is read or built), the pass-through dims dy's bits; arguments as rope's.
 kv_update: TensorRT-LLM's fused write, in place: k_new rotated at position pos[i] + t by table's
       row (half pairs by default) and v_new copied, appended after the first pos[i] tokens of each
       sequence, contiguous (b, s_max, h, d) or paged (num_blocks, page, h, d) with block_table.
@@ -28,7 +30,7 @@ import numpy as np
 from kernel_parity.kernels.cpu.loader import (DTYPE_CODES, check_array, check_output, check_status, dtype_code,
                                               element_strides, load, unit_last_strides)
 
-__all__ = ["rope", "kv_update"]
+__all__ = ["rope", "rope_backward", "kv_update"]
 
 _I64, _PTR, _INT, _DBL = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_double
 _I32 = np.dtype(np.int32)
@@ -43,7 +45,7 @@ def _kernels() -> ctypes.CDLL:
     if _lib is None:
         lib = load("rope")
         lib.rope_kernel.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT, _I64,
-                                    _I64, _DBL, _INT, _INT, _I64, _I64, _I64, _I64, _I64]
+                                    _I64, _DBL, _INT, _INT, _INT, _I64, _I64, _I64, _I64, _I64]
         lib.rope_kv_update_kernel.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64,
                                               _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT,
                                               _I64, _I64, _INT, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64]
@@ -102,6 +104,19 @@ def rope(x: np.ndarray, positions: np.ndarray, *, cos: np.ndarray | None = None,
          table: np.ndarray | None = None, theta: float | None = None, scaling: str = "none", style: str = "half",
          rot: int | None = None, at: str = "first", out: np.ndarray | None = None) -> np.ndarray:
     """RoPE of every head of every token at its position; returns out (module docstring)."""
+    return _rope(x, positions, cos, sin, table, theta, scaling, style, rot, at, out, conj=False)
+
+
+def rope_backward(dy: np.ndarray, positions: np.ndarray, *, cos: np.ndarray | None = None,
+                  sin: np.ndarray | None = None, table: np.ndarray | None = None, theta: float | None = None,
+                  scaling: str = "none", style: str = "half", rot: int | None = None, at: str = "first",
+                  out: np.ndarray | None = None) -> np.ndarray:
+    """dx of RoPE for the cotangent dy (t, h, d): the forward kernel at the negated angles; returns out."""
+    return _rope(dy, positions, cos, sin, table, theta, scaling, style, rot, at, out, conj=True)
+
+
+def _rope(x: np.ndarray, positions: np.ndarray, cos, sin, table, theta, scaling: str, style: str, rot, at: str,
+          out: np.ndarray | None, conj: bool) -> np.ndarray:
     check_array("x", x, 3, "(t, h, d)", tuple(DTYPE_CODES))
     t, h, d = x.shape
     rot = d if rot is None else rot
@@ -138,8 +153,8 @@ def rope(x: np.ndarray, positions: np.ndarray, *, cos: np.ndarray | None = None,
         return out
     status = _kernels().rope_kernel(
         dtype_code(x.dtype), x.ctypes.data, sx[0], sx[1], out.ctypes.data, so[0], so[1], positions.ctypes.data, spos,
-        cos_ptr, sin_ptr, tab_dt, s_row, s_col, float(theta or 0.0), SCALINGS.get(scaling, 0), STYLES[style],
-        0 if at == "first" else d - rot, rot, t, h, d)
+        cos_ptr, sin_ptr, tab_dt, s_row, s_col, float(theta or 0.0), SCALINGS.get(scaling, 0), int(conj),
+        STYLES[style], 0 if at == "first" else d - rot, rot, t, h, d)
     check_status(status, "rope_kernel")
     return out
 

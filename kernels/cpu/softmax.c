@@ -243,3 +243,79 @@ KP_MULTIVERSION(online_softmax_kernel,
                  int64_t stride_y_row, float *LSE_ptr, int64_t stride_lse, int64_t rows, int64_t n,
                  int64_t tile),
                 (dtype, X_ptr, stride_x_row, Y_ptr, stride_y_row, LSE_ptr, stride_lse, rows, n, tile))
+
+/* ---- backward ------------------------------------------------------------------------------
+ *
+ *   D = sum_j dy_j y_j,   dx_j = y_j (dy_j - D + dlse)      (dlse = 0 without an LSE cotangent)
+ *
+ * y is the forward's output (x is not needed). One kernel serves softmax and online softmax: the
+ * gradient of the streaming form is the same function (the online form's LSE adds dlse y). A -inf
+ * logit has y = 0 and gets dx = 0; an all -inf row (y = 0) gets D = 0 and dx = 0, with no branch.
+ * fp32 accumulation: D is summed like l in the forward (16 fp32 lanes within KP_BLOCK blocks,
+ * block sums in double), rounded to fp32 once; dx = y ((dy - D) + dlse) in fp32, one rounding on
+ * store. Two passes over the row (D, then dx): the second finds y and dy in L1/L2. */
+
+/* sum_j y_j dy_j over [0:n] (dtype dt), fp32 lanes per block, block sums in double. */
+KP_INLINE double span_dot(const void *y, const void *dy, int64_t n, int dt) {
+    double acc[KP_LANES] = {0};
+    int64_t nv = n - n % KP_LANES;
+    for (int64_t b = 0; b < nv; b += KP_BLOCK) {
+        int64_t be = nv - b < KP_BLOCK ? nv : b + KP_BLOCK;
+        float part[KP_LANES] = {0};
+        for (int64_t j = b; j < be; j += KP_LANES)
+            KP_FOR_LANES(k) part[k] += kp_load(y, j + k, dt) * kp_load(dy, j + k, dt);
+        for (int k = 0; k < KP_LANES; k++) acc[k] += part[k];
+    }
+    double tail = 0.0;
+    for (int64_t j = nv; j < n; j++) tail += kp_load(y, j, dt) * kp_load(dy, j, dt);
+    for (int w = KP_LANES / 2; w > 0; w /= 2)       /* pairwise, fixed order */
+        for (int k = 0; k < w; k++) acc[k] += acc[k + w];
+    return acc[0] + tail;
+}
+
+/* dx = y (dy - D + dlse), evaluated as ((dy - D) + dlse): dy - D is where the cancellation is, so it
+ * is formed first (with dlse small against a large D, dy + (dlse - D) would lose dlse's low bits). */
+KP_INLINE void softmax_backward_row(const void *y, const void *dy, void *dx, int64_t n, float dlse,
+                                    float d, int dt) {
+    for (int64_t j = 0; j < n; j++)
+        kp_store(dx, j, kp_load(y, j, dt) * ((kp_load(dy, j, dt) - d) + dlse), dt);
+}
+
+KP_INLINE int softmax_backward_rows(const char *y, int64_t stride_y_row, const char *dy,
+                                    int64_t stride_dy_row, const float *dlse, int64_t stride_dlse,
+                                    char *dx, int64_t stride_dx_row, int64_t rows, int64_t n, int dt) {
+    const int64_t size = kp_itemsize(dt);
+    for (int64_t r = 0; r < rows; r++) {
+        const char *yr = y + r * stride_y_row * size, *dyr = dy + r * stride_dy_row * size;
+        float d = (float)span_dot(yr, dyr, n, dt);
+        softmax_backward_row(yr, dyr, dx + r * stride_dx_row * size, n,
+                             dlse ? dlse[r * stride_dlse] : 0.0f, d, dt);
+    }
+    return KP_OK;
+}
+
+KP_INLINE int softmax_backward_kernel_impl(int dtype, const void *Y_ptr, int64_t stride_y_row,
+                                           const void *DY_ptr, int64_t stride_dy_row,
+                                           const float *DLSE_ptr, int64_t stride_dlse, void *DX_ptr,
+                                           int64_t stride_dx_row, int64_t rows, int64_t n) {
+    switch (dtype) {
+    case KP_F32:
+        return softmax_backward_rows(Y_ptr, stride_y_row, DY_ptr, stride_dy_row, DLSE_ptr,
+                                     stride_dlse, DX_ptr, stride_dx_row, rows, n, KP_F32);
+    case KP_F16:
+        return softmax_backward_rows(Y_ptr, stride_y_row, DY_ptr, stride_dy_row, DLSE_ptr,
+                                     stride_dlse, DX_ptr, stride_dx_row, rows, n, KP_F16);
+    case KP_BF16:
+        return softmax_backward_rows(Y_ptr, stride_y_row, DY_ptr, stride_dy_row, DLSE_ptr,
+                                     stride_dlse, DX_ptr, stride_dx_row, rows, n, KP_BF16);
+    default: return KP_ERR_DTYPE;
+    }
+}
+
+/* DLSE_ptr may be NULL: no LSE cotangent (softmax); else one float per row (online softmax). */
+KP_MULTIVERSION(softmax_backward_kernel,
+                (int dtype, const void *Y_ptr, int64_t stride_y_row, const void *DY_ptr,
+                 int64_t stride_dy_row, const float *DLSE_ptr, int64_t stride_dlse, void *DX_ptr,
+                 int64_t stride_dx_row, int64_t rows, int64_t n),
+                (dtype, Y_ptr, stride_y_row, DY_ptr, stride_dy_row, DLSE_ptr, stride_dlse, DX_ptr,
+                 stride_dx_row, rows, n))

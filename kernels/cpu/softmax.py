@@ -12,6 +12,10 @@ out_lse: (rows,) float32, any stride
 
 Conventions: fp32 accumulation, one RNE rounding on store; all -inf rows give 0 (lse -inf);
 natural log. Strided inputs are used as they are: a last-axis stride != 1 raises instead of copying.
+
+Backward (softmax_backward, online_softmax_backward): dx = y (dy - sum_j dy_j y_j + dlse) from the
+forward's output y and the cotangents dy (like y) and dlse ((rows,) float32, online form only);
+dx like y. x and the LSE are not needed; a -inf logit (y = 0) and an all -inf row get dx = 0.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import numpy as np
 from kernel_parity.kernels.cpu.loader import (DTYPE_CODES, check_array, check_output, check_status, dtype_code,
                                               element_strides, load, row_stride)
 
-__all__ = ["softmax", "online_softmax"]
+__all__ = ["softmax", "online_softmax", "softmax_backward", "online_softmax_backward"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _lib: ctypes.CDLL | None = None
@@ -36,7 +40,9 @@ def _kernels() -> ctypes.CDLL:
         lib.softmax_kernel.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _I64, _I64, _I64]
         lib.online_softmax_kernel.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR, _I64,
                                               _I64, _I64, _I64]
-        for fn in (lib.softmax_kernel, lib.online_softmax_kernel):
+        lib.softmax_backward_kernel.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR,
+                                                _I64, _I64, _I64]
+        for fn in (lib.softmax_kernel, lib.online_softmax_kernel, lib.softmax_backward_kernel):
             fn.restype = ctypes.c_int
         _lib = lib
     return _lib
@@ -101,3 +107,51 @@ def online_softmax(x: np.ndarray, tile: int, *, out: np.ndarray | None = None,
         out_lse.ctypes.data, stride_lse, rows, n, min(int(tile), max(n, 1)))
     check_status(status, "online_softmax_kernel")
     return out, out_lse
+
+
+def _backward(y: np.ndarray, dy: np.ndarray, dlse: np.ndarray | None, out: np.ndarray | None) -> np.ndarray:
+    """dx = y (dy - sum(dy y) + dlse) into out (validated here); dlse None: no LSE cotangent."""
+    check_array("y", y, 2, "(rows, n)", tuple(DTYPE_CODES))
+    stride_y = row_stride("y", y)
+    check_array("dy", dy, 2, "(rows, n)", (y.dtype,))
+    if dy.shape != y.shape:
+        raise ValueError(f"dy must have y's shape {y.shape}, got {dy.shape}")
+    stride_dy = row_stride("dy", dy)
+    if out is None:
+        out = np.empty(y.shape, dtype=y.dtype)
+    check_output("out", out, y.shape, y.dtype, "(rows, n)")
+    stride_out = row_stride("out", out)
+    rows, n = y.shape
+    stride_dlse = 0
+    if dlse is not None:
+        check_array("dlse", dlse, 1, "(rows,)", (np.dtype(np.float32),))
+        if dlse.shape != (rows,):
+            raise ValueError(f"dlse must have shape ({rows},), got {dlse.shape}")
+        (stride_dlse,) = element_strides("dlse", dlse)
+    if any(np.may_share_memory(out, a) for a in (y, dy) + ((dlse,) if dlse is not None else ())):
+        raise ValueError("out overlaps y, dy or dlse")
+    if rows == 0 or n == 0:
+        return out
+    status = _kernels().softmax_backward_kernel(
+        dtype_code(y.dtype), y.ctypes.data, stride_y, dy.ctypes.data, stride_dy,
+        None if dlse is None else dlse.ctypes.data, stride_dlse, out.ctypes.data, stride_out, rows, n)
+    check_status(status, "softmax_backward_kernel")
+    return out
+
+
+def softmax_backward(y: np.ndarray, dy: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
+    """Gradient of softmax: dx = y (dy - sum(dy y)) from y (rows, n) and dy like y; returns out."""
+    return _backward(y, dy, None, out)
+
+
+def online_softmax_backward(y: np.ndarray, dy: np.ndarray, dlse: np.ndarray, tile: int, *,
+                            out: np.ndarray | None = None) -> np.ndarray:
+    """Gradient of online softmax (outputs y and lse): dx = y (dy - sum(dy y) + dlse); returns out.
+
+    tile: the forward's tile, validated; the gradient needs no running max, so no tiles (the row
+    is summed once, then written)."""
+    if isinstance(tile, (bool, np.bool_)) or not isinstance(tile, (int, np.integer)) or tile < 1:
+        raise ValueError(f"tile must be an integer >= 1, got {tile!r}")
+    if dlse is None:
+        raise ValueError("dlse must be a (rows,) float32 array, got None")
+    return _backward(y, dy, dlse, out)

@@ -179,3 +179,37 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, hist, block_table=None, *
     qd = q[(cq[:-1, None] + qi).clamp(max=max(q.shape[0] - 1, 0))] * q_ok[..., None, None]
     o, lse = attention(qd, k_cache, v_cache, q_lens=lq, k_lens=lk, causal=causal, **kw)
     return o[q_ok], lse.transpose(1, 2)[q_ok].T
+
+
+# -- backward: autograd through the eager forward, in the input's dtype ------------------------------
+def prefill_backward(q, k, v, do, dlse=None, *, sinks=None, **kw) -> dict[str, torch.Tensor]:
+    """Gradients of `attention` by autograd in q's dtype (FlashAttention's same-precision reference:
+    its tests differentiate attention_ref(upcast=False)); the eager forward's own O and LSE are used.
+
+    do: (b, s_q, h_q, d_v) cotangent of O; dlse: (b, h_q, s_q) cotangent of the LSE with the sink
+    folded in, or None; returns {"dq", "dk", "dv"} in the inputs' dtypes (and "dsinks", fp32)."""
+    return _autograd(lambda q_, k_, v_, s_: attention(q_, k_, v_, sinks=s_, **kw), q, k, v, do, dlse, sinks,
+                     lambda s_: s_[None, :, None])
+
+
+def varlen_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, do, dlse=None, *, sinks=None, **kw) -> dict[str, torch.Tensor]:
+    """Gradients of `varlen` by autograd (as `prefill_backward`); dlse: (h_q, total_q) or None."""
+    return _autograd(lambda q_, k_, v_, s_: varlen(q_, k_, v_, cu_seqlens_q, cu_seqlens_k, sinks=s_, **kw),
+                     q, k, v, do, dlse, sinks, lambda s_: s_[:, None])
+
+
+def _autograd(forward, q, k, v, do, dlse, sinks, sink_as_lse) -> dict[str, torch.Tensor]:
+    """d(sum(O dO) + sum(LSE' dLSE)) by autograd; LSE' = logaddexp(LSE, sink), the LSE with the sink,
+    whose cotangent is 0 on rows where it is -inf (no key, no sink: no gradient)."""
+    leaves = {n: t.detach().requires_grad_(True) for n, t in (("q", q), ("k", k), ("v", v), ("sinks", sinks))
+              if t is not None}
+    with torch.enable_grad():
+        o, lse = forward(leaves["q"], leaves["k"], leaves["v"], leaves.get("sinks"))
+        outs, cots = [o], [do.to(o.dtype)]
+        if dlse is not None:
+            if "sinks" in leaves:
+                lse = torch.logaddexp(lse, sink_as_lse(leaves["sinks"].float()))
+            outs.append(lse)
+            cots.append(torch.where(torch.isfinite(lse), dlse.float(), torch.zeros((), device=lse.device)))
+        grads = torch.autograd.grad(outs, list(leaves.values()), cots, allow_unused=True)
+    return {f"d{n}": (g if g is not None else torch.zeros_like(leaves[n])) for n, g in zip(leaves, grads)}

@@ -31,3 +31,19 @@ def lse_combine(o_parts: torch.Tensor, lse_parts: torch.Tensor) -> tuple[torch.T
     o_live = torch.where(live[..., None], o_parts, torch.zeros_like(o_parts))
     o = (w[..., None] * o_live).sum(dim=0) / torch.where(total > 0, total, torch.ones_like(total))[..., None]
     return o.to(o_parts.dtype), lse
+
+
+def lse_combine_backward(o_parts: torch.Tensor, lse_parts: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Autograd through `lse_combine`: (do_parts (splits, rows, d_v) in o_parts' dtype, dlse_parts
+    (splits, rows) float32) for the cotangents do (rows, d_v) and dlse (rows,).
+
+    The forward selects empty splits out (torch.where, not a zero weight), so their gradients are
+    exactly 0 and their NaN O never meets a gradient; an all-empty row's log(0) sends an infinite
+    gradient only into branches torch.where discards.
+    """
+    with torch.enable_grad():
+        og = o_parts.detach().requires_grad_(True)
+        lg = lse_parts.detach().requires_grad_(True)
+        o, lse = lse_combine(og, lg)
+        return torch.autograd.grad([o, lse], [og, lg], [do, dlse])

@@ -8,6 +8,7 @@ path dequantizes to fp16 first). W is dequantized once, in float32 for GGML and 
 and rounded to A's dtype; int4 is dequantized in A's dtype ((q - z) exact, one rounding of the
 product). torch's matmul accumulates fp16/bf16 products in float32 and rounds C once to A's dtype.
 Activations are not quantized: this baseline is held to the `dequant` (L1) reference.
+`gemm_nt_backward` is autograd through `gemm_nt` in A's dtype: the backward's same-precision baseline.
 """
 
 from __future__ import annotations
@@ -64,3 +65,24 @@ def gemm_nt(a: torch.Tensor, wfmt: str, weights: dict[str, torch.Tensor], bias: 
             raise ValueError(f"bias must be (N,) = ({w.shape[0]},), got {tuple(bias.shape)}")
         c = c + bias.to(a.dtype)
     return c
+
+
+def gemm_nt_backward(a: torch.Tensor, wfmt: str, weights: dict[str, torch.Tensor], dc: torch.Tensor,
+                     bias: torch.Tensor | None = None, **kw) -> dict[str, torch.Tensor]:
+    """The VJP of `gemm_nt` by autograd through it, in A's dtype (what an eager model's backward computes).
+
+    a: (M, K); weights, bias, kw: as `gemm_nt`; dc: (M, N) the cotangent of C, in A's dtype
+    returns {"da": (M, K) in A's dtype} and, for "f32" weights, {"dw": (N, K)} (+ {"db": (N,)} with a bias),
+    float32: the gradients of the float32 tensors through their casts to A's dtype (an fp16 / bf16 product's
+    gradient is rounded to that dtype before the cast back)
+    """
+    leaves = {"da": a.detach().requires_grad_()}
+    weights = dict(weights)
+    if wfmt == "f32":
+        weights["w"] = leaves["dw"] = weights["w"].detach().requires_grad_()
+        if bias is not None:
+            bias = leaves["db"] = bias.detach().requires_grad_()
+    with torch.enable_grad():
+        c = gemm_nt(leaves["da"], wfmt, weights, bias, **kw)
+        grads = torch.autograd.grad(c, list(leaves.values()), dc)
+    return dict(zip(leaves, grads))

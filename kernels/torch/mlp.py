@@ -7,6 +7,9 @@ What a PyTorch user writes (HF's LlamaMLP: act_fn(gate_proj(x)) * up_proj(x); vL
 forward_native on the halves of the fused projection). In fp16/bf16 torch rounds the activation to
 the dtype before the product and rounds again after it: two roundings where a fused kernel does one
 (FlashAttention's same-precision reference rounds the same way). "erf" is torch's approximate="none".
+
+Backward (`glu_backward`): torch autograd through the forward in the dtype; on the fused layout the
+gradient of h itself (chunk's backward places dgate and dup gate first).
 """
 
 from __future__ import annotations
@@ -42,3 +45,17 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approx: str = "tanh") -> torch.T
     if approx not in _APPROX:
         raise ValueError(f"unknown gelu approximation {approx!r} (tanh, erf)")
     return F.gelu(gate, approximate=_APPROX[approx]) * up
+
+
+def glu_backward(op: str, dy: torch.Tensor, *, h: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+                 up: torch.Tensor | None = None, approx: str = "tanh") -> tuple[torch.Tensor, ...]:
+    """Autograd of swiglu / geglu (`op`) for the cotangent dy (t, i): (dh,) for the fused h (t, 2i),
+    else (dgate, dup)."""
+    if op not in ("swiglu", "geglu"):
+        raise ValueError(f"unknown gated activation {op!r} (swiglu, geglu)")
+    leaves = [h.detach().requires_grad_()] if h is not None else [gate.detach().requires_grad_(),
+                                                                 up.detach().requires_grad_()]
+    with torch.enable_grad():
+        g, u = halves(leaves[0]) if h is not None else leaves
+        y = swiglu(g, u) if op == "swiglu" else geglu(g, u, approx)
+        return tuple(torch.autograd.grad([y], leaves, [dy]))

@@ -21,6 +21,18 @@ Rows are stored in an aligned width aw >= n (C-Kernel-Engine's aligned_embed_dim
 run over the real lanes [0, n); the caller's output buffer gets zeros in the padding lanes
 [n, aw). The input padding lanes are zero by contract, so h = x + r over the aligned width keeps
 them zero. rstd and mean are float32 per row.
+
+Backward (`rms_norm_backward`, `layer_norm_backward`): torch autograd on the real lanes (the padding
+lanes are constants of the forward: their gradients are written as zeros, and the cotangents'
+padding lanes are never read). The statistics are recomputed by the forward, as autograd does; the
+saved rstd / mean a fused kernel takes are not used. With the fused residual x and r share one
+gradient, which carries the cotangent of h. LayerNorm's graph is the forward above (float32, one
+rounding). RMSNorm's is the same math with the weight applied in float32 (torch's own F.rms_norm
+form: every product and sum in float32, each gradient rounded once to the dtype at its leaf), not
+LlamaRMSNorm's `w * hs.to(dtype)`: autograd of that product rounds every term dy hs of dw to the
+dtype before the sum over rows, an error of eps(dtype) / 2 of the terms, and on an outlier channel
+the terms are ~10x the column's sum (measured: fp16 dw off by 5 ulp of max|dw|). A fused backward
+never rounds those terms; the baseline that judges its noise should not either.
 """
 
 from __future__ import annotations
@@ -84,3 +96,51 @@ def layer_norm(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, 
     if b is not None:
         y = y + b[:n].float()
     return _into(y.to(x.dtype), out, x, n), mean[:, 0], rstd[:, 0]
+
+
+def _leaf(a: torch.Tensor | None, n: int, rows: bool = True) -> torch.Tensor | None:
+    """The real lanes of `a` as a fresh autograd leaf (a view's storage untouched)."""
+    if a is None:
+        return None
+    return (a[:, :n] if rows else a[:n]).detach().requires_grad_()
+
+
+def _weight_grad(g: torch.Tensor, like: torch.Tensor, n: int) -> torch.Tensor:
+    out = torch.zeros_like(like)
+    out[:n] = g
+    return out
+
+
+def rms_norm_backward(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, eps: float, *, n: int | None = None,
+                      gemma: bool = False, residual: torch.Tensor | None = None, dh: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Autograd of `rms_norm`'s math in float32 (the weight too): x, residual, dy, dh (rows, aw); w (aw,) ->
+    (dx (rows, aw), the gradient of x and of r, padding lanes zero; dw (aw,), zeros past n), in x's dtype."""
+    n = _check(x, n, "rms_norm_backward")
+    if (dh is None) != (residual is None):
+        raise ValueError("rms_norm_backward: dh is the cotangent of h = x + residual: give both or neither")
+    xl, wl, rl = _leaf(x, n), _leaf(w, n, rows=False), _leaf(residual, n)
+    with torch.enable_grad():
+        h = xl.float() if rl is None else xl.float() + rl.float()  # float32 graph: F.rms_norm's form
+        g = 1.0 + wl.float() if gemma else wl.float()
+        y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * g
+        outs, cots = [y], [dy[:, :n].float()]
+        if rl is not None:
+            outs.append(h)
+            cots.append(dh[:, :n].float())
+        dx, dw = torch.autograd.grad(outs, [xl, wl], cots)  # rounded to x's / w's dtype at the leaves
+    return _into(dx, out, x, n), _weight_grad(dw, w, n)
+
+
+def layer_norm_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dy: torch.Tensor, eps: float, *,
+                        n: int | None = None, out: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Autograd through `layer_norm`: x, dy (rows, aw); w, b (aw,) -> (dx, dw, db or None), x's dtype."""
+    n = _check(x, n, "layer_norm_backward")
+    xl, wl, bl = _leaf(x, n), _leaf(w, n, rows=False), _leaf(b, n, rows=False)
+    with torch.enable_grad():
+        y, _, _ = layer_norm(xl, wl, bl, eps)
+        leaves = [xl, wl] + ([bl] if bl is not None else [])
+        grads = torch.autograd.grad([y], leaves, [dy[:, :n]])
+    db = _weight_grad(grads[2], b, n) if bl is not None else None
+    return _into(grads[0], out, x, n), _weight_grad(grads[1], w, n), db

@@ -13,6 +13,9 @@ Angles from theta are HF's / Meta's fp32 angles: inv_freq = 1 / theta^(2i / rot)
 scaling applied to it in fp32), angle = float(p) * inv_freq, cos / sin in fp32.
 Partial rotary: the rotary part is sliced out (first or last rot dims), rotated and concatenated
 back with the pass-through dims, which are never converted.
+
+Backward (`rope_backward`): torch autograd through `rope` in x's dtype (HF's rotation's backward rounds
+as its forward does; Meta's complex path stays fp32).
 """
 
 from __future__ import annotations
@@ -89,6 +92,14 @@ def rope(x: torch.Tensor, positions: torch.Tensor, *, cos=None, sin=None, table=
     c, s = _cos_sin(positions, rot, cos, sin, table, theta, scaling)
     rotated = _rotate(x[..., lo:lo + rot], c, s, style)
     return torch.cat((x[..., :lo], rotated, x[..., lo + rot:]), dim=-1)
+
+
+def rope_backward(x: torch.Tensor, positions: torch.Tensor, dy: torch.Tensor, **angles) -> torch.Tensor:
+    """dx (t, h, d) in x.dtype: autograd of `rope` (same arguments) for the cotangent dy (t, h, d)."""
+    xl = x.detach().requires_grad_()
+    with torch.enable_grad():
+        (dx,) = torch.autograd.grad([rope(xl, positions, **angles)], [xl], [dy])
+    return dx
 
 
 def kv_update(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

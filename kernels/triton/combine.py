@@ -39,6 +39,11 @@ from .softmax import LN2, exp_diff
 MAX_BLOCK_D = 256
 MAX_BLOCK_S = 8
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Backward: one program per row holds BLOCK_S splits x BLOCK_D values of O_i per step (BWD_TILE in
+# all); up to MAX_BLOCK_S_BWD splits keep their dots a_i in registers (one block), more park them
+# in dLSE's output row until dO . O is complete.
+MAX_BLOCK_S_BWD = 64
+BWD_TILE = 2048
 
 
 @triton.jit
@@ -90,6 +95,92 @@ def _lse_combine_kernel(
     if pid_d == 0:
         lse_out = tl.where(total > 0.0, m + tl.log2(tl.maximum(total, 1.0)) * LN2, float("-inf"))
         tl.store(OutLse_ptr + row * stride_out_lse, lse_out)
+
+
+@triton.jit
+def _split_dots(o_row, do_row, dop_row, split, mask_s, live, w32, d_v, stride_o_split, stride_dop_split,
+                BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """a_i = dO . O_i (fp32) for a block of splits, writing dO_i = w_i dO on the way."""
+    a = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for d0 in range(0, d_v, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask = mask_s[:, None] & (offs_d < d_v)[None, :]
+        do = tl.load(do_row + offs_d, mask=offs_d < d_v, other=0.0).to(tl.float32)
+        o = tl.load(o_row + split.to(tl.int64)[:, None] * stride_o_split + offs_d[None, :], mask=mask, other=0.0)
+        # An empty split's O may hold NaN and 0 * NaN = NaN: select it out, not just weight it 0.
+        o = tl.where(live[:, None], o.to(tl.float32), 0.0)
+        a += tl.sum(o * do[None, :], axis=1)
+        tl.store(dop_row + split.to(tl.int64)[:, None] * stride_dop_split + offs_d[None, :],
+                 (w32[:, None] * do[None, :]).to(dop_row.dtype.element_ty), mask=mask)
+    return a
+
+
+@triton.jit
+def _lse_combine_bwd_kernel(
+    O_ptr, Lse_ptr, DO_ptr, Dlse_ptr, DOp_ptr, DLp_ptr, n_splits, d_v,
+    stride_o_split, stride_o_row, stride_lse_split, stride_lse_row, stride_do_row, stride_dlse,
+    stride_dop_split, stride_dop_row, stride_dlp_split, stride_dlp_row,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ONE_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_row = Lse_ptr + row * stride_lse_row
+    o_row = O_ptr + row * stride_o_row
+    do_row = DO_ptr + row * stride_do_row
+    dop_row = DOp_ptr + row * stride_dop_row
+    dlp_row = DLp_ptr + row * stride_dlp_row
+    dlse = tl.load(Dlse_ptr + row * stride_dlse).to(tl.float64)
+    # The weights as the forward builds them: w_i = exp(LSE_i - M) / sum_k exp(LSE_k - M), M the max,
+    # never exp(LSE_i - LSE) with a rounded merged LSE. The sum, abar = sum_i w_i a_i (= dO . O) and
+    # dLSE_i are fp64 (a few scalars a row): abar is then the weighted mean of the a_i to fp64
+    # precision, and a_i - abar cancels exactly where the a_i agree (fp32 weights summing to
+    # 1 +- eps would leave eps32 |a_i| there, ~1e-6 at d_v = 128).
+    if ONE_BLOCK:  # every split in registers: one read of the LSEs, one pass over the O_i
+        mask_s = offs_s < n_splits
+        lse = tl.load(lse_row + offs_s.to(tl.int64) * stride_lse_split, mask=mask_s, other=float("-inf"))
+        live = lse != float("-inf")  # padding lanes past n_splits read -inf, so are not live
+        m = tl.max(lse, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: -inf - 0, never -inf - -inf
+        w_hat = tl.where(live, exp_diff(lse, m, True), 0.0).to(tl.float64)
+        w = w_hat / tl.maximum(tl.sum(w_hat, axis=0), 1.0)  # sum >= 1 with a live split; else w = 0
+        a = _split_dots(o_row, do_row, dop_row, offs_s, mask_s, live, w.to(tl.float32), d_v,
+                        stride_o_split, stride_dop_split, BLOCK_S, BLOCK_D).to(tl.float64)
+        abar = tl.sum(w * a, axis=0)
+        tl.store(dlp_row + offs_s.to(tl.int64) * stride_dlp_split, (w * ((a - abar) + dlse)).to(tl.float32),
+                 mask=mask_s)
+    else:  # blocks of splits: the max, then the sum, then the O_i, whose a_i wait in dLSE's output row
+        m = float("-inf")
+        for s0 in range(0, n_splits, BLOCK_S):
+            lse = tl.load(lse_row + (s0 + offs_s).to(tl.int64) * stride_lse_split, mask=s0 + offs_s < n_splits,
+                          other=float("-inf"))
+            m = tl.maximum(m, tl.max(lse, axis=0))
+        m = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros([1], dtype=tl.float64)
+        for s0 in range(0, n_splits, BLOCK_S):
+            lse = tl.load(lse_row + (s0 + offs_s).to(tl.int64) * stride_lse_split, mask=s0 + offs_s < n_splits,
+                          other=float("-inf"))
+            total += tl.sum(tl.where(lse != float("-inf"), exp_diff(lse, m, True), 0.0).to(tl.float64), axis=0)
+        inv = 1.0 / tl.maximum(total, 1.0)
+        abar = tl.zeros([1], dtype=tl.float64)
+        for s0 in range(0, n_splits, BLOCK_S):
+            split = s0 + offs_s
+            mask_s = split < n_splits
+            lse = tl.load(lse_row + split.to(tl.int64) * stride_lse_split, mask=mask_s, other=float("-inf"))
+            live = lse != float("-inf")
+            w = tl.where(live, exp_diff(lse, m, True), 0.0).to(tl.float64) * inv
+            a = _split_dots(o_row, do_row, dop_row, split, mask_s, live, w.to(tl.float32), d_v,
+                            stride_o_split, stride_dop_split, BLOCK_S, BLOCK_D)
+            abar += tl.sum(w * a.to(tl.float64), axis=0)
+            tl.store(dlp_row + split.to(tl.int64) * stride_dlp_split, a, mask=mask_s)
+        tl.debug_barrier()  # the a_i stores above are visible to every thread of the program
+        for s0 in range(0, n_splits, BLOCK_S):
+            split = s0 + offs_s
+            mask_s = split < n_splits
+            lse = tl.load(lse_row + split.to(tl.int64) * stride_lse_split, mask=mask_s, other=float("-inf"))
+            w = tl.where(lse != float("-inf"), exp_diff(lse, m, True), 0.0).to(tl.float64) * inv
+            a = tl.load(dlp_row + split.to(tl.int64) * stride_dlp_split, mask=mask_s, other=0.0).to(tl.float64)
+            tl.store(dlp_row + split.to(tl.int64) * stride_dlp_split, (w * ((a - abar) + dlse)).to(tl.float32),
+                     mask=mask_s)
 
 
 def lse_combine(
@@ -150,3 +241,54 @@ def lse_combine(
         BLOCK_S=block_s, BLOCK_D=block_d, num_warps=1,
     )
     return out, out_lse
+
+
+def lse_combine_backward(
+    o_parts: torch.Tensor,
+    lse_parts: torch.Tensor,
+    do: torch.Tensor,
+    dlse: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    out_dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of `lse_combine` for the cotangents (do, dlse), one program per row.
+
+    o_parts: (splits, rows, d_v) fp32/fp16/bf16, last-dim stride 1; lse_parts: (splits, rows) float32
+    do: (rows, d_v) o_parts' dtype, last-dim stride 1; dlse: (rows,) float32; any other strides
+    out: (splits, rows, d_v) o_parts' dtype, last-dim stride 1: dO_i = w_i dO; allocated if None
+    out_dlse: (splits, rows) float32: dLSE_i = w_i (dO . (O_i - O) + dLSE); allocated if None
+    returns: (out, out_dlse); an empty split's gradients (and every split's in an all-empty row) are 0
+    """
+    if not isinstance(o_parts, torch.Tensor) or o_parts.dim() != 3:
+        raise ValueError(f"o_parts must be (splits, rows, d_v), got shape {tuple(getattr(o_parts, 'shape', ()))}")
+    splits, rows, d_v = o_parts.shape
+    if o_parts.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"o_parts dtype {o_parts.dtype} not supported; expected one of {SUPPORTED_DTYPES}")
+    want = {"lse_parts": ((splits, rows), torch.float32), "do": ((rows, d_v), o_parts.dtype),
+            "dlse": ((rows,), torch.float32), "out": ((splits, rows, d_v), o_parts.dtype),
+            "out_dlse": ((splits, rows), torch.float32)}
+    if out is None:
+        out = torch.empty((splits, rows, d_v), dtype=o_parts.dtype, device=o_parts.device)
+    if out_dlse is None:
+        out_dlse = torch.empty((splits, rows), dtype=torch.float32, device=o_parts.device)
+    given = {"lse_parts": lse_parts, "do": do, "dlse": dlse, "out": out, "out_dlse": out_dlse}
+    for name, t in given.items():
+        shape, dtype = want[name]
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype or t.device != o_parts.device:
+            got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be {shape} {dtype} on {o_parts.device}, got {got}")
+    for name, t in (("o_parts", o_parts), ("do", do), ("out", out)):
+        if d_v > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have last-dim stride 1, got strides {t.stride()}")
+    if rows == 0 or splits == 0:
+        return out, out_dlse
+    block_s = min(MAX_BLOCK_S_BWD, max(2, triton.next_power_of_2(splits)))
+    block_d = max(16, min(triton.next_power_of_2(max(d_v, 1)), BWD_TILE // block_s))
+    _lse_combine_bwd_kernel[(rows,)](
+        o_parts, lse_parts, do, dlse, out, out_dlse, splits, d_v,
+        o_parts.stride(0), o_parts.stride(1), lse_parts.stride(0), lse_parts.stride(1), do.stride(0),
+        dlse.stride(0), out.stride(0), out.stride(1), out_dlse.stride(0), out_dlse.stride(1),
+        BLOCK_S=block_s, BLOCK_D=block_d, ONE_BLOCK=splits <= block_s, num_warps=4,
+    )
+    return out, out_dlse

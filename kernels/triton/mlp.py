@@ -27,6 +27,15 @@ nothing cancels):
   so t is clamped there (P is not evaluated outside its fit), and g to +-16. No libdevice call: the same code runs
   in the interpreter and on the GPU.
 
+Backward (`glu_backward`, `glu_backward_fused`; OPS.md "backward"): one elementwise pass,
+dgate = dy u act'(g) and dup = dy act(g), fp32, each rounded once; on the fused layout the two are
+written into the halves of dh (t, 2i), gate first. act' is silu' = s(g) + g s(g) s(-g), tanh
+gelu' = s(z) + g s(z) s(-z) z' and erf gelu' = Phi(g) + g phi(g). The sigmoid's derivative is
+s(z) s(-z) = e / (1 + e)^2 from e = exp(-|z|) (`_sigmoid_grad`): 1 - s(z) is all rounding once s(z)
+rounds to 1 (z > 17 in fp32) and g (1 - s) then carries |g| eps32 of error, ~1e-4 of dgate at the
+`large` gates. phi(g) = exp(-g^2 / 2) / sqrt(2 pi) with g^2 as hi + lo (an fma), as Phi's exponent.
+The backward moves 3 reads and 2 writes an element, so it is memory-bound like the forward.
+
 Performance: the kernel is memory-bound (read 2 t i, write t i elements; ~30 flops and two MUFU ops
 an element at most, against ~60 fp32 FMA and ~8 MUFU a 16-bit element that Hopper's bandwidth
 leaves room for). Each program moves one tile of BLOCK_M rows x BLOCK_N columns (16 KB of input
@@ -58,6 +67,7 @@ RSQRT2 = tl.constexpr(1.0 / math.sqrt(2.0))
 # erfc(a) = t exp(-a^2 + P(t)), t = 1 / (1 + ERFC_P a); P's coefficients, constant term first.
 ERFC_P = tl.constexpr(0.5)
 CDF_CLAMP = tl.constexpr(16.0)
+RSQRT_2PI = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
 ERFC_T_MIN = tl.constexpr(1.0 / (1.0 + 0.5 * 10.5))  # a = 10.5: erfc underflows fp32 beyond
 C0 = tl.constexpr(-1.2654595234870583)
 C1 = tl.constexpr(0.998868406666354)
@@ -142,6 +152,53 @@ def _glu_kernel(
     tl.store(Y_ptr + rows[:, None] * stride_y_row + offs_n[None, :], y.to(Y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _sigmoid_grad(z):
+    """s(z) (1 - s(z)) as s(z) s(-z) = e / (1 + e)^2, e = exp(-|z|): nothing cancels or overflows."""
+    e = tl.exp(-tl.abs(z))
+    q = 1.0 / (1.0 + e)
+    return e * q * q
+
+
+@triton.jit
+def _activation_grad(g, ACT: tl.constexpr):
+    """(act(g), act'(g)) in fp32, from one sigmoid or one Phi."""
+    if ACT == ACT_SILU:
+        s = _sigmoid(g)
+        return g * s, s + g * _sigmoid_grad(g)
+    elif ACT == ACT_GELU_TANH:
+        z = g * (GELU_K0 + GELU_K1 * g * g)
+        s = _sigmoid(z)
+        return g * s, s + g * _sigmoid_grad(z) * (GELU_K0 + 3.0 * GELU_K1 * g * g)
+    else:
+        p = _std_normal_cdf(g)
+        gc = tl.minimum(tl.maximum(g, -CDF_CLAMP), CDF_CLAMP)  # phi(16) = 0 in fp32; keeps g^2 finite
+        hi = gc * gc
+        lo = tl.fma(gc, gc, -hi)
+        return g * p, p + g * (tl.exp(-0.5 * hi - 0.5 * lo) * RSQRT_2PI)
+
+
+@triton.jit
+def _glu_bwd_kernel(
+    G_ptr, U_ptr, DY_ptr, DG_ptr, DU_ptr, n_rows, n_cols, n_col_blocks, stride_g_row, stride_u_row,
+    stride_dy_row, stride_dg_row, stride_du_row,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m = pid // n_col_blocks
+    pid_n = pid % n_col_blocks
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < n_rows)[:, None] & (offs_n < n_cols)[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    g = tl.load(G_ptr + rows * stride_g_row + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U_ptr + rows * stride_u_row + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY_ptr + rows * stride_dy_row + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    a, da = _activation_grad(g, ACT)
+    tl.store(DG_ptr + rows * stride_dg_row + offs_n[None, :], (dy * u * da).to(DG_ptr.dtype.element_ty), mask=mask)
+    tl.store(DU_ptr + rows * stride_du_row + offs_n[None, :], (dy * a).to(DU_ptr.dtype.element_ty), mask=mask)
+
+
 def _check_2d(name: str, a: torch.Tensor) -> None:
     if not isinstance(a, torch.Tensor) or a.dim() != 2:
         shape = tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
@@ -219,3 +276,56 @@ def geglu_fused(h: torch.Tensor, approx: str = "tanh", *, out: torch.Tensor | No
     """gelu(h[:, :i]) * h[:, i:] of a fused gate-first projection h (t, 2i). Returns out (t, i)."""
     gate, up = _halves(h)
     return _launch(gate, up, out, _activation_code("geglu", approx))
+
+
+def _glu_backward(act: int, gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor, dgate: torch.Tensor,
+                  dup: torch.Tensor) -> None:
+    for name, a in (("up", up), ("dy", dy), ("dgate", dgate), ("dup", dup)):
+        _check_2d(name, a)
+        if a.shape != gate.shape or a.dtype != gate.dtype or a.device != gate.device:
+            raise ValueError(f"{name} must match gate: gate {tuple(gate.shape)} {gate.dtype} {gate.device}, "
+                             f"{name} {tuple(a.shape)} {a.dtype} {a.device}")
+    t, i = gate.shape
+    for name, a in (("dgate", dgate), ("dup", dup)):
+        if t > 1 and a.stride(0) < i:
+            raise ValueError(f"{name} row stride {a.stride(0)} < i={i}: rows would overlap")
+    if t == 0 or i == 0:
+        return
+    block_n = min(BLOCK_N_MAX, max(16, triton.next_power_of_2(i)))
+    block_m = min(max(1, TILE // block_n), triton.next_power_of_2(t))
+    n_col_blocks = triton.cdiv(i, block_n)
+    _glu_bwd_kernel[(triton.cdiv(t, block_m) * n_col_blocks,)](
+        gate, up, dy, dgate, dup, t, i, n_col_blocks, gate.stride(0), up.stride(0), dy.stride(0), dgate.stride(0),
+        dup.stride(0), ACT=act, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
+    )
+
+
+def _op_code(op: str, approx: str) -> int:
+    if op not in ("swiglu", "geglu"):
+        raise ValueError(f"unknown gated activation {op!r} (swiglu, geglu)")
+    return _activation_code(op, approx)
+
+
+def glu_backward(op: str, gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor, approx: str = "tanh", *,
+                 out_dgate: torch.Tensor | None = None, out_dup: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, dup) = (dy up act'(gate), dy act(gate)) of swiglu / geglu (`op`, GELU `approx`).
+    gate, up, dy: (t, i), one dtype, last-dim stride 1; outputs allocated when None."""
+    _check_2d("gate", gate)
+    dgate = torch.empty_like(gate) if out_dgate is None else out_dgate
+    dup = torch.empty_like(gate) if out_dup is None else out_dup
+    _glu_backward(_op_code(op, approx), gate, up, dy, dgate, dup)
+    return dgate, dup
+
+
+def glu_backward_fused(op: str, h: torch.Tensor, dy: torch.Tensor, approx: str = "tanh", *,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """dh (t, 2i) = [dgate, dup] of a fused gate-first projection h (t, 2i); dy: (t, i). Returns out."""
+    gate, up = _halves(h)
+    if out is None:
+        out = torch.empty_like(h)
+    if not isinstance(out, torch.Tensor) or out.shape != h.shape or out.dtype != h.dtype or out.device != h.device:
+        raise ValueError(f"out must be a {tuple(h.shape)} {h.dtype} tensor on {h.device}")
+    i = h.shape[1] // 2
+    _glu_backward(_op_code(op, approx), gate, up, dy, out[:, :i], out[:, i:])
+    return out

@@ -31,6 +31,10 @@ too few to fill the GPU (MIN_PROGRAMS), the heads are split over programs as wel
 
 TensorRT-LLM's RoPE-fused KV-cache write (`kv_update`) is in rope_kv.py, on the helpers here.
 
+Backward (`rope_backward`): RoPE is orthogonal per pair, so dx = R(-p w) dy: this same kernel run on
+the cotangent dy with CONJ set, which negates sin once it is read or built (exact, in registers;
+the table is never copied). The pass-through dims of dx are dy's, copied bit for bit.
+
 References: Su et al., "RoFormer" (2021); Meta's llama `apply_rotary_emb` / `apply_scaling`; HF
 transformers `apply_rotary_pos_emb`; TensorRT-LLM's Triton attention-with-KV-cache RoPE fusion.
 """
@@ -182,6 +186,7 @@ def _rope_kernel(
     HALF: tl.constexpr, AT_LAST: tl.constexpr, HAS_PASS: tl.constexpr, THETA: tl.constexpr,
     LLAMA3: tl.constexpr, TABLE_PAIRS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
+    CONJ: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -193,6 +198,8 @@ def _rope_kernel(
     # cos / sin of the tokens' pairs: read or built once, used by every head of the loop below
     cos, sin = _pair_angles(pos, mask_t, offs_p, mask_p, Cos_ptr, Sin_ptr, stride_tab_row, stride_tab_col,
                             r_hi, r_lo, THETA, LLAMA3, TABLE_PAIRS)
+    if CONJ:  # the backward: R(p w)^T = R(-p w), cos even and sin odd in the angle
+        sin = -sin
     rows_x = offs_t.to(tl.int64)[:, None] * stride_xt
     rows_y = offs_t.to(tl.int64)[:, None] * stride_yt
     h_lo = pid_g * heads_per_prog
@@ -286,8 +293,9 @@ def _theta_words(theta: float, rot: int) -> tuple[float, float]:
 
 def rope(x: torch.Tensor, positions: torch.Tensor, *, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
          table: torch.Tensor | None = None, theta: float | None = None, scaling: str = "none", style: str = "half",
-         rot: int | None = None, at: str = "first", out: torch.Tensor | None = None) -> torch.Tensor:
-    """RoPE of every head of every token at its position.
+         rot: int | None = None, at: str = "first", out: torch.Tensor | None = None, conj: bool = False
+         ) -> torch.Tensor:
+    """RoPE of every head of every token at its position (conj: at the negated angles, `rope_backward`).
 
     x: (t, h, d) fp32/fp16/bf16, last-dim stride 1, other strides any
     positions: (t,) int32 on x's device, each in [0, max_seq) of the table (not checked: no sync)
@@ -351,7 +359,14 @@ def rope(x: torch.Tensor, positions: torch.Tensor, *, cos: torch.Tensor | None =
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), positions.stride(0), s_row, s_col, r_hi, r_lo,
         HALF=style == "half", AT_LAST=at_last, HAS_PASS=rot < d, THETA=theta is not None,
         LLAMA3=scaling == "llama3", TABLE_PAIRS=pairs,
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_P=block_p, BLOCK_Q=block_q,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_P=block_p, BLOCK_Q=block_q, CONJ=bool(conj),
         num_warps=_warps(block_t * block_h * per_head),
     )
     return out
+
+
+def rope_backward(dy: torch.Tensor, positions: torch.Tensor, **kw) -> torch.Tensor:
+    """dx = RoPE of the cotangent dy (t, h, d) at the negated angles: the forward kernel with CONJ
+    (sin negated in registers); the pass-through dims are dy's bits. Arguments as `rope`'s (cos / sin
+    | table | theta, style, rot, at, out). Returns out."""
+    return rope(dy, positions, conj=True, **kw)

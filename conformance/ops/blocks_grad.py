@@ -1,0 +1,263 @@
+"""Op specs of the fused blocks' whole-layer backward (stem `blocks`; OPS.md, backward): the seed's
+C-Kernel-Engine backward of an MLP block and of a prefill attention block, judged stage by stage.
+
+- `blocks.mlp_backward`                the VJP of `blocks.mlp` for the cotangent of its output
+- `blocks.attention_prefill_backward`  the VJP of `blocks.attention_prefill`; the cache history is a constant
+
+Each takes its forward's params (the same Schema: the ids mirror the forward's) and dists. Inputs: the
+forward's, built by its builder from the same generator; then the activations a backward kernel keeps
+from the forward (computed by the float64 golden, rounded to fp32): RMSNorm's input statistic `rstd` and
+each stage's input (mlp: norm, h, act; attention: norm, q_rope, k_rope, v, attn and the attention's
+natural-log `lse` (h_q, T) for kernels that do not materialise the scores); then the cotangent `dout` of
+the block's output, N(0, 1) from the same generator on the real lanes, zero on the padding lanes (an
+aligned row: nothing downstream reads the padding of the block's output).
+
+Outputs, in pipeline order (the `stages` contract names the first gradient that diverges): the
+intermediate gradients (mlp: dact, dh, dnorm; attention: dattn, dq_rope, dk_rope, dv, dq, dk, dnorm),
+then dx; for a block whose weights are all float32 also dgamma and the weight gradients (and those of
+the biases, and dr = dout of the residual). A quantized weight means its dequantized values (L1) and has
+no gradient: with one, dx is the only final output. Golden: refimpl.blocks.mlp_backward /
+attention_prefill_backward, compositions of the family VJPs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+import kernel_parity.refimpl.attention as attention_ref
+import kernel_parity.refimpl.blocks as ref
+import kernel_parity.refimpl.norm as norm_ref
+from kernel_parity.conformance import dtypes as dt
+from kernel_parity.conformance.ops.blocks_inputs import ATTN_DISTS, DISTS, ROW_DISTS, attention_inputs, mlp_inputs
+from kernel_parity.conformance.ops.blocks_params import (ATTENTION_DIAGNOSES, GEMMA_DIAGNOSES, MLP_PARAMS,
+                                                         PREFILL_PARAMS, ad, ae, attention_kw, check_attention,
+                                                         check_mlp, weights_of)
+from kernel_parity.conformance.spec import OpSpec, Output
+from kernel_parity.conformance.tolerance import Override, Tol
+
+
+def _fp32(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The saved activations as a kernel keeps them: fp32, C-contiguous."""
+    return {k: np.ascontiguousarray(dt.round_to(v, "fp32")) for k, v in arrays.items()}
+
+
+def _cotangent(rng: np.random.Generator, t: int, p: dict[str, Any], dtype: str) -> np.ndarray:
+    """dout (T, aE): N(0, 1) on the e real lanes, zero on the padding."""
+    d = np.zeros((t, ae(p)))
+    d[:, :p["e"]] = rng.standard_normal((t, p["e"]))
+    return dt.round_to(d, dtype)
+
+
+def _rstd(x: dict[str, np.ndarray], p: dict[str, Any], rows: np.ndarray) -> np.ndarray:
+    return norm_ref.rms_norm(rows, x["gamma"].astype(np.float64), float(p["eps"]), n=p["e"],
+                             gemma=bool(p["gemma"]))["rstd"]
+
+
+def f32_block(p: dict[str, Any], *names: str) -> bool:
+    return all(p[n] == "f32" for n in names)
+
+
+# -- mlp ----------------------------------------------------------------------------------------------------
+def _mlp_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    x = mlp_inputs(p, dtype, dist, rng)
+    x64 = {k: (v if v.dtype == np.uint8 else v.astype(np.float64)) for k, v in x.items()}
+    fwd = ref.mlp(x64["x"], x64["gamma"], float(p["eps"]), *weights_of(x64, p, "w1", "w2"), n=p["e"],
+                  gemma=bool(p["gemma"]))
+    saved = _fp32({"norm": fwd["norm"], "rstd": _rstd(x64, p, x64["x"]), "h": fwd["h"], "act": fwd["act"]})
+    return {**x, **saved, "dout": _cotangent(rng, p["t"], p, dtype)}
+
+
+def _mlp_ref(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    g = ref.mlp_backward(x["x"], x["gamma"], float(p["eps"]), *weights_of(x, p, "w1", "w2"), x["dout"], n=p["e"],
+                         gemma=bool(p["gemma"]))
+    return {k: g[k] for k in mlp_grad_shapes(p)}
+
+
+def mlp_grad_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    t, e, i = p["t"], ae(p), p["i"]
+    shapes = {"dact": (t, i), "dh": (t, 2 * i), "dnorm": (t, e), "dx": (t, e)}
+    if f32_block(p, "w1", "w2"):
+        shapes.update(dgamma=(e,), dw1=(2 * i, e), dw2=(e, i))
+    return shapes
+
+
+def _mlp_acc(p: dict[str, Any], output: str) -> int:
+    """Reduction lengths back along the pipeline, on top of the forward's up to the activation a gradient
+    uses (a kernel may recompute them, as eager autograd does: the norm over n, W1 over aE, W2 over I):
+    dact sums over aE (dout W2), dh is elementwise from dact and h, dnorm sums over 2I (dh W1), dx over the
+    norm's n lanes; dw2, dw1 and dgamma over the T rows."""
+    t, e, i = p["t"], ae(p), p["i"]
+    h = p["e"] + e  # h = RMSNorm(x) W1^T
+    n = {"dact": e, "dh": e + h, "dw2": t + h + i, "dw1": t + e + h, "dnorm": e + h + 2 * i}
+    if output in n:
+        return n[output]
+    return n["dnorm"] + (p["e"] if output == "dx" else t)
+
+
+MLP_OUT = {
+    "dact": Output("test", doc="dout @ W2: the gradient of the SwiGLU output"),
+    "dh": Output("test", doc="(dgate | dup) = (dact up silu'(gate) | dact silu(gate)), gate first as h"),
+    "dnorm": Output("test", doc="dh @ W1: the gradient of the normalised rows"),
+    "dx": Output("test", doc="RMSNorm's dx + dout (the residual), padding lanes zero"),
+    "dgamma": Output("test", doc="sum over rows of dnorm x rstd (float32 weights), padding lanes zero"),
+    "dw1": Output("test", doc="dh^T @ norm (float32 W1)"),
+    "dw2": Output("test", doc="dout^T @ act (float32 W2)"),
+}
+
+
+# -- attention -------------------------------------------------------------------------------------------------
+def _attention_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    t, start = p["t"], p["start"]
+    x = attention_inputs(p, dtype, dist, rng, t, start)
+    x64 = {k: (v if v.dtype == np.uint8 else v.astype(np.float64)) for k, v in x.items()}
+    fwd = ref.attention_prefill(x64["x"], x64["gamma"], float(p["eps"]), *weights_of(x64, p, "wq", "wk", "wv", "wo"),
+                                x64["k_cache"], x64["v_cache"], x64["cos"], x64["sin"], start,
+                                **attention_kw(x64, p, "dequant"))
+    live = start + t
+    _, lse, _ = attention_ref.attention(fwd["q_rope"][None], fwd["k_cache"][:, :live].transpose(1, 0, 2)[None],
+                                        fwd["v_cache"][:, :live].transpose(1, 0, 2)[None],
+                                        scale=1.0 / math.sqrt(p["d"]), causal="bottom_right")
+    saved = _fp32({"norm": fwd["norm"], "rstd": _rstd(x64, p, x64["x"]), "q_rope": fwd["q_rope"],
+                   "k_rope": fwd["k_rope"], "v": fwd["v"], "attn": fwd["attn"], "lse": lse[0]})
+    return {**x, **saved, "dout": _cotangent(rng, t, p, dtype)}
+
+
+def _attention_ref(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    kw = {k: v for k, v in attention_kw(x, p, "dequant").items() if k != "reference"}
+    g = ref.attention_prefill_backward(x["x"], x["gamma"], float(p["eps"]), *weights_of(x, p, "wq", "wk", "wv", "wo"),
+                                       x["k_cache"], x["v_cache"], x["cos"], x["sin"], p["start"], x["dout"], **kw)
+    return {k: g[k] for k in attention_grad_shapes(p)}
+
+
+def attention_grad_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    t, e, a, hq, hkv = p["t"], ae(p), ad(p), p["hq"], p["hkv"]
+    shapes = {"dattn": (t, hq, a), "dq_rope": (t, hq, a), "dk_rope": (t, hkv, a), "dv": (t, hkv, a),
+              "dq": (t, hq, a), "dk": (t, hkv, a), "dnorm": (t, e), "dx": (t, e)}
+    if f32_block(p, "wqkv", "wo"):
+        shapes.update(dgamma=(e,), dwq=(hq * a, e), dwk=(hkv * a, e), dwv=(hkv * a, e), dwo=(e, hq * a))
+        if p["bias"]:
+            shapes.update(dbq=(hq * a,), dbk=(hkv * a,), dbv=(hkv * a,))
+        if p["obias"]:
+            shapes["dbo"] = (e,)
+        if p["residual"]:
+            shapes["dr"] = (t, e)
+    return shapes
+
+
+def _attention_acc(p: dict[str, Any], output: str) -> int:
+    """Reduction lengths back along the pipeline, on top of the forward's up to the attention output
+    (n, aE, a_d and the keys: a kernel may recompute the activations, as eager autograd does): dattn sums
+    over aE (dout W_o); the attention's gradients over a_d (dP, D) and the keys (dq) or the group's query
+    rows (dk, dv); dnorm over the three projections' outputs; dx over the norm's n lanes; the weight and
+    bias gradients over the T rows."""
+    t, e, a = p["t"], ae(p), ad(p)
+    keys, rows = p["start"] + t, t * p["hq"] // p["hkv"]
+    forward = p["e"] + e + a + keys
+    attn = forward + e + a + max(keys, rows)
+    n = {"dr": 1, "dattn": e, "dbo": t, "dwo": forward + t, "dnorm": attn + (p["hq"] + 2 * p["hkv"]) * a}
+    if output in n:
+        return n[output]
+    if output in ("dx", "dgamma"):
+        return n["dnorm"] + (p["e"] if output == "dx" else t)
+    return attn + (t if output.startswith(("dw", "db")) else 0)
+
+
+ATTENTION_OUT = {
+    "dattn": Output("test", doc="dout @ W_o, per query head"),
+    "dq_rope": Output("test", doc="the attention's dq: scale dS K (dS = P (dP - D))"),
+    "dk_rope": Output("test", doc="the attention's dk of the new keys (lanes [d, a_d) zero: cleared by the write)"),
+    "dv": Output("test", doc="the attention's dv of the new values, P^T dO summed over the group's heads"),
+    "dq": Output("test", doc="dq_rope rotated back (RoPE's transpose, the negated angle)"),
+    "dk": Output("test", doc="dk_rope rotated back"),
+    "dnorm": Output("test", doc="dq Wq + dk Wk + dv Wv"),
+    "dx": Output("test", doc="RMSNorm's dx of dnorm, padding lanes zero"),
+    "dgamma": Output("test", doc="sum over rows of dnorm x rstd (float32 weights)"),
+    "dwq": Output("test", doc="dq^T @ norm"), "dwk": Output("test", doc="dk^T @ norm"),
+    "dwv": Output("test", doc="dv^T @ norm"), "dwo": Output("test", doc="dout^T @ attn"),
+    "dbq": Output("test", doc="the sum of dq over rows"), "dbk": Output("test", doc="the sum of dk over rows"),
+    "dbv": Output("test", doc="the sum of dv over rows"), "dbo": Output("test", doc="the sum of dout over rows"),
+    "dr": Output("test", doc="dout: the residual's gradient"),
+}
+
+# Every gradient is a sum of terms of either sign (a projection's, the attention's dS = P (dP - D), a row's
+# weight-gradient sum): an element near 0 carries the rounding of the larger terms, so its absolute error is
+# measured against the output's scale (eps32 sqrt(reduction length) max|out|), as the forward's stages.
+_SCALED = tuple(Override(f"{o} is a sum with cancellation: absolute error ~ eps32 sqrt(reduction length) max|{o}|",
+                         output=o, atol_acc=1.0) for o in sorted({*MLP_OUT, *ATTENTION_OUT} - {"dr"}))
+# Through the softmax: with fp32 q and k (saved or recomputed) every logit carries ~eps32 |s| of absolute
+# error, and `heads` makes the logits ~30, so P, dS = P (dP - D) and every gradient after them carry up to
+# ~30 eps32 relative error, a few times eps32 sqrt(reduction length) at these lengths. Measured over 15
+# fresh seeds x the 4 ci distributions x every ci shape (cpu and torch): elementwise need up to 1.56
+# (torch dwq), aggregate up to 2.2 (torch dq, dwq); limits 4 and 8 (2.5x, 3.6x).
+_LOGITS = tuple(Override(f"{o} passes through the softmax: logits ~30 (`heads`) carry eps32 |s| from fp32 q, k "
+                         f"(measured need 1.56 elementwise, 2.2 aggregate, torch)", output=o, atol_acc=4.0, agg_acc=8.0)
+                for o in ("dq_rope", "dk_rope", "dq", "dk", "dnorm", "dx", "dgamma", "dwq", "dwk", "dbq"))
+# dbk sums over the chunk's tokens the gradients of their keys, which the softmax makes cancel: each row of
+# dS sums to zero, so a bias added to every key moves no probability, and only RoPE's per-position rotation
+# (and the history's keys) keeps the sum from vanishing: dbk is far smaller than its terms. Measured (same
+# sweep) worst at e=32, start=0 (every key in the chunk), `heads`: elementwise 1.2, aggregate 13.2 (cpu).
+_DBK = (Override("dbk cancels across the chunk's keys (rows of dS sum to zero; RoPE and the history keep a "
+                 "remainder): measured need 1.2 elementwise, 13.2 aggregate (cpu, heads, start=0)", output="dbk",
+                 atol_acc=4.0, agg_acc=64.0),)
+
+# dv = P^T dO (and dwv, dbv after it) is through the softmax too, through P alone. A kernel that recomputes P
+# from the saved fp32 LSE L (FlashAttention-2's backward) in the log2 domain, P = exp2(s log2e - L log2e),
+# gives each row's P a common relative error up to 2 u |L| (u = eps32 / 2: L's own rounding, then its
+# product with log2 e), 4.9e-6 at |L| = 41 (`heads`), plus the logits' own rounding per element: where a few
+# rows dominate dv, nmse reaches ~(4.9e-6)^2 = 2.4e-11 (a scale error: nmse, not cos_diff). Measured: the
+# Triton composition's dv up to nmse 7.6e-12, cos_diff 3.8e-12 (e=60, `heads`; ~140 runs over the ci
+# shapes); a NumPy emulation of that arithmetic 5.4e-12 on the same case; the saved LSE alone (float64
+# logits) 1.6e-12; eager autograd (softmax recomputed from the logits) 1.1e-12; the C kernel (double) 1e-13.
+# The limits: 2x the bound, fixed (the error scales with |L|, not with a reduction length).
+_PV = tuple(Override(f"{o} = P^T dO, P recomputed from the fp32 LSE (log2 domain): a per-row scale error up to "
+                     f"2 u |L| = 4.9e-6 at `heads` (nmse bound 2.4e-11; measured 7.6e-12, Triton)",
+                     output=o, cos_diff=2.5e-11, nmse=5e-11) for o in ("dv", "dwv", "dbv"))
+
+# At model widths the fp32 reductions are long (dnorm sums over 2I = 28672 .. 37888, dw2 over I): a sum of n
+# terms in fp32 has relative rms error ~ eps32 sqrt(n / 24), cos_diff ~ eps32^2 n / 48 (8.5e-12 at n = 28672),
+# past the fixed fp32 default 1e-12 (gemm.gemm_nt_backward's rule, conformance/ops/gemm.py). Measured on an
+# H100, models suite (t 16, e 4096 / 3584, I 14336 / 18944): Triton dnorm 6.7e-12, dgamma 6.5e-12, dx 2.9e-12;
+# eager torch dw2 1.6e-12, dnorm 1.1e-12. agg_acc 0.125 = 6x that expectation at each output's length.
+_MLP_AGG = tuple(Override(f"{o}: fp32 sums of model-width length, cos_diff ~ eps32^2 n / 48 (H100 models: Triton "
+                          f"dnorm 6.7e-12 at n ~ 3.7e4)", output=o, agg_acc=0.125) for o in sorted(MLP_OUT))
+
+MLP_BACKWARD = OpSpec(
+    name="blocks.mlp_backward",
+    golden=ref.mlp_backward,
+    reference=_mlp_ref,
+    params=MLP_PARAMS,
+    make_inputs=_mlp_inputs,
+    output_shapes=mlp_grad_shapes,
+    outputs=MLP_OUT,
+    tolerance=Tol(acc_len=_mlp_acc, overrides=_SCALED + _MLP_AGG, noise_k=3.0),
+    dtypes=("fp32",),
+    dists={k: DISTS[k] for k in ROW_DISTS},
+    check=check_mlp,
+    diagnoses=GEMMA_DIAGNOSES,
+    stages=ref.MLP_GRAD_STAGES,
+    doc="The MLP block's whole-layer backward (the seed's): fc2, SwiGLU, fc1, RMSNorm2 (d_gamma) and the residual; "
+        "dx (and dgamma, dW1, dW2 for float32 weights).",
+)
+
+ATTENTION_PREFILL_BACKWARD = OpSpec(
+    name="blocks.attention_prefill_backward",
+    golden=ref.attention_prefill_backward,
+    reference=_attention_ref,
+    params=PREFILL_PARAMS,
+    make_inputs=_attention_inputs,
+    output_shapes=attention_grad_shapes,
+    outputs=ATTENTION_OUT,
+    tolerance=Tol(acc_len=_attention_acc, overrides=_SCALED + _LOGITS + _DBK + _PV, noise_k=3.0),
+    dtypes=("fp32",),
+    dists={k: DISTS[k] for k in ATTN_DISTS},
+    check=check_attention,
+    diagnoses=ATTENTION_DIAGNOSES,
+    stages=ref.ATTENTION_GRAD_STAGES,
+    doc="The prefill attention block's whole-layer backward (the seed's): out-projection (d_bo), causal GQA attention "
+        "over history + chunk, RoPE, QKV (d_bq, d_bk, d_bv), RMSNorm (d_gamma); the cache history a constant.",
+)
+
+GRAD_SPECS = (MLP_BACKWARD, ATTENTION_PREFILL_BACKWARD)

@@ -1,0 +1,122 @@
+"""Parameters, constraints and weight handling shared by the `blocks` family's forward specs
+(conformance/ops/blocks.py) and their VJPs (conformance/ops/blocks_grad.py): a backward op takes its
+forward's Schema, so its case ids mirror the forward's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import kernel_parity.refimpl.blocks as ref
+from kernel_parity.conformance.ops.blocks_inputs import EPS, MLP_WFMTS, THETAS, WFMTS, block_of
+from kernel_parity.conformance.params import Int, OneOf, Schema
+from kernel_parity.conformance.spec import Diagnosis
+
+MODEL = dict(
+    e=Int(1, 1 << 16, edges=(64, 256, 4096), doc="real embed dim E"),
+    epad=Int(0, 256, edges=(0, 32), doc="padding lanes of a row: aE = E + epad (zero in, zero out)"),
+)
+HEADS = dict(
+    hq=Int(1, 128, edges=(1, 8, 32), doc="query heads"),
+    hkv=Int(1, 128, edges=(1, 2, 8), doc="kv heads (divides hq)"),
+    d=Int(2, 512, edges=(64, 128, 256), doc="real head dim (even: RoPE pairs)"),
+    dpad=Int(0, 256, edges=(0, 8, 32), doc="padding lanes of a head: a_d = d + dpad"),
+)
+ATTN = dict(
+    cap=Int(1, 1 << 20, edges=(64, 128, 2048), doc="cache capacity in tokens (and RoPE table rows)"),
+    wqkv=OneOf(*WFMTS, doc="Q/K/V weight format (the seed's wq_dt)"),
+    wo=OneOf(*WFMTS, doc="W_o format (the seed's wo_dt)"),
+    bias=OneOf(0, 1, doc="Q/K/V biases bq, bk, bv (Qwen2)"),
+    obias=OneOf(0, 1, doc="output projection bias bo"),
+    residual=OneOf(0, 1, doc="add the residual r to the output"),
+    style=OneOf("half", "interleaved", doc="RoPE pairs (i, i + d/2) or (2i, 2i + 1)"),
+    theta=OneOf(*THETAS, doc="RoPE base of the cos/sin tables"),
+    eps=OneOf(*EPS, doc="RMSNorm epsilon (inside the square root)"),
+    gemma=OneOf(0, 1, doc="RMSNorm weight applied as (1 + gamma) (Gemma)"),
+)
+MLP = dict(
+    i=Int(1, 1 << 16, edges=(256, 14336, 18944), doc="intermediate width I (gate and up each)"),
+    w1=OneOf(*MLP_WFMTS, doc="fused gate/up weight format (2I, aE)"),
+    w2=OneOf(*MLP_WFMTS, doc="down weight format (aE, I)"),
+    eps=OneOf(*EPS, doc="RMSNorm epsilon"),
+    gemma=OneOf(0, 1, doc="RMSNorm weight applied as (1 + gamma)"),
+)
+
+
+def ae(p: dict[str, Any]) -> int:
+    return p["e"] + p["epad"]
+
+
+def ad(p: dict[str, Any]) -> int:
+    return p["d"] + p["dpad"]
+
+
+def check_k(name: str, fmt: str, k: int, what: str) -> str | None:
+    b = block_of(fmt)
+    if k % b:
+        return f"{name}={fmt} needs {what}={k} to be a multiple of its block of {b}"
+    return None
+
+
+def check_heads(p: dict[str, Any]) -> str | None:
+    if p["hq"] % p["hkv"]:
+        return f"hq={p['hq']} must be a multiple of hkv={p['hkv']}"
+    if p["d"] % 2:
+        return f"d={p['d']} must be even (RoPE pairs)"
+    return None
+
+
+def check_wo(p: dict[str, Any]) -> str | None:
+    if p["wo"] != "f32" and ad(p) % 32:
+        return (f"wo={p['wo']} quantizes the attention output per head in 32-blocks: a_d = d + dpad = {ad(p)} "
+                f"must be a multiple of 32")
+    return None
+
+
+def check_attention(p: dict[str, Any]) -> str | None:
+    last = p["pos"] + 1 if "pos" in p else p["start"] + p["t"]
+    if last > p["cap"]:
+        return f"the new tokens reach position {last - 1}, past the cache capacity cap={p['cap']}"
+    return check_heads(p) or check_k("wqkv", p["wqkv"], ae(p), "aE = e + epad") or check_wo(p)
+
+
+def check_mlp(p: dict[str, Any]) -> str | None:
+    return check_k("w1", p["w1"], ae(p), "aE = e + epad") or check_k("w2", p["w2"], p["i"], "i")
+
+
+def check_outproj_mlp(p: dict[str, Any]) -> str | None:
+    if p["wo_layout"] == "head_major" and p["wo"] != "f32":
+        return "wo_layout=head_major is the seed's fp32 per-head W_o: it needs wo=f32"
+    return check_mlp(p) or check_wo(p)
+
+
+def weights_of(x: dict[str, np.ndarray], p: dict[str, Any], *names: str) -> list[ref.Weight]:
+    fmt = {"wq": p.get("wqkv"), "wk": p.get("wqkv"), "wv": p.get("wqkv"), "wo": p.get("wo"), "w1": p.get("w1"),
+           "w2": p.get("w2")}
+    if p.get("wo_layout") == "head_major":
+        fmt["wo"] = "f32_heads"
+    return [ref.Weight(fmt[n], x[n]) for n in names]
+
+
+def attention_kw(x: dict[str, np.ndarray], p: dict[str, Any], reference: str) -> dict[str, Any]:
+    return dict(n=p["e"], h_q=p["hq"], h_kv=p["hkv"], d=p["d"], bq=x.get("bq"), bk=x.get("bk"), bv=x.get("bv"),
+                bo=x.get("bo"), residual=x.get("r"), style=p["style"], gemma=bool(p["gemma"]), reference=reference)
+
+
+GEMMA_DIAGNOSES = (Diagnosis("matches (1 + gamma) where gamma was meant, or the reverse: Gemma offset bug",
+                    lambda p: {**p, "gemma": 1 - p["gemma"]}),)
+ATTENTION_DIAGNOSES = (
+    Diagnosis("matches the other RoPE pairing (interleaved vs half): RoPE style bug",
+              lambda p: {**p, "style": "half" if p["style"] == "interleaved" else "interleaved"}),
+    *GEMMA_DIAGNOSES,
+)
+
+
+PREFILL_PARAMS = Schema(dict(MODEL, **HEADS, t=Int(1, 1 << 16, edges=(1, 2, 7, 64, 65), doc="new tokens T"),
+                             start=Int(0, 1 << 20, edges=(0, 1, 63, 64, 1024), doc="tokens of history (start_pos)"),
+                             **ATTN))
+DECODE_PARAMS = Schema(dict(MODEL, **HEADS, pos=Int(0, 1 << 20, edges=(0, 1, 63, 64, 65, 1024),
+                                                  doc="the token's position (slots 0 .. pos attended)"), **ATTN))
+MLP_PARAMS = Schema(dict(t=Int(1, 1 << 16, edges=(1, 2, 7), doc="tokens"), **MODEL, **MLP))

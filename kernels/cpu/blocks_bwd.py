@@ -1,0 +1,168 @@
+"""Native CPU whole-layer backward of the fused blocks (kernels in blocks_bwd.c): the seed's backward stage
+kernels, fp32, run in reverse pipeline order.
+
+    mlp_backward:       dact = dout W2 -> dh (SwiGLU) -> dnorm = dh W1 -> dx (RMSNorm) + dout;
+                        dgamma, dW1 = dh^T norm, dW2 = dout^T act
+    attention_prefill_backward:  dattn = dout W_o -> (dq_rope, dk_rope, dv) of the causal GQA attention over
+                        history + chunk -> dq, dk (RoPE^T) -> dnorm = dq Wq + dk Wk + dv Wv -> dx (RMSNorm);
+                        dgamma, dW, db of every projection, dr = dout
+
+Arrays (all float32 and C-contiguous unless said; no copy is made): the forward's (kernels/cpu/blocks.py's
+names and shapes: x (T, aE), gamma, the weights as (fmt, array) pairs, the biases, the caches holding the
+history (h_kv, cap, a_d), cos / sin) plus the forward's saved activations
+    mlp: norm (T, aE), rstd (T,), h (T, 2I), act (T, I)
+    attention: norm (T, aE), rstd (T,), q_rope (T, h_q, a_d), k_rope, v (T, h_kv, a_d), attn (T, h_q, a_d)
+and the cotangent dout (T, aE).
+out: preallocated gradients (any subset; the rest are allocated): the stage gradients (mlp: dact, dh,
+dnorm; attention: dattn, dq_rope, dk_rope, dv, dq, dk, dnorm) and dx always; with `weight_grads` (every
+weight float32) also dgamma and the weight gradients (mlp: dw1, dw2; attention: dwq, dwk, dwv, dwo, and
+dbq, dbk, dbv, dbo for the biases given, dr with a residual).
+returns: {name: array} of those.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from kernel_parity.kernels.cpu.blocks import STYLES, _array, _norm_args, _optional, _weight
+from kernel_parity.kernels.cpu.loader import check_status, load
+
+__all__ = ["attention_prefill_backward", "mlp_backward"]
+
+_I64, _PTR, _F64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
+_INTS = ("t", "e", "ae", "hq", "hkv", "d", "ad", "cap", "start", "inter", "max_seq", "style", "gemma", "wqkv_type",
+         "wo_type", "w1_type", "w2_type")
+_ARRAYS = ("x", "gamma", "dout", "wq", "wk", "wv", "wo", "w1", "w2", "k_cache", "v_cache", "cos", "sin", "norm", "rstd",
+           "q_rope", "k_rope", "v", "attn", "h", "act", "dattn", "dq_rope", "dk_rope", "dv", "dq", "dk", "dnorm", "dact",
+           "dh", "dx", "dgamma", "dwq", "dwk", "dwv", "dwo", "dw1", "dw2", "dbq", "dbk", "dbv", "dbo", "dr")
+_lib: ctypes.CDLL | None = None
+
+
+class _Params(ctypes.Structure):
+    """blocks_bwd.c's bwd_params, field for field."""
+    _fields_ = [*((n, _I64) for n in _INTS), ("eps", _F64), *((n, _PTR) for n in _ARRAYS)]
+
+
+def _kernels() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        lib = load("blocks_bwd")
+        for name in ("blocks_mlp_backward", "blocks_attention_prefill_backward"):
+            fn = getattr(lib, name)
+            fn.argtypes = [ctypes.POINTER(_Params)]
+            fn.restype = ctypes.c_int
+        _lib = lib
+    return _lib
+
+
+def _outputs(out: dict[str, np.ndarray] | None, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    out = dict(out or {})
+    unknown = set(out) - set(shapes)
+    if unknown:
+        raise ValueError(f"out names unknown gradient(s) {', '.join(sorted(unknown))} (this call's: {', '.join(shapes)})")
+    for name, shape in shapes.items():
+        out[name] = _array(f"out[{name!r}]", out[name], shape, writeable=True) if name in out else \
+            np.empty(shape, dtype=np.float32)
+    return out
+
+
+def _run(entry: str, fields: dict[str, Any], arrays: dict[str, np.ndarray | None]) -> None:
+    p = _Params(**{k: int(v) for k, v in fields.items() if k != "eps"}, eps=float(fields.get("eps", 0.0)))
+    for name, a in arrays.items():
+        if a is not None:
+            setattr(p, name, a.ctypes.data)
+    check_status(getattr(_kernels(), entry)(ctypes.byref(p)), entry)
+
+
+def mlp_backward(x: np.ndarray, gamma: np.ndarray, eps: float, w1, w2, dout: np.ndarray, *, norm: np.ndarray,
+                 rstd: np.ndarray, h: np.ndarray, act: np.ndarray, n: int, gemma: bool = False,
+                 weight_grads: bool = True, out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """The MLP block's backward for dout (T, aE); returns the gradients (module docstring)."""
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        raise ValueError(f"x must be a float32 array (T, aE), got {getattr(x, 'shape', type(x).__name__)}")
+    t, ae = _array("x", x, x.shape).shape
+    eps = _norm_args(gamma, eps, n, ae)
+    if not isinstance(w1, tuple) or len(w1) != 2 or not isinstance(w1[1], np.ndarray) or w1[1].ndim != 2 \
+            or w1[1].shape[0] % 2:
+        raise ValueError("w1 must be a (format, array) pair of 2I rows (gate, then up)")
+    i = w1[1].shape[0] // 2
+    w1_type, _ = _weight("w1", w1, 2 * i, ae)
+    w2_type, _ = _weight("w2", w2, ae, i)
+    if weight_grads and (w1_type or w2_type):
+        raise ValueError(f"weight gradients need float32 weights, got w1={w1[0]}, w2={w2[0]}")
+    for name, a, shape in (("dout", dout, (t, ae)), ("norm", norm, (t, ae)), ("rstd", rstd, (t,)),
+                           ("h", h, (t, 2 * i)), ("act", act, (t, i))):
+        _array(name, a, shape)
+    shapes = {"dact": (t, i), "dh": (t, 2 * i), "dnorm": (t, ae), "dx": (t, ae)}
+    if weight_grads:
+        shapes.update(dgamma=(ae,), dw1=(2 * i, ae), dw2=(ae, i))
+    res = _outputs(out, shapes)
+    fields = dict(t=t, e=n, ae=ae, inter=i, gemma=bool(gemma), w1_type=w1_type, w2_type=w2_type, eps=eps)
+    _run("blocks_mlp_backward", fields, dict(x=x, gamma=gamma, dout=dout, w1=w1[1], w2=w2[1], norm=norm, rstd=rstd,
+                                             h=h, act=act, **res))
+    return res
+
+
+def attention_prefill_backward(x: np.ndarray, gamma: np.ndarray, eps: float, wq, wk, wv, wo, k_cache: np.ndarray,
+                               v_cache: np.ndarray, cos: np.ndarray, sin: np.ndarray, start: int, dout: np.ndarray, *,
+                               norm: np.ndarray, rstd: np.ndarray, q_rope: np.ndarray, k_rope: np.ndarray,
+                               v: np.ndarray, attn: np.ndarray, n: int, h_q: int, h_kv: int, d: int, bq=None,
+                               bk=None, bv=None, bo=None, residual=None, style: str = "half", gemma: bool = False,
+                               weight_grads: bool = True,
+                               out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """The prefill attention block's backward for dout (T, aE); the caches hold the history (slots < start,
+    read only). Returns the gradients (module docstring)."""
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        raise ValueError(f"x must be a float32 array (T, aE), got {getattr(x, 'shape', type(x).__name__)}")
+    t, ae = _array("x", x, x.shape).shape
+    eps = _norm_args(gamma, eps, n, ae)
+    if not (isinstance(h_kv, int) and isinstance(h_q, int) and h_kv >= 1 and h_q >= 1 and h_q % h_kv == 0):
+        raise ValueError(f"h_q={h_q!r} must be a positive multiple of h_kv={h_kv!r}")
+    if not isinstance(k_cache, np.ndarray) or k_cache.ndim != 3 or k_cache.shape[0] != h_kv:
+        raise ValueError(f"k_cache must be (h_kv = {h_kv}, cap, a_d) float32, got {getattr(k_cache, 'shape', None)}")
+    cap, ad = k_cache.shape[1:]
+    _array("k_cache", k_cache, (h_kv, cap, ad))
+    _array("v_cache", v_cache, (h_kv, cap, ad))
+    if not isinstance(d, int) or d < 2 or d % 2 or d > ad:
+        raise ValueError(f"d={d!r} must be an even int in [2, a_d = {ad}] (the caches' last axis)")
+    if not isinstance(start, (int, np.integer)) or start < 0 or start + t > cap:
+        raise ValueError(f"start={start!r}: the tokens' slots must lie in [0, cap = {cap})")
+    if not isinstance(cos, np.ndarray) or cos.ndim != 2 or cos.shape[1] != d // 2 or cos.shape[0] < start + t:
+        raise ValueError(f"cos must be (max_seq >= {start + t}, d / 2 = {d // 2}) float32, got {getattr(cos, 'shape', None)}")
+    _array("cos", cos, cos.shape)
+    _array("sin", sin, cos.shape)
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {', '.join(STYLES)}, got {style!r}")
+    types = {_weight(nm, w, rows, ae)[0] for nm, w, rows in (("wq", wq, h_q * ad), ("wk", wk, h_kv * ad),
+                                                               ("wv", wv, h_kv * ad))}
+    if len(types) != 1:
+        raise ValueError(f"wq, wk, wv must share one format, got {wq[0]}, {wk[0]}, {wv[0]}")
+    wqkv_type = types.pop()
+    wo_type, _ = _weight("wo", wo, ae, h_q * ad)
+    if weight_grads and (wqkv_type or wo_type):
+        raise ValueError(f"weight gradients need float32 weights, got wq={wq[0]}, wo={wo[0]}")
+    for name, a, shape in (("dout", dout, (t, ae)), ("norm", norm, (t, ae)), ("rstd", rstd, (t,)),
+                           ("q_rope", q_rope, (t, h_q, ad)), ("k_rope", k_rope, (t, h_kv, ad)), ("v", v, (t, h_kv, ad)),
+                           ("attn", attn, (t, h_q, ad))):
+        _array(name, a, shape)
+    biases = {"bq": _optional("bq", bq, (h_q * ad,)), "bk": _optional("bk", bk, (h_kv * ad,)),
+              "bv": _optional("bv", bv, (h_kv * ad,)), "bo": _optional("bo", bo, (ae,))}
+    if residual is not None:
+        _array("residual", residual, (t, ae))
+    shapes = {"dattn": (t, h_q, ad), "dq_rope": (t, h_q, ad), "dk_rope": (t, h_kv, ad), "dv": (t, h_kv, ad),
+              "dq": (t, h_q, ad), "dk": (t, h_kv, ad), "dnorm": (t, ae), "dx": (t, ae)}
+    if weight_grads:
+        shapes.update(dgamma=(ae,), dwq=(h_q * ad, ae), dwk=(h_kv * ad, ae), dwv=(h_kv * ad, ae), dwo=(ae, h_q * ad))
+        shapes.update({f"d{b}": a.shape for b, a in biases.items() if a is not None})
+        if residual is not None:
+            shapes["dr"] = (t, ae)
+    res = _outputs(out, shapes)
+    fields = dict(t=t, e=n, ae=ae, hq=h_q, hkv=h_kv, d=d, ad=ad, cap=cap, start=int(start), max_seq=cos.shape[0],
+                  style=STYLES[style], gemma=bool(gemma), wqkv_type=wqkv_type, wo_type=wo_type, eps=eps)
+    _run("blocks_attention_prefill_backward", fields,
+         dict(x=x, gamma=gamma, dout=dout, wq=wq[1], wk=wk[1], wv=wv[1], wo=wo[1], k_cache=k_cache, v_cache=v_cache,
+              cos=cos, sin=sin, norm=norm, rstd=rstd, q_rope=q_rope, k_rope=k_rope, v=v, attn=attn, **res))
+    return res
