@@ -29,8 +29,8 @@ demo: $(STAMP) $(OUT)/ggml/.built
 # (Debian's `chromium`) is installed when missing, for the report's browser test. A skip whose reason is
 # not that the machine lacks a GPU (or cannot install Chromium) fails `make test` (PARITY_STRICT_SKIPS).
 test: $(STAMP) $(OUT)/ggml/.built
-	command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { apt-get update -q && \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; } || \
+	command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { timeout 120 apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -q --no-install-recommends chromium; } || \
 	  echo "chromium could not be installed: the browser test will skip saying so"
 	KERNEL_PARITY_LIBGGML=$(LIBGGML) PARITY_STRICT_SKIPS=1 PARITY_PROFILE=ci $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25
 	KERNEL_PARITY_LIBGGML=$(LIBGGML) $(PARITY) gate --suite ci --no-progress -q --jobs 2 --json $(OUT)/ci.jsonl --junit $(OUT)/ci.xml --html $(OUT)/ci.html
