@@ -122,29 +122,11 @@ def rope_backward(dy: NDArray, cos: NDArray, sin: NDArray, positions: NDArray, *
                   rot: int | None = None, at: str = "first") -> F64:
     """VJP of `rope` with respect to x: the rotary pairs of dy rotated by the negated angles.
 
-    dy: (t, h, d) float, the cotangent of y; cos, sin, positions, style, rot, at: as `rope`
-    returns: (t, h, d) float64 dx; the dims outside the rotary part are dy's, unchanged
+    Each pair's rotation R(p w) is orthogonal, so its transpose is R(-p w): the VJP is `rope` of dy with
+    sin negated (cos is even). dy: (t, h, d) float, the cotangent of y; cos, sin, positions, style, rot,
+    at: as `rope`. returns: (t, h, d) float64 dx; the dims outside the rotary part are dy's, unchanged
     """
-    dy = np.asarray(dy, dtype=np.float64)
-    d = dy.shape[-1]
-    rot = d if rot is None else int(rot)
-    if rot % 2 or not 2 <= rot <= d:
-        raise ValueError(f"rot={rot} must be even and in [2, d={d}]")
-    if at not in ENDS:
-        raise ValueError(f"unknown end {at!r} (first, last)")
-    pos = np.asarray(positions, dtype=np.int64)
-    c = np.asarray(cos, dtype=np.float64)[pos][:, None, :]  # t, 1, rot/2
-    s = np.asarray(sin, dtype=np.float64)[pos][:, None, :]
-    lo = 0 if at == "first" else d - rot
-    dx = dy.copy()
-    a, b = _pairs(dy[..., lo:lo + rot], style)
-    da, db = a * c + b * s, b * c - a * s  # the transposed rotation R(p w)^T = R(-p w)
-    part = dx[..., lo:lo + rot]
-    if style == "interleaved":
-        part[..., 0::2], part[..., 1::2] = da, db
-    else:
-        part[..., : rot // 2], part[..., rot // 2:] = da, db
-    return dx
+    return rope(dy, cos, -np.asarray(sin, dtype=np.float64), positions, style=style, rot=rot, at=at)
 
 
 def kv_update(k_cache: NDArray, v_cache: NDArray, k_new: NDArray, v_new: NDArray, pos: NDArray, cos: NDArray,
