@@ -42,9 +42,30 @@ from kernel_parity.conformance.errors import EXIT_FAIL, EXIT_OK, EXIT_USAGE, Usa
 DEFAULT_TIMEOUT_S = 600.0  # per case, in a worker process: a hang is a `timeout`, never a stuck gate
 
 
+class _Once(argparse._StoreAction):
+    """A flag that takes one value: given twice it is an error (exit 2), never the last one silently."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, "_given", None)
+        if given is None:
+            given = {}
+            setattr(namespace, "_given", given)
+        if self.dest in given:
+            raise argparse.ArgumentError(self, f"given twice ({given[self.dest]!r}, then {values!r}): it takes one "
+                                               f"value")
+        given[self.dest] = values
+        setattr(namespace, self.dest, values)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage otherwise)
         raise UsageError(message)
+
+    def add_argument(self, *args, **kw):
+        """Flags that store one value (no action named) refuse a second value."""
+        if args and str(args[0]).startswith("-") and "action" not in kw:
+            kw["action"] = _Once
+        return super().add_argument(*args, **kw)
 
 
 class _ListAction(argparse.Action):

@@ -334,7 +334,7 @@ def prepare(args: Any, command: str, cases: list[Case] | None = None, extra_inpu
     """Everything before the first case: session, cases, output checks, header, the stream."""
     from kernel_parity.conformance import executors
 
-    executors.choose(args)  # --executor / --address / --devices: exit 2 before anything is written
+    ex = executors.choose(args)  # --executor / --address / --devices: exit 2 before anything is written
     if getattr(args, "resume", None):
         return _prepare_resume(args, command)
     session = open_session(args.backend, args.known_failures)
@@ -352,7 +352,8 @@ def prepare(args: Any, command: str, cases: list[Case] | None = None, extra_inpu
     header.update(planned=len(cases), planned_digest=digest(cases), selection=sel.to_json(),
                   plan=plan_summary(cases), left_out=left.to_json() if left.count else None,
                   tolerance_overrides=[t.to_json() for t in session.config.tolerance],
-                  config=_shown_path(session.config.path), **(header_extra or {}))
+                  config=_shown_path(session.config.path),
+                  executor=executors.describe(ex, int(getattr(args, "jobs", 1) or 1)), **(header_extra or {}))
     stream = open_stream(args.json, header) if args.json else None
     return Run(args, command, session, cases, header, stream)
 

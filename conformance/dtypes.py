@@ -124,14 +124,15 @@ _UINT = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
 
 
 def _ordered(bits: np.ndarray, width: int) -> np.ndarray:
-    """Map IEEE bit patterns to integers whose order is the order of the floats (-0 == +0)."""
-    b = bits.astype(np.int64) if width < 64 else bits.view(np.int64)
+    """Map IEEE bit patterns to integers whose order is the order of the floats (-0 == +0):
+    sign-magnitude to two's complement, (mag ^ -s) + s with s the sign bit (no branch, no where)."""
     if width < 64:
-        sign = b >> (width - 1)
-        mag = b & ((1 << (width - 1)) - 1)
-        return np.where(sign == 1, -mag, mag)
-    mag = b & np.int64(0x7FFFFFFFFFFFFFFF)
-    return np.where(b < 0, -mag, mag)
+        b = bits.astype(np.int32 if width < 32 else np.int64)
+        s = b >> (width - 1)
+        return ((b & ((1 << (width - 1)) - 1)) ^ -s) + s
+    b = bits.view(np.int64)
+    s = (b >> 63) & 1
+    return ((b & np.int64(0x7FFFFFFFFFFFFFFF)) ^ -s) + s
 
 
 def ulp_distance(got: np.ndarray, expected_f64: np.ndarray, dtype: DType) -> np.ndarray:
@@ -139,9 +140,22 @@ def ulp_distance(got: np.ndarray, expected_f64: np.ndarray, dtype: DType) -> np.
 
     Both arrays must hold finite values; returns float64 distances.
     """
-    exp_rounded = round_to(expected_f64, dtype)
+    return np.abs(_ulp_diff(got, expected_f64, dtype)).astype(np.float64)
+
+
+def max_ulp_distance(got: np.ndarray, expected_f64: np.ndarray, dtype: DType) -> float:
+    """max(ulp_distance(...)) without the float64 array of distances (0.0 for no elements)."""
+    if not np.size(got):
+        return 0.0
+    diff = _ulp_diff(got, expected_f64, dtype)
+    return float(max(diff.max(), -diff.min()))
+
+
+def _ulp_diff(got: np.ndarray, expected_f64: np.ndarray, dtype: DType) -> np.ndarray:
     width = dtype.storage_bits
     u = _UINT[width]
-    a = _ordered(np.ascontiguousarray(got.astype(dtype.np)).view(u), width)
-    b = _ordered(np.ascontiguousarray(exp_rounded).view(u), width)
-    return np.abs(a.astype(np.float64) - b.astype(np.float64))
+    a = _ordered(np.ascontiguousarray(np.asarray(got, dtype=dtype.np)).view(u), width)
+    b = _ordered(np.ascontiguousarray(round_to(expected_f64, dtype)).view(u), width)
+    if width == 64:  # ordered int64s may be 2^64 apart: subtract in float64, as the distances are returned
+        return a.astype(np.float64) - b.astype(np.float64)
+    return a - b

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 from kernel_parity.conformance.case import Case
 from kernel_parity.conformance.errors import UsageError
 from kernel_parity.conformance.results import CaseResult
-from kernel_parity.conformance.runner import group_cases
+from kernel_parity.conformance.runner import group_cases, largest_first
 
 LOST_LIMIT = 3  # Ray worker deaths while one case runs before that case is a `crash`
 _WINDOW_PER_CPU = 4  # Ray tasks in flight per cluster CPU; the others wait here, not in Ray's queue
@@ -80,6 +80,25 @@ def choose(args: Any) -> Executor:
     if devices is not None:
         return Executor("devices", devices=pick_devices(devices))
     return Executor()
+
+
+def describe(ex: Executor, jobs: int) -> dict:
+    """Where a run's cases ran, for its results header: the executor, its workers and, for
+    --devices, each worker GPU's name (a two-GPU run is told apart from a one-GPU run of the same host)."""
+    if ex.kind == "devices":
+        names = []
+        for k in range(len(ex.devices)):
+            try:
+                import torch
+
+                names.append(torch.cuda.get_device_name(visible_gpus().index(ex.devices[k])))
+            except Exception:
+                names.append(None)
+        return {"kind": "devices", "devices": list(ex.devices), "gpus": names, "jobs_per_device": jobs,
+                "workers": len(ex.devices) * max(1, jobs)}
+    if ex.kind == "ray":
+        return {"kind": "ray", "address": ex.address, "jobs": jobs}
+    return {"kind": "local", "jobs": jobs}
 
 
 def gpu_count() -> int:
@@ -168,7 +187,7 @@ def run(args: Any, cases: list[Case], *, jobs: int, extra_backends: list[str], t
         from kernel_parity.conformance.parallel import run_isolated
 
         return run_isolated(cases, jobs=jobs, extra_backends=extra_backends, timeout=timeout, on_result=on_result,
-                            origins=origins, setup=setup, **runner_options)
+                            origins=origins, setup=setup, largest=True, **runner_options)
     results: dict[str, CaseResult] = {}
 
     def record(rec: CaseResult) -> None:
@@ -177,7 +196,7 @@ def run(args: Any, cases: list[Case], *, jobs: int, extra_backends: list[str], t
             on_result(rec)
 
     options = {**runner_options, "overrides": runner_options.get("overrides") or {}}
-    groups = [[c.id for c in g] for g in group_cases(cases)]
+    groups = [[c.id for c in g] for g in largest_first(group_cases(cases))]
     if ex.kind == "devices":
         _run_devices(ex.devices, groups, jobs, list(extra_backends), options, timeout, origins or {}, setup, record)
     else:

@@ -19,7 +19,7 @@ from typing import Callable
 
 from kernel_parity.conformance.case import Case
 from kernel_parity.conformance.results import CaseResult
-from kernel_parity.conformance.runner import dead_record, group_cases
+from kernel_parity.conformance.runner import dead_record, group_cases, largest_first
 
 _POLL_S = 0.5
 
@@ -122,12 +122,16 @@ def run_isolated(cases: list[Case], *, jobs: int, extra_backends: list[str], rec
                  timeout: float | None = None, on_result: Callable[[CaseResult], None] | None = None,
                  origins: dict[str, str] | None = None, diagnose: bool = True,
                  setup: tuple | None = None, stop: Callable[[], bool] | None = None,
-                 overrides: dict[str, tuple] | None = None, bench: bool = False) -> list[CaseResult]:
+                 overrides: dict[str, tuple] | None = None, bench: bool = False,
+                 largest: bool = False) -> list[CaseResult]:
     """Evaluate `cases` in `jobs` worker processes; `setup` = (module, function, *args) runs first
     in every worker (before any kernel is imported). When `stop()` turns true (checked after each
-    record) the run ends early: the workers are killed and the records so far returned."""
+    record) the run ends early: the workers are killed and the records so far returned. `largest`:
+    the biggest case groups go first (whole runs end sooner), else the cases' order (a run that stops at
+    its first failure, such as a mutant's, reaches the small cases first)."""
     ctx = mp.get_context("spawn")
-    pending = [[c.id for c in g] for g in group_cases(cases)]
+    groups = group_cases(cases)
+    pending = [[c.id for c in g] for g in (largest_first(groups) if largest else groups)]
     results: dict[str, CaseResult] = {}
     origins = origins or {}
     threads = max(1, _cores() // jobs) if jobs > 1 else 0

@@ -416,3 +416,19 @@ def group_cases(cases: Iterable[Case]) -> list[list[Case]]:
     for c in cases:
         groups.setdefault(c.input_key, []).append(c)
     return list(groups.values())
+
+
+def _work(case: Case) -> int:
+    """A rough size of a case: the product of its positive integer parameters (batch, lengths,
+    heads, dims, ...). Only used to order groups, never to judge."""
+    n = 1
+    for _, v in case.params:
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            n *= v
+    return n
+
+
+def largest_first(groups: list[list[Case]]) -> list[list[Case]]:
+    """Groups ordered by their largest case, biggest first (ties keep their order): workers that
+    pull from one queue then finish together instead of waiting on one big group started last."""
+    return sorted(groups, key=lambda g: -max(_work(c) for c in g))

@@ -13,7 +13,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from kernel_parity.conformance import ops
@@ -108,11 +108,13 @@ def test_flashmla_schedule_assigns_every_block_once(seqlens, parts, s_q, h_q):
     assert ref.check_schedule(meta, num_splits, L) == [], f"seqlens={seqlens} parts={parts}"
 
 
+@example(seqlens=[4097], parts=65)  # one request, more parts than MAX_SPLITS: found by this test
 @given(seqlens=st.lists(st.integers(0, 5000), min_size=1, max_size=40), parts=st.integers(1, 132))
 def test_our_host_schedule_covers_every_page_once(seqlens, parts):
-    from kernel_parity.kernels.triton.mla import mla_schedule
+    from kernel_parity.kernels.triton.mla import MAX_SPLITS, mla_schedule
 
     bounds = mla_schedule(seqlens, parts).numpy()
+    assert bounds.shape[1] - 1 <= MAX_SPLITS
     for i, n in enumerate(seqlens):
         b = bounds[i]
         assert b[0] == 0 and np.all(np.diff(b) >= 0), f"request {i}: boundaries {b.tolist()} not increasing from 0"

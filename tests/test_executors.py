@@ -133,6 +133,23 @@ def test_ray_run_on_a_local_cluster_gives_the_records_of_a_local_run(cluster, tm
 
 
 @needs_ray
+def test_address_local_starts_a_cluster_for_the_run_and_shuts_it_down(tmp_path):
+    """`--address local`: a new cluster for this run alone (not the module's), gone when the run ends."""
+    local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    argv = [*SOFTMAX_CI, "--backend", "cpu", "--jobs", "2"]
+    assert main(["run", *argv, "--json", str(local)]) == 0
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("RAY_ADDRESS", None)
+    done = _cli("run", *argv, "--executor", "ray", "--address", "local", "--json", str(on_ray), env=env)
+    assert done.returncode == 0, done.stderr
+    a, b = _comparable(local), _comparable(on_ray)
+    assert len(a) == N_SOFTMAX_CI and a == b
+    head = records.load(on_ray)["header"]["executor"]
+    assert head == {"kind": "ray", "address": "local", "jobs": 2}
+
+
+@needs_ray
 def test_a_killed_ray_worker_loses_no_case(cluster, tmp_path, capsys):
     out = tmp_path / "r.jsonl"
     marker_dir = Path(os.environ.get("KP_TEST_RAY_DIR") or "")
@@ -176,6 +193,9 @@ def test_devices_run_one_worker_per_gpu_with_the_records_of_a_local_run(tmp_path
     seen = {f.name: set(f.read_text().split()) for f in spied.iterdir()}
     assert all(len(devices) == 1 for devices in seen.values()), seen  # a worker keeps its one GPU
     assert set().union(*seen.values()) == {"0", "1"}, seen  # one worker on each
+    head = json.loads(on_devices.read_text().splitlines()[0])["header"]["executor"]
+    assert head["kind"] == "devices" and head["devices"] == ["0", "1"] and head["workers"] == 2
+    assert json.loads(local.read_text().splitlines()[0])["header"]["executor"] == {"kind": "local", "jobs": 2}
 
 
 def _usage_error(argv: list[str], capsys) -> str:
@@ -219,3 +239,19 @@ def test_an_unreachable_address_is_one_line_exit_2():
     err = done.stderr.strip()
     assert done.returncode == 2 and len(err.splitlines()) == 1, done.stderr
     assert f"--address 127.0.0.1:{port}: no Ray cluster answers there" in err
+
+
+def test_groups_are_scheduled_largest_first_and_keep_their_order_on_ties():
+    from kernel_parity.conformance.case import Case
+    from kernel_parity.conformance.runner import group_cases, largest_first
+
+    def c(backend, **p):
+        return Case.make("softmax.softmax", backend, "fp32", p, "normal", 0)
+
+    cases = [c("cpu", rows=2, cols=8), c("torch", rows=2, cols=8), c("cpu", rows=64, cols=512, causal=True),
+             c("cpu", rows=4, cols=4, wl=-1), c("cpu", rows=16, cols=1)]
+    order = [[x.p for x in g] for g in largest_first(group_cases(cases))]
+    # 64*512 first; 2*8 = 4*4 = 16*1 tie (negative and boolean parameters ignored) and keep their order
+    assert [g[0] for g in order] == [dict(rows=64, cols=512, causal=True), dict(rows=2, cols=8),
+                                     dict(rows=4, cols=4, wl=-1), dict(rows=16, cols=1)]
+    assert len(order[1]) == 2  # a group stays whole

@@ -362,3 +362,19 @@ def test_cold_caches_are_warmed_and_said(tmp_path, monkeypatch, capsys):
     assert "first run with these sources here: compiled 1 C kernel libraries" in err and "later runs skip" in err
     warm_caches(cases, 2)
     assert capsys.readouterr().err == ""  # warm now: nothing said
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["run", "--suite", "ci", "--suite", "models"], "--suite"),
+    (["gate", "--jobs", "2", "--jobs", "3"], "--jobs"),
+    (["run", "--json", "a.jsonl", "--json", "b.jsonl"], "--json"),
+    (["sweep", "--start", "1", "--start", "2"], "--start"),
+])
+def test_a_one_value_flag_given_twice_is_one_line_exit_2(argv, flag, capsys, tmp_path, monkeypatch):
+    """Given twice, a flag that takes one value never silently keeps the last (a run of one suite
+    that looks like a run of two)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"argument {flag}: given twice" in err[0] and "it takes one value" in err[0]
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing written

@@ -40,8 +40,37 @@ def _module(name: str, package: bool = False, **attrs) -> types.ModuleType:
 
 
 def _fn(forward):
-    """An autograd-Function-like class whose apply runs `forward` (without ctx)."""
-    return type(forward.__name__, (), {"apply": staticmethod(forward)})
+    """An autograd Function whose forward runs `forward` as given (the library's roundings) and whose
+    backward, like liger's kernels, differentiates it in fp32 and casts each gradient to its input's dtype."""
+
+    def floats(args):
+        return [a.detach().float().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a
+                for a in args]
+
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            ctx.args = args
+            res = forward(*args)
+            return tuple(r.clone() for r in res) if isinstance(res, tuple) else res.clone()
+
+        @staticmethod
+        def backward(ctx, *grads):
+            args = ctx.args
+            with torch.enable_grad():
+                leaves = floats(args)
+                res = forward(*[a.clone() if torch.is_tensor(a) and a.requires_grad else a for a in leaves])
+                res = res if isinstance(res, tuple) else (res,)
+                want = [i for i, a in enumerate(leaves) if torch.is_tensor(a) and a.requires_grad]
+                got = torch.autograd.grad(res, [leaves[i] for i in want], [g.float() for g in grads],
+                                          allow_unused=True)
+            out = [None] * len(args)
+            for i, g in zip(want, got):
+                out[i] = None if g is None else g.to(args[i].dtype)
+            return tuple(out)
+
+    Fn.__name__ = forward.__name__
+    return Fn
 
 
 # -- a fake liger_kernel.ops ---------------------------------------------------------------------
@@ -113,7 +142,7 @@ def _liger_ops() -> types.ModuleType:
         assert rd % 2 == 0 and 0 < rd <= hd and cos.shape[-1] >= rd // 2
         c, s = cos[..., : rd // 2][:, :, None, :], sin[..., : rd // 2][:, :, None, :]  # bs, seq, 1, rd/2
         for t in (q, k):  # rotated in place, computed in cos / sin's dtype
-            x1, x2 = t[..., : rd // 2].to(cos.dtype), t[..., rd // 2: rd].to(cos.dtype)
+            x1, x2 = t[..., : rd // 2].to(cos.dtype).clone(), t[..., rd // 2: rd].to(cos.dtype).clone()
             t[..., : rd // 2], t[..., rd // 2: rd] = (x1 * c - x2 * s).to(t.dtype), (x2 * c + x1 * s).to(t.dtype)
         return q.transpose(1, 2), k.transpose(1, 2)
 
@@ -197,8 +226,8 @@ ROPE = (_grid(t=5, h=3, d=64, rot=[64, 32], style="half", at="first", table=["co
                 maxseq=64, pos="offset", start=9))
 SWIGLU = _grid(t=3, i=[1, 113], layout=["fused", "split"])
 GEGLU = _grid(t=3, i=[1, 113], layout=["fused", "split"], approx="tanh")
-CASES = {"liger": {"norm.rms_norm": RMS, "norm.layer_norm": LN, "rope.rope": ROPE, "mlp.swiglu": SWIGLU,
-                   "mlp.geglu": GEGLU},
+_LIGER = {"norm.rms_norm": RMS, "norm.layer_norm": LN, "rope.rope": ROPE, "mlp.swiglu": SWIGLU, "mlp.geglu": GEGLU}
+CASES = {"liger": {**_LIGER, **{f"{op}_backward": grid for op, grid in _LIGER.items()}},
          "quack": {"norm.rms_norm": RMS, "norm.layer_norm": LN}}
 
 
@@ -210,9 +239,10 @@ def test_adapters_compute_the_op_through_the_fake_library(fakes, plugin):
     for op, params in CASES[plugin].items():
         for p in params:
             for dtype in ("fp32", "bf16"):
-                if plugin == "liger" and op == "norm.rms_norm" and p["residual"] and p["rstd"] and dtype != "fp32":
+                if plugin == "liger" and op.startswith("norm.rms_norm") and p["residual"] and dtype != "fp32" \
+                        and (p["rstd"] or op.endswith("_backward")):
                     continue  # liger sums x + r in the storage dtype: its fp32 rstd is that of the rounded h
-                dist = "heads" if op == "rope.rope" else ("halves" if op.startswith("mlp") else "scales")
+                dist = "heads" if op.startswith("rope.rope") else ("halves" if op.startswith("mlp") else "scales")
                 for d in ("normal", dist):
                     case = ops.make_case(op, plugin, dtype, p, d, 3)
                     rec = runner.evaluate(case)

@@ -20,6 +20,12 @@ implementation for the device), one call per case:
 - mlp.swiglu: `LigerFusedGateUpSiLUMulFunction` on the fused h, `LigerSiLUMulFunction` on separate
   gate and up (both round silu(g) to the dtype before the product).
 - mlp.geglu: `LigerGELUMulFunction` (tanh GELU; on views of the fused h, which liger makes contiguous).
+- The backward ops (norm.rms_norm_backward, norm.layer_norm_backward, rope.rope_backward,
+  mlp.swiglu_backward, mlp.geglu_backward) go through the same autograd Functions as a training step
+  does: the forward on leaf copies of the case's inputs (in_place=False: the cotangent is not
+  overwritten), then `torch.autograd.backward` with the case's cotangents, so liger's backward kernels
+  run on the tensors its own forward saved. The fused residual RMSNorm gets (dy, dh) for (y, h);
+  RoPE's backward is taken through q (its throwaway k gets a zero cotangent).
 
 What it cannot express is a skip with the reason (`supports`): rows in an aligned width (pad > 0:
 liger normalises every lane of the row it is given), rows wider than one Triton block
@@ -53,6 +59,7 @@ from kernel_parity.conformance.backends import Backend
 from kernel_parity.conformance.backends._torch import cuda_available, to_torch, torch_available
 
 OPS = ("norm.rms_norm", "norm.layer_norm", "rope.rope", "mlp.swiglu", "mlp.geglu")
+OPS = OPS + tuple(f"{o}_backward" for o in OPS)
 MAX_BLOCK = 65536  # liger's calculate_settings: one row in one Triton block of next_pow2(n) <= 65536
 INSTALL = "pip install 'kernel-parity[peers]'"
 
@@ -84,13 +91,13 @@ class LigerBackend(Backend):
         why = super().supports(case)
         if why:
             return why
-        p = case.p
-        if case.op in ("norm.rms_norm", "norm.layer_norm"):
+        p, op = case.p, case.op.removesuffix("_backward")  # a backward op takes its forward's params
+        if op in ("norm.rms_norm", "norm.layer_norm"):
             if p["pad"]:
                 return (f"liger normalises every lane of the rows it is given: no real width inside an aligned "
                         f"row (pad={p['pad']})")
             return _width_reason(p["n"], "n")
-        if case.op == "rope.rope":
+        if op == "rope.rope":
             if p["style"] != "half":
                 return "liger's RoPE rotates half pairs (i, i + rot/2) (HF's rotate_half), not interleaved pairs"
             if p["rot"] < p["d"] and p["at"] != "first":
@@ -98,7 +105,7 @@ class LigerBackend(Backend):
             if p["table"] == "theta":
                 return "liger takes cos / sin tables; it builds no angles from theta"
             return None
-        if case.op == "mlp.geglu" and p["approx"] != "tanh":
+        if op == "mlp.geglu" and p["approx"] != "tanh":
             return "liger's GELU-mul is the tanh approximation only (no erf GELU)"
         return _width_reason(p["i"], "i")
 
@@ -208,12 +215,100 @@ def _geglu(case, inputs, out):
     return {"y": out.torch("y", dev).copy_(lk.LigerGELUMulFunction.apply(gate, up))}
 
 
+# -- backward: liger's autograd Functions, as a training step runs them -------------------------------
+def _leaf(a: Any, dev: Any) -> Any:
+    return to_torch(a, dev).clone().requires_grad_()
+
+
+def _norm_mode(p: dict) -> tuple[float, str]:
+    return (1.0, "gemma") if p["gemma"] else (0.0, "llama")
+
+
+def _rms_norm_backward(case, inputs, out):
+    import torch
+
+    import liger_kernel.ops as lk
+
+    p, dev = case.p, out.device
+    x, w = _leaf(inputs["x"], dev), _leaf(inputs["w"], dev)
+    dy = to_torch(inputs["dy"], dev)
+    offset, mode = _norm_mode(p)
+    if p["residual"]:
+        y, h = lk.LigerFusedAddRMSNormFunction.apply(x, to_torch(inputs["r"], dev), w, float(p["eps"]), offset,
+                                                     mode, False)
+        dh = to_torch(inputs["dh"], dev) if "dh" in inputs else torch.zeros_like(h)
+        torch.autograd.backward((y, h), (dy, dh))
+    else:
+        y = lk.LigerRMSNormFunction.apply(x, w, float(p["eps"]), offset, mode, False)
+        y.backward(dy)
+    return {"dx": out.torch("dx", dev).copy_(x.grad), "dw": out.torch("dw", dev).copy_(w.grad)}
+
+
+def _layer_norm_backward(case, inputs, out):
+    import torch
+
+    import liger_kernel.ops as lk
+
+    p, dev = case.p, out.device
+    x, w = _leaf(inputs["x"], dev), _leaf(inputs["w"], dev)
+    b = _leaf(inputs["b"], dev) if p["bias"] else torch.zeros_like(w)
+    lk.LigerLayerNormFunction.apply(x, w, b, float(p["eps"])).backward(to_torch(inputs["dy"], dev))
+    res = {"dx": out.torch("dx", dev).copy_(x.grad), "dw": out.torch("dw", dev).copy_(w.grad)}
+    if p["bias"]:
+        res["db"] = out.torch("db", dev).copy_(b.grad)
+    return res
+
+
+def _rope_backward(case, inputs, out):
+    import torch
+
+    import liger_kernel.ops as lk
+
+    p, dev = case.p, out.device
+    dy = to_torch(inputs["dy"], dev)  # t, h, d
+    t, _, d = dy.shape
+    x = torch.zeros_like(dy).requires_grad_()  # RoPE is linear: its backward does not read x
+    q = x.clone()[None]  # liger rotates its input's storage in place: a non-leaf copy
+    k = torch.zeros((1, t, 1, d), dtype=dy.dtype, device=dev)
+    cos, sin = _cos_sin_rows(case, inputs, dev)
+    q_out, k_out = lk.LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin, None, 1, p["rot"])
+    torch.autograd.backward((q_out, k_out), (dy[None].transpose(1, 2), torch.zeros_like(k_out)))
+    return {"dx": out.torch("dx", dev).copy_(x.grad)}
+
+
+def _glu_backward(fn_name: str):
+    def run(case, inputs, out):
+        import liger_kernel.ops as lk
+
+        dev = out.device
+        dy = to_torch(inputs["dy"], dev)
+        if case.p["layout"] == "fused":
+            h = _leaf(inputs["h"], dev)
+            i = h.shape[1] // 2
+            fused = getattr(lk, "LigerFusedGateUpSiLUMulFunction", None) if fn_name == "swiglu" else None
+            y = fused.apply(h) if fused is not None else _glu(lk, fn_name).apply(h[:, :i], h[:, i:])
+            y.backward(dy)
+            return {"dh": out.torch("dh", dev).copy_(h.grad)}
+        gate, up = _leaf(inputs["gate"], dev), _leaf(inputs["up"], dev)
+        _glu(lk, fn_name).apply(gate, up).backward(dy)
+        return {"dgate": out.torch("dgate", dev).copy_(gate.grad), "dup": out.torch("dup", dev).copy_(up.grad)}
+    return run
+
+
+def _glu(lk: Any, fn_name: str) -> Any:
+    return lk.LigerSiLUMulFunction if fn_name == "swiglu" else lk.LigerGELUMulFunction
+
+
 def make(device: str = "cuda") -> LigerBackend:
     return LigerBackend(
         name="liger", device=device, dtypes=("fp32", "fp16", "bf16"),
         ops={"norm.rms_norm": _rms_norm, "norm.layer_norm": _layer_norm, "rope.rope": _rope,
-             "mlp.swiglu": _swiglu, "mlp.geglu": _geglu},
-        doc="liger-kernel's Triton kernels (RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU) on a CUDA GPU",
+             "mlp.swiglu": _swiglu, "mlp.geglu": _geglu,
+             "norm.rms_norm_backward": _rms_norm_backward, "norm.layer_norm_backward": _layer_norm_backward,
+             "rope.rope_backward": _rope_backward, "mlp.swiglu_backward": _glu_backward("swiglu"),
+             "mlp.geglu_backward": _glu_backward("geglu")},
+        doc="liger-kernel's Triton kernels (RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU, forward and backward) on a "
+            "CUDA GPU",
     )
 
 

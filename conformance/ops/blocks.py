@@ -161,7 +161,15 @@ _SCALED = tuple(Override(f"{o} follows a projection: absolute error ~ eps32 sqrt
     # to ~30) against the fp32 default of 1e-12; the C blocks (double arithmetic) stay under 0.04 of it.
     Override(f"{o}: fp32 q, k rounding reaches every logit (|ds| ~ eps32 |s|): each element may carry eps32 "
              f"sqrt(reduction length) relative error (measured cos_diff 1.48e-12, torch, heads)", output=o, agg_acc=1.0)
-    for o in ("attn", "out"))
+    for o in ("attn", "out")) + tuple(
+    # The MLP half at model widths: h, act and down carry fp32 sums of n = h_q a_d + E + aE (+ I) terms (12,288
+    # .. 37,888), and a correct fp32 sum in index order has cos_diff ~ eps32^2 n / 48 (3.6e-12 at n = 12,288),
+    # past the fixed fp32 default of 1e-12: gemm.gemm_nt_backward's and blocks.mlp_backward's rule. Measured on
+    # an H100, models suite (t 16, e 4096, I 14336, Q4_K / Q6_K): eager torch (cuBLAS) act 1.63e-12, down 1.77e-12;
+    # Triton 6.4e-14 / 1.0e-13 (blocked sums). agg_acc 0.125 = 6x that expectation at each output's length.
+    Override(f"{o}: fp32 sums of model-width length, cos_diff ~ eps32^2 n / 48 (H100 models: torch act 1.63e-12 at "
+             f"n = 12,288)", output=o, agg_acc=0.125)
+    for o in ("proj", "h1", "h", "act", "down"))
 
 
 def _attention_spec(name: str, decode: bool, params: Schema, doc: str) -> OpSpec:

@@ -45,6 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gemm_gemv
+from .loads import _f16_at, _u32_at
+
 # name -> (id, elements per block, bytes per block, groups per block, elements per group-part E)
 FORMATS: dict[str, tuple[int, int, int, int, int]] = {
     "q8_0": (0, 32, 34, 1, 32),
@@ -70,21 +73,6 @@ PREFILL_CONFIGS = {"q8_0": (256, 128, 2, 8, 3, 4), "q4_0": (256, 128, 2, 8, 3, 4
 SPLIT_PROGRAMS_PER_SM = 2
 MIN_SPLIT_BLOCKS = 8
 MAX_SPLITS = 16
-
-
-@triton.jit
-def _f16_at(ptr, mask):
-    """The little-endian fp16 at the 2-byte-aligned byte address ptr, as fp32: one 16-bit load.
-    Each thread reloads the scales of every (row, group) it holds (the tile's layout replicates
-    them across the threads sharing a group), so one load instead of two bytes matters."""
-    h = tl.load(ptr.to(tl.pointer_type(tl.uint16)), mask=mask, other=0)
-    return h.to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _u32_at(ptr, mask):
-    """The little-endian uint32 at the 4-byte-aligned byte address ptr."""
-    return tl.load(ptr.to(tl.pointer_type(tl.uint32)), mask=mask, other=0)
 
 
 @triton.jit
@@ -385,8 +373,6 @@ def gemm_nt(a: torch.Tensor, wfmt: str, w: torch.Tensor, bias: torch.Tensor | No
     dot = M > DECODE_MAX_M or (config is not None and len(config) == 6) or (
         config is None and a.dtype != torch.float32 and M >= DECODE_DOT_MIN_M)
     if not dot:
-        from . import gemm_gemv  # imports this module's helpers: not at the top
-
         config = tuple(config or (gemm_gemv.GEMV_CONFIGS if M == 1 else gemm_gemv.DECODE_CONFIGS)[fmt])
         block_m = config[0] if len(config) == 5 else 1
         block_n = config[-4]

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm import _f16_at, _u32_at
+from .loads import _f16_at, _u32_at
 
 # format -> (BLOCK_N, NB blocks (pairs for Q8_0 / Q4_0) per iteration, num_warps, num_stages) at M = 1
 # and (BLOCK_M, BLOCK_N, NB, num_warps, num_stages) for 2 <= M <= 16 (fp32 A; bf16 / fp16 A from

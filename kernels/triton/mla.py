@@ -309,7 +309,7 @@ def mla_schedule(seqlens: Sequence[int] | torch.Tensor, num_parts: int, page: in
     """A host-side scheduler for `mla_decode(splits=...)`, FlashMLA's idea in its simplest form
     (no fixed cost per piece, no piece spanning requests): every request's pages are cut into
     pieces of at most ceil(total_pages / num_parts) pages, so about num_parts programs of equal
-    work cover the batch whatever the spread of lengths.
+    work cover the batch whatever the spread of lengths; no request gets more than MAX_SPLITS pieces.
 
     seqlens: (b,) host lengths (a list, or a CPU tensor: the scheduler must not synchronise on a GPU one)
     returns: (b, n + 1) int32 on `device`, page-aligned boundaries (`mla_splits`)
@@ -317,7 +317,10 @@ def mla_schedule(seqlens: Sequence[int] | torch.Tensor, num_parts: int, page: in
     lens = [int(x) for x in (seqlens.tolist() if isinstance(seqlens, torch.Tensor) else seqlens)]
     if num_parts < 1 or page < 1 or any(x < 0 for x in lens):
         raise ValueError(f"mla_schedule: num_parts={num_parts}, page={page} must be >= 1 and seqlens >= 0")
-    budget = max(1, triton.cdiv(sum(triton.cdiv(x, page) for x in lens), num_parts)) * page  # tokens a piece
+    pages = [triton.cdiv(x, page) for x in lens]
+    # pages a piece: an equal share of the batch, but never so few that one request needs more than
+    # MAX_SPLITS pieces (num_parts > MAX_SPLITS with one long request: seqlens [4097], 65 parts)
+    budget = max(1, triton.cdiv(sum(pages), num_parts), triton.cdiv(max(pages, default=0), MAX_SPLITS)) * page
     return mla_splits([[(s, min(s + budget, x)) for s in range(0, max(x, 1), budget)] for x in lens], device)
 
 
