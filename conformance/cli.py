@@ -329,7 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
     _list_flag(p, "--mutant", "only this mutant id")
     _list_flag(p, "--bug", "only mutants of this bug class")
     _list_flag(p, "--backend", "only mutants of this backend's kernels (triton, cpu, torch)")
-    p.add_argument("--jobs", type=positive_int, default=2, help="worker processes per mutant (default 2)")
+    p.add_argument("--jobs", type=positive_int, default=2,
+                   help="worker processes per mutant (default 2; with --devices: per GPU)")
+    p.add_argument("--devices", metavar="all|I,J", default=None,
+                   help="each mutant's cases over these GPUs of this host, --jobs workers per GPU; exit 2 on a "
+                        "machine without a GPU")
     p.add_argument("--timeout", type=positive_float, default=120.0,
                    help="seconds per case before it is a timeout (a mutant that hangs is killed by it)")
     _output(p, "--json", "write the kill table (JSON)")

@@ -178,16 +178,22 @@ def _probe(address: str) -> None:
 # -- running -----------------------------------------------------------------------------------------
 def run(args: Any, cases: list[Case], *, jobs: int, extra_backends: list[str], timeout: float | None = None,
         on_result: Callable[[CaseResult], None] | None = None, origins: dict[str, str] | None = None,
-        setup: tuple | None = None, **runner_options: Any) -> list[CaseResult]:
+        setup: tuple | None = None, stop: Callable[[], bool] | None = None, largest: bool = True,
+        **runner_options: Any) -> list[CaseResult]:
     """Run `cases` on the executor the flags in `args` choose; each record goes to `on_result` as its
     case finishes. `runner_options` (recheck, diagnose, overrides, ...) configure the workers' Runner,
-    as run_isolated takes them. Returns the records in case order."""
+    as run_isolated takes them. `stop()`, checked after each record, ends the run early (local and
+    --devices); `largest`: the biggest case groups first, else the cases' order. Returns the records
+    in case order."""
     ex = choose(args)
     if ex.kind == "local":
         from kernel_parity.conformance.parallel import run_isolated
 
         return run_isolated(cases, jobs=jobs, extra_backends=extra_backends, timeout=timeout, on_result=on_result,
-                            origins=origins, setup=setup, largest=True, **runner_options)
+                            origins=origins, setup=setup, stop=stop, largest=largest, **runner_options)
+    if stop is not None and ex.kind == "ray":
+        raise UsageError("--executor ray runs every case it is given: a run that stops at its first failure "
+                         "(parity mutants) takes --devices or local workers")
     results: dict[str, CaseResult] = {}
 
     def record(rec: CaseResult) -> None:
@@ -196,9 +202,11 @@ def run(args: Any, cases: list[Case], *, jobs: int, extra_backends: list[str], t
             on_result(rec)
 
     options = {**runner_options, "overrides": runner_options.get("overrides") or {}}
-    groups = [[c.id for c in g] for g in largest_first(group_cases(cases))]
+    grouped = group_cases(cases)
+    groups = [[c.id for c in g] for g in (largest_first(grouped) if largest else grouped)]
     if ex.kind == "devices":
-        _run_devices(ex.devices, groups, jobs, list(extra_backends), options, timeout, origins or {}, setup, record)
+        _run_devices(ex.devices, groups, jobs, list(extra_backends), options, timeout, origins or {}, setup, record,
+                     stop)
     else:
         _run_ray(groups, jobs, list(extra_backends), options, timeout, origins or {}, setup, record,
                  quiet=bool(getattr(args, "quiet", False)))
@@ -304,9 +312,10 @@ class _Isolated:
 # -- one worker per GPU of this host -------------------------------------------------------------------
 def _run_devices(devices: tuple[str, ...], groups: list[list[str]], jobs: int, extra_backends: list[str],
                  options: dict, timeout: float | None, origins: dict[str, str], setup: tuple | None,
-                 record: Callable[[CaseResult], None]) -> None:
+                 record: Callable[[CaseResult], None], stop: Callable[[], bool] | None = None) -> None:
     """`jobs` workers per device, each fed by a thread from one queue of case groups; records are
-    handed to `record` in this thread as they arrive."""
+    handed to `record` in this thread as they arrive. Once `stop()` is true (checked after each
+    record) no group is started and the workers are closed (their cases in flight are dropped)."""
     from kernel_parity.conformance.parallel import _cores
 
     todo: queue.SimpleQueue = queue.SimpleQueue()
@@ -320,7 +329,7 @@ def _run_devices(devices: tuple[str, ...], groups: list[list[str]], jobs: int, e
 
     def serve(w: _Isolated) -> None:
         try:
-            while not w.closed:
+            while not w.closed and not (stop is not None and stop()):
                 try:
                     ids = todo.get_nowait()
                 except queue.Empty:
@@ -350,6 +359,8 @@ def _run_devices(devices: tuple[str, ...], groups: list[list[str]], jobs: int, e
                 raise payload
             else:
                 record(payload)
+                if stop is not None and stop():
+                    break
     finally:
         for w in workers:
             w.close()

@@ -255,3 +255,25 @@ def test_groups_are_scheduled_largest_first_and_keep_their_order_on_ties():
     assert [g[0] for g in order] == [dict(rows=64, cols=512, causal=True), dict(rows=2, cols=8),
                                      dict(rows=4, cols=4, wl=-1), dict(rows=16, cols=1)]
     assert len(order[1]) == 2  # a group stays whole
+
+
+def test_mutants_over_devices_kill_as_local_workers_do(tmp_path, monkeypatch, capsys):
+    """`parity mutants --devices`: each mutant's cases spread over the GPUs (faked here: CPU kernels
+    ignore CUDA_VISIBLE_DEVICES), stopping at the first failure, in the suite's order as locally."""
+    monkeypatch.setattr(executors, "visible_gpus", lambda: ["0", "1"])
+    spread_runs = []
+    real = executors._run_devices
+    monkeypatch.setattr(executors, "_run_devices", lambda devices, *a: spread_runs.append(devices) or real(devices, *a))
+    argv = ["mutants", "--mutant", "c-softmax-no-max,c-softmax-dropped-block", "-q"]
+    local, spread = tmp_path / "local.json", tmp_path / "devices.json"
+    assert main([*argv, "--json", str(local)]) == 0
+    assert main([*argv, "--devices", "all", "--jobs", "1", "--json", str(spread)]) == 0
+    rows = [{r["id"]: (r["status"], r["by"]) for r in json.loads(p.read_text())["mutants"]} for p in (local, spread)]
+    assert rows[0] == rows[1] == {"c-softmax-no-max": ("killed", "gate"), "c-softmax-dropped-block": ("killed", "gate")}
+    assert spread_runs == [("0", "1")] * 2  # each mutant's gate ran over both (fake) GPUs
+
+
+def test_mutants_devices_without_a_gpu_is_one_line_exit_2(capsys):
+    assert main(["mutants", "--mutant", "c-softmax-no-max", "--devices", "all"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no CUDA GPU" in err[0]

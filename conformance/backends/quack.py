@@ -23,6 +23,9 @@ Seen on an H100 (quack-kernels 0.6.5, nvidia-cutlass-dsl 4.8.1 cu13, torch 2.11)
 every case of fp32 / fp16 / bf16, w and (1 + w), residual, rstd, n = 113 (fp32), 4096, 70000;
 LayerNorm fails the `shifted` rows (x = 1000 + N(0, 1)) in fp32: its mean is one fp32 sum, off by
 ~1e-4 of the row's spread, beyond fp32's limits (fp16 / bf16 pass).
+
+The adapters return quack's own output tensors (no copy into the harness's buffers), so
+`parity bench` times quack's call alone.
 """
 
 from __future__ import annotations
@@ -78,11 +81,11 @@ def _rms_norm(case, inputs, out):
     r = to_torch(inputs["r"], dev) if p["residual"] else None
     y, h, rstd = rmsnorm_fwd(x, w, residual=r, eps=float(p["eps"]), store_rstd=bool(p["rstd"]),
                              weight_offset=1.0 if p["gemma"] else 0.0)
-    res = {"y": out.torch("y", dev).copy_(y)}
+    res = {"y": y}
     if p["residual"]:
-        res["h"] = out.torch("h", dev).copy_(h)
+        res["h"] = h
     if p["rstd"]:
-        res["rstd"] = out.torch("rstd", dev).copy_(rstd)
+        res["rstd"] = rstd
     return res
 
 
@@ -96,10 +99,10 @@ def _layer_norm(case, inputs, out):
     stats = bool(p["stats"])
     got = layernorm_fwd(x, w, b, eps=float(p["eps"]), return_rstd=stats, return_mean=stats)
     if not stats:
-        return {"y": out.torch("y", dev).copy_(got)}
+        return {"y": got}
     y, rstd, mean = got
-    return {"y": out.torch("y", dev).copy_(y), "mean": out.torch("mean", dev).copy_(mean),
-            "rstd": out.torch("rstd", dev).copy_(rstd)}
+    return {"y": y, "mean": mean,
+            "rstd": rstd}
 
 
 def make(device: str = "cuda") -> QuackBackend:

@@ -15,6 +15,8 @@ run; GPU-only ones run only where a CUDA GPU is. A mutant that cannot be applied
 
 from __future__ import annotations
 
+import argparse
+
 import os
 import re
 import subprocess
@@ -74,9 +76,11 @@ def _gpu() -> bool:
     return cuda_available()
 
 
-def run_gate(mutant: Mutant, cases: list[Case], root: Path, jobs: int, timeout: float) -> CaseResult | None:
-    """The first failing record of `cases` under the mutant (None: every case passed or skipped)."""
-    from kernel_parity.conformance.parallel import run_isolated
+def run_gate(mutant: Mutant, cases: list[Case], root: Path, jobs: int, timeout: float,
+             args: Any = None) -> CaseResult | None:
+    """The first failing record of `cases` under the mutant (None: every case passed or skipped),
+    in the suite's order (small cases first), on local workers or over the GPUs of `--devices`."""
+    from kernel_parity.conformance import executors
 
     found: list[CaseResult] = []
 
@@ -85,8 +89,9 @@ def run_gate(mutant: Mutant, cases: list[Case], root: Path, jobs: int, timeout: 
             found.append(rec)
 
     copy = materialise(mutant, root)
-    run_isolated(cases, jobs=jobs, extra_backends=[], recheck=False, timeout=timeout, on_result=on_result,
-                 setup=("kernel_parity.conformance.mutants", "use_copy", str(copy), str(root / "cache")), stop=lambda: bool(found))
+    executors.run(args if args is not None else argparse.Namespace(), cases, jobs=jobs, extra_backends=[],
+                  timeout=timeout, on_result=on_result, recheck=False, largest=False, stop=lambda: bool(found),
+                  setup=("kernel_parity.conformance.mutants", "use_copy", str(copy), str(root / "cache")))
     return found[0] if found else None
 
 
@@ -128,7 +133,8 @@ def evaluate(mutant: Mutant, args: Any, root: Path) -> dict:
     from kernel_parity.conformance.parallel import WorkerSetupError
 
     try:
-        rec = run_gate(mutant, gate_cases(mutant, args.suite or suites.DEFAULT_SUITE), root, args.jobs, args.timeout)
+        rec = run_gate(mutant, gate_cases(mutant, args.suite or suites.DEFAULT_SUITE), root, args.jobs, args.timeout,
+                       args)
     except WorkerSetupError as e:
         raise MutantError(f"mutant {mutant.id!r}: {e}") from None
     if rec is not None:
@@ -184,6 +190,9 @@ def mutants_command(args: Any, command: str) -> int:
             flag = " [equivalent]" if m.equivalent else " [gpu only]" if m.gpu_only else ""
             print(f"{m.id:<40} {m.bug:<26} {m.file:<26} {m.doc}{flag}")
         return EXIT_OK
+    from kernel_parity.conformance import executors
+
+    executors.choose(args)  # --devices on a machine without that GPU: exit 2 before any mutant runs
     muts = select(args)  # output paths were checked before the command started (cli.check_paths)
     header = env.header(command, args.suite or suites.DEFAULT_SUITE)
     rows: list[dict] = []
