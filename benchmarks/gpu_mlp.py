@@ -1,18 +1,17 @@
 """GPU benchmark of the Triton SwiGLU / GeGLU kernels (Hopper target), beside liger-kernel and eager torch.
 
-    python benchmarks/gpu_mlp.py [--quick] [--tune] [--out PATH]
+    python benchmarks/gpu_mlp.py [--quick] [--out PATH]      # a thin caller of `parity bench`
+    python benchmarks/gpu_mlp.py --tune [--quick] [--out PATH]
 
-1. Measures device copy bandwidth: a 1 GiB device-to-device copy, bytes read + written, median of
-   triton.testing.do_bench. Every figure is reported as a share of it.
-2. At every shape, checks ours against a float64 reference computed on the GPU from the same rounded
-   inputs (silu from a stable sigmoid, Phi from torch.special.ndtr): |y - ref| <= atol + rtol |ref|
-   with rtol one ulp of the storage dtype (fp32: 16 ulp) and atol 1e-5 |up| max; a miss is
-   reported and the script exits 1 after writing its JSON.
-3. Times ours (fused h and split gate / up), liger-kernel when it imports (LigerFusedGateUpSiLUMul,
-   LigerSiLUMul, LigerGELUMul) and eager torch (F.silu(g) * u, F.gelu(g) * u): median ms, GB/s with
-   bytes = read 2 t i + write t i elements (the memory-bound floor), % of copy bandwidth.
-4. --tune: the launch table (tile elements, widest column block, warps) swept at the headline shapes.
-Inputs are >= 470 MB, far beyond L2 (50-60 MB). Results go to --out (default $OUT/mlp_bench.json).
+By default the cases below (Llama-3-8B and Qwen2-7B widths at 4K and 16K tokens; SwiGLU and GeGLU
+(tanh, erf) over the fused gate-first projection and split gate / up; bf16 and fp16, fp32 at the
+first shape) go to `parity bench` (benchmarks/bench_cases.py) with backends triton (ours), torch
+(F.silu(g) * u, F.gelu(g) * u) and liger (the `peers` extra; a skip with the reason where it does not
+install or has no such form): every case judged by the gate, timed with do_bench, its bytes over
+the copy ceiling measured in the same run, and each peer's ms over ours.
+--tune instead runs the direct measurement (1 GiB copy, ours / liger / torch by hand, a float64
+check on the GPU) and sweeps the launch table (tile elements, widest column block, warps) at the
+headline shapes. Inputs are >= 470 MB, far beyond L2 (50-60 MB).
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 TOL = {"fp32": 16 * 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}  # rtol: 16 ulp fp32, one half-ulp + fp32
 SHAPES = ((16384, 14336), (4096, 14336), (16384, 18944), (4096, 18944))  # Llama-3-8B, Qwen2-7B widths
@@ -46,8 +46,25 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def entries(quick: bool = False) -> list[dict]:
+    """The benchmark's cases as suite entries (bench_cases.run)."""
+    shapes = QUICK_SHAPES if quick else SHAPES
+    out = []
+    for op, forms in (("mlp.swiglu", [{}]), ("mlp.geglu", [{"approx": "tanh"}, {"approx": "erf"}])):
+        for dtypes, sh in ((["bf16", "fp16"], shapes), (["fp32"], shapes[:1])):
+            out.append({"op": op, "backends": ["triton", "torch", "liger"], "dtypes": dtypes,
+                        "params": [dict(t=t, i=i, layout=layout, **form) for t, i in sh
+                                   for layout in ("fused", "split") for form in forms]})
+    return out
+
+
 def main() -> int:
     args = parse_args()
+    if not args.tune:
+        from bench_cases import run
+
+        return run(entries(args.quick), out=args.out or "mlp_bench.json", ours="triton", argv=("--no-recheck",),
+                   description="benchmarks/gpu_mlp.py")
     import torch
     import torch.nn.functional as F
 

@@ -1,16 +1,16 @@
-"""GPU benchmark of the Triton RMSNorm / LayerNorm kernels (kernels/triton/norm.py) on Hopper.
+"""GPU benchmark of the RMSNorm / LayerNorm kernels (kernels/triton/norm.py) beside the peers, on Hopper.
 
-    python benchmarks/gpu_norm.py [--quick] [--tune] [--out PATH]
+    python benchmarks/gpu_norm.py [--quick] [--out PATH]     # a thin caller of `parity bench`
+    python benchmarks/gpu_norm.py --tune [--quick] [--out PATH]
 
-Copy bandwidth first (a large device-to-device copy, bytes read + written, do_bench median), then
-per shape and dtype: ours and torch's (F.rms_norm, F.layer_norm; the residual form as torch's
-x + r then F.rms_norm) in ms, GB/s with bytes = x (+ r) read once + y (+ h) written once, % of copy
-bandwidth; a float64 check of ours per shape (max error relative to one ulp of the dtype). Where
-the `peers` extra installs (liger-kernel, quack-kernels), their RMSNorm is timed in the same run
-(`peers` per row: ms and % of copy, or why it did not run). --tune also times the fused kernel
-over num_warps (and rows per program) to pick the table. reports/baselines/norm-bench-h100.json
-is one run on an H100 (before the peers were added here: liger and quack at these shapes are in
-research/peers-measured.md, 99% of copy at 16k-32k rows).
+By default the cases below (Llama-3 / Qwen2 widths and narrow rows, bf16 and fp32; RMSNorm plain,
+with rstd, with the fused residual; LayerNorm with a bias, with mean / rstd) go to `parity bench`
+(benchmarks/bench_cases.py) with backends triton (ours), torch (our eager composition), torch-norm
+(F.rms_norm / F.layer_norm), liger and quack (the `peers` extra; a skip with the reason where they
+do not install or cannot express a case): every case judged by the gate, timed with do_bench, its
+bytes over the copy ceiling measured in the same run, and each peer's ms over ours.
+--tune instead times the fused kernel directly over num_warps (and rows per program) beside torch and
+the peers' own entry points, the sweep that picked the launch table.
 """
 
 from __future__ import annotations
@@ -23,6 +23,20 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SHAPES = [(16384, 4096), (32768, 4096), (16384, 8192), (32768, 8192), (4096, 3584), (65536, 128), (4096, 1024)]
+BACKENDS = ["triton", "torch", "torch-norm", "liger", "quack"]
+
+
+def entries(quick: bool = False) -> list[dict]:
+    """The benchmark's cases as suite entries (bench_cases.run)."""
+    shapes = SHAPES[:2] if quick else SHAPES
+    rms = [dict(rows=r, n=n, pad=0, eps="1e-6", gemma=0, residual=res, rstd=rs)
+           for r, n in shapes for res, rs in ((0, 0), (0, 1), (1, 0))]
+    ln = [dict(rows=r, n=n, pad=0, eps="1e-5", bias=1, stats=st) for r, n in shapes for st in (0, 1)]
+    return [{"op": "norm.rms_norm", "backends": BACKENDS, "dtypes": ["bf16", "fp32"], "params": rms},
+            {"op": "norm.layer_norm", "backends": BACKENDS, "dtypes": ["bf16", "fp32"], "params": ln}]
 
 
 def main() -> int:
@@ -34,6 +48,16 @@ def main() -> int:
     from kernel_parity.reports.files import check_output_or_exit
 
     check_output_or_exit(p.prog, "--out", args.out)  # before any GPU work: an unwritable path is exit 2
+    if args.tune:
+        return tune(args)
+    from bench_cases import run
+
+    return run(entries(args.quick), out=args.out, ours="triton", argv=("--no-recheck",),
+               description="benchmarks/gpu_norm.py")
+
+
+def tune(args: argparse.Namespace) -> int:
+    """The direct measurement with the launch-table sweep (ours, torch, the peers' entry points)."""
     import torch
     import torch.nn.functional as F
     import triton
@@ -53,9 +77,7 @@ def main() -> int:
            "copy_gbs": copy_gbs, "rows": []}
     print(f"device {out['device']}  copy {copy_gbs:.0f} GB/s", flush=True)
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-    shapes = [(16384, 4096), (32768, 4096), (16384, 8192), (32768, 8192), (4096, 3584), (65536, 128), (4096, 1024)]
-    if args.quick:
-        shapes = shapes[:2]
+    shapes = SHAPES[:2] if args.quick else SHAPES
     tol = {"fp32": 2e-6, "fp16": 2.0**-10, "bf16": 2.0**-7}
     for dname in ("bf16", "fp32"):
         dt = dtypes[dname]

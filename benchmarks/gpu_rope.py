@@ -1,6 +1,13 @@
 """GPU benchmark of the Triton RoPE and RoPE-fused KV-write kernels (Hopper target).
 
-    python benchmarks/gpu_rope.py [--quick] [--out PATH] [--tune]
+    python benchmarks/gpu_rope.py [--quick] [--out PATH]      # a thin caller of `parity bench`
+    python benchmarks/gpu_rope.py --direct|--tune [--quick] [--out PATH]
+
+By default the cases of `entries` (the shapes below as rope.rope / rope.kv_update cases; backends
+triton (ours), torch and liger where it installs and expresses the case) go to `parity bench`
+(benchmarks/bench_cases.py): judged by the gate, timed with do_bench, bytes over the copy ceiling
+measured in the same run, each peer's ms over ours. --direct (or --tune) runs the measurement below
+by hand:
 
 1. Measures device copy bandwidth: a large device-to-device copy, bytes read + written, median of
    triton.testing.do_bench. Every other figure is a share of it.
@@ -27,6 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MIB = 1 << 20
 
@@ -34,7 +42,8 @@ MIB = 1 << 20
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (smoke run)")
-    p.add_argument("--tune", action="store_true", help="time a few tile settings first")
+    p.add_argument("--tune", action="store_true", help="time a few tile settings first (implies --direct)")
+    p.add_argument("--direct", action="store_true", help="the measurement by hand instead of parity bench")
     default_out = os.path.join(os.environ["OUT"], "rope_bench.json") if os.environ.get("OUT") else None
     p.add_argument("--out", default=default_out, help="JSON output path (default $OUT/rope_bench.json)")
     args = p.parse_args()
@@ -45,8 +54,43 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def _rope(t, h, d, rot, style, at, table, theta, scaling, maxseq, pos="offset") -> dict:
+    return dict(t=t, h=h, d=d, rot=rot, style=style, at=at, table=table, theta=theta, scaling=scaling,
+                maxseq=maxseq, pos=pos, start=0)
+
+
+def entries(quick: bool = False) -> list[dict]:
+    """The benchmark's cases as suite entries (bench_cases.run): the shapes of the direct run."""
+    be = ["triton", "torch", "liger"]
+    bf16 = [_rope(16384, h, 128, 128, "half", "first", table, 500000, "llama3" if table == "theta" else "none", 16384)
+            for h in (32, 8) for table in ("cos_sin", "cs_f16", "cis", "theta")]
+    if not quick:
+        bf16 += [_rope(16384, h, 128, 128, "interleaved", "first", table, 500000,
+                       "llama3" if table == "theta" else "none", 16384) for h in (32, 8) for table in ("cis", "theta")]
+        bf16 += [_rope(16384, 28, 128, 128, "half", "first", "cos_sin", 1000000, "none", 32768, "random"),
+                 _rope(65536, 1, 576, 64, "interleaved", "last", "cis", 10000, "none", 65536),
+                 _rope(2048, 128, 576, 64, "interleaved", "last", "cis", 10000, "none", 4096, "random")]
+    out = [{"op": "rope.rope", "backends": be, "dtypes": ["bf16"], "params": bf16},
+           {"op": "rope.rope", "backends": be, "dtypes": ["fp32"],
+            "params": [_rope(16384, 32, 128, 128, "half", "first", "theta", 500000, "llama3", 16384)]},
+           {"op": "rope.rope", "backends": be, "dtypes": ["fp16"],
+            "params": [_rope(16384, 32, 128, 128, "half", "first", "cos_sin", 500000, "none", 16384, "random")]
+            + ([] if quick else [_rope(16384, 64, 96, 24, "half", "first", t, 10000, "none", 16384)
+                                 for t in ("cs_f16", "theta")])}]
+    if not quick:
+        out.append({"op": "rope.kv_update", "backends": ["triton", "torch"], "dtypes": ["bf16"],
+                    "params": [dict(b=128, snew=1, hkv=8, d=128, smax=4096, layout="contiguous"),
+                               dict(b=8, snew=2048, hkv=8, d=128, smax=8192, layout="paged16")]})
+    return out
+
+
 def main() -> int:  # noqa: C901  (one linear script)
     args = parse_args()
+    if not (args.direct or args.tune):
+        from bench_cases import run
+
+        return run(entries(args.quick), out=args.out or "rope_bench.json", ours="triton", argv=("--no-recheck",),
+                   description="benchmarks/gpu_rope.py")
     import numpy as np
     import torch
 

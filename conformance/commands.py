@@ -365,7 +365,10 @@ def _ceilings(cases: list[Case], session: Session, args: Any) -> dict:
     if args.jobs != 1:
         print(f"parity: a bench times one case at a time: --jobs {args.jobs} -> 1", file=sys.stderr)
         args.jobs = 1
-    devices = sorted({str(getattr(session.registry.get(c.backend), "device", "cpu")) for c in cases})
+    backends = {b: session.registry.get(b) for b in {c.backend for c in cases}}
+    # only where some case can run: a backend that is not available (a GPU peer on a CPU machine)
+    # skips every case and has no device to measure
+    devices = sorted({str(getattr(b, "device", "cpu")) for b in backends.values() if not b.available()})
     out = {}
     for dev in devices:
         c = bench.measure_ceilings(dev)

@@ -5,7 +5,9 @@ throughput, the share of the ceiling measured in the same run and the peers' rat
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +89,43 @@ def test_bench_records_the_peers_ratio(tmp_path, capsys):
     cpu = by_backend["cpu"][0]["perf"]
     assert set(cpu["peers"]) == {"torch"}
     assert cpu["peers"]["torch"]["ratio"] == pytest.approx(cpu["peers"]["torch"]["ms"] / cpu["ms"])
+
+
+def test_bench_beside_a_gpu_peer_on_a_machine_without_one(tmp_path, capsys, monkeypatch):
+    """A GPU-only peer in a bench on a CPU machine skips its cases with the reason; the ceilings are
+    measured only on devices some case runs on (no CUDA ceiling measured, no traceback)."""
+    from kernel_parity.conformance.backends import liger
+
+    monkeypatch.setattr(liger, "cuda_available", lambda: False)
+    out = tmp_path / "b.jsonl"
+    assert main(["bench", "--suite", "smoke", "--op", "mlp.swiglu", "--dtype", "fp32", "--backend", "cpu,liger",
+                 "--no-progress", "-q", "--json", str(out)]) == 0
+    doc = records.load(out)
+    assert set(doc["header"]["ceilings"]) == {"cpu"}
+    verdicts = {(r["backend"], r["verdict"]) for r in doc["results"]}
+    assert ("liger", "skip") in verdicts and ("cpu", "pass") in verdicts
+
+
+def test_a_benchmark_script_is_a_thin_caller_of_parity_bench(tmp_path, capsys):
+    """benchmarks/bench_cases.run: suite entries in, parity bench's judged and timed records out, one
+    row per case with every backend's figures (a skip with its reason) and each peer's time over ours."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_cases
+
+    entries = [{"op": "norm.rms_norm", "backends": ["cpu", "torch", "liger"], "dtypes": ["bf16"],
+                "grid": {"rows": 16, "n": [64, 96], "pad": 0, "eps": "1e-6", "gemma": 0, "residual": [0, 1], "rstd": 0}}]
+    out = tmp_path / "bench.json"
+    assert bench_cases.run(entries, out=str(out), ours="cpu") == 0
+    doc = json.loads(out.read_text())
+    assert len(doc["cases"]) == 4 and doc["ceilings"]["cpu"]["copy_gbps"] > 0
+    for row in doc["cases"]:
+        cpu, torch_, liger_ = (row["backends"][b] for b in ("cpu", "torch", "liger"))
+        assert cpu["verdict"] == torch_["verdict"] == "pass" and cpu["ms"] > 0 and cpu["bound"] == "copy"
+        assert liger_["verdict"] == "skip" and liger_["reason"]
+        assert row["peer_ms_over_cpu"]["torch"] == pytest.approx(torch_["ms"] / cpu["ms"])
+    assert "norm.rms_norm bf16 rows=16,n=64" in capsys.readouterr().out
+    for name in ("gpu_norm", "gpu_mlp", "gpu_rope"):  # each thin script's cases make a valid suite here
+        mod = __import__(name)
+        suite = tmp_path / f"{name}.toml"
+        suite.write_text(bench_cases.suite_text(mod.entries(quick=True)))
+        assert main(["list", "cases", "--suite", str(suite)]) == 0

@@ -1,0 +1,112 @@
+"""A benchmark as a thin caller of `parity bench`.
+
+A benchmark script names its cases as suite entries (op, backends, dtypes, dists, a params grid) and
+calls `run`: the entries are written as a suite file, `parity bench` judges and times every case
+(ours and every peer backend on the same inputs, the copy / read / matmul ceilings measured in the
+same run; conformance/bench.py), and its records become the benchmark's JSON: per case, each
+backend's verdict, norm_err, ms, GB/s or TFLOP/s and share of the ceiling, and each peer's time over
+ours. A backend that is not installed, or cannot express a case, is a skip with its reason, never a
+missing row. The figures are therefore the same records `parity bench` and `parity gate --bench`
+write, and a benchmark's accuracy check is the gate's own judgement.
+
+    from bench_cases import run
+    sys.exit(run([{"op": "norm.rms_norm", "backends": [...], "dtypes": [...], "grid": {...}}],
+                 out="norm_bench.json", ours="triton"))
+
+Exit status: `parity bench`'s (0 every case passed or skipped, 1 a case failed, 2 bad input).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool) or not isinstance(v, (int, str, list)):
+        raise TypeError(f"suite values are integers, strings or lists of them, not {v!r}")
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(v) if isinstance(v, str) else str(v)
+
+
+def suite_text(entries: list[dict], description: str = "") -> str:
+    """Suite entries as the TOML `parity bench --suite` reads (conformance/suites.py's keys)."""
+    lines = [f"description = {_toml_value(description)}", ""] if description else []
+    for e in entries:
+        lines.append("[[cases]]")
+        for k, v in e.items():
+            if isinstance(v, dict):
+                inner = ", ".join(f"{kk} = {_toml_value(vv)}" for kk, vv in v.items())
+                lines.append(f"{k} = {{{inner}}}")
+            elif k == "params":
+                lines.append("params = [")
+                lines += ["  {" + ", ".join(f"{kk} = {_toml_value(vv)}" for kk, vv in p.items()) + "}," for p in v]
+                lines.append("]")
+            else:
+                lines.append(f"{k} = {_toml_value(v)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def summarise(doc: dict, ours: str) -> dict:
+    """A results document of `parity bench` -> {header, ceilings, cases: [...]}, one entry per
+    (op, dtype, params, dist, seed) with every backend's figures and each peer's ms / ours."""
+    header = doc["header"]
+    cases: dict[tuple, dict] = {}
+    for r in doc["results"]:
+        key = (r["op"], r["dtype"], json.dumps(r["params"], sort_keys=True), r["dist"], r["seed"])
+        row = cases.setdefault(key, {"op": r["op"], "dtype": r["dtype"], "params": r["params"], "dist": r["dist"],
+                                     "seed": r["seed"], "backends": {}})
+        perf = r.get("perf") if isinstance(r.get("perf"), dict) else {}
+        fig = {"verdict": r["verdict"], "norm_err": r.get("norm_err")}
+        if r["verdict"] == "skip" or not perf.get("ms"):
+            fig["reason"] = r.get("reason") or perf.get("error")
+        else:
+            fig.update({k: perf.get(k) for k in ("ms", "gbps", "tflops", "bound", "pct_of_ceiling")})
+            row.setdefault("bound", perf.get("bound"))
+        row["backends"][r["backend"]] = fig
+    for row in cases.values():
+        mine = row["backends"].get(ours, {}).get("ms")
+        row[f"peer_ms_over_{ours}"] = {b: f["ms"] / mine for b, f in row["backends"].items()
+                                       if b != ours and mine and f.get("ms")}
+    keep = ("device", "gpu", "cpu", "torch", "triton", "git_commit", "time", "command")
+    return {"header": {k: header.get(k) for k in keep}, "ceilings": header.get("ceilings"),
+            "cases": list(cases.values())}
+
+
+def _line(row: dict, ours: str) -> str:
+    params = ",".join(f"{k}={v}" for k, v in row["params"].items())
+    figs = []
+    for b, f in row["backends"].items():
+        if f.get("ms"):
+            figs.append(f"{b} {f['ms']:.4f} ms {f['pct_of_ceiling']:5.1f}% of {f['bound']}"
+                        + ("" if f["verdict"] in ("pass", "xfail") else f" [{f['verdict']}]"))
+        else:
+            figs.append(f"{b} {f['verdict']}")
+    return f"{row['op']} {row['dtype']} {params}: " + " | ".join(figs)
+
+
+def run(entries: list[dict], *, out: str, ours: str = "triton", description: str = "",
+        argv: tuple[str, ...] = ()) -> int:
+    """Bench `entries` with `parity bench` (extra `argv` passed on, e.g. --no-recheck) and write the
+    summary to `out` (JSON); print a line per case. Returns parity bench's exit status."""
+    from kernel_parity.conformance.cli import main
+    from kernel_parity.reports import records
+
+    with tempfile.TemporaryDirectory(prefix="kp-bench-") as tmp:
+        suite, results = Path(tmp) / "bench.toml", Path(tmp) / "bench.jsonl"
+        suite.write_text(suite_text(entries, description))
+        code = main(["bench", "--suite", str(suite), "--json", str(results), "--no-progress", "-q", *argv])
+        if code == 2 or not results.exists():
+            return 2
+        summary = summarise(records.load(str(results)), ours)
+    Path(out).write_text(json.dumps(summary, indent=1, default=str))
+    for row in summary["cases"]:
+        print(_line(row, ours), flush=True)
+    return code
