@@ -25,6 +25,7 @@ from kernel_parity.conformance import ops  # noqa: E402
 from kernel_parity.conformance.backends import Registry  # noqa: E402
 from kernel_parity.conformance.backends import liger as liger_plugin  # noqa: E402
 from kernel_parity.conformance.backends import quack as quack_plugin  # noqa: E402
+from kernel_parity.conformance.errors import UsageError  # noqa: E402
 from kernel_parity.conformance.runner import Runner  # noqa: E402
 
 _MODES = {"llama": 0, "gemma": 1, "none": -1}
@@ -299,7 +300,95 @@ def test_available_names_the_missing_piece(fakes, monkeypatch):
 
 def test_entry_points_load_the_plugins():
     registry = Registry()
-    for name in ("liger", "quack"):
+    for name in ("liger", "quack", "fa4"):
         b = registry.get(name)
         assert b.name == name and b.device == "cuda"
         assert not getattr(b, "triton", False)
+
+
+# -- flash-attn-4 (fa4): a fake flash_attn.cute with FlashAttention's conventions -----------------------
+def _fa_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False, window_size=(None, None),
+             learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, score_mod=None,
+             score_mod_bwd=None, mask_mod=None, aux_tensors=None, aux_scalars=None, block_sparse_tensors=None,
+             block_sparse_tensors_bwd=None, return_lse=False, gather_bwd_recompute_p=False,
+             gather_bwd_token_chunk=None):
+    """flash_attn.cute.flash_attn_func on the CPU: (b, s, h, d) tensors, GQA by h_q % h_kv, causal and
+    windows bottom-right aligned, softcap on the scaled logits, the sink's mass in the LSE, and
+    FlashAttention-2's +inf LSE for an empty row (which the adapter must read as -inf)."""
+    assert q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype == v.dtype
+    b, s_q, h_q, d = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    assert h_q % h_kv == 0 and v.shape[:3] == k.shape[:3]
+    g = h_q // h_kv
+    kk, vv = k.float().repeat_interleave(g, dim=2), v.float().repeat_interleave(g, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk) * (softmax_scale or d ** -0.5)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    left, right = window_size
+    right = 0 if causal else right
+    i, j, off = torch.arange(s_q)[:, None], torch.arange(s_k)[None, :], s_k - s_q
+    keep = torch.ones(s_q, s_k, dtype=torch.bool)
+    if left is not None:
+        keep &= j >= i + off - left
+    if right is not None:
+        keep &= j <= i + off + right
+    s = s.masked_fill(~keep, float("-inf"))
+    full = s if learnable_sink is None else torch.cat(
+        [s, learnable_sink.float()[None, :, None, None].expand(b, h_q, s_q, 1)], dim=-1)
+    lse = torch.logsumexp(full, dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
+    o = torch.einsum("bhqk,bkhd->bqhd", p, vv).to(q.dtype)
+    lse = torch.where(lse == float("-inf"), float("inf"), lse)
+    return (o, lse) if return_lse else o
+
+
+@pytest.fixture
+def fa4_fake(monkeypatch):
+    cute = _module("flash_attn.cute", True, flash_attn_func=_fa_func)
+    monkeypatch.setitem(sys.modules, "flash_attn", _module("flash_attn", True, cute=cute))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+
+
+FA_CASES = _grid(b=2, sq=[5, 9], sk=[9, 4], hq=4, hkv=[1, 2, 4], d=64, causal=["bottom_right", "none", "top_left"],
+                 wl=[-1, 3], wr=[-1, 2], cap=[0, 30], sink=[0, 1])
+
+
+def test_fa4_adapter_computes_prefill_through_the_fake_library(fa4_fake):
+    from kernel_parity.conformance.backends import flash_attn4
+
+    backend = flash_attn4.make(device="cpu")
+    runner = _runner(backend)
+    seen = {"pass": 0, "skip": 0}
+    for p in FA_CASES:
+        for dtype in ("bf16", "fp16"):
+            try:
+                case = ops.make_case("attention.prefill", "fa4", dtype, p, "normal", 1)
+            except UsageError:  # not a case the op defines (a right window beside causal)
+                continue
+            rec = runner.evaluate(case)
+            want = "skip" if backend.supports(case) else "pass"
+            assert rec.verdict == want, f"{rec.id}: {rec.verdict} {rec.message or rec.reason}"
+            seen[want] += 1
+            lse = rec.to_json()["outputs"].get("lse") or {}
+            if want == "pass" and p["sink"]:  # o judged, the LSE with the sink's mass reported as such
+                assert "includes the sink's mass" in lse.get("not_provided", "")
+            elif want == "pass":
+                assert "not_provided" not in lse and lse["metrics"]
+    assert seen["pass"] > 200 and seen["skip"] > 0  # top_left with s_q != s_k
+
+
+def test_fa4_says_what_it_cannot_express(fa4_fake):
+    from kernel_parity.conformance.backends import flash_attn4
+
+    backend = flash_attn4.make(device="cpu")
+    base = dict(FA_CASES[0])
+
+    def why(dtype="bf16", **p):
+        return backend.supports(ops.make_case("attention.prefill", "fa4", dtype, {**base, **p}, "normal", 0)) or ""
+
+    assert "runs" in why("fp32") or "fp32" in why("fp32")
+    assert "bottom-right aligned" in why(causal="top_left", sq=5, sk=9)
+    assert why(causal="top_left", sq=9, sk=9) == ""
+    assert "head dims of 8..256" in why(d=320)
+    assert "fa4 has no kernel for attention.decode" in backend.supports(
+        types.SimpleNamespace(op="attention.decode", dtype="bf16", p={}))

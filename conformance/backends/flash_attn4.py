@@ -1,0 +1,100 @@
+"""flash-attn-4 (FlashAttention 4: Tri Dao's CuTe-DSL kernels, `flash_attn.cute`) as a third-party
+backend, `fa4`.
+
+Registered through the `kernel_parity.backends` entry point like any outside plugin; installed by
+`pip install flash-attn-4` beside the `peers` extra (it runs on nvidia-cutlass-dsl, as quack does;
+research/peers-measured.md says how the wheels travel to a machine without internet); runs on a CUDA
+GPU (Hopper's sm90 path, Blackwell's sm100). Read against flash-attn-4 4.0.0b36. One call per case:
+
+- attention.prefill: `flash_attn_func(q, k, v, softmax_scale, causal, window_size, learnable_sink,
+  softcap, return_lse=True)` on the case's (b, s, h, d) tensors as they are (FlashAttention's own
+  layout; GQA by h_q % h_kv, no repeat), scale 1/sqrt(d). Its causal mask and windows are
+  bottom-right aligned (key j for query i when i + s_k - s_q - left <= j <= i + s_k - s_q + right),
+  OPS.md's convention: causal=bottom_right maps to causal=True (a window's right edge then 0), a
+  window (wl, wr) with -1 for unbounded to window_size=(wl or None, wr or None); top_left equals
+  bottom_right only when s_q == s_k, so other top_left cases are a skip. softcap = cap.
+- The LSE is FlashAttention's natural-log LSE (b, h_q, s_q); an empty row's +inf (FA2's convention)
+  is read as -inf (OPS.md). With sinks its LSE includes the sink's mass (an empty row's LSE is the
+  sink), which the op's `lse` (without the sink) is not: those cases report lse as not provided and
+  judge o.
+
+The adapter returns flash-attn-4's own tensors (no copy), so `parity bench` times its call alone.
+What it cannot express is a skip with the reason (`supports`): fp32, head dims outside 8..256 or not
+a multiple of 8, top-left causal with s_q != s_k; every op but attention.prefill (its varlen, paged
+and backward forms are not bound yet).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kernel_parity.conformance.backends import Backend, NotProvided
+from kernel_parity.conformance.backends._torch import cuda_available, to_torch, torch_available
+from kernel_parity.conformance.ops.attention_inputs import value_dim
+
+OPS = ("attention.prefill",)
+INSTALL = "pip install flash-attn-4 (with the `peers` extra's nvidia-cutlass-dsl)"
+
+
+def _installed() -> bool:
+    try:
+        return importlib.util.find_spec("flash_attn") is not None and \
+            importlib.util.find_spec("flash_attn.cute") is not None
+    except (ImportError, ValueError):  # a `flash_attn` without a `cute` package (FlashAttention 2)
+        return False
+
+
+@dataclass
+class FlashAttn4Backend(Backend):
+    def available(self) -> str | None:
+        why = torch_available()
+        if why:
+            return why
+        if not _installed():
+            return f"flash-attn-4 is not installed ({INSTALL})"
+        if self.device == "cuda" and not cuda_available():
+            return "flash-attn-4 needs a CUDA GPU (its CuTe-DSL kernels compile for sm80 / sm90 / sm100 only)"
+        return None
+
+    def supports(self, case: Any) -> str | None:
+        why = super().supports(case)
+        if why:
+            return why
+        p = case.p
+        for name, d in (("d", p["d"]), ("d_v", value_dim(p))):
+            if not 8 <= d <= 256 or d % 8:
+                return f"flash-attn-4 takes head dims of 8..256 in multiples of 8, got {name}={d}"
+        if p["causal"] == "top_left" and p["sq"] != p["sk"]:
+            return ("flash-attn-4's causal mask is bottom-right aligned; top-left differs from it when "
+                    f"s_q != s_k ({p['sq']} != {p['sk']})")
+        return None
+
+
+def _window(v: int) -> int | None:
+    return None if v < 0 else int(v)
+
+
+def _prefill(case, inputs, out):
+    import torch
+    from flash_attn.cute import flash_attn_func
+
+    p, dev = case.p, out.device
+    q, k, v = (to_torch(inputs[n], dev) for n in ("q", "k", "v"))
+    sinks = to_torch(inputs["sinks"], dev) if p["sink"] else None
+    o, lse = flash_attn_func(q, k, v, softmax_scale=1.0 / math.sqrt(p["d"]), causal=p["causal"] != "none",
+                             window_size=(_window(p["wl"]), _window(p["wr"])), learnable_sink=sinks,
+                             softcap=float(p["cap"]), return_lse=True)
+    if sinks is not None:
+        return {"o": o, "lse": NotProvided("flash-attn-4's LSE includes the sink's mass; the op's lse has none")}
+    return {"o": o, "lse": torch.where(lse == math.inf, -math.inf, lse)}
+
+
+def make(device: str = "cuda") -> FlashAttn4Backend:
+    return FlashAttn4Backend(name="fa4", device=device, dtypes=("fp16", "bf16"), ops={"attention.prefill": _prefill},
+                             doc="flash-attn-4's CuTe-DSL FlashAttention (attention.prefill) on a CUDA GPU")
+
+
+BACKEND = make()
