@@ -13,6 +13,11 @@ GPU (Hopper's sm90 path, Blackwell's sm100). Read against flash-attn-4 4.0.0b36.
   OPS.md's convention: causal=bottom_right maps to causal=True (a window's right edge then 0), a
   window (wl, wr) with -1 for unbounded to window_size=(wl or None, wr or None); top_left equals
   bottom_right only when s_q == s_k, so other top_left cases are a skip. softcap = cap.
+- attention.prefill_backward: autograd through the same call (FA4's own backward kernels, which
+  recompute from their forward's O and LSE; the case's O and LSE are not used) for the cotangents dO
+  and, where the case has one, dLSE (FA4's LSE takes a gradient); dsinks is learnable_sink's
+  gradient. A case with both sinks and dLSE is a skip: FA4's LSE includes the sink, so its LSE
+  cotangent is not the op's.
 - The LSE is FlashAttention's natural-log LSE (b, h_q, s_q); an empty row's +inf (FA2's convention)
   is read as -inf (OPS.md). With sinks its LSE includes the sink's mass (an empty row's LSE is the
   sink), which the op's `lse` (without the sink) is not: those cases report lse as not provided and
@@ -20,8 +25,8 @@ GPU (Hopper's sm90 path, Blackwell's sm100). Read against flash-attn-4 4.0.0b36.
 
 The adapter returns flash-attn-4's own tensors (no copy), so `parity bench` times its call alone.
 What it cannot express is a skip with the reason (`supports`): fp32, head dims outside 8..256 or not
-a multiple of 8, top-left causal with s_q != s_k; every op but attention.prefill (its varlen, paged
-and backward forms are not bound yet).
+a multiple of 8, top-left causal with s_q != s_k, sinks beside an LSE cotangent; every op but
+attention.prefill and its backward (the varlen and paged forms are not bound yet).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from kernel_parity.conformance.backends import Backend, NotProvided
 from kernel_parity.conformance.backends._torch import cuda_available, to_torch, torch_available
 from kernel_parity.conformance.ops.attention_inputs import value_dim
 
-OPS = ("attention.prefill",)
+OPS = ("attention.prefill", "attention.prefill_backward")
 INSTALL = "pip install flash-attn-4 (with the `peers` extra's nvidia-cutlass-dsl)"
 
 
@@ -70,6 +75,8 @@ class FlashAttn4Backend(Backend):
         if p["causal"] == "top_left" and p["sq"] != p["sk"]:
             return ("flash-attn-4's causal mask is bottom-right aligned; top-left differs from it when "
                     f"s_q != s_k ({p['sq']} != {p['sk']})")
+        if p["sink"] and p.get("dlse"):
+            return "flash-attn-4's LSE includes the sink: its LSE cotangent is not the op's dLSE"
         return None
 
 
@@ -77,24 +84,49 @@ def _window(v: int) -> int | None:
     return None if v < 0 else int(v)
 
 
+def _call(p: dict, q: Any, k: Any, v: Any, sinks: Any) -> tuple[Any, Any]:
+    from flash_attn.cute import flash_attn_func
+
+    return flash_attn_func(q, k, v, softmax_scale=1.0 / math.sqrt(p["d"]), causal=p["causal"] != "none",
+                           window_size=(_window(p["wl"]), _window(p["wr"])), learnable_sink=sinks,
+                           softcap=float(p["cap"]), return_lse=True)
+
+
 def _prefill(case, inputs, out):
     import torch
-    from flash_attn.cute import flash_attn_func
 
     p, dev = case.p, out.device
     q, k, v = (to_torch(inputs[n], dev) for n in ("q", "k", "v"))
     sinks = to_torch(inputs["sinks"], dev) if p["sink"] else None
-    o, lse = flash_attn_func(q, k, v, softmax_scale=1.0 / math.sqrt(p["d"]), causal=p["causal"] != "none",
-                             window_size=(_window(p["wl"]), _window(p["wr"])), learnable_sink=sinks,
-                             softcap=float(p["cap"]), return_lse=True)
+    o, lse = _call(p, q, k, v, sinks)
     if sinks is not None:
         return {"o": o, "lse": NotProvided("flash-attn-4's LSE includes the sink's mass; the op's lse has none")}
     return {"o": o, "lse": torch.where(lse == math.inf, -math.inf, lse)}
 
 
+def _prefill_backward(case, inputs, out):
+    import torch
+
+    p, dev = case.p, out.device
+    q, k, v = (to_torch(inputs[n], dev).detach().clone().requires_grad_() for n in ("q", "k", "v"))
+    sinks = to_torch(inputs["sinks"], dev).detach().clone().requires_grad_() if p["sink"] else None
+    with torch.enable_grad():
+        o, lse = _call(p, q, k, v, sinks)
+        outs, cots = [o], [to_torch(inputs["do"], dev)]
+        if p.get("dlse"):
+            outs.append(lse)
+            cots.append(to_torch(inputs["dlse"], dev))
+        torch.autograd.backward(outs, cots)
+    res = {"dq": q.grad, "dk": k.grad, "dv": v.grad}
+    if sinks is not None:
+        res["dsinks"] = sinks.grad
+    return res
+
+
 def make(device: str = "cuda") -> FlashAttn4Backend:
-    return FlashAttn4Backend(name="fa4", device=device, dtypes=("fp16", "bf16"), ops={"attention.prefill": _prefill},
-                             doc="flash-attn-4's CuTe-DSL FlashAttention (attention.prefill) on a CUDA GPU")
+    return FlashAttn4Backend(name="fa4", device=device, dtypes=("fp16", "bf16"),
+                             ops={"attention.prefill": _prefill, "attention.prefill_backward": _prefill_backward},
+                             doc="flash-attn-4's CuTe-DSL FlashAttention (attention.prefill and its backward) on a CUDA GPU")
 
 
 BACKEND = make()
