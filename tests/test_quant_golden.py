@@ -308,3 +308,18 @@ def test_libggml_refuses_what_ggml_lacks(ggml):
         ggml.dequantize("q8_1", np.zeros(36, np.uint8))
     with pytest.raises(ValueError, match="q4_k: K = 32 is not a multiple of the block size 256"):
         ggml.quantize_ref("q4_k", np.zeros(32, np.float32))
+
+
+@pytest.mark.parametrize("fmt", sorted(quant.FORMATS))
+def test_quantize_on_threads_writes_the_same_bytes(fmt, monkeypatch):
+    """A tensor quantized in runs of blocks on several threads is byte for byte the one-call result
+    (blocks are independent; NumPy's error state is set in each thread)."""
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((29, 512)) * rng.choice([1e-4, 1.0, 300.0], (29, 1))).astype(np.float32)
+    x[2] = 0.0
+    x[4, :9] = 1e-30
+    monkeypatch.setattr(quant, "CHUNK_BLOCKS", 1 << 30)
+    whole = quant.quantize(fmt, x)
+    monkeypatch.setattr(quant, "CHUNK_BLOCKS", 3)
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert np.array_equal(quant.quantize(fmt, x), whole)
