@@ -37,6 +37,7 @@ from numpy.typing import NDArray
 
 from kernel_parity.refimpl.mla_fp8 import as_f64, bmm_fp8, rms_norm, rope_interleaved
 from kernel_parity.refimpl.mla_schedule import check_schedule, partitions, schedule, sm_parts
+from kernel_parity.refimpl.threads import on_threads
 
 F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
@@ -141,12 +142,15 @@ def decode(q: NDArray, kv_cache: NDArray, block_table: NDArray, seqlens: NDArray
     bt = np.asarray(block_table)
     o, lse = np.empty((b, s_q, q.shape[2], d_v)), np.empty((b, q.shape[2], s_q))
     step = max(1, CHUNK // (max(int(L.max(initial=0)), 1) * d))
-    for i in range(0, b, step):  # request chunks bound the gathered rows' memory, not a loop per row
+
+    def chunk(i: int) -> None:  # request chunks bound the gathered rows' memory, not a loop per row
         c = slice(i, i + step)
         s_k = max(int(L[c].max(initial=0)), 1)
         slot, valid = _slots(bt[c], L[c], page, s_k, rows.shape[0])
         o[c], lse[c] = _attend_rows(q[c], rows[slot], _decode_keep(L[c], s_q, s_k, causal, valid), scale, d_v,
                                      own=True)
+
+    on_threads(chunk, range(0, b, step))
     return o, lse
 
 

@@ -35,8 +35,6 @@ Conventions:
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +45,7 @@ from kernel_parity.refimpl import quant_bits as qb
 from kernel_parity.refimpl import quant_kquants as kq
 from kernel_parity.refimpl import quant_search as qs
 from kernel_parity.refimpl.quant_search import F32
+from kernel_parity.refimpl.threads import on_threads, threads
 
 U8 = NDArray[np.uint8]
 F64 = NDArray[np.float64]
@@ -251,25 +250,17 @@ def quantize(fmt: str, x: NDArray) -> U8:
 CHUNK_BLOCKS = 1 << 14
 
 
-def _threads() -> int:
-    try:  # a worker process's share of the cores (parallel.py sets it), else the machine's
-        return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
-    except ValueError:
-        return max(1, os.cpu_count() or 1)
-
-
 def _by_chunks(fmt: str, f: Any, blocks: NDArray) -> U8:
     def one(b: NDArray) -> U8:
         with np.errstate(all="ignore"):  # per thread: NumPy's error state is thread-local
             return kq.quantize(fmt, b) if f.block == 256 else _quantize_small(fmt, b)
 
     n = blocks.shape[0]
-    parts = min(_threads(), -(-n // CHUNK_BLOCKS))
+    parts = min(threads(), -(-n // CHUNK_BLOCKS))
     if parts <= 1:
         return one(blocks)
     step = -(-n // parts)
-    with ThreadPoolExecutor(parts) as ex:
-        return np.concatenate(list(ex.map(one, [blocks[i:i + step] for i in range(0, n, step)])))
+    return np.concatenate(on_threads(one, [blocks[i:i + step] for i in range(0, n, step)]))
 
 
 def quantize_x86(fmt: str, x: NDArray) -> U8:

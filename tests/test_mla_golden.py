@@ -414,3 +414,20 @@ def test_activation_quant_saturates_above_scale_ub_and_groups_per_batch():
     want_q, want_s = qf.fp8_quantize_blocks(x[1], 2, 128, amax_floor=0.0, scale_ub=1200.0, reciprocal=True)
     assert s2.shape == (2, 2, 2) and np.array_equal(s2[1], want_s)
     assert np.array_equal(q2[1].view(np.uint8), want_q.view(np.uint8))
+
+
+def test_decode_golden_on_threads_is_the_one_thread_result(monkeypatch):
+    """Request chunks computed on threads (refimpl/threads.py) give the one-thread arrays bit for bit."""
+    from kernel_parity.conformance import ops
+    from kernel_parity.refimpl import mla as m
+
+    spec = ops.get("mla.decode")
+    p = spec.validate(dict(b=6, sq=2, hq=8, kv=300, lens="ragged", causal=1, scale="head"), "bf16", "normal")
+    x = spec.make_inputs(p, "bf16", "normal", np.random.default_rng(3))
+    x64 = {k: (v.astype(np.float64) if v.dtype.kind in "fV" else v) for k, v in x.items()}
+    monkeypatch.setattr(m, "CHUNK", 300 * 576)  # one request a chunk
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    one = spec.reference(x64, p)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    many = spec.reference(x64, p)
+    assert all(np.array_equal(one[k], many[k], equal_nan=True) for k in one)
