@@ -35,6 +35,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kernel_parity.refimpl.combine import lse_combine
+from kernel_parity.refimpl.threads import on_threads
 
 F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
@@ -157,10 +158,44 @@ def masked_attention(q: NDArray, k: NDArray, v: NDArray, keep: NDArray, *, scale
     returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q), lse_sink (b, h_q, s_q)
     """
     q = np.asarray(q, dtype=np.float64)
-    h_q, d = q.shape[2], q.shape[3]
-    kv_head_index(h_q, np.shape(k)[2], head_map)  # validates h_q % h_kv
+    b, s_q, h_q, d = q.shape
+    h_kv = np.shape(k)[2]
+    kv_head_index(h_q, h_kv, head_map)  # validates h_q % h_kv
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     k, v = _read_only_kept(k, keep), _read_only_kept(v, keep)
+    if head_map == "grouped" and b * h_kv > 1 and b * h_q * s_q * np.shape(k)[1] >= PIECE_LOGITS:
+        return _by_pieces(q, k, v, keep, scale, softcap, sinks)
+    return _attend(q, k, v, keep, scale, softcap, sinks, head_map)
+
+
+# A (batch, kv head) piece is a whole attention of its own (the grouped mapping reads no other kv
+# head), so large goldens run piece by piece on a worker's threads (refimpl/threads.py): the same
+# arrays bit for bit (each piece's matmuls and row reductions are the ones of the whole call), and
+# at most `threads` pieces' logits in memory instead of all b h_q s_q s_k of them.
+PIECE_LOGITS = 1 << 22
+
+
+def _by_pieces(q: F64, k: F64, v: F64, keep: NDArray, scale: float, softcap: float,
+               sinks: NDArray | None) -> tuple[F64, F64, F64]:
+    b, s_q, h_q, _ = q.shape
+    h_kv, d_v = k.shape[2], v.shape[3]
+    g = h_q // h_kv
+    o, lse, lse_sink = np.empty((b, s_q, h_q, d_v)), np.empty((b, h_q, s_q)), np.empty((b, h_q, s_q))
+    sinks = None if sinks is None else np.asarray(sinks, dtype=np.float64)
+
+    def piece(ij: tuple[int, int]) -> None:
+        i, j = ij
+        hs = slice(j * g, (j + 1) * g)
+        o[i:i + 1, :, hs], lse[i:i + 1, hs], lse_sink[i:i + 1, hs] = _attend(
+            q[i:i + 1, :, hs], k[i:i + 1, :, j:j + 1], v[i:i + 1, :, j:j + 1], keep[i:i + 1], scale, softcap,
+            None if sinks is None else sinks[hs], "grouped")
+
+    on_threads(piece, [(i, j) for i in range(b) for j in range(h_kv)])
+    return o, lse, lse_sink
+
+
+def _attend(q: F64, k: F64, v: F64, keep: NDArray, scale: float, softcap: float, sinks: NDArray | None,
+            head_map: str) -> tuple[F64, F64, F64]:
     s = _logits(q, k, keep, scale, softcap, head_map)
     _, lse = _stats(s)  # b, h_q, s_q
     lse_sink = lse if sinks is None else np.logaddexp(lse, np.asarray(sinks, dtype=np.float64)[None, :, None])
