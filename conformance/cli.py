@@ -30,6 +30,7 @@ never a traceback after the run. Repeatable list flags also take comma lists (`-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import math
 import os
@@ -175,6 +176,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     _output(p, "--html", "write the self-contained HTML report")
     _output(p, "--junit", "write JUnit XML")
     _output(p, "--md", "write a Markdown summary")
+    _output(p, "--golden-cache", "read and write each input group's inputs and goldens in this directory "
+            "(KERNEL_PARITY_GOLDEN_CACHE; README: the golden cache)", OUTPUT_DIR, "DIR")
     p.add_argument("--jobs", type=positive_int, default=1, help="worker processes running cases (default 1)")
     p.add_argument("--no-isolate", action="store_true",
                    help="run cases in this process (debugging only: a kernel that exits or crashes ends the run)")
@@ -367,6 +370,26 @@ COMMANDS = {
 }
 
 
+@contextlib.contextmanager
+def _golden_cache_env(path: str | None):
+    """--golden-cache DIR: KERNEL_PARITY_GOLDEN_CACHE for this command (the workers it starts inherit
+    it), the previous value restored after (main() is also called in-process)."""
+    from kernel_parity.conformance import golden_cache
+
+    if not path:
+        yield
+        return
+    old = os.environ.get(golden_cache.ENV)
+    os.environ[golden_cache.ENV] = os.path.abspath(path)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(golden_cache.ENV, None)
+        else:
+            os.environ[golden_cache.ENV] = old
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -374,7 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_paths(args)  # every output path, before anything runs
         module, fn = COMMANDS[args.command]
         impl = getattr(importlib.import_module(f"kernel_parity.conformance.{module}"), fn)
-        return impl(args, "parity " + " ".join(shlex.quote(a) for a in argv))
+        with _golden_cache_env(getattr(args, "golden_cache", None)):
+            return impl(args, "parity " + " ".join(shlex.quote(a) for a in argv))
     except UsageError as e:
         print(f"parity: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from kernel_parity.conformance import dtypes as dt
-from kernel_parity.conformance import ops
+from kernel_parity.conformance import golden_cache, ops
 from kernel_parity.conformance.backends import NotProvided, Registry, claimed_reference
 from kernel_parity.conformance.case import Case
 from kernel_parity.conformance.errors import SpecError
@@ -58,25 +58,37 @@ class Prepared:
         self.spec = spec
         p = case.p
         t0 = time.perf_counter()
-        if inputs is None:
+        drawn = inputs is None  # not an exported repro's inputs: the group may come from / go to the cache
+        cached = golden_cache.read(spec, case) if drawn else None  # KERNEL_PARITY_GOLDEN_CACHE
+        self.cache_read_s: float | None = None
+        if cached is not None:
+            inputs = cached["inputs"]
+        elif inputs is None:
             rng = np.random.Generator(np.random.PCG64(case.seed))
             inputs = spec.make_inputs(p, case.dtype, case.dist, rng)
         self.inputs = inputs
         t1 = time.perf_counter()
         self.inputs64 = float64_view(self.inputs)
-        self.references = {name: dict(fn(self.inputs64, p)) for name, fn in spec.all_references().items()}
-        self.golden = self.references[spec.reference_name]
         self.shapes = {k: tuple(v) for k, v in spec.output_shapes(p).items()}
-        self.cotangents: dict[str, np.ndarray] = {}
+        if cached is not None:
+            self.references, self.cotangents = cached["references"], cached["cotangents"]
+            self.cache_read_s = t1 - t0
+        else:
+            self.references = {name: dict(fn(self.inputs64, p)) for name, fn in spec.all_references().items()}
+            self.cotangents: dict[str, np.ndarray] = {}
+        self.golden = self.references[spec.reference_name]
         if spec.vjp is not None:
-            crng = np.random.Generator(np.random.PCG64([case.seed, COTANGENT_STREAM]))
-            for name in spec.cotangent_of:
-                draw = crng.standard_normal(self.shapes[name])
-                self.cotangents[name] = dt.round_to(draw, spec.out_dtype(name, case.dtype))
-            self.golden.update(spec.vjp(self.inputs64, p, float64_view(self.cotangents)))
+            if cached is None:
+                crng = np.random.Generator(np.random.PCG64([case.seed, COTANGENT_STREAM]))
+                for name in spec.cotangent_of:
+                    draw = crng.standard_normal(self.shapes[name])
+                    self.cotangents[name] = dt.round_to(draw, spec.out_dtype(name, case.dtype))
+                self.golden.update(spec.vjp(self.inputs64, p, float64_view(self.cotangents)))
             self.shapes.update({k: tuple(v) for k, v in (spec.gradient_shapes or (lambda _: {}))(p).items()})
         t2 = time.perf_counter()
-        self.inputs_s, self.golden_s = t1 - t0, t2 - t1
+        self.inputs_s, self.golden_s = t1 - t0, (0.0 if cached is not None else t2 - t1)
+        if drawn and cached is None and golden_cache.directory() is not None:
+            golden_cache.write(spec, case, self.inputs, self.references, self.cotangents)
         self.out_dtypes = {k: spec.out_dtype(k, case.dtype) for k in self.shapes}
         self.pads = spec.output_pads(p) if spec.output_pads else {}
         self.inplace = {n: o.inplace for n, o in spec.outputs.items() if o.inplace}
@@ -210,6 +222,8 @@ class Runner:
         backend = self.registry.get(case.backend)
         origin = getattr(backend, "origin", None)
         timing = {"inputs_s": prep.inputs_s, "golden_s": prep.golden_s, "kernel_s": 0.0}
+        if prep.cache_read_s is not None:
+            timing["cache_read_s"] = prep.cache_read_s
         try:
             why = _call_hook("precondition", getattr(backend, "precondition", _no_precondition), case, prep.inputs)
             excluded = _call_hook("outside_contract", _exclusions, backend, case, prep)

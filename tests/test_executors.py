@@ -277,3 +277,32 @@ def test_mutants_devices_without_a_gpu_is_one_line_exit_2(capsys):
     assert main(["mutants", "--mutant", "c-softmax-no-max", "--devices", "all"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no CUDA GPU" in err[0]
+
+
+def test_the_golden_cache_gives_the_records_of_a_run_without_it(tmp_path, monkeypatch):
+    """--golden-cache DIR: the first run writes each input group's inputs and goldens, a second run
+    reads them (its timings say so) and writes the same records; a corrupt entry is a miss, and a
+    changed golden source is another key, never a stale golden."""
+    from kernel_parity.conformance import golden_cache
+
+    monkeypatch.delenv(golden_cache.ENV, raising=False)
+    cache = tmp_path / "cache"
+    argv = ["run", *SOFTMAX_CI, "--backend", "cpu", "--op", "combine.lse_combine_backward", "--jobs", "2"]
+    plain, first, second, third = (tmp_path / f"{n}.jsonl" for n in ("plain", "first", "second", "third"))
+    assert main([*argv, "--json", str(plain)]) == 0
+    assert main([*argv, "--golden-cache", str(cache), "--json", str(first)]) == 0
+    entries = sorted(cache.glob("*.pkl"))
+    assert entries and not list(cache.glob(".tmp-*"))
+    assert golden_cache.ENV not in os.environ  # restored after the command
+    assert main([*argv, "--golden-cache", str(cache), "--json", str(second)]) == 0
+    a, b, c = _comparable(plain), _comparable(first), _comparable(second)
+    assert a == b == c and len(a) > N_SOFTMAX_CI
+    timings = [r["timing"] for r in records.load(second)["results"]]
+    assert all("cache_read_s" in t and t["golden_s"] == 0.0 for t in timings)
+    entries[0].write_bytes(b"not a pickle")  # unreadable: recomputed and rewritten, never an error
+    assert main([*argv, "--golden-cache", str(cache), "--json", str(third), "--no-isolate"]) == 0
+    assert _comparable(third) == a and entries[0].read_bytes()[:1] == b"\x80"  # a pickle again
+    monkeypatch.setattr(golden_cache, "_op_digest", lambda spec: "another source")  # in-process run only
+    assert main([*argv, "--golden-cache", str(cache), "--json", str(third), "--no-isolate"]) == 0
+    assert _comparable(third) == a
+    assert len(list(cache.glob("*.pkl"))) == 2 * len(entries)  # a new key per group: nothing stale read
