@@ -10,7 +10,8 @@ The key is the group's identity (op, dtype, params, dist, seed) and a digest of 
 those arrays: the source files of the op's input builder, references and VJP (and, for the built-in
 families, all of refimpl/ and conformance/ops/, inputs.py, dtypes.py), the kernel-parity, NumPy and
 ml_dtypes versions. Any change there is a different key, never a stale golden. An entry is one pickle
-file, written atomically; one that cannot be read is a miss (recomputed and rewritten), never an error.
+file, written atomically, and only while its disk keeps KEEP_FREE bytes free beyond twice its size;
+one that cannot be read is a miss (recomputed and rewritten), never an error.
 Only the cache's owner should write to DIR (a pickle is code). Timings: a hit's `inputs_s` is the time
 to read it and its `golden_s` 0, with `cache_read_s` beside them, so never compare speed between a run
 that hit the cache and one that did not. Delete DIR to empty it.
@@ -23,12 +24,14 @@ import hashlib
 import inspect
 import os
 import pickle
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 ENV = "KERNEL_PARITY_GOLDEN_CACHE"
 FORMAT = 1
+KEEP_FREE = 4 << 30  # bytes left free on the cache's disk: an entry that would go below is not written
 _ROOT = Path(__file__).resolve().parents[1]
 _SHARED = ("refimpl", "conformance/ops", "conformance/inputs.py", "conformance/dtypes.py")
 
@@ -83,6 +86,12 @@ def _op_digest(spec: Any) -> str:
     return _OP_DIGESTS[spec.name]
 
 
+def _nbytes(x: Any) -> int:
+    if isinstance(x, dict):
+        return sum(_nbytes(v) for v in x.values())
+    return int(getattr(x, "nbytes", 0))
+
+
 def key(spec: Any, case: Any) -> str:
     return hashlib.sha256(f"{_op_digest(spec)} {case.input_key!r}".encode()).hexdigest()
 
@@ -111,6 +120,9 @@ def write(spec: Any, case: Any, inputs: dict, references: dict, cotangents: dict
         return
     try:
         d.mkdir(parents=True, exist_ok=True)
+        size = sum(_nbytes(x) for x in (inputs, references, cotangents))
+        if shutil.disk_usage(d).free < 2 * size + KEEP_FREE:  # never fill the disk the run needs
+            return
         fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".pkl")
         with os.fdopen(fd, "wb") as f:
             pickle.dump({"id": repr(case.input_key), "inputs": inputs, "references": references,

@@ -306,3 +306,13 @@ def test_the_golden_cache_gives_the_records_of_a_run_without_it(tmp_path, monkey
     assert main([*argv, "--golden-cache", str(cache), "--json", str(third), "--no-isolate"]) == 0
     assert _comparable(third) == a
     assert len(list(cache.glob("*.pkl"))) == 2 * len(entries)  # a new key per group: nothing stale read
+
+
+def test_the_golden_cache_never_fills_its_disk(tmp_path, monkeypatch):
+    from kernel_parity.conformance import golden_cache
+
+    monkeypatch.setattr(golden_cache, "KEEP_FREE", 1 << 62)  # more than any disk has free
+    out = tmp_path / "r.jsonl"
+    assert main(["run", *SOFTMAX_CI, "--backend", "cpu", "--golden-cache", str(tmp_path / "c"), "--no-isolate",
+                 "--json", str(out)]) == 0
+    assert not list((tmp_path / "c").glob("*"))  # nothing written, and the run is as without a cache
