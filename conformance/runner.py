@@ -68,7 +68,7 @@ class Prepared:
             inputs = spec.make_inputs(p, case.dtype, case.dist, rng)
         self.inputs = inputs
         t1 = time.perf_counter()
-        self.inputs64 = float64_view(self.inputs)
+        self.inputs64 = float64_view(self.inputs, spec.storage_inputs)
         self.shapes = {k: tuple(v) for k, v in spec.output_shapes(p).items()}
         if cached is not None:
             self.references, self.cotangents = cached["references"], cached["cotangents"]

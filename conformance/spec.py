@@ -16,7 +16,9 @@ Contracts an op may declare, beyond one golden and one dtype:
   input must stay untouched);
 - gradients: `vjp(inputs64, params, cotangents) -> {grad: array}` is a float64 VJP golden; the
   cotangents (of the outputs in `cotangent_of`) are drawn from the case seed; `gradients` declares
-  the gradient outputs, judged by the same layers (the noise layer with `Tol.grad_noise_k`).
+  the gradient outputs, judged by the same layers (the noise layer with `Tol.grad_noise_k`);
+- inputs in their storage dtype: `storage_inputs = frozenset({"kv_cache"})` hands those to the
+  references as stored (bf16, fp16, fp8), for goldens that widen exactly what they read.
 """
 
 from __future__ import annotations
@@ -106,6 +108,10 @@ class OpSpec:
     # "every input read once, every output written once" is not what the kernel moves
     flops: Callable[[dict[str, Any]], float] | None = None
     bytes_moved: Callable[[dict[str, Any]], tuple[int, int]] | None = None
+    # inputs the references take in their storage dtype and widen exactly themselves, piece by piece
+    # (MLA's paged cache: 1.2G values at the models suite's sizes, whose float64 copy was most of a
+    # group's time and 9.6 GB of a worker's memory); every other input reaches them as float64
+    storage_inputs: frozenset[str] = frozenset()
 
     def canonical_dtype(self, name: str) -> str:
         """A case dtype: the name of one of the op's dtype sets, or a dtype (aliases resolved)."""
@@ -162,11 +168,12 @@ class OpSpec:
         return params
 
 
-def float64_view(inputs: Inputs) -> Inputs:
-    """What the golden sees: the rounded inputs, exactly, as float64 (integers stay integers)."""
+def float64_view(inputs: Inputs, keep: frozenset[str] | set[str] = frozenset()) -> Inputs:
+    """What the golden sees: the rounded inputs, exactly, as float64 (integers stay integers); those
+    named in `keep` (a spec's `storage_inputs`) as stored, for a golden that widens them itself."""
     out = {}
     for k, v in inputs.items():
-        if np.asarray(v).dtype.kind in "iub":
+        if k in keep or np.asarray(v).dtype.kind in "iub":
             out[k] = np.asarray(v)
         else:
             out[k] = np.asarray(v).astype(np.float64)

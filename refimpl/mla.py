@@ -49,9 +49,10 @@ __all__ = ["absorb", "unabsorb", "decode", "decode_naive", "decode_sparse", "dec
 
 CHUNK = 1 << 24  # gathered float64 cache elements per request chunk in `decode` (128 MiB)
 
-def _rows(kv_cache: NDArray) -> tuple[F64, int]:
-    """Cache (num_blocks, page, [1,] d) as (num_blocks * page, d) float64 rows, and the page size."""
-    kv = as_f64(kv_cache)
+def _rows(kv_cache: NDArray, convert: bool = True) -> tuple[F64, int]:
+    """Cache (num_blocks, page, [1,] d) as (num_blocks * page, d) float64 rows (in the cache's own dtype
+    when not `convert`: the caller widens what it gathers), and the page size."""
+    kv = as_f64(kv_cache) if convert else np.asarray(kv_cache)
     if kv.ndim == 4:
         if kv.shape[2] != 1:
             raise ValueError(f"MLA caches have one KV head, got kv_cache shape {kv.shape}")
@@ -79,17 +80,27 @@ def _slots(block_table: NDArray, lengths: I64, page: int, s_k: int, num_slots: i
 def _softmax(s: F64, keep: NDArray, sink: NDArray | None) -> tuple[F64, F64]:
     """Weights and LSE of logits s (b, h, s_q, s_k) under keep (b, s_q, s_k); sinks (h,) or None.
 
+    s is overwritten with the weights (every caller passes a fresh product): one exp per logit and no
+    temporaries of s's size, which at the models suite's sizes (b 128, h 128, 16K keys) are the golden's
+    cost, not its matmuls.
     returns: p (b, h, s_q, s_k) with rows summing to exp(LSE - LSE'), lse (b, h, s_q) without sink."""
-    s = np.where(keep[:, None], s, -np.inf)
+    np.copyto(s, -np.inf, where=~keep[:, None])
     m = np.max(s, axis=-1, keepdims=True)
-    live = np.isfinite(m)
-    m = np.where(live, m, 0.0)
+    m[~np.isfinite(m)] = 0.0  # a row with no visible key: exp(-inf - 0) = 0 below
+    s -= m
+    np.exp(s, out=s)
+    total = np.sum(s, axis=-1)  # b, h, s_q
     with np.errstate(divide="ignore"):
-        lse = m[..., 0] + np.log(np.sum(np.exp(s - m), axis=-1))  # -inf for an empty row
-    norm = lse if sink is None else np.logaddexp(lse, np.asarray(sink, dtype=np.float64)[None, :, None])
-    fin = np.isfinite(norm)[..., None]
-    p = np.where(fin, np.exp(s - np.where(fin, norm[..., None], 0.0)), 0.0)  # +inf sink: O = 0
-    return p, lse
+        lse = m[..., 0] + np.log(total)  # -inf for an empty row
+    den = total
+    if sink is not None:  # exp(LSE') / exp(m); a +inf sink: den inf, O = 0
+        with np.errstate(over="ignore"):
+            den = total + np.exp(np.asarray(sink, dtype=np.float64)[None, :, None] - m[..., 0])
+    ok = np.isfinite(den) & (den > 0)  # else weights 0: an empty row without sink, a +inf sink or logit
+    s /= np.where(ok, den, 1.0)[..., None]
+    if not ok.all():
+        s[~ok] = 0.0
+    return s, lse
 
 
 def _attend_rows(q: F64, kv: F64, keep: NDArray, scale: float, d_v: int,
@@ -105,7 +116,8 @@ def _attend_rows(q: F64, kv: F64, keep: NDArray, scale: float, d_v: int,
     else:
         kv = np.where(keep.any(axis=1)[..., None], kv, 0.0)
     s = (q.transpose(0, 2, 1, 3).reshape(b, h * s_q, d) @ kv.transpose(0, 2, 1)).reshape(b, h, s_q, -1)
-    p, lse = _softmax(float(scale) * s, keep, sink)  # b, h, s_q, s_k
+    s *= float(scale)
+    p, lse = _softmax(s, keep, sink)  # b, h, s_q, s_k
     o = (p.reshape(b, h * s_q, -1) @ kv[..., :d_v]).reshape(b, h, s_q, d_v)
     return o.transpose(0, 2, 1, 3), lse
 
@@ -132,7 +144,7 @@ def decode(q: NDArray, kv_cache: NDArray, block_table: NDArray, seqlens: NDArray
     returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q) natural log; empty rows (0, -inf)
     """
     q = np.asarray(q, dtype=np.float64)
-    rows, page = _rows(kv_cache)
+    rows, page = _rows(kv_cache, convert=False)  # gathered per chunk, then widened: no float64 copy of the cache
     b, s_q, _, d = q.shape
     if rows.shape[1] != d or not 0 < d_v <= d:
         raise ValueError(f"q dim {d}, cache dim {rows.shape[1]} and d_v {d_v} disagree")
@@ -147,7 +159,7 @@ def decode(q: NDArray, kv_cache: NDArray, block_table: NDArray, seqlens: NDArray
         c = slice(i, i + step)
         s_k = max(int(L[c].max(initial=0)), 1)
         slot, valid = _slots(bt[c], L[c], page, s_k, rows.shape[0])
-        o[c], lse[c] = _attend_rows(q[c], rows[slot], _decode_keep(L[c], s_q, s_k, causal, valid), scale, d_v,
+        o[c], lse[c] = _attend_rows(q[c], as_f64(rows[slot]), _decode_keep(L[c], s_q, s_k, causal, valid), scale, d_v,
                                      own=True)
 
     on_threads(chunk, range(0, b, step))

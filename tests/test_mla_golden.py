@@ -431,3 +431,25 @@ def test_decode_golden_on_threads_is_the_one_thread_result(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     many = spec.reference(x64, p)
     assert all(np.array_equal(one[k], many[k], equal_nan=True) for k in one)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_decode_golden_widens_the_stored_cache_itself(dtype):
+    """mla.decode declares kv_cache a storage input: the runner hands it over as stored and the golden
+    widens the rows it gathers; the result is the float64 cache's bit for bit, and the cache untouched."""
+    from kernel_parity.conformance import ops
+    from kernel_parity.conformance.case import Case
+    from kernel_parity.conformance.runner import Prepared
+
+    spec = ops.get("mla.decode")
+    assert spec.storage_inputs == {"kv_cache"}
+    p = spec.validate(dict(b=5, sq=2, hq=4, kv=200, lens="ragged", causal=1, scale="head"), dtype, "normal")
+    case = Case.make("mla.decode", "cpu", dtype, p, "normal", 7)
+    prep = Prepared(spec, case)
+    stored = prep.inputs64["kv_cache"]
+    assert stored.dtype == prep.inputs["kv_cache"].dtype != np.float64
+    before = stored.copy()
+    wide = dict(prep.inputs64, kv_cache=stored.astype(np.float64))
+    want = spec.reference(wide, p)
+    assert all(np.array_equal(prep.golden[k], want[k], equal_nan=True) for k in want)
+    assert np.array_equal(stored.view(np.uint8), before.view(np.uint8))

@@ -49,11 +49,13 @@ HEADS = dict(
 LENS = OneOf("full", "ragged", doc="requests at the longest length, or ragged (0, 1, ... among them)")
 
 
-def _draw(rng: np.random.Generator, shape: tuple, dist: str) -> np.ndarray:
-    x = rng.standard_normal(shape)
+def _draw(rng: np.random.Generator, shape: tuple, dist: str, out: np.ndarray | None = None) -> np.ndarray:
+    """float64 values of `dist`; into `out` (shape `shape`) when given, with the same values."""
+    x = rng.standard_normal(shape) if out is None else rng.standard_normal(out=out)
     if dist == "large":
         return x
-    x = np.clip(x / 10.0, -1.0, 1.0)
+    np.divide(x, 10.0, out=x)
+    np.clip(x, -1.0, 1.0, out=x)
     if dist == "outlier":
         x[rng.random(shape) < 0.01] *= 20.0
     elif dist != "normal":
@@ -73,15 +75,21 @@ def paged_latent_cache(rng: np.random.Generator, seqlens: np.ndarray, dist: str,
     perm = rng.permutation(n_blocks)
     cache = np.full((n_blocks, PAGE, 1, D), np.nan, dtype=dt.get(dtype).np)
     table = np.full((b, max_blocks), TABLE_POISON, dtype=np.int32)
+    # one request's values and pages at a time, in buffers reused across requests: at 16K tokens x 128
+    # requests the cache is 1.2G values, and fresh per-request arrays were most of its time
+    values = np.empty(max_blocks * PAGE * D)
+    rows = np.empty((max_blocks * PAGE, D), dtype=cache.dtype)
     nxt = 0
     for i in range(b):  # builds the layout (which page holds which tokens), not the math
         n, k = int(seqlens[i]), used[i]
-        rows = np.full((k * PAGE, D), np.nan, dtype=cache.dtype)
-        rows[:n] = dt.round_to(_draw(rng, (n, D), dist), dtype)
+        x = _draw(rng, (n, D), dist, out=values[:n * D].reshape(n, D))
+        with np.errstate(over="ignore"):  # dt.round_to's rounding, into the page buffer
+            rows[:n] = x
+        rows[n:k * PAGE] = np.nan
         phys = perm[nxt:nxt + k]
         nxt += k
         table[i, :k] = phys
-        cache[phys, :, 0] = rows.reshape(k, PAGE, D)
+        cache[phys, :, 0] = rows[:k * PAGE].reshape(k, PAGE, D)
     return cache, table
 
 
@@ -164,6 +172,7 @@ DECODE = OpSpec(
     dtypes=("bf16", "fp16", "fp32"),
     dists=DISTS,
     check=_check,
+    storage_inputs=frozenset({"kv_cache"}),  # refimpl.mla.decode widens the rows it gathers
     doc="FlashMLA dense decode: paged latent cache (64-token pages, 576 dims, V = first 512), one KV head.",
 )
 
