@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator
 
 from kernel_parity.conformance.case import Case
 from kernel_parity.conformance.errors import UsageError
+from kernel_parity.conformance.parallel import THREAD_VARS
 from kernel_parity.conformance.results import CaseResult
 from kernel_parity.conformance.runner import group_cases, largest_first
 
@@ -47,7 +48,7 @@ LOST_LIMIT = 3  # Ray worker deaths while one case runs before that case is a `c
 _WINDOW_PER_CPU = 4  # Ray tasks in flight per cluster CPU; the others wait here, not in Ray's queue
 _WATCH_S = 1.0  # how often an isolated worker checks that the process that started it is alive
 _PROBE_S = 5.0  # seconds to wait for a TCP answer at --address before ray.init
-_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+_THREAD_VARS = THREAD_VARS  # parallel.py sets them in the environment its workers are spawned with
 _RAY_STARTED = False  # this process called ray.init (and so shuts Ray down after the run)
 
 

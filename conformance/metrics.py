@@ -29,6 +29,19 @@ TINY = float(np.finfo(np.float64).tiny)
 WORST_K = 5
 
 
+_DOT_BLOCK = 8192
+
+
+def _dot(x: np.ndarray, y: np.ndarray) -> float:
+    """x . y (1-D float64) whose bits do not depend on how many threads the process's BLAS runs:
+    OpenBLAS splits a long dot product over its threads, so np.dot's last bits followed each worker's
+    share of the cores (a record then differed between a run in workers and one in-process, or between
+    hosts). einsum per block of _DOT_BLOCK products (NumPy's own loop, one thread), then their sum."""
+    m = x.size - x.size % _DOT_BLOCK
+    s = float(np.einsum("ij,ij->i", x[:m].reshape(-1, _DOT_BLOCK), y[:m].reshape(-1, _DOT_BLOCK)).sum()) if m else 0.0
+    return s + float(np.einsum("i,i->", x[m:], y[m:])) if m < x.size else s
+
+
 @dataclass(frozen=True)
 class Limits:
     """Numeric limits for one output in one dtype (tolerance layer 3)."""
@@ -112,12 +125,12 @@ def compare(got: np.ndarray, ref: np.ndarray, dtype: DType, limits: Limits | Non
         max_abs = float(d.max())
         rel_floor = atol if atol > 0 else TINY
         max_rel = float((d / np.maximum(abs_b, rel_floor)).max())
-        sq = float(np.dot(d, d))
+        sq = _dot(d, d)
         rmse = float(np.sqrt(sq / n))
-        bb = float(np.dot(bf, bf))
+        bb = _dot(bf, bf)
         nmse = 0.0 if sq == 0 else (sq / bb if bb > 0 else float("inf"))
-        denom = float(np.dot(af, af) + bb)
-        cos_diff = 0.0 if denom == 0 else float(1.0 - 2.0 * np.dot(af, bf) / max(denom, TINY))
+        denom = _dot(af, af) + bb
+        cos_diff = 0.0 if denom == 0 else float(1.0 - 2.0 * _dot(af, bf) / max(denom, TINY))
         if dtype.is_float and dtype.bits == dtype.storage_bits and dtype.name != "e8m0":  # signed floats
             g = np.asarray(got).reshape(-1) if both is None else np.asarray(got)[both]
             if atol > 0:

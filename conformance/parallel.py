@@ -9,6 +9,7 @@ goes to a fresh worker and every completed result is kept.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -28,9 +29,32 @@ class WorkerSetupError(RuntimeError):
     """A worker's setup (e.g. installing a mutant) failed: no case result would mean anything."""
 
 
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@contextlib.contextmanager
+def spawn_env(threads: int):
+    """The thread variables a worker must be spawned with (the parent's own values win): NumPy's BLAS
+    reads them once, when it loads, and a spawned worker loads NumPy while it unpickles its target,
+    before any of its own code runs. Set only inside the worker, they came too late: each of 16 workers
+    on a 32-core host ran OpenBLAS on 32 threads, and the float64 goldens ran 10x slower than alone."""
+    saved = {var: os.environ.get(var) for var in THREAD_VARS}
+    if threads:
+        for var in THREAD_VARS:
+            os.environ.setdefault(var, str(threads))
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+
+
 def _worker_main(conn, extra_backends: list[str], options: dict, threads: int, setup: tuple | None) -> None:
-    if threads:  # cores / workers: BLAS and torch threads must not oversubscribe the cores
-        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    if threads:  # cores / workers: BLAS and torch threads must not oversubscribe the cores (see spawn_env)
+        for var in THREAD_VARS:
             os.environ.setdefault(var, str(threads))
     import warnings
 
@@ -78,7 +102,8 @@ class _Worker:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child, extra_backends, options, threads, setup),
                                 daemon=True)
-        self.proc.start()
+        with spawn_env(threads):
+            self.proc.start()
         child.close()
         self.group: list[str] = []  # ids sent and not yet returned
         self.current: str | None = None

@@ -316,3 +316,40 @@ def test_the_golden_cache_never_fills_its_disk(tmp_path, monkeypatch):
     assert main(["run", *SOFTMAX_CI, "--backend", "cpu", "--golden-cache", str(tmp_path / "c"), "--no-isolate",
                  "--json", str(out)]) == 0
     assert not list((tmp_path / "c").glob("*"))  # nothing written, and the run is as without a cache
+
+
+def _blas_threads_are(n: int) -> None:
+    """A worker's setup hook (parallel.py's `setup`): raises unless the worker was spawned with n BLAS
+    threads: its environment at start holds OMP_NUM_THREADS=n and, where NumPy bundles OpenBLAS, the
+    library itself runs n threads."""
+    import ctypes
+    import glob
+
+    start = dict(kv.split("=", 1) for kv in Path("/proc/self/environ").read_text().split("\0") if "=" in kv)
+    if start.get("OMP_NUM_THREADS") != str(n) or start.get("OPENBLAS_NUM_THREADS") != str(n):
+        raise RuntimeError(f"worker spawned with OMP_NUM_THREADS={start.get('OMP_NUM_THREADS')}, want {n}")
+    libs = glob.glob(str(Path(np.__file__).parent.parent / "numpy.libs" / "libscipy_openblas*.so"))
+    if libs:
+        lib = ctypes.CDLL(libs[0])
+        got = next((getattr(lib, f)() for f in ("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads")
+                    if hasattr(lib, f)), n)
+        if got != n:
+            raise RuntimeError(f"worker's OpenBLAS runs {got} threads, want {n}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads a worker's start environment from /proc")
+def test_workers_are_spawned_with_their_share_of_the_cores_as_blas_threads(monkeypatch):
+    """NumPy's BLAS reads its thread count once, as a spawned worker unpickles its target: the variables
+    must be in the environment the worker starts with (with 32 BLAS threads in each of 16 workers on a
+    32-core host, the float64 goldens ran 10x slower)."""
+    from kernel_parity.conformance import parallel
+    from kernel_parity.conformance.suites import Filters
+
+    for var in parallel.THREAD_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(parallel, "_cores", lambda: 2)  # 1 thread each: OpenBLAS alone would take every core
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    cases = suites.cases("ci", Filters(ops=("softmax.softmax",), backends=("cpu",)))[:2]
+    recs = parallel.run_isolated(cases, jobs=2, extra_backends=[], setup=(Path(__file__).stem, "_blas_threads_are", 1))
+    assert len(recs) == len(cases) and all(r.verdict == "pass" for r in recs)
+    assert all(var not in os.environ for var in parallel.THREAD_VARS)  # the parent's own environment is restored

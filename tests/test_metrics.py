@@ -4,6 +4,7 @@ import math
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.metrics import Limits, compare, exact_mismatch
@@ -89,3 +90,16 @@ def test_exact_mismatch_compares_bits():
     # -0.0 and +0.0 are equal numbers but different bits
     n, _ = exact_mismatch(np.array([-0.0], dtype=np.float32), np.array([0.0]))
     assert n == 1
+
+
+@pytest.mark.parametrize("n", [0, 1, 8191, 8192, 8193, 3 * 8192 + 5])
+def test_dot_is_blockwise_exact_enough_at_every_length(n):
+    """metrics._dot (the sums behind rmse, nmse and cos_diff, independent of the BLAS thread count) is
+    the exactly rounded dot product to float64 precision at lengths around its block."""
+    from kernel_parity.conformance.metrics import _dot
+
+    rng = np.random.default_rng(n)
+    x, y = rng.standard_normal(n), rng.standard_normal(n)
+    exact = math.fsum((x.astype(object) * y.astype(object)).tolist()) if n else 0.0
+    scale = float(np.abs(x) @ np.abs(y)) if n else 0.0
+    assert abs(_dot(x, y) - exact) <= 1e-14 * scale
