@@ -83,6 +83,29 @@ DEVICE_SPY = Backend(name="np_device_spy", device="cpu", ops={"softmax.softmax":
                      doc="test backend: notes each worker's CUDA_VISIBLE_DEVICES")
 
 
+STALL_N = 239  # the softmax.softmax ci case whose kernel stalls on its first Ray node (the test removes that node)
+
+
+def _node_spy(case, inputs, out):
+    """A correct softmax that notes the Ray node (its raylet's pid) each case ran on; on a cluster the
+    case STALL_N stalls the first time, after saying where, until the test removes its node."""
+    shared, node = Path(os.environ["KP_TEST_NODES_DIR"]), os.environ.get("RAY_RAYLET_PID", "local")
+    with open(shared / f"ran-{node}", "a") as f:
+        f.write(case.id + "\n")
+    if case.p["n"] == STALL_N and node != "local" and not (shared / "stalled").exists():
+        (shared / "stalled").write_text(node)
+        time.sleep(120)  # ended with its node: executors.worker_setup's watch sees its Ray worker go
+    x = inputs["x"].astype(np.float64)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    y = out.numpy("y")
+    y[...] = (e / e.sum(axis=-1, keepdims=True)).astype(y.dtype)
+    return {"y": y}
+
+
+NODE_SPY = Backend(name="np_node_spy", device="cpu", ops={"softmax.softmax": _node_spy},
+                   doc="test backend: notes each case's Ray node; one case stalls on its first node")
+
+
 # -- fixtures ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
@@ -353,3 +376,49 @@ def test_workers_are_spawned_with_their_share_of_the_cores_as_blas_threads(monke
     recs = parallel.run_isolated(cases, jobs=2, extra_backends=[], setup=(Path(__file__).stem, "_blas_threads_are", 1))
     assert len(recs) == len(cases) and all(r.verdict == "pass" for r in recs)
     assert all(var not in os.environ for var in parallel.THREAD_VARS)  # the parent's own environment is restored
+
+
+@needs_ray
+def test_ray_over_several_nodes_spreads_the_groups_and_a_lost_node_loses_no_case(tmp_path, monkeypatch):
+    """A cluster of a head without CPUs and two one-CPU nodes (separate raylets: Ray's own way to test
+    several nodes on one machine): the run's case groups go to both nodes; the node running the
+    stalled case is removed mid-case (its raylet and workers killed), its unfinished cases go to the
+    other node, and the records are a local run's, none lost or doubled."""
+    from ray.cluster_utils import Cluster
+
+    shared = tmp_path / "nodes"
+    shared.mkdir()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("KP_TEST_NODES_DIR", str(shared))
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    argv = [*SOFTMAX_CI, "--backend", "tests.test_executors:NODE_SPY", "--jobs", "2"]
+    local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    assert main(["run", *argv, "--json", str(local)]) == 0
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        loud = [a for a in argv if a != "-q"]  # the lost worker is told on stderr
+        run = subprocess.Popen([sys.executable, "-m", "kernel_parity.conformance.cli", "run", *loud,
+                                "--executor", "ray", "--address", cluster.address, "--timeout", "300",
+                                "--json", str(on_ray)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while not (shared / "stalled").exists() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (shared / "stalled").exists(), "the stalling case never ran on the cluster"
+        pid = int((shared / "stalled").read_text())
+        (node,) = [n for n in cluster.list_all_nodes() if n.all_processes["raylet"][0].process.pid == pid]
+        cluster.remove_node(node, allow_graceful=False)
+        _, err = run.communicate(timeout=240)
+    finally:
+        cluster.shutdown()
+    assert run.returncode == 0, err
+    a, b = _comparable(local), _comparable(on_ray)
+    assert len(a) == N_SOFTMAX_CI and a == b  # every case once, each the local run's record
+    nodes = {f.name[4:]: f.read_text().split() for f in shared.glob("ran-*") if f.name != "ran-local"}
+    assert len(nodes) == 2 and all(nodes.values())  # both nodes ran cases
+    stalled = next(i for i in a if a[i]["params"]["n"] == STALL_N)
+    assert stalled in nodes[str(pid)] and any(stalled in ids for n, ids in nodes.items() if n != str(pid))
+    assert f"lost the worker running {stalled}" in err
