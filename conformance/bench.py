@@ -6,7 +6,9 @@ Each selected case is judged as in `parity run`, then its kernel is timed on the
   L2 between calls); on the CPU a steady-state timer: one warm call, then calls until 0.25 s (at least
   5, at most 200), median. The inputs are moved to the device once and the output buffers allocated
   once (no poison fill between calls: a bench times the kernel, the judge already checked it);
-  a kernel that writes into its inputs (a cache) keeps writing into the same copies.
+  a kernel that writes into its inputs (a cache) keeps writing into the same copies. A backend may
+  split a call (`Backend.timed`): untimed set-up, then the timed part alone (liger's backward ops:
+  the forward once, then autograd.grad with retain_graph); the record's perf["timed"] says so.
 - bytes moved = every input read once + every output written once (the memory-bound floor; an op may
   declare its own `OpSpec.bytes_moved`, e.g. a decode that reads a cache only up to each length), and
   the matmul work `OpSpec.flops(params)` where the op declares it.

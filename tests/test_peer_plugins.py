@@ -26,7 +26,8 @@ from kernel_parity.conformance.backends import Registry  # noqa: E402
 from kernel_parity.conformance.backends import liger as liger_plugin  # noqa: E402
 from kernel_parity.conformance.backends import quack as quack_plugin  # noqa: E402
 from kernel_parity.conformance.errors import UsageError  # noqa: E402
-from kernel_parity.conformance.runner import Runner  # noqa: E402
+from kernel_parity.conformance.poison import BenchRequest  # noqa: E402
+from kernel_parity.conformance.runner import Prepared, Runner  # noqa: E402
 
 _MODES = {"llama": 0, "gemma": 1, "none": -1}
 
@@ -424,3 +425,27 @@ def test_fa4_says_what_it_cannot_express(fa4_fake):
     assert "head dims of 8..256" in why(d=320)
     assert "fa4 has no kernel for attention.decode" in backend.supports(
         types.SimpleNamespace(op="attention.decode", dtype="bf16", p={}))
+
+
+def test_liger_backward_is_timed_without_its_forward(fakes):
+    """`parity bench` times a liger backward op through the backend's `timed` split: the forward runs once
+    outside the timed call, which returns autograd's gradients for the case's cotangents (the ones the
+    judged `run` adapter returns), and the record's perf says what was timed."""
+    import torch
+
+    backend = liger_plugin.make(device="cpu")
+    runner = Runner(Registry(extra=[]), recheck=False, noise=False, diagnose=False, bench=True)
+    runner.registry.add(backend)
+    for op in ("norm.rms_norm", "norm.layer_norm", "rope.rope", "mlp.swiglu", "mlp.geglu"):
+        for p in (CASES["liger"][op][0], CASES["liger"][op][-1]):
+            case = ops.make_case(f"{op}_backward", "liger", "fp32", p, "normal", 5)
+            prep = Prepared(ops.get(case.op), case)
+            inputs = {k: v.copy() for k, v in prep.inputs.items()}
+            call, what = backend.timed[case.op](case, inputs, BenchRequest({}, {}, {}, backend=backend, device="cpu"))
+            got = call()
+            want = backend.run(case, inputs, BenchRequest({}, {}, {}, backend=backend, device="cpu"))
+            assert len(got) == len(want) and "forward ran once, untimed" in what
+            for g, (name, w) in zip(got, want.items()):
+                assert torch.equal(g, w), f"{case.id}: timed {name} differs from the adapter's"
+            rec = runner.evaluate(case)
+            assert rec.verdict == "pass" and rec.perf["timed"] == what and rec.perf["ms"] > 0, rec.id

@@ -65,6 +65,10 @@ class Backend:
     backward: dict[str, Adapter] = field(default_factory=dict)  # op -> fn(case, inputs, cotangents, out)
     # op -> fn(case) -> None | reason: what one op's kernel cannot do (a weight format it has no path for)
     support: dict[str, Callable[[Any], str | None]] = field(default_factory=dict)
+    # op -> fn(case, inputs, out) -> (call, what): the untimed set-up of one kernel call (a training
+    # step's forward, whose saved tensors the backward kernels read) and the zero-argument call that
+    # `parity bench` times in place of the whole adapter; `what` goes into the record's perf["timed"]
+    timed: dict[str, Callable[[Any, dict, Any], tuple[Callable[[], Any], str]]] = field(default_factory=dict)
 
     def available(self) -> str | None:
         """None, or why this backend cannot run at all on this machine (every case skips)."""

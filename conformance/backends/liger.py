@@ -27,7 +27,9 @@ implementation for the device), one call per case:
   run on the tensors its own forward saved. The fused residual RMSNorm gets (dy, dh) for (y, h);
   RoPE's backward is taken through q (its throwaway k gets a zero cotangent).
 - Every adapter returns liger's own output tensors (and autograd's .grad), never a copy into the
-  harness's buffers, so `parity bench` times liger's call alone, as its own benchmarks do.
+  harness's buffers, so `parity bench` times liger's call alone, as its own benchmarks do. For the
+  backward ops `parity bench` times only the backward (`Backend.timed`): the forward once, untimed,
+  then torch.autograd.grad(retain_graph=True), as benchmarks/gpu_layers_bwd.py times it.
 
 What it cannot express is a skip with the reason (`supports`): rows in an aligned width (pad > 0:
 liger normalises every lane of the row it is given), rows wider than one Triton block
@@ -226,12 +228,17 @@ def _norm_mode(p: dict) -> tuple[float, str]:
     return (1.0, "gemma") if p["gemma"] else (0.0, "llama")
 
 
-def _rms_norm_backward(case, inputs, out):
+# Each backward is a graph builder: (outputs, their cotangents, {gradient name: leaf}). `run` takes the
+# gradients as a training step does (autograd.backward, then .grad); `timed` (parity bench) runs the
+# forward once and times torch.autograd.grad(retain_graph=True) alone, as benchmarks/gpu_layers_bwd.py
+# times liger and eager torch. liger's backward kernels may write into the tensors its forward saved
+# (SwiGLU's, RoPE's cotangent): repeated calls then see other values, never other work.
+def _rms_norm_graph(case, inputs, dev):
     import torch
 
     import liger_kernel.ops as lk
 
-    p, dev = case.p, out.device
+    p = case.p
     x, w = _leaf(inputs["x"], dev), _leaf(inputs["w"], dev)
     dy = to_torch(inputs["dy"], dev)
     offset, mode = _norm_mode(p)
@@ -239,34 +246,29 @@ def _rms_norm_backward(case, inputs, out):
         y, h = lk.LigerFusedAddRMSNormFunction.apply(x, to_torch(inputs["r"], dev), w, float(p["eps"]), offset,
                                                      mode, False)
         dh = to_torch(inputs["dh"], dev) if "dh" in inputs else torch.zeros_like(h)
-        torch.autograd.backward((y, h), (dy, dh))
-    else:
-        y = lk.LigerRMSNormFunction.apply(x, w, float(p["eps"]), offset, mode, False)
-        y.backward(dy)
-    return {"dx": x.grad, "dw": w.grad}
+        return (y, h), (dy, dh), {"dx": x, "dw": w}
+    y = lk.LigerRMSNormFunction.apply(x, w, float(p["eps"]), offset, mode, False)
+    return (y,), (dy,), {"dx": x, "dw": w}
 
 
-def _layer_norm_backward(case, inputs, out):
+def _layer_norm_graph(case, inputs, dev):
     import torch
 
     import liger_kernel.ops as lk
 
-    p, dev = case.p, out.device
+    p = case.p
     x, w = _leaf(inputs["x"], dev), _leaf(inputs["w"], dev)
     b = _leaf(inputs["b"], dev) if p["bias"] else torch.zeros_like(w)
-    lk.LigerLayerNormFunction.apply(x, w, b, float(p["eps"])).backward(to_torch(inputs["dy"], dev))
-    res = {"dx": x.grad, "dw": w.grad}
-    if p["bias"]:
-        res["db"] = b.grad
-    return res
+    y = lk.LigerLayerNormFunction.apply(x, w, b, float(p["eps"]))
+    return (y,), (to_torch(inputs["dy"], dev),), {"dx": x, "dw": w, **({"db": b} if p["bias"] else {})}
 
 
-def _rope_backward(case, inputs, out):
+def _rope_graph(case, inputs, dev):
     import torch
 
     import liger_kernel.ops as lk
 
-    p, dev = case.p, out.device
+    p = case.p
     dy = to_torch(inputs["dy"], dev)  # t, h, d
     t, _, d = dy.shape
     x = torch.zeros_like(dy).requires_grad_()  # RoPE is linear: its backward does not read x
@@ -274,27 +276,49 @@ def _rope_backward(case, inputs, out):
     k = torch.zeros((1, t, 1, d), dtype=dy.dtype, device=dev)
     cos, sin = _cos_sin_rows(case, inputs, dev)
     q_out, k_out = lk.LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin, None, 1, p["rot"])
-    torch.autograd.backward((q_out, k_out), (dy[None].transpose(1, 2), torch.zeros_like(k_out)))
-    return {"dx": x.grad}
+    return (q_out, k_out), (dy[None].transpose(1, 2), torch.zeros_like(k_out)), {"dx": x}
 
 
-def _glu_backward(fn_name: str):
-    def run(case, inputs, out):
+def _glu_graph(fn_name: str):
+    def graph(case, inputs, dev):
         import liger_kernel.ops as lk
 
-        dev = out.device
         dy = to_torch(inputs["dy"], dev)
         if case.p["layout"] == "fused":
             h = _leaf(inputs["h"], dev)
             i = h.shape[1] // 2
             fused = getattr(lk, "LigerFusedGateUpSiLUMulFunction", None) if fn_name == "swiglu" else None
             y = fused.apply(h) if fused is not None else _glu(lk, fn_name).apply(h[:, :i], h[:, i:])
-            y.backward(dy)
-            return {"dh": h.grad}
+            return (y,), (dy,), {"dh": h}
         gate, up = _leaf(inputs["gate"], dev), _leaf(inputs["up"], dev)
-        _glu(lk, fn_name).apply(gate, up).backward(dy)
-        return {"dgate": gate.grad, "dup": up.grad}
-    return run
+        return (_glu(lk, fn_name).apply(gate, up),), (dy,), {"dgate": gate, "dup": up}
+    return graph
+
+
+def _backward(graph):
+    """(run, timed) adapters of one backward op from its graph builder."""
+    def run(case, inputs, out):
+        import torch
+
+        outs, cots, leaves = graph(case, inputs, out.device)
+        torch.autograd.backward(outs, cots)
+        return {name: leaf.grad for name, leaf in leaves.items()}
+
+    def timed(case, inputs, out):
+        import torch
+
+        outs, cots, leaves = graph(case, inputs, out.device)
+        wrt = list(leaves.values())
+        return (lambda: torch.autograd.grad(outs, wrt, cots, retain_graph=True),
+                "liger's backward kernels alone: its forward ran once, untimed (autograd.grad, retain_graph)")
+    return run, timed
+
+
+BACKWARD = {"norm.rms_norm_backward": _backward(_rms_norm_graph),
+            "norm.layer_norm_backward": _backward(_layer_norm_graph),
+            "rope.rope_backward": _backward(_rope_graph),
+            "mlp.swiglu_backward": _backward(_glu_graph("swiglu")),
+            "mlp.geglu_backward": _backward(_glu_graph("geglu"))}
 
 
 def _glu(lk: Any, fn_name: str) -> Any:
@@ -305,10 +329,8 @@ def make(device: str = "cuda") -> LigerBackend:
     return LigerBackend(
         name="liger", device=device, dtypes=("fp32", "fp16", "bf16"),
         ops={"norm.rms_norm": _rms_norm, "norm.layer_norm": _layer_norm, "rope.rope": _rope,
-             "mlp.swiglu": _swiglu, "mlp.geglu": _geglu,
-             "norm.rms_norm_backward": _rms_norm_backward, "norm.layer_norm_backward": _layer_norm_backward,
-             "rope.rope_backward": _rope_backward, "mlp.swiglu_backward": _glu_backward("swiglu"),
-             "mlp.geglu_backward": _glu_backward("geglu")},
+             "mlp.swiglu": _swiglu, "mlp.geglu": _geglu, **{op: run for op, (run, _) in BACKWARD.items()}},
+        timed={op: timed for op, (_, timed) in BACKWARD.items()},
         doc="liger-kernel's Triton kernels (RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU, forward and backward) on a "
             "CUDA GPU",
     )
