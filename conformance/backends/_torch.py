@@ -85,3 +85,33 @@ def torch_dtype(d: dt.DType) -> Any:
     import torch
 
     return getattr(torch, d.torch_name)
+
+
+def autograd_timed(run: Any, what: str) -> Any:
+    """`Backend.timed` for an eager adapter whose backward is torch.autograd.grad through a forward it
+    builds: the adapter runs once (untimed) with its autograd.grad calls kept (retain_graph), and the
+    timed call replays those calls alone, as benchmarks/gpu_layers_bwd.py times eager torch. An adapter
+    that made no autograd.grad call is timed whole."""
+    def split(case: Any, inputs: dict, out: Any) -> tuple[Any, str | None]:
+        import torch
+
+        real, calls = torch.autograd.grad, []
+
+        def keep(outputs: Any, wrt: Any, grad_outputs: Any = None, **kw: Any) -> Any:
+            kw["retain_graph"] = True
+            calls.append((outputs, wrt, grad_outputs, kw))
+            return real(outputs, wrt, grad_outputs, **kw)
+
+        torch.autograd.grad = keep
+        try:
+            run(case, inputs, out)
+        finally:
+            torch.autograd.grad = real
+        if not calls:
+            return (lambda: run(case, inputs, out)), None
+
+        def replay() -> None:
+            for outputs, wrt, grad_outputs, kw in calls:
+                real(outputs, wrt, grad_outputs, **kw)
+        return replay, what
+    return split
