@@ -1,9 +1,17 @@
 """GPU benchmark of the Triton layer backward kernels on Hopper: RMSNorm, LayerNorm and SwiGLU backward
 (kernels/triton/norm_backward.py, kernels/triton/mlp.py) beside eager torch's autograd and liger-kernel.
 
-    python benchmarks/gpu_layers_bwd.py [--quick] [--out PATH]
+    python benchmarks/gpu_layers_bwd.py [--quick] [--out PATH]            # a thin caller of `parity bench`
+    python benchmarks/gpu_layers_bwd.py --direct [--quick] [--out PATH]   # the measurement by hand
 
-Copy bandwidth first (a 512 MiB device-to-device copy, bytes read + written, do_bench median), then per
+By default the shapes below go to `parity bench` (benchmarks/bench_cases.py) as norm.rms_norm_backward
+(with the forward's rstd), norm.layer_norm_backward (with a bias, mean and rstd) and
+mlp.swiglu_backward (split gate / up), backends triton (ours), torch and liger: every case judged by
+the gate, timed with do_bench, its bytes over the copy ceiling of the same run, each peer's ms over
+ours. torch's and liger's backward are timed without their forward, as below (`Backend.timed`: the
+forward once, untimed, then autograd.grad with retain_graph), so the ratios are those of --direct.
+
+--direct: copy bandwidth first (a 512 MiB device-to-device copy, bytes read + written, do_bench median), then per
 shape and dtype, each backward timed alone (do_bench medians):
   rms_bwd   ours: dx, dw from x, w, the forward's fp32 rstd and dy;  bytes = x + dy read, dx written
   ln_bwd    ours: dx, dw, db from x, w, mean, rstd, dy;               bytes as rms_bwd
@@ -27,14 +35,40 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+SHAPES = [(16384, 4096), (32768, 4096), (16384, 8192), (4096, 14336)]  # (rows, n), the --direct shapes
+
+
+def entries(quick: bool = False) -> list[dict]:
+    """The benchmark's cases as suite entries (bench_cases.run): bf16 at every shape, fp32 at the first two."""
+    todo = [("bf16", s) for s in SHAPES] + [("fp32", s) for s in SHAPES[:2]]
+    todo = todo[:2] if quick else todo
+    out = []
+    for dtype in dict.fromkeys(d for d, _ in todo):
+        shapes = [s for d, s in todo if d == dtype]
+        out += [{"op": "norm.rms_norm_backward", "backends": ["triton", "torch", "liger"], "dtypes": [dtype],
+                 "params": [dict(rows=r, n=n, pad=0, eps="1e-6", gemma=0, residual=0, rstd=1) for r, n in shapes]},
+                {"op": "norm.layer_norm_backward", "backends": ["triton", "torch", "liger"], "dtypes": [dtype],
+                 "params": [dict(rows=r, n=n, pad=0, eps="1e-5", bias=1, stats=1) for r, n in shapes]},
+                {"op": "mlp.swiglu_backward", "backends": ["triton", "torch", "liger"], "dtypes": [dtype],
+                 "params": [dict(t=r, i=n, layout="split") for r, n in shapes]}]
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="two shapes, bf16 only")
+    p.add_argument("--direct", action="store_true", help="the measurement by hand instead of parity bench")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "layers-bwd-bench.json"))
     args = p.parse_args()
     from kernel_parity.reports.files import check_output_or_exit
 
     check_output_or_exit(p.prog, "--out", args.out)
+    if not args.direct:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_cases import run
+
+        return run(entries(args.quick), out=args.out, ours="triton", argv=("--no-recheck",),
+                   description="benchmarks/gpu_layers_bwd.py")
     import torch
     import torch.nn.functional as F
     import triton
@@ -56,7 +90,7 @@ def main() -> int:
     peers = _peers()
     out["peers"] = {k: (v if isinstance(v, str) else "available") for k, v in peers.items()}
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    shapes = [(16384, 4096), (32768, 4096), (16384, 8192), (4096, 14336)]
+    shapes = SHAPES
     todo = [("bf16", s) for s in shapes] + [("fp32", s) for s in shapes[:2]]
     if args.quick:
         todo = todo[:2]
