@@ -40,6 +40,15 @@ N_SOFTMAX_CI = len(suites.cases("ci", suites.Filters(ops=("softmax.softmax",), b
 KILL_ONCE_N, KILL_ALWAYS_N = 17, 239  # softmax.softmax ci cases (params n) whose kernel kills its Ray worker
 
 
+def _softmax(inputs, out):
+    """A correct softmax of the case's x into its y (the test backends' own work)."""
+    x = inputs["x"].astype(np.float64)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    y = out.numpy("y")
+    y[...] = (e / e.sum(axis=-1, keepdims=True)).astype(y.dtype)
+    return {"y": y}
+
+
 # -- a backend that kills the Ray worker running it -------------------------------------------------------
 def _kill_ray_worker() -> None:
     parent = os.getppid()
@@ -57,11 +66,7 @@ def _kills(case, inputs, out):
         with marker.open("a") as f:
             f.write("x")
         _kill_ray_worker()
-    x = inputs["x"].astype(np.float64)
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    y = out.numpy("y")
-    y[...] = (e / e.sum(axis=-1, keepdims=True)).astype(y.dtype)
-    return {"y": y}
+    return _softmax(inputs, out)
 
 
 KILLS_RAY_WORKER = Backend(name="np_kills_ray_worker", device="cpu", ops={"softmax.softmax": _kills},
@@ -72,11 +77,7 @@ def _spy(case, inputs, out):
     """A correct softmax that notes which GPU its worker was given (CUDA_VISIBLE_DEVICES)."""
     with open(Path(os.environ["KP_TEST_DEVICES_DIR"]) / str(os.getpid()), "a") as f:
         f.write(os.environ.get("CUDA_VISIBLE_DEVICES", "unset") + "\n")
-    x = inputs["x"].astype(np.float64)
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    y = out.numpy("y")
-    y[...] = (e / e.sum(axis=-1, keepdims=True)).astype(y.dtype)
-    return {"y": y}
+    return _softmax(inputs, out)
 
 
 DEVICE_SPY = Backend(name="np_device_spy", device="cpu", ops={"softmax.softmax": _spy},
@@ -95,11 +96,7 @@ def _node_spy(case, inputs, out):
     if case.p["n"] == STALL_N and node != "local" and not (shared / "stalled").exists():
         (shared / "stalled").write_text(node)
         time.sleep(120)  # ended with its node: executors.worker_setup's watch sees its Ray worker go
-    x = inputs["x"].astype(np.float64)
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    y = out.numpy("y")
-    y[...] = (e / e.sum(axis=-1, keepdims=True)).astype(y.dtype)
-    return {"y": y}
+    return _softmax(inputs, out)
 
 
 NODE_SPY = Backend(name="np_node_spy", device="cpu", ops={"softmax.softmax": _node_spy},
