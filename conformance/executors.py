@@ -48,7 +48,6 @@ LOST_LIMIT = 3  # Ray worker deaths while one case runs before that case is a `c
 _WINDOW_PER_CPU = 4  # Ray tasks in flight per cluster CPU; the others wait here, not in Ray's queue
 _WATCH_S = 1.0  # how often an isolated worker checks that the process that started it is alive
 _PROBE_S = 5.0  # seconds to wait for a TCP answer at --address before ray.init
-_THREAD_VARS = THREAD_VARS  # parallel.py sets them in the environment its workers are spawned with
 _RAY_STARTED = False  # this process called ray.init (and so shuts Ray down after the run)
 
 
@@ -422,7 +421,7 @@ def _run_ray(groups: list[list[str]], jobs: int, extra_backends: list[str], opti
             print(f"parity: ray: {len(groups)} case groups over a cluster of {total.get('CPU', 0):g} CPUs and "
                   f"{total.get('GPU', 0):g} GPUs", file=sys.stderr)
         threads = max(1, _cores() // jobs) if jobs > 1 else 0  # as run_isolated gives its workers
-        threads_env = {var: os.environ.get(var) for var in _THREAD_VARS}
+        threads_env = {var: os.environ.get(var) for var in THREAD_VARS}
         waiting = list(groups)
         flying: dict[Any, _Flight] = {}
         lost: dict[str, int] = {}  # case id -> Ray worker deaths while it ran
