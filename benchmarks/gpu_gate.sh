@@ -5,6 +5,8 @@
 #   tf32    parity mutants of the gpu-only (tf32) mutants -> $OUT/mutants-gpu-<device>.json
 #   sweep   parity sweep --suite models --backend triton (+ torch) -> $OUT/sweep-models-<device>.jsonl
 #   gemm    benchmarks/gpu_gemm.py (quantized GEMMs vs torch / _scaled_mm and the limits) -> $OUT/gemm-bench-<device>.json
+#   q8      triton-q8 (Q4_K x Q8_K, kernels/triton/gemm_q8.py): its ci cases on the GPU, then the q8 section
+#           of benchmarks/gpu_gemm.py with its sweep -> $OUT/ci-q8-<device>.jsonl, $OUT/q8-bench-<device>.json
 #   mla     benchmarks/gpu_mla.py (MLA decode vs the copy / matmul limits and FlashMLA's figures) -> $OUT/mla-bench-<device>.json
 #   layers  benchmarks/gpu_{norm,rope,mlp}.py (RMSNorm, LayerNorm, RoPE, SwiGLU / GeGLU vs the copy rate, torch and
 #           the peers that import) -> $OUT/{norm,rope,mlp}-bench-<device>.json
@@ -44,6 +46,9 @@ for step in $STEPS; do
     sweep) $PARITY sweep --suite models $OPS --backend triton --per-op "$PER_OP" --no-progress -q --jobs "$JOBS" \
              --json "$OUT/sweep-models$TAG-$DEV.jsonl" || rc=1 ;;
     gemm) python3 benchmarks/gpu_gemm.py --quick --out "$OUT/gemm-bench-$DEV.json" --budget-s "${BUDGET_S:-60}" || rc=1 ;;
+    q8) $PARITY run --suite ci --backend triton-q8 --op gemm.gemm_nt --no-progress -q --jobs "$JOBS" \
+          --json "$OUT/ci-q8-$DEV.jsonl" || rc=1
+        python3 benchmarks/gpu_gemm.py --sections q8 --out "$OUT/q8-bench-$DEV.json" --budget-s "${BUDGET_S:-120}" || rc=1 ;;
     mla) python3 benchmarks/gpu_mla.py --out "$OUT/mla-bench-$DEV.json" --tune-budget "${BUDGET_S:-60}" || rc=1 ;;
     layers) for f in norm rope mlp; do python3 benchmarks/gpu_$f.py --out "$OUT/$f-bench-$DEV.json" || rc=1; done ;;
     peers) $PARITY run --suite peers --no-progress -q --jobs "$JOBS" --json "$OUT/peers-$DEV.jsonl" || rc=1 ;;

@@ -97,6 +97,36 @@ def test_a_row_alone_gives_that_row(parity, backend, case, row):
         runs.assert_close(single, got, want, f"row {row} of A is multiplied alone")
 
 
+def _q4_k(p):
+    return {**_shape(p), "wfmt": "q4_k"}
+
+
+@pytest.mark.parity_backends("triton-q8")
+@settings(max_examples=6)  # the interpreter runs a program per row of A and tile of W: seconds each
+@given(case=cases("gemm.gemm_nt", m=[1, 2, 5], n=(0, 5), k=(0, 1), transform=_q4_k))
+def test_gemm_nt_q8(parity, backend, case):
+    """triton-q8 (Q4_K x Q8_K activations) against its claimed reference, `emulated`."""
+    parity.check(case.with_backend(backend))
+
+
+@pytest.mark.parity_backends("triton-q8")
+@settings(max_examples=3)
+@given(case=cases("gemm.gemm_nt", m=[3], n=(0, 3), k=(0, 1), dtypes=("fp32",), transform=_q4_k),
+       row=st.integers(0, 2))
+def test_q8_row_alone_gives_that_row_bit_for_bit(parity, backend, case, row):
+    """Each row of A is quantized and multiplied on its own (one program row, integer dots): the same
+    bits whatever M is."""
+    case = case.with_backend(backend)
+    rec, arrays = parity.arrays(case)
+    assume(rec.verdict != "skip")
+    one = dict(arrays["inputs"])
+    one["a"] = np.ascontiguousarray(one["a"][row:row + 1])
+    single = ops.make_case(case.op, backend, case.dtype, {**case.p, "m": 1}, case.dist, case.seed)
+    alone = runs.run(single, one)
+    runs.assert_same_bits(case, {"c": np.asarray(alone["c"])}, {"c": np.asarray(arrays["outputs"]["c"])[row:row + 1]},
+                          f"row {row} of A is quantized and multiplied alone")
+
+
 # -- gemm.gemm_nt_backward ---------------------------------------------------------------------------------
 BWD = "gemm.gemm_nt_backward"
 FEW = settings(max_examples=6)  # each example runs the kernels two or three times (the interpreter: seconds)

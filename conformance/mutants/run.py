@@ -63,10 +63,14 @@ def select(args: Any) -> list[Mutant]:
     return muts
 
 
+# Our backends whose kernels live in one kernels/ folder: a mutant of kernels/triton/ runs the cases of each.
+OWN_BACKENDS = {"triton": ("triton", "triton-q8")}
+
+
 def gate_cases(mutant: Mutant, suite: str) -> list[Case]:
-    """The suite's cases of the mutant's backend, its own op family first."""
+    """The suite's cases of the mutant's backends (OWN_BACKENDS), its own op family first."""
     mine = [c for c in suites.cases(suite, Filters(scale="cpu" if not _gpu() else "auto"))
-            if c.backend == mutant.backend]
+            if c.backend in OWN_BACKENDS.get(mutant.backend, (mutant.backend,))]
     return sorted(mine, key=lambda c: c.op.split(".", 1)[0] != mutant.stem)
 
 

@@ -1,0 +1,225 @@
+"""GEMV and small-M GEMM over Q4_K weights with quantized activations, ggml's production arithmetic.
+
+C = A @ W^T the way llama.cpp's CUDA backend computes a quantized mat-vec (mul_mat_vec_q): the
+activations are quantized to Q8_K first (per row, blocks of 256: d = max / -127 of the element of
+largest magnitude, codes rounded half to even, sums of each 32 codes), then every weight meets its
+activation as an 8-bit integer product, four at a time (`dp4a`), and the scales are applied once per
+32 weights. The result is gemm.gemm_nt's `emulated` reference (L2), not `dequant`: its distance to
+`dequant` is the activation quantization, which llama.cpp's users get on a GPU too.
+
+Why (benchmarks/NOTES-gemm.md): the exact kernel of gemm_gemv.py dequantizes every weight to fp32,
+~5-6.4 instructions a Q4_K weight against the ~7 an H100 can issue while it streams one, which held
+it at 48% of copy. Here a 32-bit word of Q4_K codes is two LOP3s (low and high nibbles, four codes
+each) and two dp4a: ~1 instruction a weight with the activation loads and scales.
+
+Layout as gemm_gemv.py's Q4_K path: tensors of (BLOCK_M, BLOCK_N, NB, 4) with lane c of 4 holding
+chunk c of a 256-block (64 weights: the 16-byte header and two 16-byte loads of codes), rows of A and W
+broadcast by index, an unmasked main loop and a masked tail. The activation codes of a chunk are
+four 16-byte loads shared by the BLOCK_N rows a thread holds.
+
+The integer instruction and the exact fp32 division / rounding of the quantizer are inline PTX on a
+GPU; under TRITON_INTERPRET=1 (no PTX) the same integers and IEEE results come from plain Triton
+arithmetic (`ASM=False`), so the CPU tests check every index and every rounding of the algorithm.
+
+References: ggml-quants.c (quantize_row_q8_K_ref, ggml_vec_dot_q4_K_q8_K_generic), llama.cpp's CUDA
+vecdotq.cuh (vec_dot_q4_K_q8_1: the dp4a formulation).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemm import _check_common
+from .gemm_gemv import _ld, _split4
+
+# (BLOCK_M, BLOCK_N, NB, num_warps, num_stages); not tuned on a GPU yet (gemm_gemv's Q4_K shape).
+CONFIGS = {"q4_k": (1, 8, 8, 4, 1)}
+_U32 = tl.constexpr(tl.pointer_type(tl.uint32))
+
+
+@triton.jit
+def _dp4a(w, a, c, ASM: tl.constexpr):
+    """c + sum_i w.byte[i] * a.sbyte[i]: the four unsigned bytes of w times the four signed bytes of a."""
+    if ASM:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [w, a, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        wi = w.to(tl.int32, bitcast=True)
+        ai = a.to(tl.int32, bitcast=True)
+        s = c
+        for i in tl.static_range(4):
+            s += ((wi >> (8 * i)) & 0xFF) * ((ai << (24 - 8 * i)) >> 24)
+        return s
+
+
+@triton.jit
+def _div_rn(x, y, ASM: tl.constexpr):
+    """x / y rounded to nearest even (IEEE), also where the compiler's `/` is an approximation."""
+    if ASM:
+        return tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return x / y
+
+
+@triton.jit
+def _rint(x, ASM: tl.constexpr):
+    """The integer nearest x, ties to even (ggml's nearest_int for |x| < 2^22), as int32."""
+    if ASM:
+        return tl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,f", [x], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:  # numpy float32 under the interpreter: no contraction, the magic sum rounds to even
+        return ((x + 12582912.0) - 12582912.0).to(tl.int32)
+
+
+@triton.jit
+def _quantize_q8_k_kernel(A_ptr, Q_ptr, D_ptr, S_ptr, n_blocks, stride_am, stride_ak, ASM: tl.constexpr):
+    """Row m, block b of A as Q8_K: codes to Q[m, 256 b ..], d to D[m, b], the sums of each 32 codes to
+    S[m, 8 b ..] (quantize_row_q8_K_ref: the first element of largest magnitude sets the sign of d)."""
+    m = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    j = tl.arange(0, 256)
+    x = tl.load(A_ptr + m * stride_am + (b * 256 + j) * stride_ak).to(tl.float32)
+    ax = tl.abs(x)
+    ax = tl.where(ax == ax, ax, -1.0)  # `fabsf(NaN) > amax` is false: a NaN never sets the scale
+    amax = tl.max(ax, axis=0)
+    first = tl.min(tl.where(ax == amax, j, 256), axis=0)
+    mx = tl.sum(tl.where(j == first, x, 0.0), axis=0)
+    nz = amax > 0
+    iscale = _div_rn(tl.full([256], -127.0, tl.float32), tl.where(nz, mx, 1.0) + tl.zeros([256], tl.float32), ASM)
+    q = tl.minimum(_rint(iscale * x, ASM), 127)
+    q = tl.where(nz, q, 0)
+    d = _div_rn(tl.full([256], 1.0, tl.float32), iscale, ASM)
+    tl.store(Q_ptr + m * n_blocks * 256 + b * 256 + j, q.to(tl.int8))
+    tl.store(D_ptr + m * n_blocks + b + j, tl.where(nz, d, 0.0), mask=j == 0)
+    s = tl.sum(tl.reshape(q, (8, 32)), axis=1)
+    tl.store(S_ptr + m * n_blocks * 8 + b * 8 + tl.arange(0, 8), s)
+
+
+def quantize_q8_k(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """a (M, K) float, K a multiple of 256 -> (codes int8 (M, K), d float32 (M, K / 256), sums of each 32
+    codes int32 (M, K / 32)): Q8_K's fields, the codes and d bit for bit ggml's reference quantizer."""
+    M, K = a.shape
+    if K % 256:
+        raise ValueError(f"quantize_q8_k: K={K} must be a multiple of 256")
+    nb = K // 256
+    q = torch.empty((M, K), dtype=torch.int8, device=a.device)
+    d = torch.empty((M, nb), dtype=torch.float32, device=a.device)
+    s = torch.empty((M, nb * 8), dtype=torch.int32, device=a.device)
+    if M and nb:
+        _quantize_q8_k_kernel[(M, nb)](a, q, d, s, nb, a.stride(0), a.stride(1), ASM=a.is_cuda, num_warps=2)
+    return q, d, s
+
+
+@triton.jit
+def _q4_k_q8_tile(acc, Q_row, S_row, D_row, Wb, blk, c, mask, ASM: tl.constexpr, MASKED: tl.constexpr):
+    """Chunk c (64 weights) of the 256-blocks blk at Wb against their Q8_K activations: the integer
+    sums of sub-blocks 2c (low nibbles) and 2c + 1 (high), times their 6-bit scales, times d d_a,
+    minus dmin d_a times the 6-bit mins times the activation sums."""
+    t = tl.arange(0, 4)[None, None, None, None, :]
+    m5 = mask[:, :, :, :, None]
+    dd, s0, s1, s2 = _split4(_ld(Wb.to(_U32)[:, :, :, :, None] + t, m5, MASKED))
+    q0, q1, q2, q3 = _split4(_ld((Wb + 16 + 32 * c).to(_U32)[:, :, :, :, None] + t, m5, MASKED))
+    q4, q5, q6, q7 = _split4(_ld((Wb + 32 + 32 * c).to(_U32)[:, :, :, :, None] + t, m5, MASKED))
+    k = blk * 256 + 64 * c  # the chunk's first element
+    a_lo = _split4(_ld((Q_row + k).to(_U32)[:, :, :, :, None] + t, m5, MASKED)) + \
+        _split4(_ld((Q_row + k + 16).to(_U32)[:, :, :, :, None] + t, m5, MASKED))
+    a_hi = _split4(_ld((Q_row + k + 32).to(_U32)[:, :, :, :, None] + t, m5, MASKED)) + \
+        _split4(_ld((Q_row + k + 48).to(_U32)[:, :, :, :, None] + t, m5, MASKED))
+    words = (q0, q1, q2, q3, q4, q5, q6, q7)
+    s_lo = tl.zeros(q0.shape, dtype=tl.int32)
+    s_hi = tl.zeros(q0.shape, dtype=tl.int32)
+    for i in tl.static_range(8):  # byte l of the chunk: element l (low nibble) and 32 + l (high)
+        s_lo = _dp4a(words[i] & 0x0F0F0F0F, a_lo[i], s_lo, ASM)
+        s_hi = _dp4a((words[i] >> 4) & 0x0F0F0F0F, a_hi[i], s_hi, ASM)
+    # get_scale_min_k4 for sub-blocks 2c, 2c + 1: bytes (c % 2) * 2 + {0, 1} of each scale word
+    sh = 16 * (c % 2)
+    S0 = s0 >> sh
+    S1 = s1 >> sh
+    S2 = s2 >> sh
+    lo = c < 2
+    scp = tl.where(lo, S0, (S2 & 0x0F0F) | ((S0 >> 2) & 0x3030)).to(tl.int32)
+    mnp = tl.where(lo, S1, ((S2 >> 4) & 0x0F0F) | ((S1 >> 2) & 0x3030)).to(tl.int32)
+    isum = (scp & 63) * s_lo + ((scp >> 8) & 63) * s_hi
+    bs0 = _ld(S_row + blk * 8 + 2 * c, mask, MASKED)
+    bs1 = _ld(S_row + blk * 8 + 2 * c + 1, mask, MASKED)
+    msum = (mnp & 63) * bs0 + ((mnp >> 8) & 63) * bs1
+    da = _ld(D_row + blk, mask, MASKED)
+    d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = (dd >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return acc + (d * da) * isum.to(tl.float32) - (dmin * da) * msum.to(tl.float32)
+
+
+@triton.jit
+def _gemv_q4_k_q8_kernel(
+    Q_ptr, D_ptr, S_ptr, W_ptr, Bias_ptr, C_ptr, M, N, n_blocks, stride_wn, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m4 = tl.minimum(offs_m, M - 1).to(tl.int64)[:, None, None, None]  # rows past M / N: results dropped
+    n4 = tl.minimum(offs_n, N - 1).to(tl.int64)[None, :, None, None]
+    zero = tl.zeros([BLOCK_M, BLOCK_N, NB, 4], dtype=tl.int32)
+    nb4 = tl.arange(0, NB)[None, None, :, None] + zero
+    c4 = tl.arange(0, 4)[None, None, None, :] + zero
+    Q_row = Q_ptr + m4 * n_blocks * 256
+    S_row = S_ptr + m4 * n_blocks * 8
+    D_row = D_ptr + m4 * n_blocks
+    W_row = W_ptr + n4 * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N, NB, 4], dtype=tl.float32)
+    b_full = n_blocks // NB * NB
+    for b0 in range(0, b_full, NB):
+        blk = b0 + nb4
+        acc = _q4_k_q8_tile(acc, Q_row, S_row, D_row, W_row + blk * 144, blk, c4, blk < n_blocks, ASM, False)
+    if b_full < n_blocks:
+        blk = b_full + nb4
+        acc = _q4_k_q8_tile(acc, Q_row, S_row, D_row, W_row + blk * 144, blk, c4, blk < n_blocks, ASM, True)
+    res = tl.sum(tl.sum(acc, axis=3), axis=2)
+    if HAS_BIAS:
+        res += tl.load(Bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = C_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, res.to(C_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+def gemm_nt_q8(a: torch.Tensor, wfmt: str, w: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, *, config: tuple[int, ...] | None = None) -> torch.Tensor:
+    """C = a @ W^T (+ bias) in ggml's quantized-activation arithmetic (module docstring): a quantized to
+    Q8_K, integer products, fp32 scales and sums. The `emulated` reference of gemm.gemm_nt.
+
+    a: (M, K) fp32/bf16/fp16, K a multiple of 256; wfmt: "q4_k"; w: (N, K / 256 * 144) uint8, rows
+    4-byte aligned; bias: (N,) added in fp32; out: (M, N) a's dtype. config: (BLOCK_M, BLOCK_N, NB,
+    num_warps, num_stages), tuning only. Returns out.
+    """
+    fmt = str(wfmt).lower()
+    if fmt not in CONFIGS:
+        raise ValueError(f"gemm_nt_q8: weight format {wfmt!r} is not supported; expected one of {sorted(CONFIGS)}")
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or w.dim() != 2:
+        raise ValueError(f"gemm_nt_q8[{fmt}]: w must be a 2-D uint8 tensor of ggml blocks, got "
+                         f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
+    K = a.shape[1] if isinstance(a, torch.Tensor) and a.dim() == 2 else -1
+    if K % 256:
+        raise ValueError(f"gemm_nt_q8[{fmt}]: K={K} must be a multiple of 256")
+    N, nb = w.shape[0], K // 256
+    if w.shape[1] != nb * 144 or (w.numel() > 0 and w.stride(1) != 1):
+        raise ValueError(f"gemm_nt_q8[{fmt}]: w must be ({N}, {nb * 144}) with last-dim stride 1 for K={K}, "
+                         f"got {tuple(w.shape)} strides {tuple(w.stride())}")
+    if w.device != a.device:
+        raise ValueError(f"gemm_nt_q8[{fmt}]: w is on {w.device}, a on {a.device}")
+    if w.numel() > 0 and (w.data_ptr() % 4 or w.stride(0) % 4):
+        raise ValueError(f"gemm_nt_q8[{fmt}]: w's rows must start at 4-byte aligned addresses")
+    M, out = _check_common(a, N, K, bias, out, f"gemm_nt_q8[{fmt}]")
+    if M == 0 or N == 0:
+        return out
+    if nb == 0:
+        return out.copy_(bias.to(out.dtype).expand(M, N) if bias is not None else torch.zeros_like(out))
+    block_m, block_n, NB, num_warps, num_stages = config or CONFIGS[fmt]
+    q, d, s = quantize_q8_k(a)
+    _gemv_q4_k_q8_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
+        q, d, s, w, bias if bias is not None else w, out, M, N, nb, w.stride(0), *out.stride(),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, NB=NB, ASM=a.is_cuda,
+        num_warps=num_warps, num_stages=num_stages)
+    return out
