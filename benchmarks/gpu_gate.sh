@@ -5,7 +5,7 @@
 #   tf32    parity mutants of the gpu-only (tf32) mutants -> $OUT/mutants-gpu-<device>.json
 #   sweep   parity sweep --suite models --backend triton (+ torch) -> $OUT/sweep-models-<device>.jsonl
 #   gemm    benchmarks/gpu_gemm.py (quantized GEMMs vs torch / _scaled_mm and the limits) -> $OUT/gemm-bench-<device>.json
-#   q8      triton-q8 (Q4_K x Q8_K, kernels/triton/gemm_q8.py): its ci cases on the GPU, then the q8 section
+#   q8      triton-q8 (Q4_K x Q8_K, Q8_0 x Q8_0; kernels/triton/gemm_q8.py): its ci cases on the GPU, then the q8 section
 #           of benchmarks/gpu_gemm.py with its sweep -> $OUT/ci-q8-<device>.jsonl, $OUT/q8-bench-<device>.json
 #   mla     benchmarks/gpu_mla.py (MLA decode vs the copy / matmul limits and FlashMLA's figures) -> $OUT/mla-bench-<device>.json
 #   layers  benchmarks/gpu_{norm,rope,mlp}.py (RMSNorm, LayerNorm, RoPE, SwiGLU / GeGLU vs the copy rate, torch and

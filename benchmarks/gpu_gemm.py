@@ -11,7 +11,7 @@
    weight bytes only. Timed as CUDA-graph replays over rotated weight copies whose total exceeds
    3x L2 (a ~10 us kernel: no launch gaps, no L2 reuse); do_bench (L2 flushed per call) beside it.
    torch bf16 GEMV of the same shape for scale.
-2b. q8: Q4_K x Q8_K activations (kernels/triton/gemm_q8.py, backend triton-q8) at M = 1 on both shapes and
+2b. q8: Q4_K x Q8_K and Q8_0 x Q8_0 activations (kernels/triton/gemm_q8.py, backend triton-q8) at M = 1 on both shapes and
    M = 4, 16 on the first: quantizer + integer-dot GEMV as one call, and the GEMV alone, as shares of
    the read and copy rates; checked against the `emulated` golden (and its distance to the dequantized
    product, the activation quantization, recorded beside it).
@@ -67,12 +67,15 @@ DECODE_SWEEP = {
     "q4_0": [(None, None), ((2, 8, 16, 4, 1), None), ((16, 64, 2, 4, 3, 1), None)],
     "q6_k": [(None, None), ((1, 16, 4, 4, 2), None), ((16, 64, 1, 4, 3, 1), None)],
 }
-# kernels/triton/gemm_q8.py (Q4_K x Q8_K activations, backend triton-q8): (BLOCK_M, BLOCK_N, NB, num_warps,
-# num_stages) per M; the first is the launcher's default. Offline sm_90 SASS: 191 instructions an iteration of
-# 128 weights a thread (1.5 a weight, against the exact kernel's 6.4 on the device).
-Q8_SWEEP = {1: [(1, 8, 8, 4, 1), (1, 4, 8, 4, 1), (1, 16, 8, 4, 1), (1, 8, 4, 4, 1), (1, 8, 16, 8, 1)],
-            4: [(1, 8, 8, 4, 1), (2, 8, 8, 4, 1), (4, 8, 4, 4, 1)],
-            16: [(1, 8, 8, 4, 1), (4, 8, 4, 4, 1), (8, 8, 2, 4, 1)]}
+# kernels/triton/gemm_q8.py (Q4_K x Q8_K, Q8_0 x Q8_0 activations, backend triton-q8): (BLOCK_M, BLOCK_N, NB,
+# num_warps, num_stages) per format and M (Q8_0: NB block pairs); the first is the launcher's default. Offline
+# sm_90 SASS, instructions a weight: Q4_K 1.5 (the exact kernel: 6.4 on the device), Q8_0 1.4 / 1.16.
+Q8_SWEEP = {"q4_k": {1: [(1, 8, 8, 4, 1), (1, 4, 8, 4, 1), (1, 16, 8, 4, 1), (1, 8, 4, 4, 1), (1, 8, 16, 8, 1)],
+                     4: [(1, 8, 8, 4, 1), (2, 8, 8, 4, 1), (4, 8, 4, 4, 1)],
+                     16: [(1, 8, 8, 4, 1), (4, 8, 4, 4, 1), (8, 8, 2, 4, 1)]},
+            "q8_0": {1: [(1, 8, 16, 4, 1), (1, 16, 16, 4, 1), (1, 8, 32, 4, 1), (1, 8, 32, 8, 1)],
+                     4: [(1, 8, 16, 4, 1), (2, 8, 16, 4, 1)],
+                     16: [(1, 8, 16, 4, 1), (4, 8, 8, 4, 1)]}}
 # Swept on the first shape; the others run the default and the best. 6th element: GROUP_M.
 PREFILL_SWEEP = [(256, 128, 1, 8, 3, 4), (256, 128, 1, 8, 4, 4), (256, 64, 1, 8, 3, 4), (256, 128, 1, 8, 3, 8)]
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, TMA)
@@ -230,55 +233,53 @@ def gemv(ctx) -> None:
 
 
 def q8(ctx) -> None:
-    """Q4_K x Q8_K (triton-q8): the activation quantizer and the integer-dot GEMV together (what a user
-    calls), and the GEMV alone, on weight bytes against the read and copy rates of this run; checked
+    """triton-q8 (Q4_K x Q8_K, Q8_0 x Q8_0): the activation quantizer and the integer-dot GEMV together (what
+    a user calls), and the GEMV alone, on weight bytes against the read and copy rates of this run; checked
     against the `emulated` golden (float64 of the same integer dots) on the first CHECK_COLS rows."""
     from kernel_parity.kernels.triton import gemm_q8 as Q
     from kernel_parity.refimpl import gemm as refgemm
     torch = ctx.torch
     for n, k in ctx.gemv_shapes:
-        w = ggml_random(ctx, "q4_k", n, k)
-        nbytes = w.numel()
-        rot = [w] + [ggml_random(ctx, "q4_k", n, k) for _ in range(max(1, min(7, -(-3 * ctx.l2 // nbytes) - 1)))]
-        w64 = ggml_w64(ctx, "q4_k", w)
-        w_np = w[:CHECK_COLS].cpu().numpy()
-        for m, sweep in Q8_SWEEP.items():
-            if m > 1 and (n, k) != ctx.gemv_shapes[0]:
+        for fmt, sweeps in Q8_SWEEP.items():
+            if ctx.formats and fmt not in ctx.formats:
                 continue
-            a = torch.randn((m, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
-            outs = [torch.empty((m, n), dtype=a.dtype, device=ctx.dev) for _ in rot]
-            for i, cfg in enumerate(sweep if not ctx.quick else sweep[:1]):
-                if i and ctx.over_budget():
-                    break
+            w = ggml_random(ctx, fmt, n, k)
+            nbytes = w.numel()
+            rot = [w] + [ggml_random(ctx, fmt, n, k) for _ in range(max(1, min(7, -(-3 * ctx.l2 // nbytes) - 1)))]
+            w64 = ggml_w64(ctx, fmt, w)
+            w_np = w[:CHECK_COLS].cpu().numpy()
+            for m, sweep in sweeps.items():
+                if m > 1 and (n, k) != ctx.gemv_shapes[0]:
+                    continue
+                a = torch.randn((m, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
+                outs = [torch.empty((m, n), dtype=a.dtype, device=ctx.dev) for _ in rot]
+                for i, cfg in enumerate(sweep if not ctx.quick else sweep[:1]):
+                    if i and ctx.over_budget():
+                        break
 
-                def run(cfg=cfg, m=m, a=a, outs=outs):
-                    c = Q.gemm_nt_q8(a, "q4_k", w, config=cfg)
-                    ref = torch.from_numpy(refgemm.emulated_reference(a.float().cpu().numpy(), "q4_k", {"w": w_np}))
-                    mag = a.double().abs() @ w64.abs().T
-                    row = dict(fmt="q4_k", path="q8", shape=[m, n, k], config=cfg, weight_bytes=nbytes,
-                               rotations=len(rot), **errors_vs(ctx, c[:, :CHECK_COLS], ref.to(ctx.dev), mag, "bf16"))
-                    dq = (a.double() @ w64.T)  # the dequantized product: the activation quantization's size
-                    row["err_acc_vs_dequant"] = float(((c[:, :CHECK_COLS].double() - dq).abs() / mag).max())
-                    ms = graph_ms(ctx, [lambda ww=ww, o=o: Q.gemm_nt_q8(a, "q4_k", ww, out=o, config=cfg)
-                                        for ww, o in zip(rot, outs)])
-                    qa, da, sa = Q.quantize_q8_k(a)
-                    ms_quant = ctx.bench(lambda: Q.quantize_q8_k(a))
-                    bm, bn, nb, nw, ns = cfg
-                    grid = (-(-n // bn), -(-m // bm))
-
-                    def gemv_only(ww, o):
-                        Q._gemv_q4_k_q8_kernel[grid](qa, da, sa, ww, ww, o, m, n, k // 256, ww.stride(0), *o.stride(),
-                                                     HAS_BIAS=False, BLOCK_M=bm, BLOCK_N=bn, NB=nb, ASM=ctx.cuda,
-                                                     num_warps=nw, num_stages=ns)
-                    ms_gemv = graph_ms(ctx, [lambda ww=ww, o=o: gemv_only(ww, o) for ww, o in zip(rot, outs)])
-                    gbps = nbytes / ms / 1e6
-                    row.update(ms=ms, GBps=gbps, pct_copy=100 * gbps / ctx.copy_gbps, pct_read=100 * gbps / ctx.read_gbps,
-                               ms_quantize=ms_quant, ms_gemv_alone=ms_gemv,
-                               pct_read_gemv_alone=100 * nbytes / ms_gemv / 1e6 / ctx.read_gbps)
-                    return row
-                ctx.entry("q8", f"q4_k x q8_k M={m} {n}x{k} {cfg}", run)
-        del rot, w, w64
-        torch.cuda.empty_cache() if ctx.cuda else None
+                    def run(cfg=cfg, m=m, a=a, outs=outs, fmt=fmt, w=w, w64=w64, w_np=w_np, rot=rot, nbytes=nbytes):
+                        c = Q.gemm_nt_q8(a, fmt, w, config=cfg)
+                        ref = torch.from_numpy(refgemm.emulated_reference(a.float().cpu().numpy(), fmt, {"w": w_np}))
+                        mag = a.double().abs() @ w64.abs().T
+                        row = dict(fmt=fmt, path="q8", shape=[m, n, k], config=cfg, weight_bytes=nbytes,
+                                   rotations=len(rot), **errors_vs(ctx, c[:, :CHECK_COLS], ref.to(ctx.dev), mag, "bf16"))
+                        dq = a.double() @ w64.T  # the dequantized product: the activation quantization's size
+                        row["err_acc_vs_dequant"] = float(((c[:, :CHECK_COLS].double() - dq).abs() / mag).max())
+                        ms = graph_ms(ctx, [lambda ww=ww, o=o: Q.gemm_nt_q8(a, fmt, ww, out=o, config=cfg)
+                                            for ww, o in zip(rot, outs)])
+                        quantize = Q.quantize_q8_k if fmt == "q4_k" else Q.quantize_q8_0
+                        quantized = quantize(a)
+                        ms_quant = ctx.bench(lambda: quantize(a))
+                        ms_gemv = graph_ms(ctx, [lambda ww=ww, o=o: Q.launch_gemv(fmt, quantized, ww, None, o, cfg)
+                                                 for ww, o in zip(rot, outs)])
+                        gbps = nbytes / ms / 1e6
+                        row.update(ms=ms, GBps=gbps, pct_copy=100 * gbps / ctx.copy_gbps,
+                                   pct_read=100 * gbps / ctx.read_gbps, ms_quantize=ms_quant, ms_gemv_alone=ms_gemv,
+                                   pct_read_gemv_alone=100 * nbytes / ms_gemv / 1e6 / ctx.read_gbps)
+                        return row
+                    ctx.entry("q8", f"{fmt} x q8 M={m} {n}x{k} {cfg}", run)
+            del rot, w, w64
+            torch.cuda.empty_cache() if ctx.cuda else None
 
 
 def prefill(ctx) -> None:

@@ -98,14 +98,15 @@ def test_a_row_alone_gives_that_row(parity, backend, case, row):
 
 
 def _q4_k(p):
-    return {**_shape(p), "wfmt": "q4_k"}
+    """triton-q8's formats: Q4_K or Q8_0 (picked by the drawn format's name, deterministically)."""
+    return {**_shape(p), "wfmt": ("q4_k", "q8_0")[len(p["wfmt"]) % 2]}
 
 
 @pytest.mark.parity_backends("triton-q8")
 @settings(max_examples=6)  # the interpreter runs a program per row of A and tile of W: seconds each
 @given(case=cases("gemm.gemm_nt", m=[1, 2, 5], n=(0, 5), k=(0, 1), transform=_q4_k))
 def test_gemm_nt_q8(parity, backend, case):
-    """triton-q8 (Q4_K x Q8_K activations) against its claimed reference, `emulated`."""
+    """triton-q8 (Q4_K x Q8_K, Q8_0 x Q8_0 activations) against its claimed reference, `emulated`."""
     parity.check(case.with_backend(backend))
 
 

@@ -1,9 +1,10 @@
 """kernels/triton/gemm_q8.py (the `triton-q8` backend) against refimpl/ (Triton interpreter on CPU).
 
-The Q8_K quantizer byte for byte against ggml's reference quantizer (codes, d, and the sums of each 32
-codes from its stored bsums), including ties and a block whose largest magnitude occurs twice with
-both signs; the Q4_K x Q8_K product against the `emulated` golden (float64 of the same integer dots);
-the tail of blocks, rows past the tile, bias, and the argument errors. The GPU's inline PTX (dp4a,
+The Q8_K and Q8_0 quantizers byte for byte against ggml's reference quantizers (codes, d, and for Q8_K
+the sums of each 32 codes from its stored bsums), including ties and a block whose largest magnitude
+occurs twice with both signs; the Q4_K x Q8_K and Q8_0 x Q8_0 products against the `emulated` golden
+(float64 of the same integer dots); the tail of blocks (an odd Q8_0 block count: 16-bit halves, a pair
+without its second block), rows past the tile, bias, and the argument errors. The GPU's inline PTX (dp4a,
 div.rn, cvt.rni) is not run here: the interpreter takes the plain-Triton branch of the same arithmetic.
 """
 
@@ -40,7 +41,8 @@ def _q8_k_fields(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _activations(rng, m: int, k: int) -> np.ndarray:
     a = rng.standard_normal((m, k)).astype(np.float32)
-    a *= np.exp(rng.uniform(-4, 4, (m, k // 256, 1))).astype(np.float32).repeat(256, axis=1).reshape(m, k)
+    blk = 256 if k % 256 == 0 else 32  # each block of A on its own scale, decades apart
+    a *= np.exp(rng.uniform(-4, 4, (m, k // blk, 1))).astype(np.float32).repeat(blk, axis=2).reshape(m, k)
     return a
 
 
@@ -58,24 +60,39 @@ def test_quantizer_is_ggml_byte_for_byte():
     assert np.array_equal(s.numpy(), rs)
 
 
+def test_q8_0_quantizer_is_ggml_byte_for_byte():
+    rng = np.random.default_rng(2)
+    a = _activations(rng, 2, 512)
+    a[0, :32] = 0.0  # d = 0
+    a[0, 32:64] = np.arange(-16, 16) * np.float32(127 / 15.5) / 4  # many codes at exact halves: roundf's ties
+    a[1, 64:96] = np.float32(-3.0)  # every element the largest magnitude, negative
+    q, d = gemm_q8.quantize_q8_0(torch.from_numpy(a))
+    ref = refimpl.quant.quantize("q8_0", a.reshape(-1, 32)).reshape(2, -1, 34)
+    assert np.array_equal(q.numpy().view(np.uint8).reshape(2, -1, 32), ref[:, :, 2:])
+    assert np.array_equal(d.numpy().astype(np.float16).view(np.uint8).reshape(2, -1, 2), ref[:, :, :2])
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("m, n, k, bias", [(1, 19, 2304, False), (3, 9, 512, True), (1, 1, 256, True)])
-def test_gemv_matches_emulated_golden(dtype, m, n, k, bias):
+@pytest.mark.parametrize("wfmt, m, n, k, bias", [
+    ("q4_k", 1, 19, 2304, False), ("q4_k", 3, 9, 512, True), ("q4_k", 1, 1, 256, True),
+    ("q8_0", 1, 19, 288, False), ("q8_0", 3, 9, 512, True), ("q8_0", 2, 1, 32, True)])
+def test_gemv_matches_emulated_golden(dtype, wfmt, m, n, k, bias):
     rng = np.random.default_rng(m * 1000 + n)
     a32 = _activations(rng, m, k)
     a = torch.from_numpy(a32).to(TORCH[dtype])
     a_in = a.float().numpy()  # the activations as the kernel sees them
     wf = (rng.standard_normal((n, k)) * np.exp(rng.uniform(-3, 3, (n, 1)))).astype(np.float32)
-    w = refimpl.quant.quantize("q4_k", wf.reshape(-1, 256)).reshape(n, -1)
+    qk = 256 if wfmt == "q4_k" else 32
+    w = refimpl.quant.quantize(wfmt, wf.reshape(-1, qk)).reshape(n, -1)
     b = rng.standard_normal(n).astype(np.float32) if bias else None
-    got = gemm_q8.gemm_nt_q8(a, "q4_k", torch.from_numpy(w), None if b is None else torch.from_numpy(b))
+    got = gemm_q8.gemm_nt_q8(a, wfmt, torch.from_numpy(w), None if b is None else torch.from_numpy(b))
     assert got.dtype == a.dtype and tuple(got.shape) == (m, n)
-    ref = refimpl.gemm.emulated_reference(a_in, "q4_k", {"w": w}, b)
-    deq = refimpl.gemm.dequant_reference(a_in, "q4_k", {"w": w}, b)
+    ref = refimpl.gemm.emulated_reference(a_in, wfmt, {"w": w}, b)
+    deq = refimpl.gemm.dequant_reference(a_in, wfmt, {"w": w}, b)
     g = got.double().numpy()
     # fp32 scale products and sums over nb * 4 chunk partials, then one rounding to the output dtype
     out_rel = {"fp32": 0.0, "bf16": 2.0**-8, "fp16": 2.0**-10}[dtype]
-    mag = np.abs(a_in).astype(np.float64) @ np.abs(refimpl.quant.dequantize("q4_k", w.reshape(-1, 144)).reshape(n, k)).T
+    mag = np.abs(a_in).astype(np.float64) @ np.abs(refimpl.quant.dequantize(wfmt, w.reshape(n * k // qk, -1)).reshape(n, k)).T
     assert np.all(np.abs(g - ref) <= out_rel * np.abs(ref) + 1e-5 * mag + (np.abs(b) * 1e-7 if bias else 0))
     # and it is not the dequantized product: the activation quantization shows (the kernel claims L2)
     assert np.abs(ref - deq).max() > 10 * np.abs(g - ref).max() or dtype != "fp32"
@@ -94,7 +111,7 @@ def test_rows_past_the_tile_and_out():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(wfmt="q8_0"), "weight format 'q8_0' is not supported"),
+    (dict(wfmt="q6_k"), "weight format 'q6_k' is not supported"),
     (dict(k=320), "K=320 must be a multiple of 256"),
     (dict(w_cols=100), r"w must be \(4, 144\)"),
     (dict(w_dtype=torch.int8), "2-D uint8 tensor"),

@@ -1,6 +1,6 @@
-"""`triton-q8`: our Triton GEMV / small-M GEMM over Q4_K weights with Q8_K activations
-(kernels/triton/gemm_q8.py), ggml's production arithmetic on a GPU (llama.cpp's mul_mat_vec_q):
-activations quantized per 256-block, integer dot products, fp32 scales. It claims gemm.gemm_nt's
+"""`triton-q8`: our Triton GEMV / small-M GEMM over Q4_K and Q8_0 weights with quantized activations
+(Q8_K and Q8_0: kernels/triton/gemm_q8.py), ggml's production arithmetic on a GPU (llama.cpp's
+mul_mat_vec_q): activations quantized per block, integer dot products, fp32 scales. It claims gemm.gemm_nt's
 `emulated` reference (L2); the `triton` backend's exact kernels claim `dequant` (L1), which this path
 cannot meet by construction (the activation quantization is the difference, recorded beside it).
 
@@ -20,7 +20,7 @@ from kernel_parity.conformance.backends import Backend
 from kernel_parity.conformance.backends._torch import cuda_available, to_torch
 
 OP = "gemm.gemm_nt"
-FORMATS = ("q4_k",)
+FORMATS = ("q4_k", "q8_0")
 
 
 @dataclass
@@ -58,7 +58,7 @@ def _make() -> TritonQ8Backend:
     return TritonQ8Backend(name="triton-q8", device=device,
                            ops={OP: lambda case, inputs, out: _run(case, inputs, out, device)},
                            claims={OP: "emulated"},
-                           doc="kernels/triton/gemm_q8.py: Q4_K x Q8_K activations, integer dots (ggml's GPU path)")
+                           doc="kernels/triton/gemm_q8.py: Q4_K x Q8_K, Q8_0 x Q8_0 activations, integer dots (ggml's GPU path)")
 
 
 BACKEND = _make

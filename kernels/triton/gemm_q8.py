@@ -1,28 +1,33 @@
-"""GEMV and small-M GEMM over Q4_K weights with quantized activations, ggml's production arithmetic.
+"""GEMV and small-M GEMM over Q4_K and Q8_0 weights with quantized activations, ggml's production arithmetic.
 
 C = A @ W^T the way llama.cpp's CUDA backend computes a quantized mat-vec (mul_mat_vec_q): the
-activations are quantized to Q8_K first (per row, blocks of 256: d = max / -127 of the element of
-largest magnitude, codes rounded half to even, sums of each 32 codes), then every weight meets its
-activation as an 8-bit integer product, four at a time (`dp4a`), and the scales are applied once per
-32 weights. The result is gemm.gemm_nt's `emulated` reference (L2), not `dequant`: its distance to
-`dequant` is the activation quantization, which llama.cpp's users get on a GPU too.
+activations are quantized first, to the weight format's ggml vec_dot type (Q4_K: Q8_K, per row, blocks
+of 256: d = max / -127 of the element of largest magnitude, codes rounded half to even, sums of each 32
+codes; Q8_0: Q8_0, blocks of 32: d = amax / 127 stored as fp16, codes roundf(x / d)), then every weight
+meets its activation as an 8-bit integer product, four at a time (`dp4a`), and the scales are applied
+once per 32 weights. The result is gemm.gemm_nt's `emulated` reference (L2), not `dequant`: its distance
+to `dequant` is the activation quantization, which llama.cpp's users get on a GPU too.
 
 Why (benchmarks/NOTES-gemm.md): the exact kernel of gemm_gemv.py dequantizes every weight to fp32,
 ~5-6.4 instructions a Q4_K weight against the ~7 an H100 can issue while it streams one, which held
 it at 48% of copy. Here a 32-bit word of Q4_K codes is two LOP3s (low and high nibbles, four codes
-each) and two dp4a: ~1 instruction a weight with the activation loads and scales.
+each) and two dp4a: ~1.5 instructions a weight with the activation loads and scales (offline SASS).
 
-Layout as gemm_gemv.py's Q4_K path: tensors of (BLOCK_M, BLOCK_N, NB, 4) with lane c of 4 holding
-chunk c of a 256-block (64 weights: the 16-byte header and two 16-byte loads of codes), rows of A and W
-broadcast by index, an unmasked main loop and a masked tail. The activation codes of a chunk are
+Q4_K: the layout of gemm_gemv.py's Q4_K path: tensors of (BLOCK_M, BLOCK_N, NB, 4) with lane c of 4
+holding chunk c of a 256-block (64 weights: the 16-byte header and two 16-byte loads of codes), rows of A
+and W broadcast by index, an unmasked main loop and a masked tail. The activation codes of a chunk are
 four 16-byte loads shared by the BLOCK_N rows a thread holds.
+Q8_0: blocks of 34 bytes are 2-byte aligned; a pair (68 bytes) is 4-aligned, so an element of the
+(BLOCK_M, BLOCK_N, NB) tile is a block pair read as 17 words: block B's codes are words 9-16, block A's
+codes straddle words 0-8 (after its fp16 d) and are funnel shifts of neighbours; rows that are not
+4-aligned, or an odd block count, read each word as two 16-bit halves (gemm_gemv's `_word`).
 
-The integer instruction and the exact fp32 division / rounding of the quantizer are inline PTX on a
+The integer instruction and the exact fp32 division / rounding of the quantizers are inline PTX on a
 GPU; under TRITON_INTERPRET=1 (no PTX) the same integers and IEEE results come from plain Triton
 arithmetic (`ASM=False`), so the CPU tests check every index and every rounding of the algorithm.
 
-References: ggml-quants.c (quantize_row_q8_K_ref, ggml_vec_dot_q4_K_q8_K_generic), llama.cpp's CUDA
-vecdotq.cuh (vec_dot_q4_K_q8_1: the dp4a formulation).
+References: ggml-quants.c (quantize_row_q8_K_ref, quantize_row_q8_0_ref, ggml_vec_dot_q4_K_q8_K_generic,
+ggml_vec_dot_q8_0_q8_0_generic), llama.cpp's CUDA vecdotq.cuh (the dp4a formulation).
 """
 
 from __future__ import annotations
@@ -32,25 +37,36 @@ import triton
 import triton.language as tl
 
 from .gemm import _check_common
-from .gemm_gemv import _ld, _split4
+from .gemm_gemv import _ld, _split4, _word
 
 # (BLOCK_M, BLOCK_N, NB, num_warps, num_stages); not tuned on a GPU yet (gemm_gemv's Q4_K shape).
-CONFIGS = {"q4_k": (1, 8, 8, 4, 1)}
+# q8_0: NB block pairs; BLOCK_N x NB >= 128 keeps every thread of 4 warps on its own pair (offline SASS:
+# 90 instructions per 64 weights at (1, 8, 16), 1.4 a weight; (1, 16, 16) / (1, 8, 32) 1.16)
+CONFIGS = {"q4_k": (1, 8, 8, 4, 1), "q8_0": (1, 8, 16, 4, 1)}
 _U32 = tl.constexpr(tl.pointer_type(tl.uint32))
 
 
 @triton.jit
-def _dp4a(w, a, c, ASM: tl.constexpr):
-    """c + sum_i w.byte[i] * a.sbyte[i]: the four unsigned bytes of w times the four signed bytes of a."""
+def _dp4a(w, a, c, ASM: tl.constexpr, SIGNED_W: tl.constexpr = False):
+    """c + sum_i w.byte[i] * a.sbyte[i]: the four bytes of w (unsigned, or signed if SIGNED_W) times
+    the four signed bytes of a."""
     if ASM:
-        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [w, a, c],
-                                         dtype=tl.int32, is_pure=True, pack=1)
+        if SIGNED_W:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [w, a, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [w, a, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
     else:
         wi = w.to(tl.int32, bitcast=True)
         ai = a.to(tl.int32, bitcast=True)
         s = c
         for i in tl.static_range(4):
-            s += ((wi >> (8 * i)) & 0xFF) * ((ai << (24 - 8 * i)) >> 24)
+            if SIGNED_W:
+                wb = (wi << (24 - 8 * i)) >> 24
+            else:
+                wb = (wi >> (8 * i)) & 0xFF
+            s += wb * ((ai << (24 - 8 * i)) >> 24)
         return s
 
 
@@ -111,6 +127,105 @@ def quantize_q8_k(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     if M and nb:
         _quantize_q8_k_kernel[(M, nb)](a, q, d, s, nb, a.stride(0), a.stride(1), ASM=a.is_cuda, num_warps=2)
     return q, d, s
+
+
+@triton.jit
+def _quantize_q8_0_kernel(A_ptr, Q_ptr, D_ptr, n_blocks, K, stride_am, stride_ak, ASM: tl.constexpr):
+    """Row m, blocks 8 g .. 8 g + 7 of A as Q8_0 (quantize_row_q8_0_ref): d = amax / 127, codes
+    roundf(x / d) (x times 1 / d, half away from zero); codes to Q[m, 32 b ..], fp16(d) as fp32 to D[m, b]."""
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    b = g * 8 + tl.arange(0, 8)[:, None]
+    e = tl.arange(0, 32)[None, :]
+    ok = b < n_blocks
+    x = tl.load(A_ptr + m * stride_am + (b * 32 + e) * stride_ak, mask=ok, other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+    amax = tl.max(tl.where(ax == ax, ax, 0.0), axis=1)[:, None]  # fmaxf skips a NaN
+    d = _div_rn(amax, tl.full([8, 1], 127.0, tl.float32), ASM)
+    idv = tl.where(d != 0, _div_rn(tl.full([8, 1], 1.0, tl.float32), tl.where(d != 0, d, 1.0), ASM), 0.0)
+    y = x * idv
+    t = y.to(tl.int32)  # toward zero; y - t is exact
+    r = y - t.to(tl.float32)
+    q = t + (r >= 0.5).to(tl.int32) - (r <= -0.5).to(tl.int32)
+    tl.store(Q_ptr + m * K + b * 32 + e, q.to(tl.int8), mask=ok)
+    tl.store(D_ptr + m * n_blocks + b + e, d.to(tl.float16).to(tl.float32) + tl.zeros([8, 32], tl.float32),
+             mask=ok & (e == 0))
+
+
+def quantize_q8_0(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a (M, K) float, K a multiple of 32 -> (codes int8 (M, K), fp16(d) as float32 (M, K / 32)): ggml's
+    reference Q8_0 quantizer, its codes and stored d bit for bit."""
+    M, K = a.shape
+    if K % 32:
+        raise ValueError(f"quantize_q8_0: K={K} must be a multiple of 32")
+    nb = K // 32
+    q = torch.empty((M, K), dtype=torch.int8, device=a.device)
+    d = torch.empty((M, nb), dtype=torch.float32, device=a.device)
+    if M and nb:
+        _quantize_q8_0_kernel[(M, triton.cdiv(nb, 8))](a, q, d, nb, K, a.stride(0), a.stride(1), ASM=a.is_cuda,
+                                                       num_warps=2)
+    return q, d
+
+
+@triton.jit
+def _q8_0_q8_pair(acc, Q_row, D_row, Wp, p, ok_a, ok_b, U16: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr):
+    """Block pair p (blocks 2p, 2p + 1: d_A, qs_A[32], d_B, qs_B[32], 68 bytes) against its Q8_0 activations.
+    Word 0 holds d_A and codes 0-1 of A, word 8 codes 30-31 of A and d_B, words 9-16 the codes of B; A's
+    code words are funnel shifts of neighbouring words."""
+    w0 = _word(Wp, ok_a, ok_a, U16, MASKED)
+    w8 = _word(Wp + 32, ok_a, ok_b, U16, MASKED)  # d_B past the row when B is absent: masked
+    k = p * 64
+    s_a = tl.zeros(w0.shape, dtype=tl.int32)
+    s_b = tl.zeros(w0.shape, dtype=tl.int32)
+    prev = w0
+    for i in tl.static_range(8):
+        if i < 7:
+            nxt = _word(Wp + 4 * (i + 1), ok_a, ok_a, U16, MASKED)
+        else:
+            nxt = w8
+        a_a = _ld((Q_row + k + 4 * i).to(_U32), ok_a, MASKED)
+        s_a = _dp4a((prev >> 16) | (nxt << 16), a_a, s_a, ASM, True)
+        prev = nxt
+        w_b = _word(Wp + 36 + 4 * i, ok_b, ok_b, U16, MASKED)
+        a_b = _ld((Q_row + k + 32 + 4 * i).to(_U32), ok_b, MASKED)
+        s_b = _dp4a(w_b, a_b, s_b, ASM, True)
+    d_a = (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    d_b = tl.where(ok_b, (w8 >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32), 0.0)
+    da_a = _ld(D_row + 2 * p, ok_a, MASKED)
+    da_b = _ld(D_row + 2 * p + 1, ok_b, MASKED)
+    return acc + s_a.to(tl.float32) * (d_a * da_a) + s_b.to(tl.float32) * (d_b * da_b)
+
+
+@triton.jit
+def _gemv_q8_0_q8_kernel(
+    Q_ptr, D_ptr, W_ptr, Bias_ptr, C_ptr, M, N, n_blocks, stride_wn, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, U16: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m3 = tl.minimum(offs_m, M - 1).to(tl.int64)[:, None, None]  # rows past M / N: results dropped
+    n3 = tl.minimum(offs_n, N - 1).to(tl.int64)[None, :, None]
+    pz = tl.arange(0, NB)[None, None, :] + tl.zeros([BLOCK_M, BLOCK_N, NB], dtype=tl.int32)
+    Q_row = Q_ptr + m3 * n_blocks * 32
+    D_row = D_ptr + m3 * n_blocks
+    W_row = W_ptr + n3 * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N, NB], dtype=tl.float32)
+    n_pairs = (n_blocks + 1) // 2
+    p_full = n_blocks // 2 // NB * NB  # whole pairs of the unmasked loop
+    for p0 in range(0, p_full, NB):
+        p = p0 + pz
+        acc = _q8_0_q8_pair(acc, Q_row, D_row, W_row + 68 * p, p, p < n_pairs, 2 * p + 1 < n_blocks, U16, ASM, False)
+    if p_full < n_pairs:
+        p = p_full + pz
+        acc = _q8_0_q8_pair(acc, Q_row, D_row, W_row + 68 * p, p, p < n_pairs, 2 * p + 1 < n_blocks, U16, ASM, True)
+    res = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        res += tl.load(Bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = C_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, res.to(C_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
 @triton.jit
@@ -185,41 +300,67 @@ def _gemv_q4_k_q8_kernel(
     tl.store(c_ptrs, res.to(C_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
+FORMATS = {"q4_k": (256, 144, 4), "q8_0": (32, 34, 2)}  # block elements, block bytes, row alignment
+
+
 def gemm_nt_q8(a: torch.Tensor, wfmt: str, w: torch.Tensor, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None, *, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """C = a @ W^T (+ bias) in ggml's quantized-activation arithmetic (module docstring): a quantized to
-    Q8_K, integer products, fp32 scales and sums. The `emulated` reference of gemm.gemm_nt.
+    Q8_K (Q4_K weights) or Q8_0 (Q8_0 weights), integer products, fp32 scales and sums. The `emulated`
+    reference of gemm.gemm_nt.
 
-    a: (M, K) fp32/bf16/fp16, K a multiple of 256; wfmt: "q4_k"; w: (N, K / 256 * 144) uint8, rows
-    4-byte aligned; bias: (N,) added in fp32; out: (M, N) a's dtype. config: (BLOCK_M, BLOCK_N, NB,
-    num_warps, num_stages), tuning only. Returns out.
+    a: (M, K) fp32/bf16/fp16, K a multiple of the block (256 / 32); wfmt: "q4_k" | "q8_0"; w: (N, K / QK *
+    bytes) uint8, rows 4-byte (q4_k) / 2-byte (q8_0) aligned; bias: (N,) added in fp32; out: (M, N) a's
+    dtype. config: (BLOCK_M, BLOCK_N, NB, num_warps, num_stages), tuning only. Returns out.
     """
     fmt = str(wfmt).lower()
-    if fmt not in CONFIGS:
-        raise ValueError(f"gemm_nt_q8: weight format {wfmt!r} is not supported; expected one of {sorted(CONFIGS)}")
+    if fmt not in FORMATS:
+        raise ValueError(f"gemm_nt_q8: weight format {wfmt!r} is not supported; expected one of {sorted(FORMATS)}")
+    qk, nbytes, align = FORMATS[fmt]
     if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or w.dim() != 2:
         raise ValueError(f"gemm_nt_q8[{fmt}]: w must be a 2-D uint8 tensor of ggml blocks, got "
                          f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
     K = a.shape[1] if isinstance(a, torch.Tensor) and a.dim() == 2 else -1
-    if K % 256:
-        raise ValueError(f"gemm_nt_q8[{fmt}]: K={K} must be a multiple of 256")
-    N, nb = w.shape[0], K // 256
-    if w.shape[1] != nb * 144 or (w.numel() > 0 and w.stride(1) != 1):
-        raise ValueError(f"gemm_nt_q8[{fmt}]: w must be ({N}, {nb * 144}) with last-dim stride 1 for K={K}, "
+    if K % qk:
+        raise ValueError(f"gemm_nt_q8[{fmt}]: K={K} must be a multiple of {qk}")
+    N, nb = w.shape[0], K // qk
+    if w.shape[1] != nb * nbytes or (w.numel() > 0 and w.stride(1) != 1):
+        raise ValueError(f"gemm_nt_q8[{fmt}]: w must be ({N}, {nb * nbytes}) with last-dim stride 1 for K={K}, "
                          f"got {tuple(w.shape)} strides {tuple(w.stride())}")
     if w.device != a.device:
         raise ValueError(f"gemm_nt_q8[{fmt}]: w is on {w.device}, a on {a.device}")
-    if w.numel() > 0 and (w.data_ptr() % 4 or w.stride(0) % 4):
-        raise ValueError(f"gemm_nt_q8[{fmt}]: w's rows must start at 4-byte aligned addresses")
+    if w.numel() > 0 and (w.data_ptr() % align or w.stride(0) % align):
+        raise ValueError(f"gemm_nt_q8[{fmt}]: w's rows must start at {align}-byte aligned addresses")
     M, out = _check_common(a, N, K, bias, out, f"gemm_nt_q8[{fmt}]")
     if M == 0 or N == 0:
         return out
     if nb == 0:
         return out.copy_(bias.to(out.dtype).expand(M, N) if bias is not None else torch.zeros_like(out))
-    block_m, block_n, NB, num_warps, num_stages = config or CONFIGS[fmt]
-    q, d, s = quantize_q8_k(a)
-    _gemv_q4_k_q8_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
-        q, d, s, w, bias if bias is not None else w, out, M, N, nb, w.stride(0), *out.stride(),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, NB=NB, ASM=a.is_cuda,
-        num_warps=num_warps, num_stages=num_stages)
+    quantized = quantize_q8_k(a) if fmt == "q4_k" else quantize_q8_0(a)
+    launch_gemv(fmt, quantized, w, bias, out, config or CONFIGS[fmt])
     return out
+
+
+def launch_gemv(fmt: str, quantized: tuple, w: torch.Tensor, bias, out: torch.Tensor, config: tuple[int, ...]) -> None:
+    """The integer-dot GEMV alone, on activations already quantized (quantize_q8_k / quantize_q8_0's
+    tuple); gemm_nt_q8 has checked the arguments. Separate so that a benchmark can time it alone."""
+    block_m, block_n, NB, num_warps, num_stages = config
+    M, N = out.shape
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
+    bias_arg = bias if bias is not None else w
+    asm = w.is_cuda
+    if fmt == "q4_k":
+        q, d, s = quantized
+        nb = q.shape[1] // 256
+        _gemv_q4_k_q8_kernel[grid](
+            q, d, s, w, bias_arg, out, M, N, nb, w.stride(0), *out.stride(),
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, NB=NB, ASM=asm,
+            num_warps=num_warps, num_stages=num_stages)
+    else:  # 32-bit words need 4-aligned rows and whole pairs, else 16-bit halves (U16)
+        q, d = quantized
+        nb = q.shape[1] // 32
+        u16 = w.data_ptr() % 4 != 0 or w.stride(0) % 4 != 0 or nb % 2 != 0
+        _gemv_q8_0_q8_kernel[grid](
+            q, d, w, bias_arg, out, M, N, nb, w.stride(0), *out.stride(),
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, NB=NB, U16=u16, ASM=asm,
+            num_warps=num_warps, num_stages=num_stages)
