@@ -81,6 +81,17 @@ def _div_rn(x, y, ASM: tl.constexpr):
 
 
 @triton.jit
+def _mul_rn(x, y, ASM: tl.constexpr):
+    """x * y rounded once: mul.rn is never contracted into an fma with a later add or subtract (PTX), so
+    a following `y - trunc(y)` sees the rounded product, as C's separate statements do."""
+    if ASM:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return x * y
+
+
+@triton.jit
 def _rint(x, ASM: tl.constexpr):
     """The integer nearest x, ties to even (ggml's nearest_int for |x| < 2^22), as int32."""
     if ASM:
@@ -143,7 +154,7 @@ def _quantize_q8_0_kernel(A_ptr, Q_ptr, D_ptr, n_blocks, K, stride_am, stride_ak
     amax = tl.max(tl.where(ax == ax, ax, 0.0), axis=1)[:, None]  # fmaxf skips a NaN
     d = _div_rn(amax, tl.full([8, 1], 127.0, tl.float32), ASM)
     idv = tl.where(d != 0, _div_rn(tl.full([8, 1], 1.0, tl.float32), tl.where(d != 0, d, 1.0), ASM), 0.0)
-    y = x * idv
+    y = _mul_rn(x, idv + tl.zeros([8, 32], tl.float32), ASM)  # not fused with the subtraction below
     t = y.to(tl.int32)  # toward zero; y - t is exact
     r = y - t.to(tl.float32)
     q = t + (r >= 0.5).to(tl.int32) - (r <= -0.5).to(tl.int32)
