@@ -151,6 +151,13 @@ def check_slice(ctx, c, a, w64, limit, bias=None) -> dict:
     return errors_vs(ctx, c[:, :w64.shape[0]], ref, a64.abs() @ w64.abs().T, limit)
 
 
+def rotated(ctx, fmt: str, n: int, k: int):
+    """(w, copies of w's shape whose total exceeds 3x L2 with w first, w's float64 check rows)."""
+    w = ggml_random(ctx, fmt, n, k)
+    rot = [w] + [ggml_random(ctx, fmt, n, k) for _ in range(max(1, min(7, -(-3 * ctx.l2 // w.numel()) - 1)))]
+    return w, rot, ggml_w64(ctx, fmt, w)
+
+
 def graph_ms(ctx, calls) -> float:
     """Median ms per call of a CUDA graph replaying `calls` (each on its own weights)."""
     torch = ctx.torch
@@ -181,10 +188,8 @@ def gemv(ctx) -> None:
         for fmt, sweep in GEMV_SWEEP.items():
             if ctx.formats and fmt not in ctx.formats:
                 continue
-            w = ggml_random(ctx, fmt, n, k)
+            w, rot, w64 = rotated(ctx, fmt, n, k)
             nbytes = w.numel()
-            rot = [w] + [ggml_random(ctx, fmt, n, k) for _ in range(max(1, min(7, -(-3 * ctx.l2 // nbytes) - 1)))]
-            w64 = ggml_w64(ctx, fmt, w)
             outs = [torch.empty((1, n), dtype=a.dtype, device=ctx.dev) for _ in rot]
             for i, (cfg, split) in enumerate(sweep if not ctx.quick else sweep[:1]):
                 if i and ctx.over_budget():
@@ -243,10 +248,8 @@ def q8(ctx) -> None:
         for fmt, sweeps in Q8_SWEEP.items():
             if ctx.formats and fmt not in ctx.formats:
                 continue
-            w = ggml_random(ctx, fmt, n, k)
+            w, rot, w64 = rotated(ctx, fmt, n, k)
             nbytes = w.numel()
-            rot = [w] + [ggml_random(ctx, fmt, n, k) for _ in range(max(1, min(7, -(-3 * ctx.l2 // nbytes) - 1)))]
-            w64 = ggml_w64(ctx, fmt, w)
             w_np = w[:CHECK_COLS].cpu().numpy()
             for m, sweep in sweeps.items():
                 if m > 1 and (n, k) != ctx.gemv_shapes[0]:

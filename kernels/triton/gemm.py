@@ -313,6 +313,28 @@ def _check_common(a, N, K, bias, out, op):
     return M, out
 
 
+def check_weights(op: str, a, w, qk: int, nbytes: int, align: int) -> tuple[int, int, int]:
+    """The checks of a GGML weight tensor against a (also gemm_q8's): (N, K, blocks per row), else
+    ValueError naming `op`. w: (N, K / qk * nbytes) uint8, last-dim stride 1, rows `align`-aligned."""
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or w.dim() != 2:
+        raise ValueError(f"{op}: w must be a 2-D uint8 tensor of ggml blocks, got "
+                         f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
+    K = a.shape[1] if isinstance(a, torch.Tensor) and a.dim() == 2 else -1
+    if K % qk:
+        raise ValueError(f"{op}: K={K} must be a multiple of {qk}")
+    N = w.shape[0]
+    n_blocks = K // qk
+    if w.shape[1] != n_blocks * nbytes or (w.numel() > 0 and w.stride(1) != 1):
+        raise ValueError(f"{op}: w must be ({N}, {n_blocks * nbytes}) with last-dim stride 1 "
+                         f"for K={K}, got {tuple(w.shape)} strides {tuple(w.stride())}")
+    if w.device != a.device:
+        raise ValueError(f"{op}: w is on {w.device}, a on {a.device}")
+    if w.numel() > 0 and (w.data_ptr() % align or w.stride(0) % align):
+        raise ValueError(f"{op}: w's rows must start at {align}-byte aligned addresses (row stride "
+                         f"{w.stride(0)}, address {w.data_ptr()} mod {align} = {w.data_ptr() % align})")
+    return N, K, n_blocks
+
+
 def _auto_splits(a: torch.Tensor, programs: int, n_blocks: int) -> int:
     """1 on CPU and whenever the unsplit grid fills the GPU; else enough splits to fill it."""
     if not a.is_cuda or programs >= SPLIT_PROGRAMS_PER_SM * _sm_count(a.device):
@@ -349,23 +371,8 @@ def gemm_nt(a: torch.Tensor, wfmt: str, w: torch.Tensor, bias: torch.Tensor | No
     """
     fmt = _check_fmt(wfmt)
     fid, qk, nbytes, gpb, E = FORMATS[fmt]
-    if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or w.dim() != 2:
-        raise ValueError(f"gemm_nt[{fmt}]: w must be a 2-D uint8 tensor of ggml blocks, got "
-                         f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
-    K = a.shape[1] if isinstance(a, torch.Tensor) and a.dim() == 2 else -1
-    if K % qk:
-        raise ValueError(f"gemm_nt[{fmt}]: K={K} must be a multiple of {qk}")
-    N = w.shape[0]
-    n_blocks = K // qk
-    if w.shape[1] != n_blocks * nbytes or (w.numel() > 0 and w.stride(1) != 1):
-        raise ValueError(f"gemm_nt[{fmt}]: w must be ({N}, {n_blocks * nbytes}) with last-dim stride 1 "
-                         f"for K={K}, got {tuple(w.shape)} strides {tuple(w.stride())}")
-    if w.device != a.device:
-        raise ValueError(f"gemm_nt[{fmt}]: w is on {w.device}, a on {a.device}")
     align = 4 if fmt == "q4_k" else 2  # the widest scalar load of a block's fields
-    if w.numel() > 0 and (w.data_ptr() % align or w.stride(0) % align):
-        raise ValueError(f"gemm_nt[{fmt}]: w's rows must start at {align}-byte aligned addresses (row stride "
-                         f"{w.stride(0)}, address {w.data_ptr()} mod {align} = {w.data_ptr() % align})")
+    N, K, n_blocks = check_weights(f"gemm_nt[{fmt}]", a, w, qk, nbytes, align)
     M, out = _check_common(a, N, K, bias, out, f"gemm_nt[{fmt}]")
     if M == 0 or N == 0:
         return out

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm import _check_common
+from .gemm import _check_common, check_weights
 from .gemm_gemv import _ld, _split4, _word
 
 # (BLOCK_M, BLOCK_N, NB, num_warps, num_stages); not tuned on a GPU yet (gemm_gemv's Q4_K shape).
@@ -328,20 +328,7 @@ def gemm_nt_q8(a: torch.Tensor, wfmt: str, w: torch.Tensor, bias: torch.Tensor |
     if fmt not in FORMATS:
         raise ValueError(f"gemm_nt_q8: weight format {wfmt!r} is not supported; expected one of {sorted(FORMATS)}")
     qk, nbytes, align = FORMATS[fmt]
-    if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or w.dim() != 2:
-        raise ValueError(f"gemm_nt_q8[{fmt}]: w must be a 2-D uint8 tensor of ggml blocks, got "
-                         f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
-    K = a.shape[1] if isinstance(a, torch.Tensor) and a.dim() == 2 else -1
-    if K % qk:
-        raise ValueError(f"gemm_nt_q8[{fmt}]: K={K} must be a multiple of {qk}")
-    N, nb = w.shape[0], K // qk
-    if w.shape[1] != nb * nbytes or (w.numel() > 0 and w.stride(1) != 1):
-        raise ValueError(f"gemm_nt_q8[{fmt}]: w must be ({N}, {nb * nbytes}) with last-dim stride 1 for K={K}, "
-                         f"got {tuple(w.shape)} strides {tuple(w.stride())}")
-    if w.device != a.device:
-        raise ValueError(f"gemm_nt_q8[{fmt}]: w is on {w.device}, a on {a.device}")
-    if w.numel() > 0 and (w.data_ptr() % align or w.stride(0) % align):
-        raise ValueError(f"gemm_nt_q8[{fmt}]: w's rows must start at {align}-byte aligned addresses")
+    N, K, nb = check_weights(f"gemm_nt_q8[{fmt}]", a, w, qk, nbytes, align)
     M, out = _check_common(a, N, K, bias, out, f"gemm_nt_q8[{fmt}]")
     if M == 0 or N == 0:
         return out
