@@ -14,7 +14,10 @@
 2b. q8: Q4_K x Q8_K and Q8_0 x Q8_0 activations (kernels/triton/gemm_q8.py, backend triton-q8) at M = 1 on both shapes and
    M = 4, 16 on the first: quantizer + integer-dot GEMV as one call, and the GEMV alone, as shares of
    the read and copy rates; checked against the `emulated` golden (and its distance to the dequantized
-   product, the activation quantization, recorded beside it).
+   product, the activation quantization, recorded beside it). Beside them, the limits at the weights' own
+   size: a pure Triton read stream of the same rotated bytes and torch's bf16 GEMV over a matrix of the
+   same bytes (a 33 MB matrix is read in ~11 us: launch, ramp and tail count). --q8-grid first sweeps
+   ~40 M = 1 configs per format (the GEMV alone, each checked) and times the three fastest in full.
 3. prefill: Q4_K at M = 4096, 4096 x 4096 and 14336 x 4096 (bf16 A), a config sweep, against a
    torch bf16 matmul of the same shape.
 4. fp8: DeepSeek 1 x 128 x 128 at 8192^3: the GEMM on pre-quantized operands (config sweep) and
@@ -68,14 +71,15 @@ DECODE_SWEEP = {
     "q6_k": [(None, None), ((1, 16, 4, 4, 2), None), ((16, 64, 1, 4, 3, 1), None)],
 }
 # kernels/triton/gemm_q8.py (Q4_K x Q8_K, Q8_0 x Q8_0 activations, backend triton-q8): (BLOCK_M, BLOCK_N, NB,
-# num_warps, num_stages) per format and M (Q8_0: NB block pairs); the first is the launcher's default. Offline
-# sm_90 SASS, instructions a weight: Q4_K 1.5 (the exact kernel: 6.4 on the device), Q8_0 1.4 / 1.16.
-Q8_SWEEP = {"q4_k": {1: [(1, 8, 8, 4, 1), (1, 4, 8, 4, 1), (1, 16, 8, 4, 1), (1, 8, 4, 4, 1), (1, 8, 16, 8, 1)],
-                     4: [(1, 8, 8, 4, 1), (2, 8, 8, 4, 1), (4, 8, 4, 4, 1)],
-                     16: [(1, 8, 8, 4, 1), (4, 8, 4, 4, 1), (8, 8, 2, 4, 1)]},
-            "q8_0": {1: [(1, 8, 16, 4, 1), (1, 16, 16, 4, 1), (1, 8, 32, 4, 1), (1, 8, 32, 8, 1)],
-                     4: [(1, 8, 16, 4, 1), (2, 8, 16, 4, 1)],
-                     16: [(1, 8, 16, 4, 1), (4, 8, 8, 4, 1)]}}
+# num_warps, num_stages) per format and M (Q8_0: NB block pairs); None: the launcher's choice
+# (gemm_q8.default_config, by M and N). Offline sm_90 SASS, instructions a weight: Q4_K 1.5 (the exact
+# kernel: 6.4 on the device), Q8_0 1.4 / 1.16.
+Q8_SWEEP = {"q4_k": {1: [None, (1, 4, 2, 1, 1), (1, 2, 4, 1, 1), (1, 8, 8, 4, 1), (1, 4, 8, 4, 1)],
+                     4: [None, (1, 8, 8, 4, 1), (4, 8, 4, 4, 1)],
+                     16: [None, (1, 8, 8, 4, 1), (8, 8, 2, 4, 1)]},
+            "q8_0": {1: [None, (1, 4, 64, 2, 1), (1, 8, 16, 4, 1), (1, 8, 32, 4, 1)],
+                     4: [None, (1, 8, 16, 4, 1)],
+                     16: [None, (1, 8, 16, 4, 1)]}}
 # Swept on the first shape; the others run the default and the best. 6th element: GROUP_M.
 PREFILL_SWEEP = [(256, 128, 1, 8, 3, 4), (256, 128, 1, 8, 4, 4), (256, 64, 1, 8, 3, 4), (256, 128, 1, 8, 3, 8)]
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, TMA)
@@ -251,9 +255,14 @@ def q8(ctx) -> None:
             w, rot, w64 = rotated(ctx, fmt, n, k)
             nbytes = w.numel()
             w_np = w[:CHECK_COLS].cpu().numpy()
+            limits_at_size(ctx, rot, n, k, f"{fmt} {n}x{k}")
+            if ctx.q8_grid:
+                q8_grid_sweep(ctx, fmt, n, k, w, rot, w_np, w64)
             for m, sweep in sweeps.items():
                 if m > 1 and (n, k) != ctx.gemv_shapes[0]:
                     continue
+                if m == 1 and ctx.q8_best.get(fmt):  # the grid's three fastest, after the table's
+                    sweep = list(dict.fromkeys(list(sweep) + ctx.q8_best[fmt]))
                 a = torch.randn((m, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
                 outs = [torch.empty((m, n), dtype=a.dtype, device=ctx.dev) for _ in rot]
                 for i, cfg in enumerate(sweep if not ctx.quick else sweep[:1]):
@@ -262,9 +271,11 @@ def q8(ctx) -> None:
 
                     def run(cfg=cfg, m=m, a=a, outs=outs, fmt=fmt, w=w, w64=w64, w_np=w_np, rot=rot, nbytes=nbytes):
                         c = Q.gemm_nt_q8(a, fmt, w, config=cfg)
+                        cfg_used = cfg or Q.default_config(fmt, m, n)
                         ref = torch.from_numpy(refgemm.emulated_reference(a.float().cpu().numpy(), fmt, {"w": w_np}))
                         mag = a.double().abs() @ w64.abs().T
-                        row = dict(fmt=fmt, path="q8", shape=[m, n, k], config=cfg, weight_bytes=nbytes,
+                        row = dict(fmt=fmt, path="q8", shape=[m, n, k], config=cfg or f"default {cfg_used}",
+                                   weight_bytes=nbytes,
                                    rotations=len(rot), **errors_vs(ctx, c[:, :CHECK_COLS], ref.to(ctx.dev), mag, "bf16"))
                         dq = a.double() @ w64.T  # the dequantized product: the activation quantization's size
                         row["err_acc_vs_dequant"] = float(((c[:, :CHECK_COLS].double() - dq).abs() / mag).max())
@@ -273,7 +284,7 @@ def q8(ctx) -> None:
                         quantize = Q.quantize_q8_k if fmt == "q4_k" else Q.quantize_q8_0
                         quantized = quantize(a)
                         ms_quant = ctx.bench(lambda: quantize(a))
-                        ms_gemv = graph_ms(ctx, [lambda ww=ww, o=o: Q.launch_gemv(fmt, quantized, ww, None, o, cfg)
+                        ms_gemv = graph_ms(ctx, [lambda ww=ww, o=o: Q.launch_gemv(fmt, quantized, ww, None, o, cfg_used)
                                                  for ww, o in zip(rot, outs)])
                         gbps = nbytes / ms / 1e6
                         row.update(ms=ms, GBps=gbps, pct_copy=100 * gbps / ctx.copy_gbps,
@@ -283,6 +294,99 @@ def q8(ctx) -> None:
                     ctx.entry("q8", f"{fmt} x q8 M={m} {n}x{k} {cfg}", run)
             del rot, w, w64
             torch.cuda.empty_cache() if ctx.cuda else None
+
+
+def q8_grid_sweep(ctx, fmt: str, n: int, k: int, w, rot, w_np, w64) -> None:
+    """--q8-grid, at M = 1 on the first shape: the GEMV alone (activations quantized once) at every q8_grid
+    config, each output checked against the emulated golden; the three fastest go to ctx.q8_best."""
+    from kernel_parity.kernels.triton import gemm_q8 as Q
+    from kernel_parity.refimpl import gemm as refgemm
+    torch = ctx.torch
+    if (n, k) != ctx.gemv_shapes[0]:
+        return
+    a = torch.randn((1, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
+    ref = torch.from_numpy(refgemm.emulated_reference(a.float().cpu().numpy(), fmt, {"w": w_np})).to(ctx.dev)
+    mag = a.double().abs() @ w64.abs().T
+    quantized = (Q.quantize_q8_k if fmt == "q4_k" else Q.quantize_q8_0)(a)
+    outs = [torch.empty((1, n), dtype=a.dtype, device=ctx.dev) for _ in rot]
+    timed = []
+    for cfg in q8_grid(fmt) if ctx.cuda else q8_grid(fmt)[:2]:  # the interpreter (--smoke-cpu): two
+        if ctx.over_budget():
+            break
+
+        def run(cfg=cfg):
+            Q.launch_gemv(fmt, quantized, w, None, outs[0], cfg)
+            row = dict(fmt=fmt, path="q8 gemv alone", shape=[1, n, k], config=cfg,
+                       **errors_vs(ctx, outs[0][:, :CHECK_COLS], ref, mag, "bf16"))
+            ms = graph_ms(ctx, [lambda ww=ww, o=o: Q.launch_gemv(fmt, quantized, ww, None, o, cfg)
+                                for ww, o in zip(rot, outs)])
+            gbps = w.numel() / ms / 1e6
+            row.update(ms=ms, GBps=gbps, pct_copy=100 * gbps / ctx.copy_gbps, ms_gemv_alone=ms,
+                       pct_read_gemv_alone=100 * gbps / ctx.read_gbps)
+            return row
+        row = ctx.entry("q8grid", f"{fmt} gemv alone M=1 {n}x{k} {cfg}", run)
+        if row and row["ok"]:
+            timed.append((row["ms_gemv_alone"], cfg))
+    ctx.q8_best[fmt] = [cfg for _, cfg in sorted(timed)[:3]]
+
+
+def q8_grid(fmt: str) -> list[tuple[int, ...]]:
+    """The M = 1 configs of --q8-grid: (1, BLOCK_N, NB, num_warps, 1) with every thread on 1, 2 or 4 chunks
+    (Q4_K: 64 weights) or block pairs (Q8_0: 64 weights) an iteration, BLOCK_N <= 16, NB <= 16 (Q4_K) / 64."""
+    per = 4 if fmt == "q4_k" else 1  # chunks (Q4_K) or pairs (Q8_0) of one NB step of one row
+    nb_max = 16 if fmt == "q4_k" else 64
+    out = []
+    for warps in (1, 2, 4, 8):
+        for block_n in (1, 2, 4, 8, 16):
+            for nb in (1, 2, 4, 8, 16, 32, 64):
+                if nb <= nb_max and block_n * nb * per in (32 * warps, 64 * warps, 128 * warps):
+                    out.append((1, block_n, nb, warps, 1))
+    return out
+
+
+def _read_kernel_jit():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_kernel(X, Out, n_words, BLOCK: tl.constexpr):
+        """A pure stream: every 32-bit word of X read once, a program's xor written (1 / BLOCK of the bytes)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(X + offs, mask=offs < n_words, other=0)
+        tl.store(Out + tl.program_id(0), tl.xor_sum(x, axis=0))
+    return read_kernel
+
+
+def limits_at_size(ctx, rot, n: int, k: int, label: str) -> None:
+    """What a kernel can get on exactly these bytes (the rotated weights, CUDA-graph replays as the GEMVs
+    are timed): a pure Triton read stream of the same words (best of a few block sizes), and torch's bf16
+    GEMV over a matrix of the same bytes (n x nbytes / 2n). The size's own ceiling, for the GEMV's share."""
+    import triton
+    torch = ctx.torch
+    nbytes = rot[0].numel()
+    words = [w.view(-1)[: nbytes // 4 * 4].view(torch.int32) for w in rot]
+    kern = ctx.__dict__.setdefault("read_kernel", _read_kernel_jit())
+    for block, warps in ((2048, 4), (4096, 8), (8192, 8), (16384, 16)):
+        def run(block=block, warps=warps):
+            outs = [torch.empty(triton.cdiv(x.numel(), block), dtype=torch.int32, device=ctx.dev) for x in words]
+            ms = graph_ms(ctx, [lambda x=x, o=o: kern[(o.numel(),)](x, o, x.numel(), BLOCK=block, num_warps=warps)
+                                for x, o in zip(words, outs)])
+            gbps = nbytes / ms / 1e6
+            return dict(path="read", shape=[n, k], bytes=nbytes, config=(block, warps), rotations=len(rot), ms=ms,
+                        GBps=gbps, pct_read=100 * gbps / ctx.read_gbps, pct_copy=100 * gbps / ctx.copy_gbps)
+        ctx.entry("q8", f"read stream of {label} bytes {(block, warps)}", run)
+    cols = max(1, nbytes // (2 * n))
+    a = torch.randn((1, cols), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
+    mats = [torch.randn((n, cols), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16) for _ in rot]
+
+    def gemv_run():
+        outs = [torch.empty((1, n), dtype=a.dtype, device=ctx.dev) for _ in mats]
+        ms = graph_ms(ctx, [lambda wd=wd, o=o: torch.matmul(a, wd.T, out=o) for wd, o in zip(mats, outs)])
+        gbps = 2 * n * cols / ms / 1e6
+        return dict(path="torch bf16", shape=[1, n, cols], bytes=2 * n * cols, rotations=len(mats), ms=ms, GBps=gbps,
+                    pct_read=100 * gbps / ctx.read_gbps, pct_copy=100 * gbps / ctx.copy_gbps)
+    ctx.entry("q8", f"torch bf16 GEMV {n}x{cols} (the bytes of {label})", gemv_run)
+    del mats
 
 
 def prefill(ctx) -> None:
@@ -476,7 +580,9 @@ def dump_kernels(ctx, path: str) -> None:
     import tempfile
     from kernel_parity.kernels.triton import gemm as G, gemm_fp8 as F, gemm_gemv as V, gemm_int4 as I
     lines = []
-    for fn in (V._gemv_kernel, V._q6_k_kernel, G._gemm_ggml_kernel, F._gemm_fp8_kernel, I._gemm_int4_kernel):
+    from kernel_parity.kernels.triton import gemm_q8 as Q
+    for fn in (V._gemv_kernel, V._q6_k_kernel, G._gemm_ggml_kernel, F._gemm_fp8_kernel, I._gemm_int4_kernel,
+               Q._gemv_q4_k_q8_kernel, Q._gemv_q8_0_q8_kernel):
         for k in _compiled(fn):
             meta = {x: getattr(k.metadata, x, None) for x in ("num_warps", "num_stages")}
             consts = {n: v for n, v in getattr(k.src, "constants", {}).items()} if hasattr(k, "src") else {}
@@ -516,6 +622,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=170.0, help="stop the sweeps after this many seconds")
     p.add_argument("--sections", default="gemv,q8,prefill,fp8,int4")
     p.add_argument("--formats", default="", help="GGML formats of the gemv / decode sweeps (default all)")
+    p.add_argument("--q8-grid", action="store_true",
+                   help="q8: sweep a grid of M = 1 configs first (the GEMV alone), then time the three fastest in full")
     p.add_argument("--dump", default="", help="write registers, spills and loop opcodes of the compiled kernels here")
     p.add_argument("--smoke-cpu", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
     args = p.parse_args()
@@ -589,7 +697,7 @@ def main() -> int:
               gemv_shapes=[(14336, 4096), (4096, 14336)] if cuda else [(40, 512)],
               prefill_shapes=[(4096, 4096), (14336, 4096)] if cuda else [(40, 512)],
               prefill_m=4096 if cuda else 33, fp8_size=8192 if cuda else 256,
-              formats=[f for f in args.formats.split(",") if f])
+              formats=[f for f in args.formats.split(",") if f], q8_grid=args.q8_grid, q8_best={})
     sections = {"gemv": gemv, "q8": q8, "prefill": prefill, "fp8": fp8, "int4": int4}
     for name in args.sections.split(","):  # in the order given
         fn = sections[name]

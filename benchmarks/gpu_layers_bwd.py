@@ -6,10 +6,12 @@
 
 By default the shapes below go to `parity bench` (benchmarks/bench_cases.py) as norm.rms_norm_backward
 (with the forward's rstd), norm.layer_norm_backward (with a bias, mean and rstd) and
-mlp.swiglu_backward (split gate / up), backends triton (ours), torch and liger: every case judged by
+mlp.swiglu_backward (split gate / up), backends triton (ours), torch's and liger: every case judged by
 the gate, timed with do_bench, its bytes over the copy ceiling of the same run, each peer's ms over
-ours. torch's and liger's backward are timed without their forward, as below (`Backend.timed`: the
-forward once, untimed, then autograd.grad with retain_graph), so the ratios are those of --direct.
+ours. torch is the peer --direct times: `torch-norm` (F.rms_norm / F.layer_norm, ATen's fused backward)
+for the norms, not the eager float32 composite that `torch` (the gate's baseline) differentiates;
+`torch` (silu(gate) * up) for SwiGLU. The peers' backward is timed without their forward, as below
+(`Backend.timed`: the forward once, untimed, then autograd.grad with retain_graph).
 
 --direct: copy bandwidth first (a 512 MiB device-to-device copy, bytes read + written, do_bench median), then per
 shape and dtype, each backward timed alone (do_bench medians):
@@ -45,9 +47,9 @@ def entries(quick: bool = False) -> list[dict]:
     out = []
     for dtype in dict.fromkeys(d for d, _ in todo):
         shapes = [s for d, s in todo if d == dtype]
-        out += [{"op": "norm.rms_norm_backward", "backends": ["triton", "torch", "liger"], "dtypes": [dtype],
+        out += [{"op": "norm.rms_norm_backward", "backends": ["triton", "torch-norm", "liger"], "dtypes": [dtype],
                  "params": [dict(rows=r, n=n, pad=0, eps="1e-6", gemma=0, residual=0, rstd=1) for r, n in shapes]},
-                {"op": "norm.layer_norm_backward", "backends": ["triton", "torch", "liger"], "dtypes": [dtype],
+                {"op": "norm.layer_norm_backward", "backends": ["triton", "torch-norm", "liger"], "dtypes": [dtype],
                  "params": [dict(rows=r, n=n, pad=0, eps="1e-5", bias=1, stats=1) for r, n in shapes]},
                 {"op": "mlp.swiglu_backward", "backends": ["triton", "torch", "liger"], "dtypes": [dtype],
                  "params": [dict(t=r, i=n, layout="split") for r, n in shapes]}]

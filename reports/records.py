@@ -210,6 +210,7 @@ def _check_header(header: Any, where: str) -> dict:
 
 def load(path: str | os.PathLike) -> dict:
     """Read a results file: {"schema", "header", "results", "complete" (dict, or None if incomplete)}.
+    A gzip-compressed file (e.g. reports/baselines/*.jsonl.gz) is read the same way.
 
     Raises RecordsError naming the file (and line) on anything that is not a results file.
     """
@@ -222,6 +223,14 @@ def load(path: str | os.PathLike) -> dict:
         raise RecordsError(f"results file {name!r} is a directory") from None
     except OSError as e:
         raise RecordsError(f"results file {name!r} is not readable: {e.strerror or e}") from None
+    if data[:2] == b"\x1f\x8b":  # gzip (committed baselines are kept as .jsonl.gz)
+        import gzip
+        import zlib
+
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as e:
+            raise RecordsError(f"results file {name!r} is a damaged gzip file: {e}") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gzip
 import json
 import random
 from pathlib import Path
@@ -20,8 +21,8 @@ from kernel_parity.reports import records
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINES = ROOT / "reports" / "baselines"
-SOURCES = ("ci-h100.jsonl", "peers-liger-h100.jsonl", "peers-quack-h100.jsonl", "models-h100.jsonl",
-           "ci-quant-mla-h100.jsonl", "ci-mlp-h100.jsonl", "ci-rope-h100.jsonl")
+SOURCES = ("ci-h100.jsonl.gz", "peers-liger-h100.jsonl.gz", "peers-quack-h100.jsonl.gz", "models-h100.jsonl.gz",
+           "ci-quant-mla-h100.jsonl.gz", "ci-mlp-h100.jsonl.gz", "ci-rope-h100.jsonl.gz")
 
 
 @functools.lru_cache(maxsize=1)
@@ -29,7 +30,7 @@ def _lines() -> tuple[dict, tuple[tuple[str, str], ...]]:
     """(header, (verdict, record line) ...) of the committed H100 files (ids unique, first wins)."""
     header, seen = None, {}
     for name in SOURCES:
-        lines = (BASELINES / name).read_text(encoding="utf-8").splitlines()
+        lines = gzip.decompress((BASELINES / name).read_bytes()).decode("utf-8").splitlines()
         header = header or json.loads(lines[0])["header"]
         for line in lines[1:]:
             obj = json.loads(line)

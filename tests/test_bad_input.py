@@ -226,6 +226,20 @@ def test_a_truncated_baseline_is_exit_2(capsys, tmp_path_factory, good_results, 
     assert "cut.jsonl" in err
 
 
+def test_gzip_results_read_as_plain_and_a_damaged_one_is_exit_2(capsys, tmp_path, good_results):
+    """Committed baselines are kept as .jsonl.gz: the same records, and a cut gzip file is exit 2 naming it."""
+    import gzip
+
+    packed = gzip.compress(good_results.read_bytes())
+    (tmp_path / "good.jsonl.gz").write_bytes(packed)
+    assert records.load(tmp_path / "good.jsonl.gz")["results"] == records.load(good_results)["results"]
+    assert main(["diff", str(good_results), str(tmp_path / "good.jsonl.gz")]) == 0
+    (tmp_path / "cut.jsonl.gz").write_bytes(packed[: len(packed) // 2])
+    err = _usage_error(capsys, ["report", str(tmp_path / "cut.jsonl.gz"), "--md", str(tmp_path / "r.md")])
+    assert "cut.jsonl.gz" in err and "gzip" in err, err
+    assert not (tmp_path / "r.md").exists()
+
+
 def test_a_results_file_without_results_never_renders_green(tmp_path, good_results):
     lines = good_results.read_text().splitlines()
     (tmp_path / "header-only.jsonl").write_text(lines[0] + "\n")

@@ -22,7 +22,8 @@ same calls on the real lanes: x, w (and b) as leaves, F.rms_norm's / F.layer_nor
 kernels (ATen's, which recompute or save their own statistics: the case's rstd / mean are not
 used), the cotangent dy's real lanes. Gemma's fold (1 + w) sits inside the graph, so dw is the
 gradient of w itself. The fused residual is unsupported as in the forward; the padding lanes of dx,
-dw and db are this adapter's zeros.
+dw and db are this adapter's zeros. `parity bench` times the backward alone (`Backend.timed`: the
+forward once, untimed, then autograd.grad with retain_graph), not the copies into the harness's buffers.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernel_parity.conformance.backends import Backend, NotProvided
-from kernel_parity.conformance.backends._torch import cuda_available, to_torch, torch_available
+from kernel_parity.conformance.backends._torch import autograd_timed, cuda_available, to_torch, torch_available
 
 OPS = ("norm.rms_norm", "norm.layer_norm", "norm.rms_norm_backward", "norm.layer_norm_backward")
 
@@ -117,8 +118,14 @@ class TorchNormBackend(Backend):
 
 def _make() -> TorchNormBackend:
     device = "cuda" if cuda_available() else "cpu"
-    return TorchNormBackend(name="torch-norm", device=device, ops={op: None for op in OPS},
-                            doc=f"torch.nn.functional.rms_norm / layer_norm on {device}")
+    backend = TorchNormBackend(name="torch-norm", device=device, ops={op: None for op in OPS},
+                               doc=f"torch.nn.functional.rms_norm / layer_norm on {device}")
+    # `parity bench` times the backward alone: the forward once, untimed, then autograd.grad with
+    # retain_graph (ATen's fused norm backward kernels), as benchmarks/gpu_layers_bwd.py --direct times torch
+    backend.timed = {op: autograd_timed(backend._backward, "F.rms_norm / F.layer_norm's backward alone: the "
+                                                           "forward ran once, untimed (autograd.grad, retain_graph)")
+                     for op in OPS if op.endswith("_backward")}
+    return backend
 
 
 BACKEND = _make

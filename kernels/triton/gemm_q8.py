@@ -39,10 +39,25 @@ import triton.language as tl
 from .gemm import _check_common, check_weights
 from .gemm_gemv import _ld, _split4, _word
 
-# (BLOCK_M, BLOCK_N, NB, num_warps, num_stages); not tuned on a GPU yet (gemm_gemv's Q4_K shape).
-# q8_0: NB block pairs; BLOCK_N x NB >= 128 keeps every thread of 4 warps on its own pair (offline SASS:
-# 90 instructions per 64 weights at (1, 8, 16), 1.4 a weight; (1, 16, 16) / (1, 8, 32) 1.16)
-CONFIGS = {"q4_k": (1, 8, 8, 4, 1), "q8_0": (1, 8, 16, 4, 1)}
+# (BLOCK_M, BLOCK_N, NB, num_warps, num_stages); q8_0: NB block pairs. Measured on an H100 (benchmarks/
+# gpu_gemm.py --q8-grid, 40 configs a format; NOTES-gemm.md "Version 2, on the device"): one-warp programs of
+# few rows win at M = 1 (more programs in flight); Q4_K wants 4 rows x 2 blocks when there are many rows
+# (14336 x 4096: 61.8% of the read rate, GEMV alone) but 2 x 4 when there are few (4096 x 14336: 56.3%,
+# against 43.6% for 4 x 2); Q8_0 (1, 4, 32, 2) on both (61%). M > 1: BLOCK_M 2, then 4 (the fastest of
+# the M = 4 / 16 sweep; the integer-dot GEMV re-reads its weights per BLOCK_M rows of A).
+CONFIGS = {"q4_k": (1, 4, 2, 1, 1), "q8_0": (1, 4, 32, 2, 1)}
+SMALL_M_CONFIGS = {"q4_k": ((2, 8, 8, 4, 1), (4, 8, 4, 4, 1)), "q8_0": ((2, 8, 16, 4, 1), (4, 8, 8, 4, 1))}
+
+
+def default_config(fmt: str, M: int, N: int) -> tuple[int, ...]:
+    """The launcher's (BLOCK_M, BLOCK_N, NB, num_warps, num_stages) for M rows of A and N of W (above)."""
+    if M >= 8:
+        return SMALL_M_CONFIGS[fmt][1]
+    if M >= 2:
+        return SMALL_M_CONFIGS[fmt][0]
+    if fmt == "q4_k" and N < 8192:
+        return (1, 2, 4, 1, 1)
+    return CONFIGS[fmt]
 _U32 = tl.constexpr(tl.pointer_type(tl.uint32))
 
 
@@ -335,7 +350,7 @@ def gemm_nt_q8(a: torch.Tensor, wfmt: str, w: torch.Tensor, bias: torch.Tensor |
     if nb == 0:
         return out.copy_(bias.to(out.dtype).expand(M, N) if bias is not None else torch.zeros_like(out))
     quantized = quantize_q8_k(a) if fmt == "q4_k" else quantize_q8_0(a)
-    launch_gemv(fmt, quantized, w, bias, out, config or CONFIGS[fmt])
+    launch_gemv(fmt, quantized, w, bias, out, config or default_config(fmt, M, N))
     return out
 
 
