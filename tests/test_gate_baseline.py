@@ -124,7 +124,7 @@ def test_a_benchmark_script_is_a_thin_caller_of_parity_bench(tmp_path, capsys):
         assert liger_["verdict"] == "skip" and liger_["reason"]
         assert row["peer_ms_over_cpu"]["torch"] == pytest.approx(torch_["ms"] / cpu["ms"])
     assert "norm.rms_norm bf16 rows=16,n=64" in capsys.readouterr().out
-    for name in ("gpu_norm", "gpu_mlp", "gpu_rope", "gpu_layers_bwd"):  # each thin script's cases: a valid suite
+    for name in ("gpu_norm", "gpu_mlp", "gpu_rope", "gpu_layers_bwd", "gpu_prefill"):  # each thin script's cases: a valid suite
         mod = __import__(name)
         suite = tmp_path / f"{name}.toml"
         suite.write_text(bench_cases.suite_text(mod.entries(quick=True)))

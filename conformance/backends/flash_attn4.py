@@ -25,8 +25,16 @@ GPU (Hopper's sm90 path, Blackwell's sm100). Read against flash-attn-4 4.0.0b36.
 
 The adapter returns flash-attn-4's own tensors (no copy), so `parity bench` times its call alone.
 What it cannot express is a skip with the reason (`supports`): fp32, head dims outside 8..256 or not
-a multiple of 8, top-left causal with s_q != s_k, sinks beside an LSE cotangent; every op but
-attention.prefill and its backward (the varlen and paged forms are not bound yet).
+a multiple of 8, top-left causal with s_q != s_k, sinks beside an LSE cotangent, GQA backward with
+d != d_v on Hopper (its SM90 backward asserts d == d_v); every op but attention.prefill and its
+backward (the varlen and paged forms are not bound yet). An install that does not import (4.0.0b36
+imports quack-kernels) is unavailable with the import error as the reason.
+
+First GPU run (H100, 2026-11-28, ci suite, reports/baselines/ci-fa4-h100.jsonl.gz): 97 pass, 107 skip,
+5 fail, 4 error (the GQA d != d_v backward, now a skip). Its softcap is `tanh(x, fastmath=True)`
+(flash_attn/cute/utils.py): the LSE of capped logits misses the golden by ~6e-5 (rel 7e-6, atol 1e-5)
+on `large` / `outlier` logits (conformance/known_failures.toml); one bf16 `scales` backward case has
+dsinks 2.4% off (cos_diff 1.1e-4), not yet explained.
 """
 
 from __future__ import annotations
@@ -62,6 +70,11 @@ class FlashAttn4Backend(Backend):
             return f"flash-attn-4 is not installed ({INSTALL})"
         if self.device == "cuda" and not cuda_available():
             return "flash-attn-4 needs a CUDA GPU (its CuTe-DSL kernels compile for sm80 / sm90 / sm100 only)"
+        try:  # an install missing one of its needs is a skip saying which, not an error in every case
+            importlib.import_module("flash_attn.cute")
+        except Exception as e:  # noqa: BLE001 (any failure of a third-party import)
+            return (f"flash-attn-4 is installed but does not import ({type(e).__name__}: {e}); it needs "
+                    "quack-kernels, nvidia-cutlass-dsl, apache-tvm-ffi, torch-c-dlpack-ext and einops")
         return None
 
     def supports(self, case: Any) -> str | None:
@@ -77,7 +90,17 @@ class FlashAttn4Backend(Backend):
                     f"s_q != s_k ({p['sq']} != {p['sk']})")
         if p["sink"] and p.get("dlse"):
             return "flash-attn-4's LSE includes the sink: its LSE cotangent is not the op's dLSE"
+        if case.op == "attention.prefill_backward" and p["hq"] != p["hkv"] and p["d"] != value_dim(p) \
+                and _capability_major() == 9:
+            return ("flash-attn-4's SM90 backward requires head_dim == head_dim_v under GQA "
+                    f"(FlashAttentionBackwardSm90 asserts it; d={p['d']}, d_v={value_dim(p)})")
         return None
+
+
+def _capability_major() -> int | None:
+    import torch
+
+    return torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else None
 
 
 def _window(v: int) -> int | None:
