@@ -34,7 +34,10 @@ First GPU run (H100, 2026-11-28, ci suite, reports/baselines/ci-fa4-h100.jsonl.g
 5 fail, 4 error (the GQA d != d_v backward, now a skip). Its softcap is `tanh(x, fastmath=True)`
 (flash_attn/cute/utils.py): the LSE of capped logits misses the golden by ~6e-5 (rel 7e-6, atol 1e-5)
 on `large` / `outlier` logits (conformance/known_failures.toml); one bf16 `scales` backward case has
-dsinks 2.4% off (cos_diff 1.1e-4), not yet explained.
+dsinks[0] -0.3949 against the golden's -0.3857 (cos_diff 1.1e-4). That case is ill-conditioned in O:
+the golden takes D = dO . O from the case's bf16 O (FlashAttention's contract), and the exact-O
+reference gives -0.3918, 1.6% away from it; FA4 recomputes O in its own forward, so the case's O is
+not what it differentiates. Still open: judge this adapter's dsinks against the `exact` reference.
 """
 
 from __future__ import annotations
