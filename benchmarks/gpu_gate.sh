@@ -11,9 +11,12 @@
 #   layers  benchmarks/gpu_{norm,rope,mlp}.py (RMSNorm, LayerNorm, RoPE, SwiGLU / GeGLU vs the copy rate, torch and
 #           the peers that import) -> $OUT/{norm,rope,mlp}-bench-<device>.json
 #   peers   the `peers` suite (liger, quack on norm / rope / mlp cases) -> $OUT/peers-<device>.jsonl
-# Peers: wheels carried in .whl/ (liger-kernel, quack-kernels, nvidia-cutlass-dsl and its libs, apache-tvm-ffi,
-# torch-c-dlpack-ext; research/peers-measured.md) are installed into /tmp/peers first when present; a wheel
-# over one call's 64 MiB travels in parts (.whl/*.part*, joined in name order) over calls on a warm machine.
+#   prefill benchmarks/gpu_prefill.py (causal prefill: ours, fa4, cuDNN, SDPA flash; parity bench), then the
+#           fa4 plugin's ci cases -> $OUT/prefill-bench-<device>.json, $OUT/ci-fa4-<device>.jsonl
+# Peers: wheels carried in .whl/ (liger-kernel, quack-kernels, flash-attn-4, nvidia-cutlass-dsl and its libs,
+# apache-tvm-ffi, torch-c-dlpack-ext, einops; research/peers-measured.md; flash-attn-4 4.0.0b36 imports
+# quack) are installed into /tmp/peers first when present; a wheel over one call's 64 MiB travels in parts
+# (.whl/*.part*, joined in name order) over calls on a warm machine.
 # $OPS narrows ci / models / sweep to some op families (e.g. OPS="--op quant --op gemm"); $TAG is
 # added to the file names.
 # Usage (on the device machine, repository root): STEPS="ci models" bash benchmarks/gpu_gate.sh
@@ -52,6 +55,9 @@ for step in $STEPS; do
     mla) python3 benchmarks/gpu_mla.py --out "$OUT/mla-bench-$DEV.json" --tune-budget "${BUDGET_S:-60}" || rc=1 ;;
     layers) for f in norm rope mlp; do python3 benchmarks/gpu_$f.py --out "$OUT/$f-bench-$DEV.json" || rc=1; done ;;
     peers) $PARITY run --suite peers --no-progress -q --jobs "$JOBS" --json "$OUT/peers-$DEV.jsonl" || rc=1 ;;
+    prefill) python3 benchmarks/gpu_prefill.py --out "$OUT/prefill-bench-$DEV.json" || rc=1
+             $PARITY run --suite ci --backend fa4 --no-progress -q --jobs "$JOBS" --json "$OUT/ci-fa4-$DEV.jsonl" \
+               || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   echo "step $step: $(( $(date +%s) - t0 )) s"
