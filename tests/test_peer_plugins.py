@@ -356,6 +356,21 @@ def fa4_fake(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
 
 
+def test_fa4_that_does_not_import_is_unavailable_saying_why(monkeypatch):
+    """An install missing one of flash-attn-4's needs (4.0.0b36 imports quack) is a skip naming the import
+    error, asked once per process, not an error in every case."""
+    from kernel_parity.conformance.backends import flash_attn4
+
+    monkeypatch.setattr(flash_attn4, "_installed", lambda: True)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # import_module raises ModuleNotFoundError
+    flash_attn4._import_error.cache_clear()
+    try:
+        why = flash_attn4.make(device="cpu").available()
+        assert why.startswith("flash-attn-4 is installed but does not import (ModuleNotFoundError") and "quack" in why
+    finally:
+        flash_attn4._import_error.cache_clear()
+
+
 FA_CASES = _grid(b=2, sq=[5, 9], sk=[9, 4], hq=4, hkv=[1, 2, 4], d=64, causal=["bottom_right", "none", "top_left"],
                  wl=[-1, 3], wr=[-1, 2], cap=[0, 30], sink=[0, 1])
 

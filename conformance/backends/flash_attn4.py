@@ -42,6 +42,8 @@ not what it differentiates. Still open: judge this adapter's dsinks against the 
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -73,11 +75,10 @@ class FlashAttn4Backend(Backend):
             return f"flash-attn-4 is not installed ({INSTALL})"
         if self.device == "cuda" and not cuda_available():
             return "flash-attn-4 needs a CUDA GPU (its CuTe-DSL kernels compile for sm80 / sm90 / sm100 only)"
-        try:  # an install missing one of its needs is a skip saying which, not an error in every case
-            importlib.import_module("flash_attn.cute")
-        except Exception as e:  # noqa: BLE001 (any failure of a third-party import)
-            return (f"flash-attn-4 is installed but does not import ({type(e).__name__}: {e}); it needs "
-                    "quack-kernels, nvidia-cutlass-dsl, apache-tvm-ffi, torch-c-dlpack-ext and einops")
+        why = _import_error()  # an install missing one of its needs is a skip saying which, not an error per case
+        if why:
+            return (f"flash-attn-4 is installed but does not import ({why}); it needs quack-kernels, "
+                    "nvidia-cutlass-dsl, apache-tvm-ffi, torch-c-dlpack-ext and einops")
         return None
 
     def supports(self, case: Any) -> str | None:
@@ -98,6 +99,16 @@ class FlashAttn4Backend(Backend):
             return ("flash-attn-4's SM90 backward requires head_dim == head_dim_v under GQA "
                     f"(FlashAttentionBackwardSm90 asserts it; d={p['d']}, d_v={value_dim(p)})")
         return None
+
+
+@functools.lru_cache(maxsize=1)
+def _import_error() -> str | None:
+    """Why `flash_attn.cute` does not import (once per process: asked for every case), or None."""
+    try:
+        importlib.import_module("flash_attn.cute")
+    except Exception as e:  # noqa: BLE001 (any failure of a third-party import)
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _capability_major() -> int | None:
