@@ -110,6 +110,26 @@ def test_rows_past_the_tile_and_out():
     assert np.allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("fmt, m, n, k", [("q4_k", 1, 5, 2304), ("q8_0", 1, 5, 4096), ("q4_k", 3, 5, 512),
+                                         ("q8_0", 9, 3, 512)])
+def test_the_launchers_defaults_run_their_main_loop(fmt, m, n, k):
+    """Every config gemm_q8.default_config picks (by M and N; the N >= 8192 Q4_K tile asked for by name, at
+    a small N) through its unmasked main loop and its tail, against the emulated golden."""
+    rng = np.random.default_rng(k + m)
+    a = torch.from_numpy(_activations(rng, m, k))
+    qk = 256 if fmt == "q4_k" else 32
+    w = refimpl.quant.quantize(fmt, rng.standard_normal((n * k // qk, qk)).astype(np.float32)).reshape(n, -1)
+    ref = refimpl.gemm.emulated_reference(a.numpy(), fmt, {"w": w})
+    configs = {gemm_q8.default_config(fmt, m, n)} | ({gemm_q8.default_config(fmt, m, 1 << 14)} if m == 1 else set())
+    for cfg in configs:
+        nb = k // qk if fmt == "q4_k" else k // 64
+        assert m > 1 or nb >= 2 * cfg[2], (cfg, "the case must reach the unmasked loop")
+        got = gemm_q8.gemm_nt_q8(a, fmt, torch.from_numpy(w), config=cfg)
+        assert np.allclose(got.numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max()), cfg
+    assert gemm_q8.default_config("q4_k", 1, 14336) == (1, 4, 2, 1, 1)
+    assert gemm_q8.default_config("q4_k", 1, 4096) == (1, 2, 4, 1, 1)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(wfmt="q6_k"), "weight format 'q6_k' is not supported"),
     (dict(k=320), "K=320 must be a multiple of 256"),
