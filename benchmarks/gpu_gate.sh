@@ -11,6 +11,7 @@
 #   layers  benchmarks/gpu_{norm,rope,mlp}.py (RMSNorm, LayerNorm, RoPE, SwiGLU / GeGLU vs the copy rate, torch and
 #           the peers that import) -> $OUT/{norm,rope,mlp}-bench-<device>.json
 #   peers   the `peers` suite (liger, quack on norm / rope / mlp cases) -> $OUT/peers-<device>.jsonl
+#   profile benchmarks/gpu_profile.py (ncu: every issue-19 target, ours and the peers) -> $OUT/profile-<device>.json
 #   prefill benchmarks/gpu_prefill.py (causal prefill: ours, fa4, cuDNN, SDPA flash; parity bench), then the
 #           fa4 plugin's ci cases -> $OUT/prefill-bench-<device>.json, $OUT/ci-fa4-<device>.jsonl
 # Peers: wheels carried in .whl/ (liger-kernel, quack-kernels, flash-attn-4, nvidia-cutlass-dsl and its libs,
@@ -58,6 +59,7 @@ for step in $STEPS; do
     prefill) python3 benchmarks/gpu_prefill.py --out "$OUT/prefill-bench-$DEV.json" || rc=1
              $PARITY run --suite ci --backend fa4 --no-progress -q --jobs "$JOBS" --json "$OUT/ci-fa4-$DEV.jsonl" \
                || rc=1 ;;
+    profile) python3 benchmarks/gpu_profile.py --out "$OUT/profile-$DEV.json" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   echo "step $step: $(( $(date +%s) - t0 )) s"

@@ -74,12 +74,18 @@ DECODE_SWEEP = {
 # num_warps, num_stages) per format and M (Q8_0: NB block pairs); None: the launcher's choice
 # (gemm_q8.default_config, by M and N). Offline sm_90 SASS, instructions a weight: Q4_K 1.5 (the exact
 # kernel: 6.4 on the device), Q8_0 1.4 / 1.16.
-Q8_SWEEP = {"q4_k": {1: [None, (1, 4, 2, 1, 1), (1, 2, 4, 1, 1), (1, 8, 8, 4, 1), (1, 4, 8, 4, 1)],
-                     4: [None, (1, 8, 8, 4, 1), (4, 8, 4, 4, 1)],
-                     16: [None, (1, 8, 8, 4, 1), (8, 8, 2, 4, 1)]},
-            "q8_0": {1: [None, (1, 4, 64, 2, 1), (1, 8, 16, 4, 1), (1, 8, 32, 4, 1)],
-                     4: [None, (1, 8, 16, 4, 1)],
-                     16: [None, (1, 8, 16, 4, 1)]}}
+Q8_SWEEP = {"q4_k": {1: [None, (1, 4, 2, 1, 1), (1, 2, 4, 1, 1), (1, 8, 8, 4, 1), (1, 4, 8, 4, 1)]},
+            "q8_0": {1: [None, (1, 4, 64, 2, 1), (1, 8, 16, 4, 1), (1, 8, 32, 4, 1)]}}
+# M = 4 / 16: the launcher's choice (None), the dp4a GEMV at its default tile ("gemv"), and the int8 tensor-core
+# kernel (kernels/triton/gemm_mmq.py, "mmq") at (BLOCK_N, BLOCK_M, NB, num_warps, num_stages): W rows on the
+# tensor cores' M side (16 .. 128), A rows on the N side (16), NB 32-wide sub-blocks (Q8_0) / 256-blocks (Q4_K)
+# an iteration, SPLIT_K ranges of K a row (default gemm_mmq.auto_splits: ~6 programs an SM).
+MMQ_GRID = [(64, 16, 1, 4, 3), (64, 16, 2, 4, 3), (64, 16, 1, 4, 4), (32, 16, 1, 2, 3), (32, 16, 2, 2, 4),
+            (16, 16, 2, 1, 2), (128, 16, 1, 8, 3), (64, 16, 1, 4, 3, 1), (64, 16, 1, 4, 3, 2), (64, 16, 1, 4, 3, 8),
+            (64, 16, 2, 4, 3, 16), (32, 16, 1, 2, 3, 1), (32, 16, 1, 2, 3, 4)]  # 6th: SPLIT_K (default: auto)
+for _fmt in Q8_SWEEP:
+    for _m in (4, 16):
+        Q8_SWEEP[_fmt][_m] = [None, ("gemv", None)] + [("mmq", c) for c in MMQ_GRID]
 # Swept on the first shape; the others run the default and the best. 6th element: GROUP_M.
 PREFILL_SWEEP = [(256, 128, 1, 8, 3, 4), (256, 128, 1, 8, 4, 4), (256, 64, 1, 8, 3, 4), (256, 128, 1, 8, 3, 8)]
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, TMA)
@@ -245,7 +251,7 @@ def q8(ctx) -> None:
     """triton-q8 (Q4_K x Q8_K, Q8_0 x Q8_0): the activation quantizer and the integer-dot GEMV together (what
     a user calls), and the GEMV alone, on weight bytes against the read and copy rates of this run; checked
     against the `emulated` golden (float64 of the same integer dots) on the first CHECK_COLS rows."""
-    from kernel_parity.kernels.triton import gemm_q8 as Q
+    from kernel_parity.kernels.triton import gemm_mmq as MMQ, gemm_q8 as Q
     from kernel_parity.refimpl import gemm as refgemm
     torch = ctx.torch
     for n, k in ctx.gemv_shapes:
@@ -269,29 +275,33 @@ def q8(ctx) -> None:
                     if i and ctx.over_budget():
                         break
 
-                    def run(cfg=cfg, m=m, a=a, outs=outs, fmt=fmt, w=w, w64=w64, w_np=w_np, rot=rot, nbytes=nbytes):
-                        c = Q.gemm_nt_q8(a, fmt, w, config=cfg)
-                        cfg_used = cfg or Q.default_config(fmt, m, n)
+                    def run(item=cfg, m=m, a=a, outs=outs, fmt=fmt, w=w, w64=w64, w_np=w_np, rot=rot, nbytes=nbytes):
+                        kernel, cfg = item if isinstance(item, tuple) and isinstance(item[0], str) else ("auto", item)
+                        kernel_used = Q.kernel_for(m) if kernel == "auto" else kernel
+                        launch = Q.launch_gemv if kernel_used == "gemv" else MMQ.launch_mmq
+                        cfg_used = cfg or (Q.default_config if kernel_used == "gemv" else MMQ.default_config)(fmt, m, n)
+                        c = Q.gemm_nt_q8(a, fmt, w, config=cfg, kernel=kernel)
                         ref = torch.from_numpy(refgemm.emulated_reference(a.float().cpu().numpy(), fmt, {"w": w_np}))
                         mag = a.double().abs() @ w64.abs().T
-                        row = dict(fmt=fmt, path="q8", shape=[m, n, k], config=cfg or f"default {cfg_used}",
-                                   weight_bytes=nbytes,
+                        row = dict(fmt=fmt, path="q8", kernel=kernel_used, shape=[m, n, k],
+                                   config=cfg or f"default {cfg_used}", weight_bytes=nbytes,
                                    rotations=len(rot), **errors_vs(ctx, c[:, :CHECK_COLS], ref.to(ctx.dev), mag, "bf16"))
                         dq = a.double() @ w64.T  # the dequantized product: the activation quantization's size
                         row["err_acc_vs_dequant"] = float(((c[:, :CHECK_COLS].double() - dq).abs() / mag).max())
-                        ms = graph_ms(ctx, [lambda ww=ww, o=o: Q.gemm_nt_q8(a, fmt, ww, out=o, config=cfg)
+                        ms = graph_ms(ctx, [lambda ww=ww, o=o: Q.gemm_nt_q8(a, fmt, ww, out=o, config=cfg,
+                                                                            kernel=kernel)
                                             for ww, o in zip(rot, outs)])
                         quantize = Q.quantize_q8_k if fmt == "q4_k" else Q.quantize_q8_0
                         quantized = quantize(a)
                         ms_quant = ctx.bench(lambda: quantize(a))
-                        ms_gemv = graph_ms(ctx, [lambda ww=ww, o=o: Q.launch_gemv(fmt, quantized, ww, None, o, cfg_used)
+                        ms_gemv = graph_ms(ctx, [lambda ww=ww, o=o: launch(fmt, quantized, ww, None, o, cfg_used)
                                                  for ww, o in zip(rot, outs)])
                         gbps = nbytes / ms / 1e6
                         row.update(ms=ms, GBps=gbps, pct_copy=100 * gbps / ctx.copy_gbps,
                                    pct_read=100 * gbps / ctx.read_gbps, ms_quantize=ms_quant, ms_gemv_alone=ms_gemv,
                                    pct_read_gemv_alone=100 * nbytes / ms_gemv / 1e6 / ctx.read_gbps)
                         return row
-                    ctx.entry("q8", f"{fmt} x q8 M={m} {n}x{k} {cfg}", run)
+                    ctx.entry("q8", f"{fmt} x q8 M={m} {n}x{k} {cfg}", run)  # cfg: the sweep's item
             del rot, w, w64
             torch.cuda.empty_cache() if ctx.cuda else None
 

@@ -104,7 +104,8 @@ def test_rows_past_the_tile_and_out():
     w = torch.from_numpy(refimpl.quant.quantize("q4_k", rng.standard_normal((11 * 2, 256)).astype(np.float32))
                          .reshape(11, -1))
     out = torch.full((5, 11), float("nan"))
-    got = gemm_q8.gemm_nt_q8(a, "q4_k", w, out=out, config=(2, 8, 1, 4, 1))  # M and N not tile multiples, NB = 1
+    # M and N not tile multiples, NB = 1 (the dp4a GEMV by name: the launcher takes the tensor cores at M = 5)
+    got = gemm_q8.gemm_nt_q8(a, "q4_k", w, out=out, config=(2, 8, 1, 4, 1), kernel="gemv")
     assert got is out
     ref = refimpl.gemm.emulated_reference(a.numpy(), "q4_k", {"w": w.numpy()})
     assert np.allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
@@ -121,11 +122,15 @@ def test_the_launchers_defaults_run_their_main_loop(fmt, m, n, k):
     w = refimpl.quant.quantize(fmt, rng.standard_normal((n * k // qk, qk)).astype(np.float32)).reshape(n, -1)
     ref = refimpl.gemm.emulated_reference(a.numpy(), fmt, {"w": w})
     configs = {gemm_q8.default_config(fmt, m, n)} | ({gemm_q8.default_config(fmt, m, 1 << 14)} if m == 1 else set())
-    for cfg in configs:
+    for cfg in configs:  # the dp4a GEMV's tiles (the launcher's kernel at M = 1, forced by name above it)
         nb = k // qk if fmt == "q4_k" else k // 64
         assert m > 1 or nb >= 2 * cfg[2], (cfg, "the case must reach the unmasked loop")
-        got = gemm_q8.gemm_nt_q8(a, fmt, torch.from_numpy(w), config=cfg)
+        got = gemm_q8.gemm_nt_q8(a, fmt, torch.from_numpy(w), config=cfg, kernel="gemv")
         assert np.allclose(got.numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max()), cfg
+    if m > 1:  # the launcher's own choice there: the tensor-core kernel at its default tile
+        assert gemm_q8.kernel_for(m) == "mmq"
+        got = gemm_q8.gemm_nt_q8(a, fmt, torch.from_numpy(w))
+        assert np.allclose(got.numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     assert gemm_q8.default_config("q4_k", 1, 14336) == (1, 4, 2, 1, 1)
     assert gemm_q8.default_config("q4_k", 1, 4096) == (1, 2, 4, 1, 1)
 
@@ -135,10 +140,11 @@ def test_the_launchers_defaults_run_their_main_loop(fmt, m, n, k):
     (dict(k=320), "K=320 must be a multiple of 256"),
     (dict(w_cols=100), r"w must be \(4, 144\)"),
     (dict(w_dtype=torch.int8), "2-D uint8 tensor"),
+    (dict(kernel="dp4a"), "kernel 'dp4a' is not one of auto, gemv, mmq"),
 ])
 def test_argument_errors(kwargs, match):
     k = kwargs.get("k", 256)
     a = torch.zeros((1, k))
     w = torch.zeros((4, kwargs.get("w_cols", 144)), dtype=kwargs.get("w_dtype", torch.uint8))
     with pytest.raises(ValueError, match=match):
-        gemm_q8.gemm_nt_q8(a, kwargs.get("wfmt", "q4_k"), w)
+        gemm_q8.gemm_nt_q8(a, kwargs.get("wfmt", "q4_k"), w, kernel=kwargs.get("kernel", "auto"))

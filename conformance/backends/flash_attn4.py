@@ -16,8 +16,8 @@ GPU (Hopper's sm90 path, Blackwell's sm100). Read against flash-attn-4 4.0.0b36.
 - attention.prefill_backward: autograd through the same call (FA4's own backward kernels, which
   recompute from their forward's O and LSE; the case's O and LSE are not used) for the cotangents dO
   and, where the case has one, dLSE (FA4's LSE takes a gradient); dsinks is learnable_sink's
-  gradient. A case with both sinks and dLSE is a skip: FA4's LSE includes the sink, so its LSE
-  cotangent is not the op's.
+  gradient. Judged against the op's `exact` reference (below). A case with both sinks and dLSE is a
+  skip: FA4's LSE includes the sink, so its LSE cotangent is not the op's.
 - The LSE is FlashAttention's natural-log LSE (b, h_q, s_q); an empty row's +inf (FA2's convention)
   is read as -inf (OPS.md). With sinks its LSE includes the sink's mass (an empty row's LSE is the
   sink), which the op's `lse` (without the sink) is not: those cases report lse as not provided and
@@ -37,7 +37,10 @@ on `large` / `outlier` logits (conformance/known_failures.toml); one bf16 `scale
 dsinks[0] -0.3949 against the golden's -0.3857 (cos_diff 1.1e-4). That case is ill-conditioned in O:
 the golden takes D = dO . O from the case's bf16 O (FlashAttention's contract), and the exact-O
 reference gives -0.3918, 1.6% away from it; FA4 recomputes O in its own forward, so the case's O is
-not what it differentiates. Still open: judge this adapter's dsinks against the `exact` reference.
+not what it differentiates. So the adapter claims the backward's `exact` reference (the VJP at q, k, v,
+O recomputed in float64), which FA4's interface is: it takes q, k, v, dO and never the case's O (tested
+with a fake library on the CPU; not yet rerun on a GPU: the 2026-11-28 device session could not install
+the wheels, see the closing note of issue 19).
 """
 
 from __future__ import annotations
@@ -163,6 +166,9 @@ def _prefill_backward(case, inputs, out):
 def make(device: str = "cuda") -> FlashAttn4Backend:
     return FlashAttn4Backend(name="fa4", device=device, dtypes=("fp16", "bf16"),
                              ops={"attention.prefill": _prefill, "attention.prefill_backward": _prefill_backward},
+                             # FA4 differentiates its own forward's O (the case's O is not an input it takes):
+                             # the VJP at q, k, v is its reference, not the one through the case's rounded O
+                             claims={"attention.prefill_backward": "exact"},
                              doc="flash-attn-4's CuTe-DSL FlashAttention (attention.prefill and its backward) on a CUDA GPU")
 
 

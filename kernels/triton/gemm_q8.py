@@ -22,6 +22,10 @@ Q8_0: blocks of 34 bytes are 2-byte aligned; a pair (68 bytes) is 4-aligned, so 
 codes straddle words 0-8 (after its fp16 d) and are funnel shifts of neighbours; rows that are not
 4-aligned, or an odd block count, read each word as two 16-bit halves (gemm_gemv's `_word`).
 
+From gemm_mmq.MMQ_MIN_M rows of A on, gemm_nt_q8 hands the same quantized activations to gemm_mmq.py's
+int8 tensor-core kernel (one dot a 32-weight sub-block for all rows of a tile; here dp4a repeats every
+product for each row of A); `kernel_for(M)` says which runs, `kernel=` forces one (benchmarks).
+
 The integer instruction and the exact fp32 division / rounding of the quantizers are inline PTX on a
 GPU; under TRITON_INTERPRET=1 (no PTX) the same integers and IEEE results come from plain Triton
 arithmetic (`ASM=False`), so the CPU tests check every index and every rounding of the algorithm.
@@ -38,6 +42,8 @@ import triton.language as tl
 
 from .gemm import _check_common, check_weights
 from .gemm_gemv import _ld, _split4, _word
+from .gemm_mmq import MMQ_MIN_M, launch_mmq
+from .gemm_mmq import default_config as mmq_default_config
 
 # (BLOCK_M, BLOCK_N, NB, num_warps, num_stages); q8_0: NB block pairs. Measured on an H100 (benchmarks/
 # gpu_gemm.py --q8-grid, 40 configs a format; NOTES-gemm.md "Version 2, on the device"): one-warp programs of
@@ -329,16 +335,31 @@ def _gemv_q4_k_q8_kernel(
 FORMATS = {"q4_k": (256, 144, 4), "q8_0": (32, 34, 2)}  # block elements, block bytes, row alignment
 
 
+KERNELS = ("auto", "gemv", "mmq")
+
+
+def kernel_for(M: int) -> str:
+    """The integer kernel gemm_nt_q8 runs for M rows of A: the dp4a GEMV at M = 1, the int8 tensor-core
+    GEMM of gemm_mmq.py from gemm_mmq.MMQ_MIN_M rows on (one dot serves all BLOCK_M rows of A, where the
+    GEMV repeats every product per row)."""
+    return "mmq" if M >= MMQ_MIN_M else "gemv"
+
+
 def gemm_nt_q8(a: torch.Tensor, wfmt: str, w: torch.Tensor, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, *, config: tuple[int, ...] | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, *, config: tuple[int, ...] | None = None,
+               kernel: str = "auto") -> torch.Tensor:
     """C = a @ W^T (+ bias) in ggml's quantized-activation arithmetic (module docstring): a quantized to
     Q8_K (Q4_K weights) or Q8_0 (Q8_0 weights), integer products, fp32 scales and sums. The `emulated`
     reference of gemm.gemm_nt.
 
     a: (M, K) fp32/bf16/fp16, K a multiple of the block (256 / 32); wfmt: "q4_k" | "q8_0"; w: (N, K / QK *
     bytes) uint8, rows 4-byte (q4_k) / 2-byte (q8_0) aligned; bias: (N,) added in fp32; out: (M, N) a's
-    dtype. config: (BLOCK_M, BLOCK_N, NB, num_warps, num_stages), tuning only. Returns out.
+    dtype. kernel: "auto" (kernel_for(M)), "gemv" (dp4a) or "mmq" (int8 tensor cores), tuning and
+    benchmarks only; config: that kernel's tile (launch_gemv's (BLOCK_M, BLOCK_N, NB, num_warps, num_stages)
+    or gemm_mmq.launch_mmq's (BLOCK_N, BLOCK_M, NB, num_warps, num_stages)), tuning only. Returns out.
     """
+    if kernel not in KERNELS:
+        raise ValueError(f"gemm_nt_q8: kernel {kernel!r} is not one of {', '.join(KERNELS)}")
     fmt = str(wfmt).lower()
     if fmt not in FORMATS:
         raise ValueError(f"gemm_nt_q8: weight format {wfmt!r} is not supported; expected one of {sorted(FORMATS)}")
@@ -350,7 +371,10 @@ def gemm_nt_q8(a: torch.Tensor, wfmt: str, w: torch.Tensor, bias: torch.Tensor |
     if nb == 0:
         return out.copy_(bias.to(out.dtype).expand(M, N) if bias is not None else torch.zeros_like(out))
     quantized = quantize_q8_k(a) if fmt == "q4_k" else quantize_q8_0(a)
-    launch_gemv(fmt, quantized, w, bias, out, config or default_config(fmt, M, N))
+    if (kernel_for(M) if kernel == "auto" else kernel) == "mmq":
+        launch_mmq(fmt, quantized, w, bias, out, config or mmq_default_config(fmt, M, N))
+    else:
+        launch_gemv(fmt, quantized, w, bias, out, config or default_config(fmt, M, N))
     return out
 
 
