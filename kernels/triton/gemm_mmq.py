@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm import _sm_count, _splitk_reduce_kernel
+from .gemm import _sm_count, _split_dst, _splitk_reduce_kernel
 
 _I16 = tl.constexpr(tl.pointer_type(tl.int16))
 _U16 = tl.constexpr(tl.pointer_type(tl.uint16))
@@ -252,8 +252,7 @@ def launch_mmq(fmt: str, quantized: tuple, w: torch.Tensor, bias, out: torch.Ten
     splits = max(1, min(splits, n_blocks))
     per_split = triton.cdiv(max(n_blocks, 1), splits)
     splits = triton.cdiv(max(n_blocks, 1), per_split)  # no empty split
-    dst = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=out.device)
-    strides = (0, *out.stride()) if splits == 1 else dst.stride()
+    dst, strides = _split_dst(out, splits, M, N)
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m), splits)
     bias_arg = bias if bias is not None else w
     has_bias = bias is not None and splits == 1  # split partials take the bias in the reduction
