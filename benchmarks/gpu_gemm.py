@@ -80,9 +80,11 @@ Q8_SWEEP = {"q4_k": {1: [None, (1, 4, 2, 1, 1), (1, 2, 4, 1, 1), (1, 8, 8, 4, 1)
 # kernel (kernels/triton/gemm_mmq.py, "mmq") at (BLOCK_N, BLOCK_M, NB, num_warps, num_stages): W rows on the
 # tensor cores' M side (16 .. 128), A rows on the N side (16), NB 32-wide sub-blocks (Q8_0) / 256-blocks (Q4_K)
 # an iteration, SPLIT_K ranges of K a row (default gemm_mmq.auto_splits: ~6 programs an SM).
-MMQ_GRID = [(64, 16, 1, 4, 3), (64, 16, 2, 4, 3), (64, 16, 1, 4, 4), (32, 16, 1, 2, 3), (32, 16, 2, 2, 4),
-            (16, 16, 2, 1, 2), (128, 16, 1, 8, 3), (64, 16, 1, 4, 3, 1), (64, 16, 1, 4, 3, 2), (64, 16, 1, 4, 3, 8),
-            (64, 16, 2, 4, 3, 16), (32, 16, 1, 2, 3, 1), (32, 16, 1, 2, 3, 4)]  # 6th: SPLIT_K (default: auto)
+MMQ_GRID = [(64, 16, 1, 4, 3), (32, 16, 1, 2, 3),  # then PREFETCH (the next block's weight words loaded first)
+            (64, 16, 1, 4, 3, None, 1), (32, 16, 1, 2, 3, None, 1), (64, 16, 1, 4, 2, None, 1),
+            (32, 16, 1, 2, 2, None, 1), (128, 16, 1, 4, 3, None, 1), (128, 16, 1, 8, 3, None, 1),
+            (16, 16, 1, 1, 3, None, 1), (64, 16, 1, 4, 3, 2, 1), (64, 16, 1, 4, 3, 8, 1), (32, 16, 1, 2, 3, 4, 1)]
+# 6th: SPLIT_K (None: auto), 7th: PREFETCH (gemm_mmq.launch_mmq)
 for _fmt in Q8_SWEEP:
     for _m in (4, 16):
         Q8_SWEEP[_fmt][_m] = [None, ("gemv", None)] + [("mmq", c) for c in MMQ_GRID]
@@ -265,7 +267,7 @@ def q8(ctx) -> None:
             if ctx.q8_grid:
                 q8_grid_sweep(ctx, fmt, n, k, w, rot, w_np, w64)
             for m, sweep in sweeps.items():
-                if m > 1 and (n, k) != ctx.gemv_shapes[0]:
+                if (m > 1 and (n, k) != ctx.gemv_shapes[0]) or m not in ctx.q8_m:
                     continue
                 if m == 1 and ctx.q8_best.get(fmt):  # the grid's three fastest, after the table's
                     sweep = list(dict.fromkeys(list(sweep) + ctx.q8_best[fmt]))
@@ -404,6 +406,7 @@ def prefill(ctx) -> None:
     torch = ctx.torch
     m = ctx.prefill_m
     timed: dict = {}
+    dense_timed: dict = {}
     for si, (n, k) in enumerate(ctx.prefill_shapes):
         a = torch.randn((m, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
         wd = torch.randn((n, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
@@ -422,16 +425,98 @@ def prefill(ctx) -> None:
                 break
 
             def run(cfg=cfg):
-                c = G.gemm_nt(a, "q4_k", w, config=cfg)
-                row = dict(fmt="q4_k", shape=[m, n, k], config=cfg, **check_slice(ctx, c, a, w64, "bf16"))
-                ms = ctx.bench(lambda: G.gemm_nt(a, "q4_k", w, out=c, config=cfg))
+                c = G.gemm_nt(a, "q4_k", w, config=cfg, path="fused")
+                row = dict(fmt="q4_k", path="fused", shape=[m, n, k], config=cfg, **check_slice(ctx, c, a, w64, "bf16"))
+                ms = ctx.bench(lambda: G.gemm_nt(a, "q4_k", w, out=c, config=cfg, path="fused"))
                 row.update(ms=ms, TFLOPs=flops / ms / 1e9, pct_matmul=100 * flops / ms / 1e9 / ctx.mm_tflops,
                            torch_bf16_ms=t_ref, speed_vs_torch_bf16=t_ref / ms)
                 if si == 0:
                     timed[cfg] = ms
                 return row
             ctx.entry("prefill", f"q4_k {m}x{n}x{k} {cfg}", run)
+        prefill_dequant(ctx, a, w, w64, t_ref, flops, dense_timed)
         del w, w64
+    prefill_crossover(ctx)
+
+
+# gemm_nt's dequant path (kernels/triton/gemm_dense.py after the dequantizer): (BLOCK_M, BLOCK_N, BLOCK_K,
+# GROUP_M, num_warps, num_stages[, TMA]), swept on the first shape; the others run the default and the best
+DENSE_SWEEP = [None, (256, 128, 64, 8, 8, 4), (256, 128, 64, 16, 8, 3), (256, 128, 64, 4, 8, 3),
+               (256, 128, 128, 8, 8, 2), (128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4), (256, 128, 64, 8, 8, 3, 0)]
+CROSSOVER_M = (128, 256, 512, 1024, 2048)  # rows of A where the fused and dequant paths are both timed
+
+
+def prefill_dequant(ctx, a, w, w64, t_ref: float, flops: int, timed: dict) -> None:
+    """gemm_nt's dequant path at DENSE_SWEEP tiles, and as a reference the same dequantization followed by
+    torch's matmul (cuBLAS) instead of ours; each output checked, the dequantizer timed alone too."""
+    from kernel_parity.kernels.triton import gemm as G, quant as TQ
+    torch = ctx.torch
+    m, k = a.shape
+    n = w.shape[0]
+    wd = torch.empty((n, k), dtype=a.dtype, device=a.device)
+    ms_dq = ctx.bench(lambda: TQ.dequantize("q4_k", w, out=wd))
+    nbytes = w.numel() + 2 * n * k
+    ctx.entry("prefill", f"q4_k dequantize to bf16 {n}x{k}", lambda: dict(
+        shape=[n, k], ms=ms_dq, GBps=nbytes / ms_dq / 1e6, pct_copy=100 * nbytes / ms_dq / 1e6 / ctx.copy_gbps))
+    c = torch.empty((m, n), dtype=a.dtype, device=a.device)
+
+    def with_torch():
+        TQ.dequantize("q4_k", w, out=wd)
+        torch.matmul(a, wd.T, out=c)
+
+    def ref_run():
+        with_torch()
+        row = dict(fmt="q4_k", shape=[m, n, k], **check_slice(ctx, c, a, w64, "bf16"))
+        ms = ctx.bench(with_torch)
+        row.update(ms=ms, ms_dequantize=ms_dq, TFLOPs=flops / ms / 1e9, torch_bf16_ms=t_ref,
+                   speed_vs_torch_bf16=t_ref / ms)
+        return row
+    ctx.entry("prefill", f"q4_k dequantize + torch matmul {m}x{n}x{k}", ref_run)
+    first = not timed
+    sweep = DENSE_SWEEP if first and not ctx.quick else [None]
+    if not first:
+        best = min(timed, key=timed.get)
+        sweep = sweep + ([best] if best not in sweep else [])
+    for i, cfg in enumerate(sweep):
+        if i and ctx.over_budget():
+            break
+
+        def run(cfg=cfg):
+            G.gemm_nt(a, "q4_k", w, out=c, config=cfg, path="dequant")
+            row = dict(fmt="q4_k", path="dequant", shape=[m, n, k], config=cfg or f"default {G.gemm_dense.CONFIG}",
+                       **check_slice(ctx, c, a, w64, "bf16"))
+            ms = ctx.bench(lambda: G.gemm_nt(a, "q4_k", w, out=c, config=cfg, path="dequant"))
+            row.update(ms=ms, ms_dequantize=ms_dq, TFLOPs=flops / ms / 1e9, pct_matmul=100 * flops / ms / 1e9 /
+                       ctx.mm_tflops, torch_bf16_ms=t_ref, speed_vs_torch_bf16=t_ref / ms)
+            if first:
+                timed[cfg] = ms
+            return row
+        ctx.entry("prefill", f"q4_k dequant path {m}x{n}x{k} {cfg}", run)
+    del wd, c
+
+
+def prefill_crossover(ctx) -> None:
+    """The fused kernel and the dequant path (defaults) at CROSSOVER_M rows of A, 14336 x 4096: where
+    gemm.DEQUANT_MIN_M should sit."""
+    from kernel_parity.kernels.triton import gemm as G
+    torch = ctx.torch
+    n, k = ctx.prefill_shapes[-1]
+    w = ggml_random(ctx, "q4_k", n, k)
+    w64 = ggml_w64(ctx, "q4_k", w)
+    for m in CROSSOVER_M if ctx.cuda else (17, 40):
+        a = torch.randn((m, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
+        wd = torch.randn((n, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
+        t_ref = ctx.bench(lambda: a @ wd.T)
+        del wd
+        for path in ("fused", "dequant"):
+            def run(path=path, m=m, a=a, t_ref=t_ref):
+                c = G.gemm_nt(a, "q4_k", w, path=path)
+                row = dict(fmt="q4_k", path=path, shape=[m, n, k], **check_slice(ctx, c, a, w64, "bf16"))
+                ms = ctx.bench(lambda: G.gemm_nt(a, "q4_k", w, out=c, path=path))
+                row.update(ms=ms, TFLOPs=2 * m * n * k / ms / 1e9, torch_bf16_ms=t_ref, speed_vs_torch_bf16=t_ref / ms)
+                return row
+            ctx.entry("prefill", f"q4_k {path} M={m} {n}x{k}", run)
+    del w, w64
 
 
 def fp8_ref(ctx, qa, sa, qw, sw, rows: int, gk: int = 128):
@@ -552,22 +637,39 @@ def int4(ctx) -> None:
                 t_ref = ctx.bench(lambda: a @ wd.T)
                 del wd
             for order, (qw, qz, s, w64) in packs.items():
-                sweep = INT4_SWEEP if m > 1 and si == 0 and not ctx.quick else [None]
-                for i, cfg in enumerate(sweep):
+                # (path, config): the launcher's path (the dequant path at this M), the fused kernel's default,
+                # then its sweep on the first shape
+                sweep = [("auto", None)] + ([("fused", None)] + (
+                    [("fused", c) for c in INT4_SWEEP] if si == 0 and not ctx.quick else []) if m > 1 else [])
+                for i, (path, cfg) in enumerate(sweep):
                     if i and ctx.over_budget():
                         break
 
-                    def run(cfg=cfg, order=order, qw=qw, qz=qz, s=s, w64=w64):
-                        c = I.gemm_int4(a, qw, qz, s, group=g, order=order, config=cfg)
-                        row = dict(order=order, shape=[m, n, k], config=cfg, **check_slice(ctx, c, a, w64, "bf16"))
-                        ms = ctx.bench(lambda: I.gemm_int4(a, qw, qz, s, group=g, order=order, out=c, config=cfg))
+                    def run(cfg=cfg, path=path, order=order, qw=qw, qz=qz, s=s, w64=w64):
+                        c = I.gemm_int4(a, qw, qz, s, group=g, order=order, config=cfg, path=path)
+                        row = dict(order=order, path=path, shape=[m, n, k], config=cfg,
+                                   **check_slice(ctx, c, a, w64, "bf16"))
+                        ms = ctx.bench(lambda: I.gemm_int4(a, qw, qz, s, group=g, order=order, out=c, config=cfg,
+                                                           path=path))
                         row.update(ms=ms, TFLOPs=flops / ms / 1e9, GBps_weights=nbytes / ms / 1e6)
                         if m > 1:
                             row.update(torch_bf16_ms=t_ref, speed_vs_torch_bf16=t_ref / ms)
                         else:
                             row.update(pct_copy=100 * nbytes / ms / 1e6 / ctx.copy_gbps)
                         return row
-                    ctx.entry("int4", f"{order} {m}x{n}x{k} {cfg}", run)
+                    ctx.entry("int4", f"{order} {path} {m}x{n}x{k} {cfg}", run)
+        if si == len(ctx.prefill_shapes) - 1:  # the fused kernel against the dequant path by rows (GPTQ)
+            qw, qz, s, w64 = packs["gptq"]
+            for m in CROSSOVER_M if ctx.cuda else (17, 40):
+                a = torch.randn((m, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
+                for path in ("fused", "dequant"):
+                    def run(path=path, m=m, a=a):
+                        c = I.gemm_int4(a, qw, qz, s, group=g, order="gptq", path=path)
+                        row = dict(order="gptq", path=path, shape=[m, n, k], **check_slice(ctx, c, a, w64, "bf16"))
+                        ms = ctx.bench(lambda: I.gemm_int4(a, qw, qz, s, group=g, order="gptq", out=c, path=path))
+                        row.update(ms=ms, TFLOPs=2 * m * n * k / ms / 1e9)
+                        return row
+                    ctx.entry("int4", f"gptq {path} M={m} {n}x{k}", run)
         del packs
 
 
@@ -636,7 +738,15 @@ def parse_args() -> argparse.Namespace:
                    help="q8: sweep a grid of M = 1 configs first (the GEMV alone), then time the three fastest in full")
     p.add_argument("--dump", default="", help="write registers, spills and loop opcodes of the compiled kernels here")
     p.add_argument("--smoke-cpu", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
+    p.add_argument("--q8-m", default="", help="rows of A the q8 section runs, a comma list of 1, 4, 16 (default all)")
     args = p.parse_args()
+    raw = args.q8_m
+    try:
+        args.q8_m = sorted({int(x) for x in raw.split(",") if x}) or [1, 4, 16]
+    except ValueError:
+        args.q8_m = [0]
+    if not set(args.q8_m) <= {1, 4, 16}:
+        p.error(f"--q8-m {raw!r}: expected a comma list of 1, 4, 16")
     from kernel_parity.reports.files import check_output_or_exit
 
     check_output_or_exit(p.prog, "--out", args.out)  # before any GPU work: an unwritable path is exit 2
@@ -707,7 +817,7 @@ def main() -> int:
               gemv_shapes=[(14336, 4096), (4096, 14336)] if cuda else [(40, 512)],
               prefill_shapes=[(4096, 4096), (14336, 4096)] if cuda else [(40, 512)],
               prefill_m=4096 if cuda else 33, fp8_size=8192 if cuda else 256,
-              formats=[f for f in args.formats.split(",") if f], q8_grid=args.q8_grid, q8_best={})
+              formats=[f for f in args.formats.split(",") if f], q8_grid=args.q8_grid, q8_best={}, q8_m=args.q8_m)
     sections = {"gemv": gemv, "q8": q8, "prefill": prefill, "fp8": fp8, "int4": int4}
     for name in args.sections.split(","):  # in the order given
         fn = sections[name]

@@ -68,7 +68,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--smoke-cpu", action="store_true", help="tiny shapes in the Triton interpreter (no GPU)")
     p.add_argument("--sections", default="parity,tune,bench,fused", help="comma list of parity, tune, bench, fused")
     p.add_argument("--tune-budget", type=float, default=100.0, help="seconds after which tune stops")
+    p.add_argument("--fused-configs", type=int, default=None, metavar="N",
+                   help="tune the fused branch over the first N configs of FUSED_SWEEP (default all; 0: only "
+                        "mla_fused.ATTEND_CONFIG, no tuning)")
     args = p.parse_args()
+    if args.fused_configs is not None and args.fused_configs < 0:
+        p.error(f"--fused-configs {args.fused_configs}: expected a count >= 0")
     from kernel_parity.reports.files import check_output_or_exit
 
     check_output_or_exit(p.prog, "--out", args.out)  # before any GPU work: an unwritable path is exit 2
@@ -464,7 +469,8 @@ def fused(ctx) -> None:
     from kernel_parity.kernels.triton.mla_fused import mla_decode_fused_fp8
     torch = ctx.torch
     b = ctx.shape_b
-    fused_tune(ctx)
+    if ctx.fused_sweep:
+        fused_tune(ctx)
     if "fused" in ctx.best:
         F.ATTEND_CONFIG = tuple(ctx.best["fused"])
     for L in ctx.fused_L:
@@ -620,6 +626,8 @@ def main() -> int:
     ctx = Context(torch=torch, dev=dev, gen=gen, cuda=cuda, bench=time_ms, copy_gbps=copy_gbps, mm_tflops=mm_tflops,
                   sm_count=header["sm_count"], tune_budget=args.tune_budget if cuda else 1e9, state=state,
                   save=save, **sizes)
+    if args.fused_configs is not None:
+        ctx.fused_sweep = ctx.fused_sweep[:args.fused_configs]
     sections = set(args.sections.split(","))
     for name, fn in (("parity", parity), ("tune", tune), ("bench", bench), ("fused", fused)):
         if name not in sections:

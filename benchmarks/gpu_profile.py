@@ -72,6 +72,10 @@ def _q8(fmt: str, m: int, n: int = 14336, k: int = 4096, kernel: str = "default"
     out = c.torch.empty((m, n), dtype=a.dtype, device=c.dev)
     if kernel == "gemv":  # the dp4a GEMV whatever M is
         return lambda: Q.launch_gemv(fmt, quantized, w, None, out, Q.default_config(fmt, min(m, 8), n))
+    if kernel == "prefetch":  # MMQ at its default tile with PREFETCH
+        from kernel_parity.kernels.triton import gemm_mmq as MMQ
+        cfg = MMQ.default_config(fmt, m, n)[:5] + (None, 1)
+        return lambda: MMQ.launch_mmq(fmt, quantized, w, None, out, cfg)
     return lambda: Q.gemm_nt_q8(a, fmt, w, out=out)
 
 
@@ -152,6 +156,10 @@ TARGETS = {  # name: (issue 19's row, what, builder)
     "decode-q4k-m16-dp4a": ("decode M=4/16", "triton-q8 dp4a GEMV at M=16", lambda: _q8("q4_k", 16, kernel="gemv")),
     "decode-q4k-m4": ("decode M=4/16", "triton-q8 Q4_K M=4 (the launcher's path)", lambda: _q8("q4_k", 4)),
     "decode-q8_0-m16": ("decode M=4/16", "triton-q8 Q8_0 M=16 (the launcher's path)", lambda: _q8("q8_0", 16)),
+    "mmq-q4k-m16-prefetch": ("decode M=4/16", "MMQ Q4_K M=16, default tile with PREFETCH",
+                             lambda: _q8("q4_k", 16, kernel="prefetch")),
+    "mmq-q8_0-m16-prefetch": ("decode M=4/16", "MMQ Q8_0 M=16, default tile with PREFETCH",
+                              lambda: _q8("q8_0", 16, kernel="prefetch")),
     "prefill-q4k": ("prefill Q4_K", "gemm_nt q4_k 4096x14336x4096 bf16", _prefill_q4k),
     "torch-mm-bf16": ("prefill Q4_K", "torch bf16 4096x14336x4096 (the peer)", lambda: _torch_mm(4096, 14336, 4096)),
     "fp8-block": ("FP8 block", "gemm_fp8_scaled 8192^3 1x128 / 128x128", lambda: _fp8(False)),

@@ -108,7 +108,8 @@ def test_mmq_matches_emulated_golden(dtype, fmt, m, n, k, bias):
     # split-K: 9 Q8_0 blocks in splits of 4, 4, 1 (NB 2: a leftover block in the first two), 5 Q4_K blocks
     # in 3 + 2 (NB 2: a leftover in the first), partials reduced with the bias
     ("q8_0", 5, 19, 288, (16, 16, 2, 1, 2, 3)), ("q4_k", 5, 19, 1280, (32, 16, 2, 2, 2, 2)),
-    ("q8_0", 3, 70, 224, (64, 16, 1, 4, 3, 7))])  # one block a split
+    ("q8_0", 3, 70, 224, (64, 16, 1, 4, 3, 7)),  # one block a split
+    ("q4_k", 17, 19, 1280, (64, 32, 1, 4, 3, 3))])  # 5 Q4_K blocks in 2 + 2 + 1, M 17 in 32-row tiles
 def test_mmq_matches_dp4a_kernel(fmt, m, n, k, config):
     """launch_mmq and gemm_q8.launch_gemv on the same quantized tuple: the same integer sums and scale
     products, so equal up to fp32 summation order (NB = 4 over 9 Q8_0 blocks, NB = 2 over 3 Q4_K blocks:
@@ -131,16 +132,16 @@ def test_mmq_matches_dp4a_kernel(fmt, m, n, k, config):
 def test_one_hot_rows_read_each_weight_in_place(fmt):
     """Row m of A is 1 at column k_m and 0 elsewhere: its quantized dot with row n of W is W[n, k_m]
     (Q8_0: code 127, d = fp16(1/127); Q8_K: code -127, d = -1/127, a sum of -127 in k_m's sub-block)
-    up to fp32 rounding. 32 rows read columns 0-31 (the two bytes of each int16 word of Q8_0 codes) or one
-    column of each Q4_K nibble position and sub-block, so any reordering shows."""
+    up to fp32 rounding. Q8_0: 64 rows read columns 0-63, every code of two blocks (the two bytes of each
+    int16 word); Q4_K: 32 rows read one column of each nibble position and sub-block, so any reordering shows."""
     rng = np.random.default_rng(11)
     k, n = (64, 70) if fmt == "q8_0" else (512, 19)
-    i = np.arange(32)
-    # Q8_0: every element of block 1; Q4_K: two columns in each of the 16 sub-blocks of both 256-blocks,
-    # at byte positions l = i % 16 (even i) and 16 + i % 16 (odd i) of their 32-byte chunk
-    cols = i + 32 if fmt == "q8_0" else i * 16 + i % 16
-    a = np.zeros((32, k), dtype=np.float32)
-    a[np.arange(32), cols] = 1.0
+    i = np.arange(64 if fmt == "q8_0" else 32)
+    # Q4_K: two columns in each of the 16 sub-blocks of both 256-blocks, at byte positions l = i % 16
+    # (even i) and 16 + i % 16 (odd i) of their 32-byte chunk
+    cols = i if fmt == "q8_0" else i * 16 + i % 16
+    a = np.zeros((len(i), k), dtype=np.float32)
+    a[i, cols] = 1.0
     w = _weights(rng, fmt, n, k)
     wd = refimpl.quant.dequantize(fmt, w.reshape(-1, _bytes(fmt))).reshape(n, k)
     got = _mmq(fmt, torch.from_numpy(a), w).double().numpy()
@@ -231,3 +232,16 @@ def test_auto_splits_fill_the_gpu(monkeypatch):
     assert gemm_mmq.auto_splits(64, 6, 1, cuda) == 3  # K of 6 blocks: 2 blocks a split at least
     assert gemm_mmq.auto_splits(8, 1024, 1, cuda) == gemm_mmq.MAX_SPLITS
     assert gemm_mmq.auto_splits(1000, 128, 1, cuda) == 1
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
+def test_empty_k_gives_the_bias(fmt):
+    """K = 0: no block to read (an empty loop); out is the bias, or zeros without one."""
+    a = torch.zeros((3, 0))
+    w = torch.zeros((5, 0), dtype=torch.uint8)
+    b = torch.arange(5, dtype=torch.float32)
+    quantized = gemm_q8.quantize_q8_k(a) if fmt == "q4_k" else gemm_q8.quantize_q8_0(a)
+    for bias, want in ((b, b.expand(3, 5)), (None, torch.zeros((3, 5)))):
+        out = torch.full((3, 5), float("nan"))
+        gemm_mmq.launch_mmq(fmt, quantized, w, bias, out, (64, 16, 1, 4, 3))
+        assert torch.equal(out, want)

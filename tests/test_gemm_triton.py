@@ -135,6 +135,69 @@ def test_ggml_split_k_strided(fmt, m, splits, request):
     assert_close(f"gemm_nt[{fmt}] split_k={splits}", c, ref, np.abs(a64) @ np.abs(w64).T, "fp32", request)
 
 
+# ------------------------------------------------------------------ GGML prefill: dequantize, then a dense GEMM
+
+@pytest.mark.parametrize("fmt,m,n,k,dtype,dist", [
+    ("q4_k", 300, 200, 512, "bf16", "normal"),  # the default path from DEQUANT_MIN_M rows: 2 x 2 tiles of (256, 128)
+    ("q8_0", 260, 40, 288, "fp16", "random"),  # K = 288: a masked last K tile of 32 columns
+    ("q8_0", 3, 37, 96, "bf16", "random"),  # forced at 3 rows; an odd block count
+    ("q4_0", 20, 37, 256, "fp16", "normal"),
+])
+def test_ggml_dequant_path(fmt, m, n, k, dtype, dist, request):
+    """path 'dequant' (the default for bf16 / fp16 A from gemm.DEQUANT_MIN_M rows): W dequantized once to A's
+    dtype, then gemm_dense; against the float64 golden at the tensor-core kernel's tolerance (each weight
+    rounded once to A's dtype), with a bias, into a column slice of a NaN-filled buffer."""
+    rng = np.random.default_rng(17)
+    w = _ggml_weight(rng, fmt, n, k, dist)
+    a = _a(rng, m, k, dtype)
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(DEV)
+    buf = torch.full((m, 2 * n), float("nan"), dtype=a.dtype, device=DEV)
+    out = buf[:, ::2]
+    forced = m < gemm.DEQUANT_MIN_M
+    c = gemm.gemm_nt(a, fmt, torch.from_numpy(w).to(DEV), bias=bias, out=out, path="dequant" if forced else "auto")
+    assert c is out and not torch.isnan(buf[:, 1::2].float()).logical_not().any()
+    a64, w64 = a.double().cpu().numpy(), refimpl.quant.dequantize(fmt, w)
+    ref = refimpl.gemm.dequant_reference(a64, fmt, {"w": w}, bias.double().cpu().numpy())
+    assert_close(f"gemm_nt[{fmt}] dequant path", c, ref, np.abs(a64) @ np.abs(w64).T, f"dot_{dtype}", request)
+
+
+def test_ggml_paths_by_rows(monkeypatch):
+    """'auto' takes the dequant path for bf16 / fp16 A from DEQUANT_MIN_M rows and without a config, the fused
+    kernels otherwise (fp32 A, fewer rows, a config); the two paths agree up to fp32 summation order."""
+    calls = []
+    dense = gemm.gemm_dense.gemm_nt_dense
+    monkeypatch.setattr(gemm.gemm_dense, "gemm_nt_dense", lambda *args: calls.append(args[0].shape[0]) or dense(*args))
+    rng = np.random.default_rng(19)
+    w = torch.from_numpy(_ggml_weight(rng, "q4_k", 20, 256, "normal")).to(DEV)
+    lo = gemm.DEQUANT_MIN_M
+    a = _a(rng, lo, 256, "bf16")
+    c_auto = gemm.gemm_nt(a, "q4_k", w)
+    gemm.gemm_nt(a[:lo - 1], "q4_k", w)
+    gemm.gemm_nt(a.float(), "q4_k", w)
+    c_fused = gemm.gemm_nt(a, "q4_k", w, path="fused")
+    gemm.gemm_nt(a, "q4_k", w, config=gemm.PREFILL_CONFIGS["q4_k"])
+    assert calls == [lo]
+    mag = (a.double().abs() @ torch.from_numpy(refimpl.quant.dequantize("q4_k", w.cpu().numpy())).abs().T.to(DEV))
+    # fp32 sums of the same bf16 products in two orders, each rounded once to bf16: at most one bf16 ulp apart
+    # (2^-7 relative at the bottom of a binade) plus the fp32 order term
+    assert ((c_auto.double() - c_fused.double()).abs() <= 2.0**-7 * c_fused.double().abs() + 1e-5 * mag).all()
+
+
+def test_ggml_dequant_path_rejects_bad_input():
+    w = torch.zeros((4, 144), dtype=torch.uint8, device=DEV)
+    a = torch.zeros((2, 256), device=DEV)
+    with pytest.raises(ValueError, match="path 'dense' is not one of auto, fused, dequant"):
+        gemm.gemm_nt(a, "q4_k", w, path="dense")
+    with pytest.raises(ValueError, match="needs bf16 / fp16 a"):
+        gemm.gemm_nt(a, "q4_k", w, path="dequant")
+    with pytest.raises(ValueError, match="of one dtype"):
+        gemm.gemm_dense.gemm_nt_dense(a.bfloat16(), torch.zeros((4, 256), dtype=torch.float16, device=DEV), None,
+                                      torch.empty((2, 4), device=DEV))
+    with pytest.raises(ValueError, match=r"out must be \(2, 4\)"):
+        gemm.gemm_dense.gemm_nt_dense(a.bfloat16(), torch.zeros((4, 256), dtype=torch.bfloat16, device=DEV), None,
+                                      torch.empty((4, 2), device=DEV))
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_ggml_unaligned_rows(fmt, request):
     """w a view whose rows start 2 bytes past a 4-byte boundary (row stride = 2 mod 4): the pair
@@ -228,6 +291,9 @@ INT4_CASES = [
     *[(o, m, 40, 256, 128, dt, "normal") for o in ("gptq", "awq") for m in (1, 17) for dt in ("fp32", "bf16")],
     *[(o, 3, 16, 512, 64, "fp32", "random") for o in ("gptq", "awq")],  # every code, GPTQ zero 16
     ("awq", 17, 16, 256, 128, "fp16", "normal"),
+    # the dequant path (bf16 / fp16 A from gemm_int4.DEQUANT_MIN_M rows): partial (256, 128) tiles both ways;
+    # group 32 (the dequantizer's BLOCK_K lowered to it), every code
+    ("gptq", 520, 136, 256, 128, "bf16", "normal"), ("awq", 530, 40, 256, 32, "fp16", "random"),
 ]
 
 
@@ -260,3 +326,38 @@ def test_gemm_int4_rejects_bad_input():
         gemm_int4.gemm_int4(a, qw, qz, s, group=100)
     with pytest.raises(ValueError, match="qzeros"):
         gemm_int4.gemm_int4(a, qw, qz[:1], s)
+    with pytest.raises(ValueError, match="path 'dense' is not one of auto, fused, dequant"):
+        gemm_int4.gemm_int4(a, qw, qz, s, path="dense")
+    with pytest.raises(ValueError, match="needs bf16 / fp16 a"):
+        gemm_int4.gemm_int4(a, qw, qz, s, path="dequant")
+
+
+@pytest.mark.parametrize("order", ["gptq", "awq"])
+def test_gemm_int4_paths_agree(order):
+    """The fused kernel and the dequant path on one input (M = 20, forced both ways): the same bf16 weights
+    and fp32 sums in two orders, each rounded once to bf16 (at most one ulp apart, plus the order term)."""
+    rng = np.random.default_rng(23)
+    packed = refimpl.quant_fp.int4_quantize(rng.standard_normal((48, 256)) * 0.02, 64, order)
+    t = {name: torch.from_numpy(np.ascontiguousarray(v)).to(DEV) for name, v in packed.items()}
+    a = _a(rng, 20, 256, "bf16")
+    got = [gemm_int4.gemm_int4(a, t["qweight"], t["qzeros"], t["scales"], group=64, order=order, path=p).double()
+           for p in ("fused", "dequant")]
+    mag = a.double().abs() @ torch.from_numpy(refimpl.quant_fp.int4_dequantize(packed, order)).abs().T.to(DEV)
+    assert ((got[0] - got[1]).abs() <= 2.0**-7 * got[0].abs() + 1e-5 * mag).all()
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_k", "q6_k"])
+def test_dequantize_to_16_bit_rounds_the_fp32_values_once(fmt):
+    """quant.dequantize into a bf16 / fp16 out: each value the fp32 dequantization rounded once to that
+    dtype (round to nearest even, torch's .to), bit for bit; a float64 or int out is refused."""
+    from kernel_parity.kernels.triton import quant as tq
+    w_np = _ggml_weight(np.random.default_rng(3), fmt, 5, 512, "random")
+    w = torch.from_numpy(w_np).to(DEV)
+    want32 = tq.dequantize(fmt, w)
+    golden = refimpl.quant.dequantize(fmt, w_np.reshape(5 * 512 // gemm.FORMATS[fmt][1], -1)).reshape(5, 512)
+    assert torch.equal(want32.cpu(), torch.from_numpy(golden.astype(np.float32)))
+    for dt in (torch.bfloat16, torch.float16):
+        got = tq.dequantize(fmt, w, out=torch.empty((5, 512), dtype=dt, device=DEV))
+        assert got.dtype == dt and torch.equal(got, want32.to(dt))
+    with pytest.raises(ValueError, match="out must be"):
+        tq.dequantize(fmt, w, out=torch.empty((5, 512), dtype=torch.float64, device=DEV))

@@ -10,7 +10,7 @@ rounding of the exact value,
 as in ggml's `dequantize_row_*` (Q8_0, Q4_0, Q6_K products are exact in fp32; Q4_K's
 d*sc*q - dmin*m rounds once).
 
-Two kernels, chosen by M and A's dtype:
+Three paths, chosen by M and A's dtype:
 - exact (M = 1; fp32 A up to M = 16; bf16 / fp16 A below DECODE_DOT_MIN_M): memory-bound. The
   streaming kernel of kernels/triton/gemm_gemv.py reads each weight byte once per program,
   dequantizes it to fp32 in registers and multiplies with fp32 FMAs, for up to BLOCK_M rows of A:
@@ -22,6 +22,12 @@ Two kernels, chosen by M and A's dtype:
   (BLOCK_M = 16 for decode: one tile of rows); fp32 A beyond 16 rows uses an "ieee" fp32 dot on the
   exact fp32 dequantization. Measured on an H100 (benchmarks/NOTES-gemm.md): for bf16 A at M = 4,
   Q4_K 14336 x 4096 takes 56 us here against 84 us in the exact kernel (M = 16: 56 us against 249).
+- dequantize, then a dense GEMM (bf16 / fp16 A from DEQUANT_MIN_M rows): `dequantize_into` writes W
+  once as an (N, K) buffer of A's dtype (the same values the tensor-core kernel feeds its dots), and
+  kernels/triton/gemm_dense.py multiplies (fp32 accumulation). The fused kernel decodes every W tile
+  again for each BLOCK_M rows of A, in the warps that run the MMA; at M = 4096 on an H200 that held it
+  at 0.36-0.38x torch's bf16 matmul (NOTES-gemm.md "Version 4"). Costs a transient N x K copy of W in
+  A's dtype.
 
 The tensor-core kernel's tiles are (BLOCK_N, G, E): G "groups" of E elements sharing one scale, so that
 scales are loaded once per group and broadcast, and the byte loads are runs of E contiguous bytes:
@@ -45,8 +51,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import gemm_gemv
+from . import gemm_dense, gemm_gemv
 from .loads import _f16_at, _u32_at
+from .tiles import grouped_tile
 
 # name -> (id, elements per block, bytes per block, groups per block, elements per group-part E)
 FORMATS: dict[str, tuple[int, int, int, int, int]] = {
@@ -67,6 +74,12 @@ DECODE_DOT_CONFIGS = {"q8_0": (16, 64, 4, 4, 3, 1), "q4_0": (16, 64, 4, 4, 3, 1)
                       "q6_k": (16, 64, 2, 4, 3, 1)}
 PREFILL_CONFIGS = {"q8_0": (256, 128, 2, 8, 3, 4), "q4_0": (256, 128, 2, 8, 3, 4), "q4_k": (256, 128, 1, 8, 4, 4),
                    "q6_k": (256, 128, 2, 8, 2, 4)}
+DEQUANT_MIN_M = gemm_dense.DEQUANT_MIN_M  # bf16 / fp16 A from this many rows: the dequant path (gemm_dense.py)
+PATHS = ("auto", "fused", "dequant")
+# The dequantizer's tile: rows and scale groups a program (8 x 32 = 256 elements of a 32-block format, 2 K-quant
+# blocks)
+DEQUANT_ROWS = 4
+DEQUANT_GROUPS = 8
 # Split-K for the GEMV kernel: only when its programs leave the GPU short of about
 # SPLIT_PROGRAMS_PER_SM programs per SM (measured: at 7 per SM the second launch costs more than the
 # split gains), each split keeping >= MIN_SPLIT_BLOCKS weight blocks.
@@ -180,6 +193,49 @@ def _k_of(FMT: tl.constexpr, g, e, P: tl.constexpr):
 
 
 @triton.jit
+def _dequantize_kernel(
+    W_ptr, Y_ptr, R, n_groups, stride_wr, stride_yr,
+    FMT: tl.constexpr, E: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr,
+):
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g = tl.program_id(1) * G + tl.arange(0, G)[None, :, None]
+    e = tl.arange(0, E)[None, None, :]
+    mask = (offs_r < R)[:, None, None] & (g < n_groups)
+    Wrow = W_ptr + offs_r[:, None, None].to(tl.int64) * stride_wr
+    Yrow = Y_ptr + offs_r[:, None, None].to(tl.int64) * stride_yr
+    if FMT == 0:
+        tl.store(Yrow + _k_of(FMT, g, e, 0), _dq_q8_0(Wrow, g, e, mask).to(Y_ptr.dtype.element_ty), mask=mask)
+    elif FMT == 1:
+        w0, w1 = _dq_q4_0(Wrow, g, e, mask)
+        tl.store(Yrow + _k_of(FMT, g, e, 0), w0.to(Y_ptr.dtype.element_ty), mask=mask)
+        tl.store(Yrow + _k_of(FMT, g, e, 1), w1.to(Y_ptr.dtype.element_ty), mask=mask)
+    elif FMT == 2:
+        w0, w1 = _dq_q4_k(Wrow, g, e, mask)
+        tl.store(Yrow + _k_of(FMT, g, e, 0), w0.to(Y_ptr.dtype.element_ty), mask=mask)
+        tl.store(Yrow + _k_of(FMT, g, e, 1), w1.to(Y_ptr.dtype.element_ty), mask=mask)
+    else:
+        w0, w1, w2, w3 = _dq_q6_k(Wrow, g, e, mask)
+        tl.store(Yrow + _k_of(FMT, g, e, 0), w0.to(Y_ptr.dtype.element_ty), mask=mask)
+        tl.store(Yrow + _k_of(FMT, g, e, 1), w1.to(Y_ptr.dtype.element_ty), mask=mask)
+        tl.store(Yrow + _k_of(FMT, g, e, 2), w2.to(Y_ptr.dtype.element_ty), mask=mask)
+        tl.store(Yrow + _k_of(FMT, g, e, 3), w3.to(Y_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_into(fmt: str, data: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out (R, nblocks * QK) = the dequantized rows of data (R, nblocks * nbytes) uint8, each value one fp32
+    rounding of the exact value, stored in out's dtype (fp32, or rounded once more to bf16 / fp16); the
+    caller has checked the shapes (quant.dequantize, gemm_nt)."""
+    fid, _, nbytes, gpb, e = FORMATS[fmt]
+    r = data.shape[0]
+    n_groups = data.shape[1] // nbytes * gpb
+    if r and n_groups:
+        grid = (triton.cdiv(r, DEQUANT_ROWS), triton.cdiv(n_groups, DEQUANT_GROUPS))
+        _dequantize_kernel[grid](data, out, r, n_groups, data.stride(0), out.stride(0),
+                                 FMT=fid, E=e, BLOCK_R=DEQUANT_ROWS, G=DEQUANT_GROUPS)
+    return out
+
+
+@triton.jit
 def _mac(acc, A_ptr, offs_m, mask_m, stride_am, stride_ak, w, g0, k_hi, FMT: tl.constexpr, P: tl.constexpr,
          W_TO_A: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, E: tl.constexpr):
     """acc += A[:, k] . w for part P of the groups g0 .. g0 + G - 1 (w: (BLOCK_N, G, E) fp32)."""
@@ -205,15 +261,7 @@ def _gemm_ggml_kernel(
     W_TO_A: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # Grouped launch order: GROUP_M row tiles share each W column tile (its dequantization is the
-    # cost) while it is in L2.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    width = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_m = (pid // width) * GROUP_M
-    rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows
-    pid_n = (pid % width) // rows
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)  # W column tiles (their decode) reused in L2
     pid_s = 0
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -353,7 +401,7 @@ def _split_dst(out: torch.Tensor, splits: int, M: int, N: int):
 
 def gemm_nt(a: torch.Tensor, wfmt: str, w: torch.Tensor, bias: torch.Tensor | None = None,
             out: torch.Tensor | None = None, *, split_k: int | None = None,
-            config: tuple[int, ...] | None = None) -> torch.Tensor:
+            config: tuple[int, ...] | None = None, path: str = "auto") -> torch.Tensor:
     """C = a @ dequant(wfmt, w)^T (+ bias), the GGML weights dequantized on the fly.
 
     a: (M, K) fp32/bf16/fp16, any strides
@@ -365,17 +413,30 @@ def gemm_nt(a: torch.Tensor, wfmt: str, w: torch.Tensor, bias: torch.Tensor | No
     config: tuning only: exact kernel (BLOCK_N, NB, num_warps, num_stages) at M = 1 or (BLOCK_M,
             BLOCK_N, NB, num_warps, num_stages) (gemm_gemv.GEMV_CONFIGS, DECODE_CONFIGS); tensor-core
             kernel (BLOCK_M, BLOCK_N, G, num_warps, num_stages[, GROUP_M]), 6 elements to force it at M <= 16
+    path: "auto"; "fused" (the kernels above, whatever M) or "dequant" (bf16 / fp16 a only: W dequantized
+          once into an (N, K) buffer of a's dtype, then gemm_dense.gemm_nt_dense, config its tile), for
+          tuning and benchmarks; "auto" takes "dequant" for bf16 / fp16 a from DEQUANT_MIN_M rows (and no
+          config), the fused kernels below that
     returns out. The exact kernel: fp32 arithmetic on the exact fp32 dequantization; the tensor-core
-    kernel (M > 16, or bf16/fp16 a with M >= DECODE_DOT_MIN_M): W rounded to a's dtype (fp32 stays
-    exact) into tensor-core dots, fp32 accumulation.
+    kernel (M > 16, or bf16/fp16 a with M >= DECODE_DOT_MIN_M) and the dequant path: W rounded to a's
+    dtype (fp32 stays exact) into tensor-core dots, fp32 accumulation.
     """
     fmt = _check_fmt(wfmt)
     fid, qk, nbytes, gpb, E = FORMATS[fmt]
     align = 4 if fmt == "q4_k" else 2  # the widest scalar load of a block's fields
     N, K, n_blocks = check_weights(f"gemm_nt[{fmt}]", a, w, qk, nbytes, align)
     M, out = _check_common(a, N, K, bias, out, f"gemm_nt[{fmt}]")
+    if path not in PATHS:
+        raise ValueError(f"gemm_nt[{fmt}]: path {path!r} is not one of {', '.join(PATHS)}")
+    if path == "dequant" and a.dtype == torch.float32:
+        raise ValueError(f"gemm_nt[{fmt}]: path 'dequant' needs bf16 / fp16 a (its dense GEMM runs 16-bit "
+                         "tensor-core dots), got float32")
     if M == 0 or N == 0:
         return out
+    if path == "dequant" or (path == "auto" and config is None and a.dtype != torch.float32 and M >= DEQUANT_MIN_M):
+        wd = torch.empty((N, K), dtype=a.dtype, device=a.device)  # a transient bf16 / fp16 copy of W
+        dequantize_into(fmt, w, wd)
+        return gemm_dense.gemm_nt_dense(a, wd, bias, out, config)
     n_groups = n_blocks * gpb
     dot = M > DECODE_MAX_M or (config is not None and len(config) == 6) or (
         config is None and a.dtype != torch.float32 and M >= DECODE_DOT_MIN_M)

@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .tiles import grouped_tile_offsets, tma_operands
+
 FP8_MAX = 448.0
 AMAX_MIN = 1e-4
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages[, TMA]); BLOCK_K is lowered to divide gk.
@@ -157,21 +159,9 @@ def _gemm_fp8_kernel(
     PROMOTE_EACH: tl.constexpr, SW_TILE: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Grouped launch order: GROUP_M row tiles share each W column tile while it is in L2.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows
-    pid_n = (pid % width) // rows
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # GROUP_M row tiles share a W column tile in L2
+    pid_m, pid_n, offs_m, offs_n, mask_m, mask_n = grouped_tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
     a_ptrs = 0  # unused under TMA
     w_ptrs = 0
     if not TMA:
@@ -292,14 +282,7 @@ def gemm_fp8_scaled(qa: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, w_scale
             block_k //= 2
     # Bulk tensor copies (TMA) on the GPU where the operands allow them: 16-byte aligned rows, unit
     # last stride (the Triton interpreter runs the pointer path: it has no fp8 descriptor loads)
-    use_tma = (opt[0] if opt else True) and qa.is_cuda and all(
-        t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (qa, w))
-    a_arg, w_arg = qa, w
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        a_arg = TensorDescriptor.from_tensor(qa, [block_m, block_k])
-        w_arg = TensorDescriptor.from_tensor(w, [block_n, block_k])
+    a_arg, w_arg, use_tma = tma_operands(qa, w, block_m, block_n, block_k, bool(opt[0]) if opt else True)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
     _gemm_fp8_kernel[grid](
         a_arg, sa, w_arg, w_scale, bias if bias is not None else sa, out, M, N, K, gm, gn, gk,

@@ -23,7 +23,9 @@ checks it) and each word is split into its low byte (element 2w, little-endian) 
 2w + 1), joined and reshaped to (BLOCK_N, 32) in element order. Per block b:
     acc += dot(wq_b, aq_b) * (d_w[n] * d_a[m, b])
 NB blocks per iteration of the main loop (unrolled: their loads can be in flight together), then the
-K / 32 % NB left-over blocks one at a time.
+K / 32 % NB left-over blocks one at a time. Measured slower on an H200 and dropped (benchmarks/
+NOTES-gemm.md, Version 4): the blocks read in 68-byte pairs as 32-bit words (gemm_q8's GEMV layout), and,
+for both formats, the next block's weight loads issued before this block's dots (a register double buffer).
 
 Q4_K (block_q4_K, 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of codes):
 chunk c (0..3) of the codes is bytes 16 + 32c .. 16 + 32c + 31; their low nibbles are sub-block 2c
@@ -36,10 +38,13 @@ sums to fp32 per 64-element chunk, here per 256-block: |isum| < 8 * 32 * 15 * 12
 int32 is exact, and its conversion to fp32 rounds (by at most 2^-24 relative) only above 2^24, within the
 fp32 summation error both kernels have anyway.
 
+Each chunk's 32 code bytes are loaded as eight 32-bit words: w & 0x0F0F0F0F and (w >> 4) & 0x0F0F0F0F
+hold four low / high nibbles each, then split into bytes for the dot (one mask or shift a word instead of
+one a byte; 4-7% faster on an H200 than the byte loads: NOTES-gemm.md, Version 4).
+
 Alignment: the Q8_0 int16 words need 2-byte aligned rows, the Q4_K header (four 32-bit words) 4-byte
 aligned rows; both are what gemm.check_weights already demands of gemm_q8's weights, and launch_mmq
-raises ValueError for weights that break them instead of reading misaligned words. The Q4_K codes are
-byte loads, vectorised to 16 bytes by the compiler when the row stride is a multiple of 16.
+raises ValueError for weights that break them instead of reading misaligned words.
 
 References: ggml-common.h (block_q8_0, block_q4_K, block_q8_K), ggml-quants.c (quantize_row_q8_0_ref,
 quantize_row_q8_K_ref, get_scale_min_k4, ggml_vec_dot_q4_K_q8_K_generic, ggml_vec_dot_q8_0_q8_0_generic);
@@ -140,6 +145,18 @@ def _mmq_q8_0_kernel(
 
 
 @triton.jit
+def _bytes_of_words(x, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """(BLOCK_N, WORDS) 32-bit words -> (BLOCK_N, 4 WORDS) int8, byte i of word t at column 4t + i
+    (little-endian element order): join(join(b0, b2), join(b1, b3))[.., t, a, h] is byte 2a + h of word t,
+    so the row-major reshape lays the bytes out in order."""
+    b0 = x.to(tl.int8)  # truncation: the low byte
+    b1 = (x >> 8).to(tl.int8)
+    b2 = (x >> 16).to(tl.int8)
+    b3 = (x >> 24).to(tl.int8)
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BLOCK_N, 4 * WORDS))
+
+
+@triton.jit
 def _scale_min(s0, s1, s2, j: tl.constexpr):
     """get_scale_min_k4 for sub-block j (constexpr) from the 12 scale bytes as three little-endian words:
     byte i of word t is scales[4t + i]. Returns the 6-bit scale and min as int32.
@@ -160,7 +177,7 @@ def _scale_min(s0, s1, s2, j: tl.constexpr):
 
 
 @triton.jit
-def _q4_k_block(acc, W_row, Q_row, S_row, D_row, blk, e, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+def _q4_k_block(acc, W_row, Q_row, S_row, D_row, blk, e, t8, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """acc += block blk of W against its Q8_K activations (module docstring). W_row: (BLOCK_N, 1) byte
     pointers to rows of W; Q_row: (BLOCK_M, 1) to rows of A's codes; S_row, D_row: (1, BLOCK_M) to rows of
     A's 32-code sums and d."""
@@ -173,13 +190,16 @@ def _q4_k_block(acc, W_row, Q_row, S_row, D_row, blk, e, BLOCK_N: tl.constexpr, 
     isum = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
     msum = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
     for c in tl.static_range(4):
-        q = tl.load(base + 16 + 32 * c + e)  # (BLOCK_N, 32) bytes: l -> elements 64c + l, 64c + 32 + l
+        # 8 words a row: bytes 4t .. 4t + 3 of the chunk, low nibbles elements 64c + 4t + i, high 64c + 32 + 4t + i
+        qw = tl.load((base + 16 + 32 * c).to(_U32) + t8)
+        q_lo = _bytes_of_words(qw & 0x0F0F0F0F, BLOCK_N, 8)
+        q_hi = _bytes_of_words((qw >> 4) & 0x0F0F0F0F, BLOCK_N, 8)
         a_lo = tl.load(Q_row + k0 + 64 * c + e)  # (BLOCK_M, 32): sub-block 2c of A
         a_hi = tl.load(Q_row + k0 + 64 * c + 32 + e)  # sub-block 2c + 1
         sc0, m0 = _scale_min(s0, s1, s2, 2 * c)
         sc1, m1 = _scale_min(s0, s1, s2, 2 * c + 1)
-        d_lo = tl.dot((q & 15).to(tl.int8), tl.trans(a_lo), out_dtype=tl.int32)
-        d_hi = tl.dot((q >> 4).to(tl.int8), tl.trans(a_hi), out_dtype=tl.int32)
+        d_lo = tl.dot(q_lo, tl.trans(a_lo), out_dtype=tl.int32)
+        d_hi = tl.dot(q_hi, tl.trans(a_hi), out_dtype=tl.int32)
         isum += sc0 * d_lo + sc1 * d_hi
         bs0 = tl.load(S_row + blk * 8 + 2 * c)
         bs1 = tl.load(S_row + blk * 8 + 2 * c + 1)
@@ -202,15 +222,16 @@ def _mmq_q4_k_kernel(
     S_row = S_ptr + m_c[None, :] * (n_blocks * 8)  # its sums of 32 codes: (M, K / 32)
     D_row = D_ptr + m_c[None, :] * n_blocks  # its d: (M, K / 256)
     e = tl.arange(0, 32)[None, :]
+    t8 = tl.arange(0, 8)[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     b_lo = tl.program_id(2) * blocks_per_split  # this split's blocks: [b_lo, b_hi)
     b_hi = tl.minimum(b_lo + blocks_per_split, n_blocks)
     b_full = b_lo + (b_hi - b_lo) // NB * NB
     for b0 in range(b_lo, b_full, NB):
         for i in tl.static_range(NB):
-            acc = _q4_k_block(acc, W_row, Q_row, S_row, D_row, b0 + i, e, BLOCK_N, BLOCK_M)
+            acc = _q4_k_block(acc, W_row, Q_row, S_row, D_row, b0 + i, e, t8, BLOCK_N, BLOCK_M)
     for b in range(b_full, b_hi):  # the blocks left over after whole NB steps, one at a time
-        acc = _q4_k_block(acc, W_row, Q_row, S_row, D_row, b, e, BLOCK_N, BLOCK_M)
+        acc = _q4_k_block(acc, W_row, Q_row, S_row, D_row, b, e, t8, BLOCK_N, BLOCK_M)
     _store_tile(acc, Bias_ptr, C_ptr, offs_n, offs_m, n_c, M, N, stride_cs, stride_cm, stride_cn, HAS_BIAS)
 
 
@@ -227,8 +248,8 @@ def launch_mmq(fmt: str, quantized: tuple, w: torch.Tensor, bias, out: torch.Ten
     """The tensor-core GEMM on activations already quantized (gemm_q8.quantize_q8_k / quantize_q8_0's
     tuple), writing out (M, N) = A @ W^T (+ bias); the arguments as gemm_q8.launch_gemv's, already checked
     by gemm_nt_q8 (formats, shapes, devices). config: (BLOCK_N, BLOCK_M, NB, num_warps, num_stages[,
-    SPLIT_K]); SPLIT_K (default: auto_splits) cuts each row's blocks into that many ranges, one program
-    each, whose fp32 partials a second kernel adds in split order (deterministic) with the bias.
+    SPLIT_K]); SPLIT_K (None or absent: auto_splits) cuts each row's blocks into that many ranges, one
+    program each, whose fp32 partials a second kernel adds in split order (deterministic) with the bias.
     Raises ValueError for weights whose rows break the kernels' word alignment (module docstring) and for
     tiles tl.dot cannot take."""
     block_n, block_m, nb_iter, num_warps, num_stages = config[:5]
