@@ -35,9 +35,9 @@ from .tiles import grouped_tile_offsets, tma_operands
 CONFIG = (256, 128, 64, 8, 8, 4)
 DTYPES = (torch.bfloat16, torch.float16)
 # bf16 / fp16 A from this many rows: gemm.gemm_nt dequantizes GGML weights once and runs this kernel instead of
-# its fused kernel (gemm_int4 has its own threshold, 512). Measured on an H200 (benchmarks/gpu_gemm.py prefill section, Q4_K 14336 x 4096,
-# NOTES-gemm.md "Version 4"): the fused kernel 0.117 / 0.120 / 0.234 ms at M = 128 / 256 / 512, the dequant
-# path 0.123 / 0.106 / 0.150 ms.
+# its fused kernel (gemm_int4 has its own threshold, 512). Measured on an H200 (benchmarks/gpu_gemm.py prefill
+# section, Q4_K 14336 x 4096, NOTES-gemm.md "Version 4"): the fused kernel 0.117 / 0.120 / 0.234 ms at
+# M = 128 / 256 / 512, the dequant path 0.123 / 0.106 / 0.150 ms.
 DEQUANT_MIN_M = 256
 
 

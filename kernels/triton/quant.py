@@ -4,8 +4,8 @@
     fp8_quantize: s[i, j] = max(amax_block, 1e-4) [min ub] / 448,  q = e4m3(x / s)   (bm x bk blocks)
 
 The dequantizer is the fused GEMMs' tile decoder writing its values instead of multiplying them
-(kernels/triton/gemm.py's dequantize_into, which its prefill path runs too): every value is one float32 rounding of the exact dequantized value,
-as ggml's `dequantize_row_*` (golden refimpl.quant.dequantize); NaN/inf scales propagate by IEEE
+(kernels/triton/gemm.py's dequantize_into, which its prefill path runs too): every value is one
+float32 rounding of the exact dequantized value, as ggml's `dequantize_row_*` (golden refimpl.quant.dequantize); NaN/inf scales propagate by IEEE
 arithmetic in ggml's association. The FP8 quantizer is the FP8 GEMM's activation quantizer
 (kernels/triton/gemm_fp8.py) with the block shape as parameters: 1 x 128 is DeepSeek-V3's
 `act_quant`, 128 x 128 its weight blocks.
