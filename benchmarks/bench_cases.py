@@ -3,11 +3,13 @@
 A benchmark script names its cases as suite entries (op, backends, dtypes, dists, a params grid) and
 calls `run`: the entries are written as a suite file, `parity bench` judges and times every case
 (ours and every peer backend on the same inputs, the copy / read / matmul ceilings measured in the
-same run; conformance/bench.py), and its records become the benchmark's JSON: per case, each
-backend's verdict, norm_err, ms, GB/s or TFLOP/s and share of the ceiling, and each peer's time over
-ours. A backend that is not installed, or cannot express a case, is a skip with its reason, never a
-missing row. The figures are therefore the same records `parity bench` and `parity gate --bench`
-write, and a benchmark's accuracy check is the gate's own judgement.
+same run; conformance/bench.py), saying each record's line as it lands (a progress bar only on a
+terminal), and its records become the benchmark's JSON: per case, each backend's verdict, norm_err,
+ms, GB/s or TFLOP/s and share of the ceiling, and each peer's time over ours. A backend that is not
+installed, or cannot express a case, is a skip with its reason, never a missing row. The figures
+are therefore the same records `parity bench` and `parity gate --bench` write, and a benchmark's
+accuracy check is the gate's own judgement; a script's hand-timed path (`--tune`, `--direct`) prints,
+beside each time, the gate's verdict on the same case (`Gate`).
 
     from bench_cases import run
     sys.exit(run([{"op": "norm.rms_norm", "backends": [...], "dtypes": [...], "grid": {...}}],
@@ -94,15 +96,16 @@ def _line(row: dict, ours: str) -> str:
 
 def run(entries: list[dict], *, out: str, ours: str = "triton", description: str = "",
         argv: tuple[str, ...] = ()) -> int:
-    """Bench `entries` with `parity bench` (extra `argv` passed on, e.g. --no-recheck) and write the
-    summary to `out` (JSON); print a line per case. Returns parity bench's exit status."""
+    """Bench `entries` with `parity bench` (extra `argv` passed on, e.g. --no-recheck): its line per
+    record as each lands (a progress bar on a terminal), then the summary written to `out` (JSON) and
+    a line per case. Returns parity bench's exit status."""
     from kernel_parity.conformance.cli import main
     from kernel_parity.reports import records
 
     with tempfile.TemporaryDirectory(prefix="kp-bench-") as tmp:
         suite, results = Path(tmp) / "bench.toml", Path(tmp) / "bench.jsonl"
         suite.write_text(suite_text(entries, description))
-        code = main(["bench", "--suite", str(suite), "--json", str(results), "--no-progress", "-q", *argv])
+        code = main(["bench", "--suite", str(suite), "--json", str(results), *argv])
         if code == 2 or not results.exists():
             return 2
         summary = summarise(records.load(str(results)), ours)
@@ -110,3 +113,40 @@ def run(entries: list[dict], *, out: str, ours: str = "triton", description: str
     for row in summary["cases"]:
         print(_line(row, ours), flush=True)
     return code
+
+
+class Gate:
+    """The gate's judgement of one case, for a benchmark's hand-timed path (`--tune`, `--direct`): the
+    case built from the same op, params and dtype (dist normal, seed 0: its inputs are the case's
+    own, not the script's tensors) and evaluated by the Runner as `parity bench --no-recheck` would,
+    so the figure printed beside a time is the gate's verdict and norm_err, never a bound of the
+    script's own."""
+
+    def __init__(self, backend: str = "triton") -> None:
+        from kernel_parity.conformance.runner import Runner
+
+        self.backend = backend
+        self.runner = Runner(recheck=False)
+        self.failures: list[str] = []  # "id: verdict (reason)" of each case the gate fails
+
+    def __call__(self, op: str, dtype: str, params: dict) -> dict:
+        """{"case": id, "verdict": ..., "norm_err": ...} of `op` on this backend; a shape the op's spec
+        cannot express (a parameter out of its range) is {"case": None, "verdict": None, "reason": why}."""
+        from kernel_parity.conformance import ops
+        from kernel_parity.conformance.errors import UsageError
+
+        try:
+            case = ops.make_case(op, self.backend, dtype, params, "normal", 0)
+        except UsageError as e:
+            return {"case": None, "verdict": None, "norm_err": None, "reason": str(e)}
+        rec = self.runner.evaluate(case)
+        if rec.failing:
+            self.failures.append(f"{rec.id}: {rec.verdict} ({rec.reason or rec.kind})")
+        return {"case": rec.id, "verdict": rec.verdict, "norm_err": rec.norm_err}
+
+
+def gate_text(g: dict) -> str:
+    """`gate pass norm_err 0.12`; a verdict without a norm_err (a skip, an error) alone; `gate: no case (why)`."""
+    if g["verdict"] is None:
+        return f"gate: no case ({g['reason']})"
+    return f"gate {g['verdict']}" + ("" if g["norm_err"] is None else f" norm_err {g['norm_err']:.3g}")

@@ -1,205 +1,225 @@
-"""GPU benchmark of the Triton attention kernels (prefill, varlen, decode, paged, split) on Hopper.
+"""GPU benchmark of the Triton attention kernels (prefill, decode, paged decode) beside torch SDPA, on Hopper.
 
-    python benchmarks/gpu_attention.py [--quick] [--out PATH] [--sections parity,tune,bench]
+    python benchmarks/gpu_attention.py [--quick] [--out PATH]          # bench: a thin caller of `parity bench`
+    python benchmarks/gpu_attention.py --sections tune [--out PATH]    # the block-config sweeps
+    python benchmarks/gpu_attention.py --sections bench,tune [--quick] [--out PATH]
 
-1. Header: device copy bandwidth (a 2 GiB device-to-device copy, bytes read + written) and bf16
-   matmul rate (8192^3 on random data) of this run; every figure is a share of one of them.
-2. parity (gpu_attention_parity.py): every entry point (prefill, varlen, decode, decode_paged,
-   decode_split, kvcache.update) at small shapes against the float64 goldens of refimpl/ (numpy
-   on the CPU), in bf16 (which the Triton interpreter cannot check) and, on one case each, fp16
-   and fp32: both causal alignments, windows, softcap, sinks, GQA 1/4/8, s_q != s_k both ways,
-   zero lengths, NaN-poisoned cache slots and pages, shuffled page tables, more splits than
-   keys. Outputs are NaN-poisoned first.
-3. tune: sweeps block configs of causal prefill and of paged decode at the target shapes.
-4. bench (do_bench medians; the best tuned config where a sweep ran, else the launchers' tables):
-   - paged decode bf16, h_q=32, h_kv=8, d=128, b=64, 8192 cached tokens, pages 16 and 64, and
-     decode b=8 L=2048 (pages 16): GB/s with bytes = K + V read once + q + o, % of copy
-     bandwidth; torch SDPA (flash, efficient, cuDNN, math, where they run) on the same data as
-     contiguous (b, h_kv, L, d) K/V, no mask (s_q = 1 sees every key); efficient has no GQA in
-     torch 2.11 and runs on K/V repeated to h_q heads (4x the bytes; timed without the repeat).
-   - causal prefill bf16 b=16 s=4096 h_q=32 h_kv=8 d=128, and b=4 s=1024 d=64 / d=256: TFLOP/s
-     with flops = 4 b h_q s^2 d / 2; SDPA flash and cuDNN with is_causal (s_q == s_k, so top-left
-     = bottom-right), enable_gqa.
-   Each benchmarked kernel's output is checked on a slice against a float64 torch reference on the
-   GPU (the goldens' formula; validated against refimpl on a small case first). do_bench clears L2
-   before every timed call; the small decode (64 MiB, ~20 us) is timed as CUDA-graph replays over
-   6 rotated input sets instead, so that launch gaps and L2 both stay out of its figure.
-Results go to --out (default $OUT/attention_bench.json), rewritten after each section.
+bench (the default): the cases below go to `parity bench` (benchmarks/bench_cases.py), bf16, h_q=32,
+h_kv=8, with backends triton (ours) and torch's SDPA with one backend enabled (conformance/backends/
+sdpa.py: sdpa-flash, sdpa-cudnn, sdpa-efficient, sdpa-math; efficient has no GQA in torch 2.11 and
+skips with that reason, as does every backend where it cannot express a case): every case judged by
+the gate against the float64 golden (its verdict and norm_err are the accuracy figures), timed with
+do_bench (L2 cleared before every call) with the launchers' tables, its bytes or flops over the
+copy / matmul ceiling measured in the same run, and each peer's ms over ours.
+- decode, d=128, b=64 over 8192 cached tokens (the target shape); causal "none", since one query
+  sees every key: SDPA takes no mask, its fastest form. GB/s count K + V read once plus q and o.
+- decode_paged at the same shape, pages 16 and 64 (shuffled), ours alone: SDPA has no paged input,
+  so the decode row holds the peers' times.
+- causal prefill (bottom-right; s_q = s_k, so the same mask as top-left): b=16 s=4096 d=128, and b=4
+  s=1024 at d=64 and 256; TFLOP/s count 4 b h_q s^2 d / 2. sdpa-math is left out (an s^2 score matrix).
+--quick: decode and paged decode (page 16) at b=16 over 4096 tokens, prefill b=4 s=1024 d=128.
+A shorter decode is no row here: under do_bench a call of ours costs ~0.27 ms of host-side work
+(the adapter and the launcher's checks and launches; measured on an H200 at b=16 over 4096 and b=8
+over 2048 alike), more than its device time, so the figure would be the host's. --quick's decode
+figure sits at that floor (a smoke run); the small decode's device time is tune's graph replay.
+
+tune (script-only, skipped under --quick): the sweeps that picked the launch tables, timed with parity
+bench's own timer (conformance/bench.py's time_call): causal prefill block configs (BLOCK_M, BLOCK_N,
+warps, stages) at b=16 s=4096 d=128, paged decode configs (BLOCK_N, warps, stages) at b=64 over 8192
+tokens for pages 16 and 64, and paged decode's split-KV count (auto, 1, 2, 4, 8) at b=8 over 2048 tokens,
+timed as CUDA-graph replays over 6 rotated input sets (384 MiB: launch gaps and L2 stay out of a
+~20 us figure). Each swept config's line gives the gate's verdict and norm_err for a case run with
+that config (bench_cases.Gate on the triton backend, the launcher's table entry for d=128 bf16, or its
+split count, replaced while the gate runs): attention.prefill b=2 s=1024 and attention.decode_paged
+b=32 over 2048 tokens (the same table entries, unsplit like the swept shape; smaller, so the float64
+golden takes seconds), and the split sweep's own shape. A config the gate fails makes the exit status 1.
+Results: --out (default $OUT/attention_bench.json, else ./attention_bench.json): bench's summary, with
+tune's document (header, ceilings, rows, gate_failures) under "tune" when both run; tune alone writes
+its document there, after every row.
+The small-shape checks of every entry point are the gate's: `parity run --suite ci --op attention
+--backend triton` on the GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import math
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks.gpu_attention_parity import TOL, check, mask64, paged_copy, parity, ref64  # noqa: E402
+SECTIONS = ("bench", "tune")
+HEADS = dict(hq=32, hkv=8)
+DECODE_BACKENDS = ["triton", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math"]
+PREFILL_BACKENDS = ["triton", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient"]
+DECODE_SHAPES = ((64, 8192),)  # (b, cached tokens)
+PREFILL_SHAPES = ((16, 4096, 128), (4, 1024, 64), (4, 1024, 256))  # (b, s, d)
+QUICK_DECODE, QUICK_PREFILL = ((16, 4096),), ((4, 1024, 128),)
 
-MIB = 1 << 20
+
+def _decode(b: int, kv: int, causal: str = "none", **extra) -> dict:
+    return dict(b=b, sq=1, kv=kv, **HEADS, d=128, lens="full", **extra, causal=causal, wl=-1, wr=-1, cap=0, sink=0)
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions, no sweep (smoke run)")
-    default_out = os.path.join(os.environ["OUT"], "attention_bench.json") if os.environ.get("OUT") else None
-    p.add_argument("--out", default=default_out, help="JSON output path (default $OUT/attention_bench.json)")
-    p.add_argument("--sections", default="parity,tune,bench", help="comma list of parity, tune, bench")
+def _prefill(b: int, s: int, d: int) -> dict:
+    return dict(b=b, sq=s, sk=s, **HEADS, d=d, causal="bottom_right", wl=-1, wr=-1, cap=0, sink=0)
+
+
+def entries(quick: bool = False) -> list[dict]:
+    """The bench section's cases as suite entries (bench_cases.run); --quick: one shape per op."""
+    decode, prefill = (QUICK_DECODE, QUICK_PREFILL) if quick else (DECODE_SHAPES, PREFILL_SHAPES)
+    pages = (16,) if quick else (16, 64)
+    common = {"dtypes": ["bf16"], "dists": ["normal"]}
+    return [{"op": "attention.decode", "backends": DECODE_BACKENDS, **common,
+             "params": [_decode(b, kv) for b, kv in decode]},
+            {"op": "attention.decode_paged", "backends": ["triton"], **common,
+             "params": [_decode(b, kv, page=page) for b, kv in decode for page in pages]},
+            {"op": "attention.prefill", "backends": PREFILL_BACKENDS, **common,
+             "params": [_prefill(b, s, d) for b, s, d in prefill]}]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints its usage otherwise)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def main() -> int:
+    p = _Parser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="one shape per op, no sweep (smoke run)")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "attention_bench.json"),
+                   help="JSON output path (default $OUT/attention_bench.json)")
+    p.add_argument("--sections", default="bench", help=f"comma list of {', '.join(SECTIONS)} (default bench)")
     args = p.parse_args()
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    bad = [s for s in sections if s not in SECTIONS]
+    if bad or not sections:
+        why = ("; the small-shape checks are the gate's: parity run --suite ci --op attention --backend triton"
+               if "parity" in bad else "")
+        p.error(f"--sections {args.sections!r}: expected a comma list of {', '.join(SECTIONS)}{why}")
     from kernel_parity.reports.files import check_output_or_exit
 
     check_output_or_exit(p.prog, "--out", args.out)  # before any GPU work: an unwritable path is exit 2
-    return args
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"{p.prog}: error: no CUDA device (torch.cuda.is_available() is False); this benchmark runs on a GPU",
+              file=sys.stderr)
+        return 2
+    code, tuned = 0, None
+    if "tune" in sections:
+        if args.quick:
+            print("tune: skipped under --quick", flush=True)
+        else:
+            code, tuned = tune(args.out)
+    if "bench" in sections:
+        from bench_cases import run
+
+        code = max(code, run(entries(args.quick), out=args.out, ours="triton", argv=("--no-recheck",),
+                             description="benchmarks/gpu_attention.py"))
+        if tuned is not None:  # the sweeps' rows beside bench's cases, in one file
+            doc = json.loads(Path(args.out).read_text())
+            Path(args.out).write_text(json.dumps({**doc, "tune": tuned}, indent=1, default=str))
+    return code
 
 
-def _prefill_data(ctx, b, s, hq, hkv, d):
-    torch, dt = ctx.torch, ctx.torch.bfloat16
-    return [torch.randn((b, s, h, d), device=ctx.dev, generator=ctx.gen).to(dt) for h in (hq, hkv, hkv)]
+@contextlib.contextmanager
+def _replaced(module, name: str, value):
+    """module.name = value while the block runs (a launch-table entry swapped in for the gate's run)."""
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
 
 
-def _decode_data(ctx, b, L, hq, hkv, d):
-    torch, dt = ctx.torch, ctx.torch.bfloat16
-    q = torch.randn((b, 1, hq, d), device=ctx.dev, generator=ctx.gen).to(dt)
-    kc, vc = (torch.randn((b, L, hkv, d), device=ctx.dev, generator=ctx.gen).to(dt) for _ in range(2))
-    return q, kc, vc, torch.full((b,), L, dtype=torch.int32, device=ctx.dev)
+def tune(out: str) -> tuple[int, dict]:
+    """The sweeps (module docstring): (exit status, {header, ceilings, rows, gate_failures}) also
+    written to `out` after every row, so a crash keeps what was measured."""
+    import torch
+    import triton
 
+    from bench_cases import Gate, gate_text
+    from gpu_attention_parity import paged_copy
 
-def _sweep(ctx, name, configs, call, ref, rate) -> None:
-    """Time call(cfg) for each config; ctx.best[name] = the fastest. rate(ms) -> dict of figures."""
-    for cfg in configs:
-        try:
-            o = call(cfg)[0]
-            row = dict(sweep=name, config=cfg, ms=ctx.bench(lambda: call(cfg)),
-                       max_diff_vs_default=float((o.float() - ref).abs().max()))
-            row.update(rate(row["ms"]))
-        except Exception as e:  # e.g. out of shared memory
-            row = dict(sweep=name, config=cfg, error=f"{type(e).__name__}: {e}"[:300])
-        ctx.state["tune"].append(row)
-        ctx.save()
-        print("tune", row, flush=True)
-    timed = [r for r in ctx.state["tune"] if r["sweep"] == name and "ms" in r]
-    if timed:
-        ctx.best[name] = tuple(min(timed, key=lambda r: r["ms"])["config"])
-
-
-def tune(ctx) -> None:
-    """Block-config sweeps at the target shapes; the bench section then uses the fastest."""
+    from kernel_parity.conformance.bench import measure_ceilings, time_call
     from kernel_parity.kernels.triton import attention as A
     from kernel_parity.kernels.triton import attention_decode as D
-    torch, hq, hkv, d = ctx.torch, 32, 8, 128
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    ceil = measure_ceilings(str(dev))
+    print(f"{ceil.device}  copy {ceil.copy_gbps:.0f} GB/s  bf16 matmul {ceil.matmul_tflops:.0f} TFLOP/s", flush=True)
+    gate = Gate("triton")
+    doc = dict(header=dict(device=ceil.device, torch=torch.__version__, triton=triton.__version__,
+                           time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                           command="benchmarks/gpu_attention.py --sections tune",
+                           prefill_configs={str(k): v for k, v in A.PREFILL_CONFIGS.items()},
+                           decode_configs={str(k): v for k, v in D.DECODE_CONFIGS.items()}),
+               ceilings=ceil.to_json(), rows=[], gate_failures=gate.failures)
+    rnd = lambda *shape: torch.randn(shape, device=dev, generator=gen).to(torch.bfloat16)  # noqa: E731
+
+    def sweep(name, configs, timed, rate, judged) -> None:
+        """Time timed(cfg) for each config; judged(cfg) is a context in which the gate's case runs with it."""
+        for cfg in configs:
+            try:
+                ms = timed(cfg)
+            except Exception as e:  # e.g. out of shared memory
+                row = dict(sweep=name, config=cfg, error=f"{type(e).__name__}: {e}"[:300])
+                print(f"tune {name} {cfg}: {row['error']}", flush=True)
+            else:
+                op, params, ctx = judged(cfg)
+                with ctx:
+                    verdict = gate(op, "bf16", params)
+                row = dict(sweep=name, config=cfg, ms=ms, **rate(ms), gate=verdict)
+                figs = "  ".join(f"{k} {v:.1f}" for k, v in rate(ms).items())
+                print(f"tune {name} {cfg}: {ms:.4f} ms  {figs}  {gate_text(verdict)}", flush=True)
+            doc["rows"].append(row)
+            Path(out).write_text(json.dumps(doc, indent=1, default=str))
+
+    key = (128, 2)  # the launch-table entry of d = 128, 2-byte elements
+    # Causal prefill at the target shape.
     b, s = 16, 4096
-    q, k, v = _prefill_data(ctx, b, s, hq, hkv, d)
-    ref = A.prefill(q, k, v, causal="bottom_right")[0].float()
-    _sweep(ctx, "prefill", [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3)],
-           lambda cfg: A.prefill(q, k, v, causal="bottom_right", config=cfg), ref,
-           lambda ms: dict(TFLOPs=4 * b * hq * s * s * d / 2 / ms / 1e9))
-    q, kc, vc, sl = _decode_data(ctx, 64, 8192, hq, hkv, d)
-    nbytes = 2 * kc.numel() * 2 + 2 * q.numel() * 2
-    ref = D.decode(q, kc, vc, sl)[0].float()
+    q, k, v = rnd(b, s, 32, 128), rnd(b, s, 8, 128), rnd(b, s, 8, 128)
+    flops = 4 * b * 32 * s * s * 128 / 2
+    sweep("prefill", [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3)],
+          lambda cfg: time_call(lambda: A.prefill(q, k, v, causal="bottom_right", config=cfg), dev),
+          lambda ms: {"tflops": flops / ms / 1e9, "pct_of_matmul": 100 * flops / ms / 1e9 / ceil.matmul_tflops},
+          lambda cfg: ("attention.prefill", _prefill(2, 1024, 128),
+                       _replaced(A, "PREFILL_CONFIGS", {**A.PREFILL_CONFIGS, key: cfg})))
+    del q, k, v
+    # Paged decode at the target shape, pages 16 and 64.
+    b, L = 64, 8192
+    q, kc, vc = rnd(b, 1, 32, 128), rnd(b, L, 8, 128), rnd(b, L, 8, 128)
+    sl = torch.full((b,), L, dtype=torch.int32, device=dev)
+    nbytes = 2 * kc.numel() * 2 + 2 * q.numel() * 2  # K + V read once, q read and o written
     for page in (16, 64):
-        kp, vp, table = paged_copy(torch, kc, vc, page, ctx.gen)
-        _sweep(ctx, f"decode_paged{page}", [(64, 4, 2), (64, 2, 2), (64, 4, 3), (128, 4, 3), (32, 4, 3)],
-               lambda cfg: D.decode_paged(q, kp, vp, table, sl, config=cfg), ref,
-               lambda ms: dict(GBps=nbytes / ms / 1e6, pct_copy=100 * nbytes / ms / 1e6 / ctx.copy_gbps))
-    print("best configs:", ctx.best, flush=True)
-
-
-def sdpa_ms(ctx, q, k, v, causal, backends) -> dict:
-    """Median ms of torch SDPA per backend on (b, h, s, d) tensors (None: the backend refused).
-    efficient has no GQA in torch 2.11: it runs on K/V repeated to h_q heads."""
-    torch = ctx.torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    enum = dict(flash=SDPBackend.FLASH_ATTENTION, cudnn=SDPBackend.CUDNN_ATTENTION,
-                efficient=SDPBackend.EFFICIENT_ATTENTION, math=SDPBackend.MATH)
-    res = {}
-    for name in backends:
-        try:
-            g = q.shape[1] // k.shape[1]
-            kk, vv, gqa = ((k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), False) if name == "efficient"
-                           else (k, v, True))
-            with sdpa_kernel(enum[name]):
-                sdpa(q, kk, vv, is_causal=causal, enable_gqa=gqa)
-                torch.cuda.synchronize()
-                res[name] = ctx.bench(lambda: sdpa(q, kk, vv, is_causal=causal, enable_gqa=gqa))
-        except Exception as e:
-            res[name] = None
-            ctx.state.setdefault("errors_sdpa", []).append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
-    return res
-
-
-def record(ctx, op, shape, config, ms, err, ok, sdpa, nbytes=None, flops=None) -> None:
-    row = dict(op=op, shape=shape, config=config, ms=ms, max_err=err, parity_ok=ok, sdpa_ms=sdpa)
-    if nbytes is not None:
-        row.update(GBps=nbytes / ms / 1e6, pct_ceiling=100 * nbytes / ms / 1e6 / ctx.copy_gbps, bytes=nbytes)
-    else:
-        row.update(TFLOPs=flops / ms / 1e9, pct_ceiling=100 * flops / ms / 1e9 / ctx.mm_tflops, flops=flops)
-    live = {k: t for k, t in sdpa.items() if t is not None}
-    if live:
-        best = min(live, key=live.get)
-        row.update(best_sdpa=best, speedup_vs_best_sdpa=live[best] / ms)
-    ctx.state["results"].append(row)
-    ctx.save()
-    print("bench", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-
-
-def bench(ctx) -> None:
-    import numpy as np
-
-    from kernel_parity.kernels.triton import attention as A
-    from kernel_parity.kernels.triton import attention_decode as D
-    from kernel_parity.refimpl import attention as R
-    torch = ctx.torch
-    # The float64 torch reference used on the slices below, against the golden itself first.
-    q, k, v = (torch.randn((2, n, h, 64), device=ctx.dev, generator=ctx.gen) for n, h in ((33, 8), (70, 2), (70, 2)))
-    sk = torch.randn(8, device=ctx.dev, generator=ctx.gen)
-    keep = mask64(torch, 33, 70, torch.full((2,), 33, device=ctx.dev), torch.tensor([70, 41], device=ctx.dev),
-                  "bottom_right", (9, -1), ctx.dev)
-    o_r, lse_r, _ = R.prefill(*(t.double().cpu().numpy() for t in (q, k, v)), causal="bottom_right", window=(9, -1),
-                              softcap=20.0, sinks=sk.double().cpu().numpy(), k_lens=np.array([70, 41]))
-    check(ctx, "ref64 vs refimpl.attention.prefill", "fp32",
-          [(n, t, torch.from_numpy(r)) for n, t, r in zip(("o", "lse"), ref64(torch, q, k, v, keep, None, 20.0, sk),
-                                                          (o_r, lse_r))])
-    hq, hkv, d = 32, 8, 128
-    # Paged decode at the target shape (pages 16, 64), contiguous decode beside it.
-    b, L = (16, 4096) if ctx.quick else (64, 8192)
-    q, kc, vc, sl = _decode_data(ctx, b, L, hq, hkv, d)
-    nbytes = 2 * kc.numel() * 2 + 2 * q.numel() * 2
-    shape = f"b={b} L={L} h={hq}/{hkv} d={d} bf16"
-    o_r, lse_r = ref64(torch, q[:2], kc[:2], vc[:2], torch.ones((2, 1, L), dtype=torch.bool, device=ctx.dev))
-    q_s = q.transpose(1, 2).contiguous()
-    sd = sdpa_ms(ctx, q_s, kc.permute(0, 2, 1, 3).contiguous(), vc.permute(0, 2, 1, 3).contiguous(), False,
-                 ("flash", "cudnn", "efficient", "math"))
-    for page in (16, 64):
-        kp, vp, table = paged_copy(torch, kc, vc, page, ctx.gen)
-        cfg = ctx.best.get(f"decode_paged{page}")
-        o, lse = D.decode_paged(q, kp, vp, table, sl, config=cfg, out=torch.full_like(q, math.nan))
-        err, ok = check(ctx, f"bench decode_paged page={page} {shape} (slice b<2 vs float64)", "bf16",
-                        [("o", o[:2], o_r), ("lse", lse[:2], lse_r)])
-        ms = ctx.bench(lambda: D.decode_paged(q, kp, vp, table, sl, out=o, out_lse=lse, config=cfg))
-        record(ctx, "decode_paged", f"{shape} page={page}", cfg, ms, err, ok, sd, nbytes=nbytes)
-    cfg = ctx.best.get("decode_paged16")
-    o, lse = D.decode(q, kc, vc, sl, config=cfg)
-    err, ok = check(ctx, f"bench decode {shape}", "bf16", [("o", o[:2], o_r), ("lse", lse[:2], lse_r)])
-    ms = ctx.bench(lambda: D.decode(q, kc, vc, sl, out=o, out_lse=lse, config=cfg))
-    record(ctx, "decode", shape, cfg, ms, err, ok, sd, nbytes=nbytes)
-
-    # Small decode (b=8, L=2048: 64 MiB of cache, ~20 us): CUDA-graph replay over 6 input sets
-    # (384 MiB, so L2 serves nothing from one call to the next) measures device time without
-    # launch gaps; auto split-KV against fixed splits.
+        kp, vp, table = paged_copy(torch, kc, vc, page, gen)
+        sweep(f"decode_paged{page}", [(64, 4, 2), (64, 2, 2), (64, 4, 3), (128, 4, 3), (32, 4, 3)],
+              lambda cfg: time_call(lambda: D.decode_paged(q, kp, vp, table, sl, config=cfg), dev),
+              lambda ms: {"gbps": nbytes / ms / 1e6, "pct_of_copy": 100 * nbytes / ms / 1e6 / ceil.copy_gbps},
+              lambda cfg, page=page: ("attention.decode_paged", _decode(32, 2048, "bottom_right", page=page),
+                                      _replaced(D, "DECODE_CONFIGS", {**D.DECODE_CONFIGS, key: cfg})))
+        del kp, vp, table
+    del q, kc, vc
+    torch.cuda.empty_cache()
+    # Split-KV count of a small paged decode, as CUDA-graph replays over 6 input sets.
     b, L = 8, 2048
-    sets = [_decode_data(ctx, b, L, hq, hkv, d) for _ in range(6)]
-    nbytes = 2 * sets[0][1].numel() * 2 + 2 * sets[0][0].numel() * 2
-    shape = f"b={b} L={L} h={hq}/{hkv} d={d} bf16"
-    o_r, lse_r = ref64(torch, *(t[:2] for t in sets[0][:3]), torch.ones((2, 1, L), dtype=torch.bool, device=ctx.dev))
+    sl = torch.full((b,), L, dtype=torch.int32, device=dev)
+    sets = []
+    for _ in range(6):
+        q, kc, vc = rnd(b, 1, 32, 128), rnd(b, L, 8, 128), rnd(b, L, 8, 128)
+        sets.append((q, *paged_copy(torch, kc, vc, 16, gen), sl))
+    nbytes = 2 * kc.numel() * 2 + 2 * q.numel() * 2
 
-    def graph_ms(calls) -> float:
+    def replay_ms(splits) -> float:
+        calls = [lambda p=p: D.decode_paged(*p, num_splits=splits) for p in sets]
         for call in calls:  # compile and allocate outside the capture
             call()
         torch.cuda.synchronize()
@@ -207,140 +227,17 @@ def bench(ctx) -> None:
         with torch.cuda.graph(g):
             for call in calls:
                 call()
-        return ctx.bench(g.replay) / len(calls)
+        return time_call(g.replay, dev) / len(calls)
 
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    sd = {}
-    sd_sets = [(q.transpose(1, 2).contiguous(), kc.permute(0, 2, 1, 3).contiguous(), vc.permute(0, 2, 1, 3).contiguous())
-               for q, kc, vc, _ in sets]
-    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-        try:
-            with sdpa_kernel(be):
-                sd[name] = graph_ms([lambda t=t: torch.nn.functional.scaled_dot_product_attention(*t, enable_gqa=True)
-                                     for t in sd_sets])
-        except Exception as e:
-            sd[name] = None
-            ctx.state.setdefault("errors_sdpa", []).append(f"{name} graph: {type(e).__name__}: {str(e)[:200]}")
-    del sd_sets
-    pages = [(q, *paged_copy(torch, kc, vc, 16, ctx.gen), sl) for q, kc, vc, sl in sets]
-    for splits in (None, 1, 2, 4, 8):
-        o, lse = D.decode_paged(*pages[0], num_splits=splits)
-        err, ok = check(ctx, f"bench decode_paged {shape} splits={splits}", "bf16", [("o", o[:2], o_r), ("lse", lse[:2], lse_r)])
-        ms = graph_ms([lambda p=p: D.decode_paged(*p, num_splits=splits) for p in pages])
-        record(ctx, "decode_paged", f"{shape} page=16 splits={splits or 'auto'} graph", None, ms, err, ok, sd,
-               nbytes=nbytes)
-    del sets, pages
+    sweep("decode_paged16_splits", [None, 1, 2, 4, 8], replay_ms,
+          lambda ms: {"gbps": nbytes / ms / 1e6, "pct_of_copy": 100 * nbytes / ms / 1e6 / ceil.copy_gbps},
+          lambda n: ("attention.decode_paged", _decode(b, L, "bottom_right", page=16),
+                     contextlib.nullcontext() if n is None else _replaced(D, "_auto_splits", lambda *a, n=n: n)))
+    del sets
     torch.cuda.empty_cache()
-
-    # Causal prefill: target shape, then d = 64 and 256 at b=4 s=1024.
-    for b, s, dd in ([(4, 1024, 128)] if ctx.quick else [(16, 4096, 128), (4, 1024, 64), (4, 1024, 256)]):
-        q, k, v = _prefill_data(ctx, b, s, hq, hkv, dd)
-        flops = 4 * b * hq * s * s * dd / 2
-        shape = f"b={b} s={s} h={hq}/{hkv} d={dd} bf16 causal"
-        cfg = ctx.best.get("prefill") if dd == 128 else None
-        o, lse = A.prefill(q, k, v, causal="bottom_right", config=cfg, out=torch.full_like(q, math.nan))
-        keep = mask64(torch, s, s, torch.full((1,), s, device=ctx.dev), torch.full((1,), s, device=ctx.dev),
-                      "bottom_right", (-1, -1), ctx.dev)
-        o_r, lse_r = ref64(torch, q[:1, :, :8], k[:1, :, :2], v[:1, :, :2], keep)
-        err, ok = check(ctx, f"bench prefill {shape} (slice b=0 heads 0-7 vs float64)", "bf16",
-                        [("o", o[:1, :, :8], o_r), ("lse", lse[:1, :8], lse_r)])
-        del o_r, lse_r, keep
-        ms = ctx.bench(lambda: A.prefill(q, k, v, causal="bottom_right", out=o, out_lse=lse, config=cfg))
-        sd = sdpa_ms(ctx, q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
-                     v.transpose(1, 2).contiguous(), True, ("flash", "cudnn"))
-        record(ctx, "prefill", shape, cfg, ms, err, ok, sd, flops=flops)
-
-
-class Context:
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-        self.best: dict = {}
-
-
-
-def main() -> int:
-    args = parse_args()
-    import torch
-
-    if not torch.cuda.is_available():
-        print("gpu_attention: no CUDA device (torch.cuda.is_available() is False); "
-              "this benchmark must run on a GPU machine", file=sys.stderr)
-        return 2
-    import triton
-    from triton.testing import do_bench
-
-    from kernel_parity.kernels.triton import attention as A
-    from kernel_parity.kernels.triton import attention_decode as D
-
-    sections = set(args.sections.split(","))
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    bench_kw = dict(warmup=10 if args.quick else 25, rep=40 if args.quick else 150, return_mode="median")
-    state: dict = dict(parity=[], tune=[], results=[], failures=[], errors=[])
-
-    def time_ms(fn) -> float:
-        return float(do_bench(fn, **bench_kw))
-
-    # 1. ceilings.
-    copy_bytes = (512 if args.quick else 2048) * MIB
-    src = torch.rand(copy_bytes // 4, device=dev, generator=gen)
-    dst = torch.empty_like(src)
-    copy_gbps = 2 * copy_bytes / time_ms(lambda: dst.copy_(src)) / 1e6
-    n = 4096 if args.quick else 8192
-    a = torch.randn(n, n, device=dev, generator=gen).to(torch.bfloat16)
-    bm = torch.randn(n, n, device=dev, generator=gen).to(torch.bfloat16)
-    mm_tflops = 2 * n**3 / time_ms(lambda: a @ bm) / 1e9
-    header = dict(
-        device=torch.cuda.get_device_name(dev),
-        capability=".".join(map(str, torch.cuda.get_device_capability(dev))),
-        sm_count=torch.cuda.get_device_properties(dev).multi_processor_count,
-        l2_bytes=getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", None),
-        torch=torch.__version__, triton=triton.__version__, quick=args.quick,
-        copy_GBps=copy_gbps, matmul_bf16_TFLOPs=mm_tflops, do_bench=bench_kw, tolerances=TOL,
-        prefill_configs={str(k): v for k, v in A.PREFILL_CONFIGS.items()},
-        decode_configs={str(k): v for k, v in D.DECODE_CONFIGS.items()},
-        time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    )
-    print(f"{header['device']}  torch {header['torch']}  triton {header['triton']}  "
-          f"copy {copy_gbps:.0f} GB/s  bf16 matmul {mm_tflops:.0f} TFLOP/s", flush=True)
-
-    def save() -> None:
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(dict(header=header, **state), indent=1, default=str))
-
-    ctx = Context(torch=torch, dev=dev, gen=gen, bench=time_ms, tol=TOL, copy_gbps=copy_gbps,
-                  mm_tflops=mm_tflops, quick=args.quick, state=state, save=save)
-    for name, fn in (("parity", parity), ("tune", tune), ("bench", bench)):
-        if name not in sections or (name == "tune" and args.quick):
-            continue
-        t0 = time.time()
-        try:
-            fn(ctx)
-        except Exception as e:  # keep what the other sections measured
-            state["errors"].append(f"{name}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-            print(f"SECTION {name} FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        print(f"[{name}: {time.time() - t0:.0f} s]", flush=True)
-        torch.cuda.empty_cache()
-        save()
-
-    print(f"\n{header['device']}  copy {copy_gbps:.0f} GB/s  bf16 matmul {mm_tflops:.0f} TFLOP/s")
-    print(f"{'op':13s} {'shape':34s} {'config':18s} {'ms':>8s} {'rate':>13s} {'%ceil':>6s} "
-          f"{'best SDPA':>16s} {'ratio':>6s} {'err':>8s}")
-    for r in state["results"]:
-        rate = f"{r['GBps']:7.0f} GB/s" if "GBps" in r else f"{r['TFLOPs']:6.0f} TFLOP/s"
-        best = r.get("best_sdpa")
-        sd = f"{best} {r['sdpa_ms'][best]:.3f}" if best else "-"
-        ratio = f"{r['speedup_vs_best_sdpa']:5.2f}x" if best else "-"
-        print(f"{r['op']:13s} {r['shape']:34s} {str(r['config']):18s} {r['ms']:8.3f} {rate:>13s} "
-              f"{r['pct_ceiling']:5.1f}% {sd:>16s} {ratio:>6s} {r['max_err']:8.1e}")
-    n_par = len(state["parity"])
-    if state["failures"] or state["errors"]:
-        print(f"\nFAILED: {len(state['failures'])} parity failure(s), {len(state['errors'])} section error(s)",
-              *state["failures"], *[e.splitlines()[0] for e in state["errors"]], sep="\n  ", file=sys.stderr)
-        return 1
-    print(f"\nparity ok in {n_par} small cases and {len(state['results'])} benchmarked ones")
-    return 0
+    for f in gate.failures:
+        print("GATE FAIL", f, flush=True)
+    return (1 if gate.failures else 0), doc
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ shape and dtype, each backward timed alone (do_bench medians):
   liger (where liger-kernel imports): LigerRMSNormFunction / LigerLayerNormFunction / LigerSiLUMulFunction's
   backward the same way (liger recomputes what it did not save, as in training).
 The ceiling is the copy rate of this run; each row gives ms, GB/s, % of copy and the ratio to each peer.
-Ours is checked once per shape against float64 torch on the GPU (max |err| / (max |ref| ulp-scaled)).
+Each row's line gives the gate's verdict and norm_err for ours on the same case (bench_cases.Gate:
+the op, params and dtype of `entries` on the triton backend); a case the gate fails makes the exit
+status 1.
 Results go to --out (default $OUT/layers-bwd-bench.json), rewritten after each row.
 """
 
@@ -35,30 +37,38 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 SHAPES = [(16384, 4096), (32768, 4096), (16384, 8192), (4096, 14336)]  # (rows, n), the --direct shapes
+QUICK_SHAPE = (8192, 4096)  # bench --quick: 64 MiB per bf16 operand, past L2, its first line in seconds
+
+
+def _params(op: str, rows: int, n: int) -> dict:
+    """The case parameters of one op at one shape (the same in `entries` and --direct's gate check)."""
+    return {"norm.rms_norm_backward": dict(rows=rows, n=n, pad=0, eps="1e-6", gemma=0, residual=0, rstd=1),
+            "norm.layer_norm_backward": dict(rows=rows, n=n, pad=0, eps="1e-5", bias=1, stats=1),
+            "mlp.swiglu_backward": dict(t=rows, i=n, layout="split")}[op]
 
 
 def entries(quick: bool = False) -> list[dict]:
-    """The benchmark's cases as suite entries (bench_cases.run): bf16 at every shape, fp32 at the first two."""
-    todo = [("bf16", s) for s in SHAPES] + [("fp32", s) for s in SHAPES[:2]]
-    todo = todo[:2] if quick else todo
+    """The benchmark's cases as suite entries (bench_cases.run): bf16 at every shape, fp32 at the first two;
+    --quick: bf16 at QUICK_SHAPE."""
+    todo = [("bf16", QUICK_SHAPE)] if quick else [("bf16", s) for s in SHAPES] + [("fp32", s) for s in SHAPES[:2]]
     out = []
     for dtype in dict.fromkeys(d for d, _ in todo):
         shapes = [s for d, s in todo if d == dtype]
-        out += [{"op": "norm.rms_norm_backward", "backends": ["triton", "torch-norm", "liger"], "dtypes": [dtype],
-                 "params": [dict(rows=r, n=n, pad=0, eps="1e-6", gemma=0, residual=0, rstd=1) for r, n in shapes]},
-                {"op": "norm.layer_norm_backward", "backends": ["triton", "torch-norm", "liger"], "dtypes": [dtype],
-                 "params": [dict(rows=r, n=n, pad=0, eps="1e-5", bias=1, stats=1) for r, n in shapes]},
-                {"op": "mlp.swiglu_backward", "backends": ["triton", "torch", "liger"], "dtypes": [dtype],
-                 "params": [dict(t=r, i=n, layout="split") for r, n in shapes]}]
+        out += [{"op": op, "backends": backends, "dtypes": [dtype], "params": [_params(op, r, n) for r, n in shapes]}
+                for op, backends in (("norm.rms_norm_backward", ["triton", "torch-norm", "liger"]),
+                                     ("norm.layer_norm_backward", ["triton", "torch-norm", "liger"]),
+                                     ("mlp.swiglu_backward", ["triton", "torch", "liger"]))]
     return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="two shapes, bf16 only")
+    p.add_argument("--quick", action="store_true",
+                   help="bf16 only: one 8192 x 4096 shape (--direct: the first two shapes)")
     p.add_argument("--direct", action="store_true", help="the measurement by hand instead of parity bench")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "layers-bwd-bench.json"))
     args = p.parse_args()
@@ -66,7 +76,6 @@ def main() -> int:
 
     check_output_or_exit(p.prog, "--out", args.out)
     if not args.direct:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from bench_cases import run
 
         return run(entries(args.quick), out=args.out, ours="triton", argv=("--no-recheck",),
@@ -75,6 +84,8 @@ def main() -> int:
     import torch.nn.functional as F
     import triton
     from triton.testing import do_bench
+
+    from bench_cases import Gate
 
     from kernel_parity.kernels.triton import mlp as M
     from kernel_parity.kernels.triton import norm_backward as NB
@@ -90,6 +101,7 @@ def main() -> int:
            "copy_gbs": copy_gbs, "rows": []}
     print(f"device {out['device']}  copy {copy_gbs:.0f} GB/s", flush=True)
     peers = _peers()
+    gate = Gate("triton")
     out["peers"] = {k: (v if isinstance(v, str) else "available") for k, v in peers.items()}
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     shapes = SHAPES
@@ -113,14 +125,6 @@ def main() -> int:
         dx, dw = torch.empty_like(x), torch.empty_like(w)
         db = torch.empty_like(w)
 
-        # float64 check of ours (dx relative to max |dx|, dw relative to max |dw|)
-        NB.rms_norm_backward(x, w, rstd, dy, out_dx=dx, out_dw=dw)
-        x64, w64, dy64 = x.double().requires_grad_(True), w.double().requires_grad_(True), dy.double()
-        gx, gw = torch.autograd.grad(F.rms_norm(x64, (n,), w64, 1e-6), (x64, w64), dy64)
-        rms_err = max(float((dx.double() - gx).abs().max() / gx.abs().max()),
-                      float((dw.double() - gw).abs().max() / gw.abs().max()))
-        del x64, w64, dy64, gx, gw
-
         def torch_grad(fwd, leaves):
             leaves = [t.detach().requires_grad_(True) for t in leaves]
             y = fwd(*leaves)
@@ -132,7 +136,8 @@ def main() -> int:
         }
         if not isinstance(peers.get("liger"), str):
             rms_rows["liger"] = torch_grad(lambda a, c: peers["liger"]["rms"](a, c, 1e-6), (x, w))
-        _row(out, bench, copy_gbs, dict(op="rms_bwd", dtype=dname, rows=rows, n=n, err=rms_err), rms_rows, 3 * el)
+        verdict = gate("norm.rms_norm_backward", dname, _params("norm.rms_norm_backward", rows, n))
+        _row(out, bench, copy_gbs, dict(op="rms_bwd", dtype=dname, rows=rows, n=n, gate=verdict), rms_rows, 3 * el)
 
         ln_rows = {
             "ours": lambda: NB.layer_norm_backward(x, w, mean, lrstd, dy, out_dx=dx, out_dw=dw, out_db=db),
@@ -140,34 +145,35 @@ def main() -> int:
         }
         if not isinstance(peers.get("liger"), str) and "ln" in peers["liger"]:
             ln_rows["liger"] = torch_grad(lambda a, c, d: peers["liger"]["ln"](a, c, d, 1e-5), (x, w, b))
-        _row(out, bench, copy_gbs, dict(op="ln_bwd", dtype=dname, rows=rows, n=n), ln_rows, 3 * el)
+        verdict = gate("norm.layer_norm_backward", dname, _params("norm.layer_norm_backward", rows, n))
+        _row(out, bench, copy_gbs, dict(op="ln_bwd", dtype=dname, rows=rows, n=n, gate=verdict), ln_rows, 3 * el)
 
-        if not torch.equal(dy, dy_saved):  # a peer wrote into an input: said, and the checks below use a fresh copy
+        if not torch.equal(dy, dy_saved):  # a peer wrote into an input: said, and the timings below use a fresh copy
             out.setdefault("input_clobbered", []).append(f"{dname} {rows}x{n}: dy changed during the norm timings")
             dy.copy_(dy_saved)
         up = torch.randn(rows, n, device=dev, generator=g).to(dt)
         dgate, dup = torch.empty_like(x), torch.empty_like(x)
-        M.glu_backward("swiglu", x, up, dy, out_dgate=dgate, out_dup=dup)
-        x64, u64, dy64 = x.double().requires_grad_(True), up.double().requires_grad_(True), dy.double()
-        rg, ru = torch.autograd.grad(F.silu(x64) * u64, (x64, u64), dy64)
-        glu_err = max(float((dgate.double() - rg).abs().max() / rg.abs().max()),
-                      float((dup.double() - ru).abs().max() / ru.abs().max()))
-        del x64, u64, dy64, rg, ru
         glu_rows = {
             "ours": lambda: M.glu_backward("swiglu", x, up, dy, out_dgate=dgate, out_dup=dup),
             "torch": torch_grad(lambda a, c: F.silu(a) * c, (x, up)),
         }
         if not isinstance(peers.get("liger"), str) and "swiglu" in peers["liger"]:
             glu_rows["liger"] = torch_grad(peers["liger"]["swiglu"], (x, up))
-        _row(out, bench, copy_gbs, dict(op="swiglu_bwd", dtype=dname, rows=rows, n=n, err=glu_err), glu_rows, 5 * el)
+        verdict = gate("mlp.swiglu_backward", dname, _params("mlp.swiglu_backward", rows, n))
+        _row(out, bench, copy_gbs, dict(op="swiglu_bwd", dtype=dname, rows=rows, n=n, gate=verdict), glu_rows, 5 * el)
         del x, dy, up, dx, dgate, dup
         torch.cuda.empty_cache()
         Path(args.out).write_text(json.dumps(out, indent=1))
+    out["gate_failures"] = gate.failures
     Path(args.out).write_text(json.dumps(out, indent=1))
-    return 0
+    for f in gate.failures:
+        print("GATE FAIL", f, flush=True)
+    return 1 if gate.failures else 0
 
 
 def _row(out: dict, bench, copy_gbs: float, row: dict, calls: dict, nbytes: int) -> None:
+    from bench_cases import gate_text
+
     for name, call in calls.items():
         try:
             ms = bench(call)
@@ -182,7 +188,7 @@ def _row(out: dict, bench, copy_gbs: float, row: dict, calls: dict, nbytes: int)
     parts = [f"{k} {v['ms']:.4f} ms {v['pct_copy']:5.1f}%" if isinstance(v, dict) and "ms" in v else f"{k}: {v}"
              for k, v in row.items() if k in calls]
     print(f"{row['dtype']} {row['rows']}x{row['n']} {row['op']:<10} " + "   ".join(parts)
-          + (f"   err {row['err']:.2e}" if "err" in row else ""), flush=True)
+          + (f"   {gate_text(row['gate'])}" if "gate" in row else ""), flush=True)
 
 
 def _peers() -> dict:

@@ -19,6 +19,8 @@ Each selected case is judged as in `parity run`, then its kernel is timed on the
   record's `perf` holds ms, bytes, flops, GB/s, TFLOP/s, the bound, that ceiling and the share of it,
   and per peer backend of the same inputs (the other backends of the run) its ms and the ratio
   peer ms / this ms.
+- as each record lands, `parity bench` prints its line (`Lines`): the case, verdict, norm_err, ms,
+  throughput and share of the ceiling, and once its input group is complete each peer's ms over ours.
 A gate against a baseline taken on the same device fails a case whose time grew past `--slowdown`
 (reports/diff.py). Timings are measurements, never asserted by a test.
 """
@@ -127,14 +129,103 @@ def classify(perf: dict, ceil: Ceilings) -> dict:
             "device": ceil.device}
 
 
+def group_key(r: dict) -> tuple:
+    """The input group of a record: the records of one op, dtype, params, dist and seed share inputs."""
+    return (r["op"], r["dtype"], tuple(sorted(r["params"].items())), r["dist"], r["seed"])
+
+
+def timed(r: dict) -> bool:
+    return isinstance(r.get("perf"), dict) and "ms" in r["perf"]
+
+
+def peers_of(r: dict, group: list[dict]) -> dict:
+    """The other timed backends of r's input group: {backend: {ms, ratio = their ms / r's ms}}."""
+    if not r["perf"]["ms"] > 0:
+        return {}
+    return {o["backend"]: {"ms": o["perf"]["ms"], "ratio": o["perf"]["ms"] / r["perf"]["ms"]}
+            for o in group if o is not r and timed(o)}
+
+
 def add_peers(records: list[dict]) -> None:
-    """Per record with perf: the other backends' times on the same inputs and the ratio peer / this."""
+    """Per timed record: the other backends' times on the same inputs and the ratio peer / this."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        if isinstance(r.get("perf"), dict):
-            key = (r["op"], r["dtype"], tuple(sorted(r["params"].items())), r["dist"], r["seed"])
-            groups.setdefault(key, []).append(r)
+        if timed(r):
+            groups.setdefault(group_key(r), []).append(r)
     for recs in groups.values():
         for r in recs:
-            r["perf"]["peers"] = {o["backend"]: {"ms": o["perf"]["ms"], "ratio": o["perf"]["ms"] / r["perf"]["ms"]}
-                                  for o in recs if o is not r and r["perf"]["ms"] > 0}
+            r["perf"]["peers"] = peers_of(r, recs)
+
+
+def ours_of(backends: list[str]) -> str:
+    """The backend an input group's peers are measured against in the lines: ours, a Triton kernel
+    (triton, triton-q8) before the C kernels (cpu) before the eager composition (torch), else the
+    group's first backend."""
+    rank = {"cpu": 1, "torch": 2}
+    return min(backends, key=lambda b: 0 if b.split("-")[0] == "triton" else rank.get(b, 3))
+
+
+class Lines:
+    """One line per record of a bench, made as it lands (`parity bench` prints them, flushed):
+
+        [3/4] softmax.softmax/cpu/fp32 rows=3,n=113 masked: pass norm_err 0.0017  0.0234 ms 0.116 GB/s 0.96% of copy
+
+    the case (its params at 0 left out, the seed when not 0), the verdict and norm_err, the time, the
+    throughput and the share of the ceiling; the record that completes its input group ends with each
+    peer's ms over ours (`ours_of`), e.g. `  | peers' ms / cpu's: torch 1.27x`. A skip or an error gives
+    its reason instead of figures. The records are only read, never changed."""
+
+    def __init__(self, cases: list[Any]) -> None:
+        self.total = len(cases)
+        self.seen = 0
+        self.backends: dict[tuple, list[str]] = {}  # input group -> its backends, in the run's order
+        for c in cases:
+            k = group_key({"op": c.op, "dtype": c.dtype, "params": c.p, "dist": c.dist, "seed": c.seed})
+            self.backends.setdefault(k, []).append(c.backend)
+        self.landed: dict[tuple, list[dict]] = {}
+
+    def add(self, r: dict) -> str:
+        """The line of record `r` (as `CaseResult.to_json` writes it)."""
+        self.seen += 1
+        key = group_key(r)
+        group = self.landed.setdefault(key, [])
+        group.append(r)
+        line = f"[{self.seen:>{len(str(self.total))}}/{self.total}] {case_text(r)}: {figures(r)}"
+        backends = self.backends.get(key, [])
+        if len(group) == len(backends):
+            line += ratios(group, ours_of(backends))
+        return line
+
+
+def case_text(r: dict) -> str:
+    params = ",".join(f"{k}={v}" for k, v in r["params"].items() if str(v) != "0") or "-"
+    seed = f" seed={r['seed']}" if r["seed"] else ""
+    return f"{r['op']}/{r['backend']}/{r['dtype']} {params} {r['dist']}{seed}"
+
+
+def figures(r: dict) -> str:
+    """verdict, norm_err and the perf figures of one record (or why there are none)."""
+    out = r["verdict"]
+    if r.get("norm_err") is not None:
+        out += f" norm_err {r['norm_err']:.3g}"
+    perf = r.get("perf") if isinstance(r.get("perf"), dict) else None
+    if not timed(r):
+        why = (perf or {}).get("error")
+        if why:
+            return f"{out}  not timed: {why}"
+        return f"{out}: {r['reason']}" if r.get("reason") and r["verdict"] != "pass" else out
+    out += f"  {perf['ms']:.4g} ms"
+    if "bound" in perf:
+        rate = f"{perf['tflops']:.3g} TFLOP/s" if perf["bound"] == "matmul" else f"{perf['gbps']:.3g} GB/s"
+        out += f" {rate} {perf['pct_of_ceiling']:.3g}% of {perf['bound']}"
+    return out
+
+
+def ratios(group: list[dict], ours: str) -> str:
+    """`  | peers' ms / ours's: peer ratio, ...` of a whole input group; empty when ours or every peer
+    was not timed."""
+    mine = next((r for r in group if r["backend"] == ours), None)
+    peers = peers_of(mine, group) if mine is not None and timed(mine) else {}
+    if not peers:
+        return ""
+    return f"  | peers' ms / {ours}'s: " + ", ".join(f"{b} {p['ratio']:.3g}x" for b, p in peers.items())

@@ -165,6 +165,17 @@ nonneg_int = _number(int, 0, False, "a non-negative integer")
 positive_float = _number(float, 0.0, True, "a finite number > 0")
 
 
+def sample_mode(text: str) -> str:
+    """--sample: auto, off, or a number of output elements above which rows are sampled."""
+    t = text.strip().lower()
+    if t in ("auto", "off") or (t.isdigit() and int(t) >= 0):
+        return t
+    raise argparse.ArgumentTypeError(f"expected auto, off or a number of output elements >= 0, got {text!r}")
+
+
+sample_mode.__name__ = "auto, off or a number of elements"
+
+
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", default=None,
                    help="suite name or .toml path (default: [tool.kernel-parity] suites, else ci)")
@@ -178,6 +189,12 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     _output(p, "--md", "write a Markdown summary")
     _output(p, "--golden-cache", "read and write each input group's inputs and goldens in this directory "
             "(KERNEL_PARITY_GOLDEN_CACHE; README: the golden cache)", OUTPUT_DIR, "DIR")
+    p.add_argument("--sample", type=sample_mode, default=None, metavar="auto|off|N",
+                   help="judge row-independent ops on a seeded sample of rows when their outputs exceed N "
+                        "elements (auto: 4194304; off: every row; KERNEL_PARITY_SAMPLE; README: sampled judging)")
+    p.add_argument("--schedule", metavar="RESULTS", default=None,
+                   help="order the case groups by the times an earlier results file measured, longest first "
+                        "(KERNEL_PARITY_SCHEDULE; default: by the size of their params)")
     p.add_argument("--jobs", type=positive_int, default=1, help="worker processes running cases (default 1)")
     p.add_argument("--no-isolate", action="store_true",
                    help="run cases in this process (debugging only: a kernel that exits or crashes ends the run)")
@@ -206,6 +223,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                    help="run the I-th of N deterministic slices of the cases (CI matrices; parity merge joins them)")
     _input(p, "known_failures", "known-failures file")
     _input(p, "suite", "suite file")
+    _input(p, "schedule", "schedule results file")
 
 
 def _add_selection_args(p: argparse.ArgumentParser) -> None:
@@ -362,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
 # subcommand -> (module, function(args, command line) -> exit code); imported only when run, and no
 # module below imports this one: the CLI sits on top of the framework, never inside a cycle.
 COMMANDS = {
-    "run": ("commands", "cmd_run"), "gate": ("commands", "cmd_gate"), "bench": ("commands", "cmd_run"), "report": ("commands", "cmd_report"),
+    "run": ("commands", "cmd_run"), "gate": ("commands", "cmd_gate"), "bench": ("commands", "cmd_bench"), "report": ("commands", "cmd_report"),
     "diff": ("commands", "cmd_diff"), "merge": ("commands", "cmd_merge"), "config": ("commands", "cmd_config"),
     "sweep": ("sweep", "sweep"), "list": ("listing", "list_things"), "repro": ("repro", "repro"),
     "calibrate": ("calibrate", "calibrate"), "mutants": ("mutants.run", "main"),
@@ -371,23 +389,21 @@ COMMANDS = {
 
 
 @contextlib.contextmanager
-def _golden_cache_env(path: str | None):
-    """--golden-cache DIR: KERNEL_PARITY_GOLDEN_CACHE for this command (the workers it starts inherit
-    it), the previous value restored after (main() is also called in-process)."""
-    from kernel_parity.conformance import golden_cache
-
-    if not path:
+def _env(name: str, value: str | None):
+    """An environment variable for this command (the workers it starts inherit it), the previous
+    value restored after (main() is also called in-process). None: left as it is."""
+    if value is None:
         yield
         return
-    old = os.environ.get(golden_cache.ENV)
-    os.environ[golden_cache.ENV] = os.path.abspath(path)
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(golden_cache.ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[golden_cache.ENV] = old
+            os.environ[name] = old
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -397,7 +413,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_paths(args)  # every output path, before anything runs
         module, fn = COMMANDS[args.command]
         impl = getattr(importlib.import_module(f"kernel_parity.conformance.{module}"), fn)
-        with _golden_cache_env(getattr(args, "golden_cache", None)):
+        from kernel_parity.conformance import golden_cache, sampling
+
+        cache = getattr(args, "golden_cache", None)
+        schedule = getattr(args, "schedule", None)
+        if schedule:  # read once here: a file that is not a results file is exit 2 before anything runs
+            from kernel_parity.conformance.runner import SCHEDULE_ENV, measured_seconds
+            from kernel_parity.reports.records import RecordsError
+
+            try:
+                measured_seconds(schedule)
+            except (RecordsError, KeyError, ValueError, IndexError) as e:
+                raise UsageError(f"--schedule {schedule!r}: {e}") from None
+        with _env(golden_cache.ENV, os.path.abspath(cache) if cache else None), \
+                _env(sampling.ENV, getattr(args, "sample", None)), \
+                _env(SCHEDULE_ENV if schedule else "", os.path.abspath(schedule) if schedule else None):
             return impl(args, "parity " + " ".join(shlex.quote(a) for a in argv))
     except UsageError as e:
         print(f"parity: error: {e}", file=sys.stderr)

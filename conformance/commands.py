@@ -22,7 +22,7 @@ from kernel_parity.conformance import env, known, suites
 from kernel_parity.conformance.case import Case
 from kernel_parity.conformance.errors import EXIT_FAIL, EXIT_OK, UsageError
 from kernel_parity.conformance.results import CaseResult
-from kernel_parity.conformance.session import Session, open_session, progress
+from kernel_parity.conformance.session import Session, open_session, progress, say
 from kernel_parity.conformance.suites import Filters
 from kernel_parity.reports import files, records
 
@@ -496,6 +496,25 @@ def load_input(path: str, what: str) -> dict:
 def cmd_run(args: Any, command: str) -> int:
     run = prepare(args, command)
     doc = run.execute()
+    write_outputs(args, doc)
+    ok = print_summary(doc, args.quiet)
+    run.check_stream()
+    return EXIT_OK if ok else EXIT_FAIL
+
+
+def cmd_bench(args: Any, command: str) -> int:
+    """`parity run` with every case timed (conformance/bench.py), and one line per record on stdout as
+    it lands (bench.Lines; none with -q), written around the progress bar."""
+    from kernel_parity.conformance import bench
+
+    run = prepare(args, command)
+    done = {r.id for r in run.done}
+    lines = bench.Lines([c for c in run.cases if c.id not in done])
+
+    def on_record(rec: CaseResult) -> None:
+        say(lines.add(rec.to_json()))
+
+    doc = run.execute(on_record=None if args.quiet else on_record)
     write_outputs(args, doc)
     ok = print_summary(doc, args.quiet)
     run.check_stream()

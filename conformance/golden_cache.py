@@ -92,16 +92,19 @@ def _nbytes(x: Any) -> int:
     return int(getattr(x, "nbytes", 0))
 
 
-def key(spec: Any, case: Any) -> str:
-    return hashlib.sha256(f"{_op_digest(spec)} {case.input_key!r}".encode()).hexdigest()
+def key(spec: Any, case: Any, variant: str = "") -> str:
+    """`variant`: how the references were made beyond the group's identity (a sampled group's
+    threshold, conformance/sampling.py): entries of a sampled and a full run never mix."""
+    tail = f" {variant}" if variant else ""
+    return hashlib.sha256(f"{_op_digest(spec)} {case.input_key!r}{tail}".encode()).hexdigest()
 
 
-def read(spec: Any, case: Any) -> dict | None:
+def read(spec: Any, case: Any, variant: str = "") -> dict | None:
     """The cached group (inputs, references, cotangents), or None (no cache, a miss, unreadable)."""
     d = directory()
     if d is None:
         return None
-    path = d / f"{key(spec, case)}.pkl"
+    path = d / f"{key(spec, case, variant)}.pkl"
     try:
         with open(path, "rb") as f:
             entry = pickle.load(f)
@@ -112,7 +115,8 @@ def read(spec: Any, case: Any) -> dict | None:
         return None
 
 
-def write(spec: Any, case: Any, inputs: dict, references: dict, cotangents: dict) -> None:
+def write(spec: Any, case: Any, inputs: dict, references: dict, cotangents: dict, variant: str = "",
+          sample: Any = None) -> None:
     """Store a prepared group atomically; a cache that cannot be written is skipped silently (the
     run's results never depend on it)."""
     d = directory()
@@ -126,8 +130,8 @@ def write(spec: Any, case: Any, inputs: dict, references: dict, cotangents: dict
         fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".pkl")
         with os.fdopen(fd, "wb") as f:
             pickle.dump({"id": repr(case.input_key), "inputs": inputs, "references": references,
-                         "cotangents": cotangents}, f, protocol=5)
-        os.replace(tmp, d / f"{key(spec, case)}.pkl")
+                         "cotangents": cotangents, "sample": sample}, f, protocol=5)
+        os.replace(tmp, d / f"{key(spec, case, variant)}.pkl")
     except Exception:
         try:
             os.unlink(tmp)  # noqa: F821 (bound when mkstemp succeeded)

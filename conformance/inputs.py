@@ -7,9 +7,31 @@ kernel that reads it produces NaN where the golden has none: a structural failur
 
 from __future__ import annotations
 
+import functools
+import statistics
+
 import numpy as np
 
 from kernel_parity.conformance import dtypes as dt
+
+
+QUANTILES = 1 << 16
+
+
+@functools.lru_cache(maxsize=None)
+def normal_quantiles() -> np.ndarray:
+    """(65536,) float64 N(0, 1) quantiles at (i + 1/2) / 65536, from Python's statistics.NormalDist
+    (the same bits on every machine, unlike a vectorised libm), +-4.3 at the ends."""
+    nd = statistics.NormalDist()
+    return np.array([nd.inv_cdf((i + 0.5) / QUANTILES) for i in range(QUANTILES)])
+
+
+def table_draw(rng: np.random.Generator, n: int, table: np.ndarray) -> np.ndarray:
+    """`n` entries of a 65536-entry `table` (a distribution's quantiles, already rounded to the storage
+    dtype), indexed by the 16-bit quarters of the generator's raw 64-bit words. For caches of 10^8-10^9
+    values: ~4 ns a value against ~20 for standard_normal then a rounding pass, and no float64 copy."""
+    words = rng.bit_generator.random_raw(-(-n // 4)).astype("<u8", copy=False)
+    return np.take(table, words.view("<u2")[:n])
 
 
 def draw(rng: np.random.Generator, shape: tuple[int, ...], kind: str, scale: float = 1.0) -> np.ndarray:

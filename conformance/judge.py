@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kernel_parity.conformance import sampling
 from kernel_parity.conformance import tolerance as layers
 from kernel_parity.conformance.backends import NotProvided
 from kernel_parity.conformance.case import Case
@@ -72,7 +73,8 @@ def judge_case(case: Case, spec: Any, prep: Any, outputs: dict[str, Any], ev: Ev
                 rec.reason = f"{rec.reason} [{rec.diagnosis[0]}]"
         if rec.first_divergence and rec.first_divergence in spec.stages:
             rec.reason = f"{rec.reason} (first divergence: stage {rec.first_divergence!r})"
-        rec.message = failure_message(case, results, problems, rec.diagnosis or [], repro)
+        rec.message = failure_message(case, results, problems, rec.diagnosis or [], repro,
+                                      getattr(prep, "sample", None))
     elif vacuous:
         rec.reason = "the reference is below the tolerance: an all-zero output would pass"
     return rec
@@ -122,9 +124,15 @@ def _judge_output(case: Case, spec: Any, prep: Any, name: str, got: Any, ev: Evi
     if len(prep.references) > 1:
         orec.reference = ref_name
     ref = np.asarray(prep.references[ref_name][name])
+    axis = prep.row_axis(name) if hasattr(prep, "row_axis") else None
+    if axis is not None:  # judged on the sampled rows (conformance/sampling.py)
+        got = sampling.take_rows(got, prep.sample.idx, axis)
     got = out.accept_any(got, ref)
     if name in ev.excluded:
-        got, ref, orec.outside_contract = layers.exclude(got, ref, *ev.excluded[name])
+        mask, why = ev.excluded[name]
+        if axis is not None:
+            mask = sampling.take_rows(np.broadcast_to(mask, want_shape), prep.sample.idx, axis)
+        got, ref, orec.outside_contract = layers.exclude(got, ref, mask, why)
     structure = layers.structure_checks(got, want_dtype, ev.damage.get(name), ev.unwritten.get(name, 0))
     if out.exact:  # layer 2
         ex, metrics, worst = layers.exact_layer(got, ref, out.nan_bits)
@@ -149,6 +157,9 @@ def _judge_output(case: Case, spec: Any, prep: Any, name: str, got: Any, ev: Evi
     if not num.ok:
         problems.append(("numeric", name, num.detail))
     orec.metrics, orec.worst = cmp.metrics, cmp.worst
+    if axis is not None:
+        for w in orec.worst:
+            w["index"] = sampling.full_index(prep, name, w["index"])
     cos_eff, nmse_eff = layers.aggregate_limits(cmp.metrics, lim)
     orec.limits = {"atol": cmp.metrics["atol_eff"], "rtol": lim.rtol, "cos_diff": lim.cos_diff, "nmse": lim.nmse,
                    "cos_diff_eff": cos_eff, "nmse_eff": nmse_eff}
@@ -187,8 +198,9 @@ def _layer_summary(judgements: dict[str, OutputJudgement], problems: list) -> di
 
 
 def failure_message(case: Case, outputs: dict[str, OutputResult], problems: list, diagnosis: list[str],
-                    repro: str) -> str:
-    """First line what failed, then where (worst elements, NaN first), the diagnosis, then the repro."""
+                    repro: str, sample: Any = None) -> str:
+    """First line what failed, then where (worst elements, NaN first), the diagnosis, the sample the
+    values were judged on, then the repro."""
     lines = []
     shown: set[str] = set()
     for kind, name, detail in problems:
@@ -208,19 +220,23 @@ def failure_message(case: Case, outputs: dict[str, OutputResult], problems: list
             lines.append(f"  {name}[{idx}] = {w['got']:.6g}, expected {w['expected']:.6g}"
                          f"  |d|={w['abs']:.2g} rel={w['rel']:.2g}{mark}")
     lines += [f"  diagnosis: {d}" for d in diagnosis]
+    if sample is not None:
+        lines.append(f"  judged on a sample of {sample.idx.size} of {sample.n} {sample.param} rows "
+                     f"(the whole outputs scanned for NaN / inf / unwritten; --sample off judges all)")
     lines.append(f"  repro: {repro}")
     return "\n".join(lines)
 
 
 def diagnose(case: Case, spec: Any, inputs64: dict, outputs: dict[str, Any], original: dict[str, Any],
-             tier: str = "production") -> list[str]:
+             tier: str = "production", params: dict[str, Any] | None = None) -> list[str]:
     """Labels of the alternative semantics (spec.diagnoses) whose golden the kernel's outputs match.
 
     An output matches when its NaN/inf positions agree and it passes layer 3 against the
     alternative golden; outputs the backend did not provide are ignored. `original` is the
     golden already computed for the case (an alternative equal to it tells nothing apart).
+    `params`: those the inputs stand for (a sampled group's rows alone), default the case's.
     """
-    p = case.p
+    p = case.p if params is None else params
     found = []
     for d in spec.diagnoses:
         alt = d.alter(p)

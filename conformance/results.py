@@ -168,6 +168,7 @@ class CaseResult:
     known: dict | None = None  # the known-failures entry that matched: reason, seen, verdict
     shrunk: dict | None = None  # `parity shrink`: the smallest case failing the same way (id, verdict, kind, ...)
     perf: dict | None = None  # `parity bench`: time, throughput, ceilings and ratios measured in the run
+    sample: dict | None = None  # judged on a sample of rows: {"param", "rows", "of"} (conformance/sampling.py)
 
     @property
     def failing(self) -> bool:
@@ -176,7 +177,7 @@ class CaseResult:
     def to_json(self) -> dict:
         d = {k: getattr(self, k) for k in _CASE_FIELDS}
         d["outputs"] = {k: o.to_json() for k, o in self.outputs.items()}
-        for k in ("diagnosis", "diagnosis_skipped", "first_divergence", "known", "shrunk", "perf"):
+        for k in ("diagnosis", "diagnosis_skipped", "first_divergence", "known", "shrunk", "perf", "sample"):
             if d[k] is None:
                 del d[k]
         return d
@@ -228,6 +229,7 @@ class CaseResult:
             known=_want(d, "known", (dict, type(None)), where, None),
             shrunk=_want(d, "shrunk", (dict, type(None)), where, None),
             perf=_want(d, "perf", (dict, type(None)), where, None),
+            sample=_want(d, "sample", (dict, type(None)), where, None),
         )
 
 

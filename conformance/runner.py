@@ -18,6 +18,7 @@ cotangents are drawn from the case seed and the backend's backward adapter fills
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import traceback
 from typing import Any, Callable, Iterable
@@ -25,7 +26,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from kernel_parity.conformance import dtypes as dt
-from kernel_parity.conformance import golden_cache, ops
+from kernel_parity.conformance import golden_cache, ops, sampling
 from kernel_parity.conformance.backends import NotProvided, Registry, claimed_reference
 from kernel_parity.conformance.case import Case
 from kernel_parity.conformance.errors import SpecError
@@ -51,15 +52,21 @@ def tier_of(spec: OpSpec, backend: str) -> str:
 
 
 class Prepared:
-    """Inputs, references and (for ops with a VJP) cotangents of one input group, computed once."""
+    """Inputs, references and (for ops with a VJP) cotangents of one input group, computed once.
+
+    At model sizes an op with row-independent outputs (`OpSpec.rows`) gets its references on a
+    seeded sample of the rows (`sample`; conformance/sampling.py): `params` and `inputs64` are then
+    those rows' alone, and the references' row axes are the sample's."""
 
     def __init__(self, spec: OpSpec, case: Case, inputs: dict[str, np.ndarray] | None = None) -> None:
         """`inputs`: the case's inputs as given (an exported repro's), instead of drawn from its seed."""
         self.spec = spec
+        self.case = case
         p = case.p
         t0 = time.perf_counter()
         drawn = inputs is None  # not an exported repro's inputs: the group may come from / go to the cache
-        cached = golden_cache.read(spec, case) if drawn else None  # KERNEL_PARITY_GOLDEN_CACHE
+        variant = sampling.cache_variant(spec)
+        cached = golden_cache.read(spec, case, variant) if drawn else None  # KERNEL_PARITY_GOLDEN_CACHE
         self.cache_read_s: float | None = None
         if cached is not None:
             inputs = cached["inputs"]
@@ -68,13 +75,16 @@ class Prepared:
             inputs = spec.make_inputs(p, case.dtype, case.dist, rng)
         self.inputs = inputs
         t1 = time.perf_counter()
-        self.inputs64 = float64_view(self.inputs, spec.storage_inputs)
+        self.sample = sampling.choose(spec, case, self.inputs)
+        if cached is not None and not sampling.same(self.sample, cached.get("sample")):
+            cached = None  # written under another sample: recompute the references
         self.shapes = {k: tuple(v) for k, v in spec.output_shapes(p).items()}
         if cached is not None:
+            self._sub_inputs()
             self.references, self.cotangents = cached["references"], cached["cotangents"]
             self.cache_read_s = t1 - t0
         else:
-            self.references = {name: dict(fn(self.inputs64, p)) for name, fn in spec.all_references().items()}
+            self._compute_references()
             self.cotangents: dict[str, np.ndarray] = {}
         self.golden = self.references[spec.reference_name]
         if spec.vjp is not None:
@@ -88,16 +98,66 @@ class Prepared:
         t2 = time.perf_counter()
         self.inputs_s, self.golden_s = t1 - t0, (0.0 if cached is not None else t2 - t1)
         if drawn and cached is None and golden_cache.directory() is not None:
-            golden_cache.write(spec, case, self.inputs, self.references, self.cotangents)
+            golden_cache.write(spec, case, self.inputs, self.references, self.cotangents, variant,
+                               None if self.sample is None else self.sample.idx)
         self.out_dtypes = {k: spec.out_dtype(k, case.dtype) for k in self.shapes}
         self.pads = spec.output_pads(p) if spec.output_pads else {}
         self.inplace = {n: o.inplace for n, o in spec.outputs.items() if o.inplace}
-        for name, shape in self.shapes.items():
-            g = self.golden.get(name)
-            if g is None or tuple(np.shape(g)) != shape:
-                raise SpecError(f"{spec.name}: golden output {name!r} has shape "
-                                f"{None if g is None else np.shape(g)}, spec says {shape}")
+        self._check_golden_shapes()
         self.baseline_err: dict[str, float] | None = None
+
+    def _sub_inputs(self) -> None:
+        """`params` and `inputs64`: the whole group's, or the sampled rows' alone."""
+        spec, p = self.spec, self.case.p
+        if self.sample is None:
+            self.params, self.inputs64 = p, float64_view(self.inputs, spec.storage_inputs)
+        else:
+            self.params, sub = sampling.sub_inputs(spec, p, self.inputs, self.sample.idx)
+            self.inputs64 = float64_view(sub, spec.storage_inputs)
+
+    def _compute_references(self) -> None:
+        self._sub_inputs()
+        self.references = {name: dict(fn(self.inputs64, self.params))
+                            for name, fn in self.spec.all_references().items()}
+
+    def golden_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of output `name` as the references hold it (the sample's rows when sampled)."""
+        axis = self.row_axis(name)
+        shape = self.shapes[name]
+        return shape if axis is None else sampling.sub_shape(shape, axis, int(self.sample.idx.size))
+
+    def row_axis(self, name: str) -> int | None:
+        """The row axis of a sampled output (None: the output is judged whole)."""
+        if self.sample is None:
+            return None
+        return self.spec.rows.outputs.get(name)
+
+    def widen(self, outputs: dict[str, Any]) -> bool:
+        """Add to the sample every row where a kernel output holds NaN, inf or the poison, and
+        recompute the references on the larger sample: a non-finite value anywhere is judged as in
+        a full run. True when the sample grew."""
+        if self.sample is None:
+            return False
+        extra = sampling.flagged_rows(self.spec, self.sample, outputs)
+        if not extra.size:
+            return False
+        t0 = time.perf_counter()
+        self.sample = sampling.RowSample(self.sample.param, self.sample.n,
+                                         np.union1d(self.sample.idx, extra).astype(np.int64))
+        self._compute_references()
+        self.golden = self.references[self.spec.reference_name]
+        self.golden_s += time.perf_counter() - t0
+        self._check_golden_shapes()
+        self.baseline_err = None  # the baseline's error was measured on the smaller sample
+        return True
+
+    def _check_golden_shapes(self) -> None:
+        for name in self.shapes:
+            g = self.golden.get(name)
+            want = self.golden_shape(name)
+            if g is None or tuple(np.shape(g)) != want:
+                raise SpecError(f"{self.spec.name}: golden output {name!r} has shape "
+                                f"{None if g is None else np.shape(g)}, spec says {want}")
 
 
 class _Hook(Exception):
@@ -234,6 +294,8 @@ class Runner:
         noise_base = self._baseline_errors(case, spec, prep) if self.noise else None
         try:
             outputs, req, inputs, timing["kernel_s"] = self._call(backend, case, prep)
+            if prep.widen(outputs):  # non-finite rows outside the sample: their golden joins it
+                noise_base = self._baseline_errors(case, spec, prep) if self.noise else None
             unwritten = self._unwritten(backend, case, prep, outputs)
             if spec.vjp is not None:
                 outputs.update(self._gradients(backend, case, spec, prep, inputs))
@@ -257,9 +319,12 @@ class Runner:
             if cost > spec.diagnosis_budget_s:
                 return [], (f"{len(spec.diagnoses)} alternative goldens would take ~{cost:.1f} s, "
                             f"over the op's budget of {spec.diagnosis_budget_s:g} s")
-            return diagnose(case, spec, prep.inputs64, outputs, prep.golden, tier), None
+            return diagnose(case, spec, prep.inputs64, sampling.judged(prep, outputs), prep.golden, tier,
+                            params=prep.params), None
 
         rec = judge_case(case, spec, prep, outputs, ev, repro_command(case, origin), tier, diagnosis)
+        if prep.sample is not None:
+            rec.sample = prep.sample.to_json()
         timing["total_s"] = time.perf_counter() - t_start
         rec.timing = timing
         if self.bench:
@@ -308,8 +373,8 @@ class Runner:
             if d is None or name in prep.inplace or not isinstance(got, np.ndarray) or got.dtype != d.np:
                 continue
             mask = is_poison(got, d)
-            if d.poison_is_nan:
-                mask &= ~np.isnan(np.asarray(prep.golden[name], dtype=np.float64))
+            if d.poison_is_nan:  # a NaN the golden has there too is the kernel's value, not the poison
+                mask &= ~sampling.golden_nan(prep, name)
             if mask.any():
                 found[name] = mask
         ambiguous = [n for n in found if not prep.out_dtypes[n].poison_is_nan]
@@ -451,7 +516,43 @@ def _work(case: Case) -> int:
     return n
 
 
-def largest_first(groups: list[list[Case]]) -> list[list[Case]]:
+SCHEDULE_ENV = "KERNEL_PARITY_SCHEDULE"  # a results file whose records' timings order the groups
+
+
+def _group_key(op: str, dtype: str, params_text: str, dist: str, seed: int) -> tuple:
+    return (op, dtype, params_text, dist, int(seed))
+
+
+def measured_seconds(path: str) -> dict[tuple, float]:
+    """Seconds each input group took in an earlier run (its inputs and goldens once, then every
+    record's own time), keyed like `_group_key`. Timings of the same selection on another machine
+    still order groups well: what matters is which groups are the long ones."""
+    from kernel_parity.reports import records
+
+    doc = records.load(path)
+    out: dict[tuple, float] = {}
+    for r in doc["results"]:
+        op, _, dtype, params, dist, seed = r["id"].split("/")
+        key = _group_key(op, dtype, params, dist, int(seed.split("=", 1)[1]))
+        t = r.get("timing") or {}
+        first = key not in out
+        out[key] = out.get(key, 0.0) + float(t.get("total_s", 0.0)) + (
+            float(t.get("inputs_s", 0.0)) + float(t.get("golden_s", 0.0)) if first else 0.0)
+    return out
+
+
+def largest_first(groups: list[list[Case]], seconds: dict[tuple, float] | None = None) -> list[list[Case]]:
     """Groups ordered by their largest case, biggest first (ties keep their order): workers that
-    pull from one queue then finish together instead of waiting on one big group started last."""
-    return sorted(groups, key=lambda g: -max(_work(c) for c in g))
+    pull from one queue then finish together instead of waiting on one big group started last.
+    `seconds` (default: the results file named by KERNEL_PARITY_SCHEDULE, `--schedule`): groups an
+    earlier run timed go first, longest first, then the others by size."""
+    if seconds is None:
+        path = os.environ.get(SCHEDULE_ENV)
+        seconds = measured_seconds(path) if path else {}
+
+    def key(g: list[Case]) -> tuple:
+        c = g[0]
+        t = seconds.get(_group_key(c.op, c.dtype, c.params_text, c.dist, c.seed))
+        return (0, -t, 0) if t is not None else (1, 0.0, -max(_work(x) for x in g))
+
+    return sorted(groups, key=key)

@@ -91,3 +91,9 @@ def progress(total: int, disable: bool) -> Any:
                 dynamic_ncols=True, leave=False)
 
 
+def say(line: str) -> None:
+    """One line on stdout, flushed, written around the progress bar (`progress`) when one is drawn."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()

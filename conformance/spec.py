@@ -78,6 +78,27 @@ class Diagnosis:
 
 
 @dataclass(frozen=True)
+class Rows:
+    """The op's outputs are independent across rows: output row i depends only on row i of the
+    row-indexed inputs and on the inputs every row shares. At model sizes the golden and the
+    comparison then run on a seeded sample of the rows (conformance/sampling.py)."""
+
+    param: str  # the param that counts the rows ("rows", "t", "m", "b")
+    inputs: dict[str, int]  # row-indexed input -> its row axis (the others are shared, read whole)
+    outputs: dict[str, int]  # output -> its row axis (every output of the op)
+    tile: int = 128  # row tiles whose first and last rows are always judged
+    # rows always judged beyond the edges: (params, inputs) -> row indices (e.g. empty requests)
+    always: Callable[[dict[str, Any], dict[str, np.ndarray]], np.ndarray] | None = None
+    # (params, inputs, rows) -> (params, inputs) of those rows alone, where taking rows of the named
+    # inputs is not the whole story; default: take them and set `param` to the count
+    subset: Callable[[dict[str, Any], dict[str, np.ndarray], np.ndarray],
+                     tuple[dict[str, Any], dict[str, np.ndarray]]] | None = None
+    # the elements a case's golden and judging go through, compared with the sampling threshold;
+    # default: the outputs' (MLA decode reads b x kv x 576 cache values for a small output)
+    size: Callable[[dict[str, Any]], int] | None = None
+
+
+@dataclass(frozen=True)
 class OpSpec:
     name: str  # "<stem>.<function>"
     golden: Callable[..., Any]  # the refimpl function (for the one-stem self-test and docs)
@@ -112,6 +133,7 @@ class OpSpec:
     # (MLA's paged cache: 1.2G values at the models suite's sizes, whose float64 copy was most of a
     # group's time and 9.6 GB of a worker's memory); every other input reaches them as float64
     storage_inputs: frozenset[str] = frozenset()
+    rows: Rows | None = None  # row-independent outputs: large cases are judged on a sample of rows
 
     def canonical_dtype(self, name: str) -> str:
         """A case dtype: the name of one of the op's dtype sets, or a dtype (aliases resolved)."""

@@ -17,7 +17,7 @@ import kernel_parity.refimpl.combine  # noqa: F401  (refimpl.combine below)
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.inputs import draw
 from kernel_parity.conformance.params import Int, Schema
-from kernel_parity.conformance.spec import OpSpec, Output
+from kernel_parity.conformance.spec import OpSpec, Output, Rows
 from kernel_parity.conformance.tolerance import Tol
 
 DISTS = {
@@ -75,6 +75,7 @@ LSE_COMBINE = OpSpec(
         "lse": Output("fp32", doc="merged natural-log LSE, -inf when every split is empty"),
     },
     tolerance=Tol(acc_len=lambda p, output: p["splits"]),
+    rows=Rows("rows", inputs={"o_parts": 1, "lse_parts": 1}, outputs={"o": 0, "lse": 0}),  # a row merges its own splits
     dists=DISTS,
     doc="Merge of per-split partial attention states (O_i, LSE_i) into (O, LSE).",
 )

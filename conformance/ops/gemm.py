@@ -34,7 +34,7 @@ import kernel_parity.refimpl.quant  # noqa: F401
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.ops.quant import decade_factors, random_blocks, tie_rows
 from kernel_parity.conformance.params import Int, OneOf, Schema
-from kernel_parity.conformance.spec import OpSpec, Output
+from kernel_parity.conformance.spec import OpSpec, Output, Rows
 from kernel_parity.conformance.tolerance import Override, Tol
 
 GGML_W = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl")
@@ -197,6 +197,7 @@ GEMM_NT = OpSpec(
     output_shapes=lambda p: {"c": (p["m"], p["n"])},
     outputs={"c": Output("test", doc="A @ W^T (+ bias), in A's dtype")},
     tolerance=Tol(acc_len=lambda p, output: p["k"], overrides=_C_SCALE),
+    rows=Rows("m", inputs={"a": 0}, outputs={"c": 0}),  # A's rows (its quantizers work per row)
     dists=DISTS,
     check=_check,
     flops=lambda p: 2.0 * p["m"] * p["n"] * p["k"],

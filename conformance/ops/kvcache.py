@@ -70,8 +70,9 @@ def _check(p: dict[str, Any]) -> str | None:
 
 UPDATE = OpSpec(
     name="kvcache.update", golden=ref.update, reference=_ref,
-    params=Schema(dict(b=Int(1, 256), snew=Int(1, 64, edges=(1, 2, 4)), hkv=Int(1, 128, edges=(1, 8)),
-                       d=Int(1, 576, edges=(64, 128)), smax=Int(1, 1 << 17),
+    params=Schema(dict(b=Int(1, 256),
+                       snew=Int(1, 1 << 14, edges=(1, 2, 4), doc="new tokens per request (decode; a prefill chunk)"),
+                       hkv=Int(1, 128, edges=(1, 8)), d=Int(1, 576, edges=(64, 128)), smax=Int(1, 1 << 17),
                        layout=OneOf(*LAYOUTS, doc="contiguous (b, smax, h, d) or pages of 16 / 64"))),
     make_inputs=_inputs,
     output_shapes=lambda p: {"k_cache": _cache_shape(p), "v_cache": _cache_shape(p)},

@@ -17,6 +17,7 @@ attention family's (conformance/ops/attention.py): production bf16 O at FlashMLA
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any
 
@@ -27,9 +28,10 @@ import kernel_parity.refimpl.mla  # noqa: F401  (refimpl.mla below)
 import kernel_parity.refimpl.quant  # noqa: F401  (refimpl.quant below)
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.ops.attention import BASELINE_TIER, attention_tolerance
+from kernel_parity.conformance.inputs import normal_quantiles, table_draw
 from kernel_parity.conformance.ops.attention_inputs import lengths
 from kernel_parity.conformance.params import Int, OneOf, Schema
-from kernel_parity.conformance.spec import OpSpec, Output
+from kernel_parity.conformance.spec import OpSpec, Output, Rows
 from kernel_parity.conformance.tolerance import Override, Tier
 
 D, DV, PAGE = 576, 512, 64  # FlashMLA: kv_lora_rank 512 + rope 64; values = first 512 dims; pages of 64
@@ -37,7 +39,7 @@ TABLE_POISON = 2147480000  # FlashMLA's test fills unused block-table entries wi
 SCALES = {"head": D ** -0.5,  # FlashMLA's default and tests: 576^-0.5
           "model": 0.13523377886}  # DeepSeek-V3: 192^-0.5 x mscale^2 (mscale 1.36888794541)
 DISTS = {
-    "normal": "q, cache ~ N(0, 1) / 10 clamped to [-1, 1] (FlashMLA's test inputs)",
+    "normal": "q, cache ~ N(0, 1) / 10 clamped to [-1, 1] (FlashMLA's test inputs; the cache from 65536 quantiles)",
     "large": "q, cache ~ N(0, 1): logits of std ~ sqrt(576) x scale, a peaked softmax",
     "outlier": "as normal, with 1% of cache entries x 20: one key dominates",
 }
@@ -63,6 +65,16 @@ def _draw(rng: np.random.Generator, shape: tuple, dist: str, out: np.ndarray | N
     return x
 
 
+@functools.lru_cache(maxsize=None)
+def _value_table(dist: str, dtype: str) -> np.ndarray:
+    """The 65536 N(0, 1) quantiles as `dist` shapes them (normal: / 10, clamped to [-1, 1]), rounded to
+    the cache's dtype: the cache's values (conformance/inputs.table_draw)."""
+    q = normal_quantiles()
+    if dist == "normal":
+        q = np.clip(q / 10.0, -1.0, 1.0)
+    return dt.round_to(q, dtype)
+
+
 def paged_latent_cache(rng: np.random.Generator, seqlens: np.ndarray, dist: str, dtype: str,
                        extra_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(kv_cache (num_blocks, 64, 1, 576), block_table (b, max_blocks) int32): shuffled pages, NaN in
@@ -79,12 +91,16 @@ def paged_latent_cache(rng: np.random.Generator, seqlens: np.ndarray, dist: str,
     # requests the cache is 1.2G values, and fresh per-request arrays were most of its time
     values = np.empty(max_blocks * PAGE * D)
     rows = np.empty((max_blocks * PAGE, D), dtype=cache.dtype)
+    quick = _value_table(dist, dtype) if dist in ("normal", "large") else None
     nxt = 0
     for i in range(b):  # builds the layout (which page holds which tokens), not the math
         n, k = int(seqlens[i]), used[i]
-        x = _draw(rng, (n, D), dist, out=values[:n * D].reshape(n, D))
-        with np.errstate(over="ignore"):  # dt.round_to's rounding, into the page buffer
-            rows[:n] = x
+        if quick is not None:  # the distribution's quantiles, rounded once: indexed by raw random bits
+            rows[:n] = table_draw(rng, n * D, quick).reshape(n, D)
+        else:
+            x = _draw(rng, (n, D), dist, out=values[:n * D].reshape(n, D))
+            with np.errstate(over="ignore"):  # dt.round_to's rounding, into the page buffer
+                rows[:n] = x
         rows[n:k * PAGE] = np.nan
         phys = perm[nxt:nxt + k]
         nxt += k
@@ -158,6 +174,16 @@ OUT = {
     "lse": Output("fp32", doc="natural-log LSE of each query row; -inf for a row with no visible key"),
 }
 
+def _edge_requests(p: dict[str, Any], x: dict[str, np.ndarray]) -> np.ndarray:
+    """Requests always judged when sampled: empty, one token, and lengths at a page edge."""
+    n = np.asarray(x["seqlens"])
+    return np.flatnonzero((n <= 1) | (n % PAGE <= 1) | (n % PAGE == PAGE - 1))
+
+
+# each request reads its own pages of the shared cache: its query rows are independent of the others'
+REQUESTS = Rows("b", inputs={"q": 0, "block_table": 0, "seqlens": 0}, outputs={"o": 0, "lse": 0},
+                always=_edge_requests, size=lambda p: p["b"] * p["sq"] * p["hq"] * p["kv"])
+
 DECODE = OpSpec(
     name="mla.decode",
     golden=refimpl.mla.decode,
@@ -173,6 +199,7 @@ DECODE = OpSpec(
     dists=DISTS,
     check=_check,
     storage_inputs=frozenset({"kv_cache"}),  # refimpl.mla.decode widens the rows it gathers
+    rows=REQUESTS,
     doc="FlashMLA dense decode: paged latent cache (64-token pages, 576 dims, V = first 512), one KV head.",
 )
 

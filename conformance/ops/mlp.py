@@ -17,7 +17,7 @@ import numpy as np
 import kernel_parity.refimpl.mlp as ref
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.params import Int, OneOf, Schema
-from kernel_parity.conformance.spec import Diagnosis, OpSpec, Output
+from kernel_parity.conformance.spec import Diagnosis, OpSpec, Output, Rows
 from kernel_parity.conformance.tolerance import Override, Tier, Tol
 
 DISTS = {
@@ -82,6 +82,8 @@ _COMMON = dict(
     layout=OneOf("fused", "split", doc="one (t, 2i) projection, gate first, or separate gate and up"),
 )
 
+GLU_ROWS = Rows("t", inputs={"h": 0, "gate": 0, "up": 0}, outputs={"y": 0})  # a token per row
+
 SWIGLU = OpSpec(
     name="mlp.swiglu",
     golden=ref.swiglu,
@@ -91,6 +93,7 @@ SWIGLU = OpSpec(
     output_shapes=lambda p: {"y": (p["t"], p["i"])},
     outputs={"y": Output("test", doc="silu(gate) * up")},
     tolerance=Tol(),
+    rows=GLU_ROWS,
     dists=DISTS,
     doc="SwiGLU activation: silu(gate) * up, from a fused gate-first projection or separate tensors.",
 )
@@ -104,6 +107,7 @@ GEGLU = OpSpec(
     output_shapes=lambda p: {"y": (p["t"], p["i"])},
     outputs={"y": Output("test", doc="gelu(gate) * up")},
     tolerance=Tol(baseline=GELU_BASELINE),
+    rows=GLU_ROWS,
     dists=DISTS,
     diagnoses=(Diagnosis("matches the other GELU (tanh approximation vs erf)",
                          lambda p: {**p, "approx": "erf" if p["approx"] == "tanh" else "tanh"}),),
@@ -177,6 +181,9 @@ _ROOT = "act'(g) crosses zero near g = -1.28 (silu) and -0.75 (gelu): dgate ther
 _GRAD_TOL = dict(acc_len=lambda p, output: 1, noise_k=3.0,
                  overrides=tuple(Override(_ROOT, output=o, atol_acc=2.0) for o in ("dgate", "dh")))
 
+# every gradient row is its token's alone (no reduction over tokens)
+GLU_BACKWARD_ROWS = Rows("t", inputs={"h": 0, "gate": 0, "up": 0, "dy": 0}, outputs={"dh": 0, "dgate": 0, "dup": 0})
+
 SWIGLU_BACKWARD = OpSpec(
     name="mlp.swiglu_backward",
     golden=ref.swiglu_backward,
@@ -186,6 +193,7 @@ SWIGLU_BACKWARD = OpSpec(
     output_shapes=_bwd_shapes,
     outputs=_GRADS,
     tolerance=Tol(**_GRAD_TOL),
+    rows=GLU_BACKWARD_ROWS,
     dists=DISTS,
     doc="SwiGLU's VJP: dgate = dy up silu'(gate), dup = dy silu(gate); dh = [dgate, dup] for the fused layout.",
 )
@@ -199,6 +207,7 @@ GEGLU_BACKWARD = OpSpec(
     output_shapes=_bwd_shapes,
     outputs=_GRADS,
     tolerance=Tol(**_GRAD_TOL, baseline=GELU_BACKWARD_BASELINE),
+    rows=GLU_BACKWARD_ROWS,
     dists=DISTS,
     diagnoses=GEGLU.diagnoses,
     doc="GeGLU's VJP: dgate = dy up gelu'(gate) (tanh or erf GELU), dup = dy gelu(gate); fused or split.",

@@ -30,7 +30,7 @@ import kernel_parity.refimpl.rope as ref
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.ops import kvcache as kv
 from kernel_parity.conformance.params import Int, OneOf, Schema
-from kernel_parity.conformance.spec import Diagnosis, OpSpec, Output
+from kernel_parity.conformance.spec import Diagnosis, OpSpec, Output, Rows
 from kernel_parity.conformance.tolerance import Override, Tier, Tol
 
 TABLES = ("cos_sin", "cs_f16", "cis", "theta")
@@ -156,6 +156,7 @@ ROPE = OpSpec(
     output_shapes=lambda p: {"y": (p["t"], p["h"], p["d"])},
     outputs={"y": Output("test", doc="x with its rotary part rotated; the other dims unchanged")},
     tolerance=Tol(acc_len=_angle_len, overrides=_ANGLES, baseline=BASELINE_TIER),
+    rows=Rows("t", inputs={"x": 0, "positions": 0}, outputs={"y": 0}),
     dists=DISTS,
     check=_check,
     diagnoses=(
@@ -249,6 +250,7 @@ ROPE_BACKWARD = OpSpec(
                   overrides=tuple(Override(o.reason, output="dx", atol_acc=o.atol_acc, agg_acc=o.agg_acc)
                                   for o in _ANGLES),
                   baseline=BACKWARD_BASELINE_TIER),
+    rows=Rows("t", inputs={"dy": 0, "positions": 0, "x": 0}, outputs={"dx": 0}),  # a token's dx is its own
     dists=DISTS,
     check=_check,
     diagnoses=ROPE.diagnoses,

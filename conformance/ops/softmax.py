@@ -18,7 +18,7 @@ import kernel_parity.refimpl.softmax  # noqa: F401  (refimpl.softmax below)
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.inputs import draw, padded
 from kernel_parity.conformance.params import Int, OneOf, Schema
-from kernel_parity.conformance.spec import OpSpec, Output
+from kernel_parity.conformance.spec import OpSpec, Output, Rows
 from kernel_parity.conformance.tolerance import Override, Tier, Tol
 
 DISTS = {
@@ -92,6 +92,7 @@ SOFTMAX = OpSpec(
     output_pads=lambda p: {"y": p["pad"]},
     outputs={"y": Output("test", doc="softmax over the last axis")},
     tolerance=Tol(acc_len=_row_len),
+    rows=Rows("rows", inputs={"x": 0}, outputs={"y": 0}),
     dists=DISTS,
     doc="Row-wise softmax over the last axis of (rows, n).",
 )
@@ -109,6 +110,7 @@ ONLINE_SOFTMAX = OpSpec(
         "lse": Output("fp32", doc="natural-log logsumexp of each row, -inf for an all -inf row"),
     },
     tolerance=Tol(acc_len=_row_len),
+    rows=Rows("rows", inputs={"x": 0}, outputs={"y": 0, "lse": 0}),
     dists=DISTS,
     doc="Streaming softmax over tiles (running max and sum), returning the row LSE too.",
 )
