@@ -163,8 +163,9 @@ def test_a_hand_timed_path_reports_the_gates_verdict(capsys):
     g = gate("norm.rms_norm", "bf16", dict(rows=16, n=64, pad=0, eps="1e-6", gemma=0, residual=1, rstd=0))
     assert g["case"] == "norm.rms_norm/cpu/bf16/rows=16,n=64,pad=0,eps=1e-6,gemma=0,residual=1,rstd=0/normal/seed=0"
     assert gate_text(g) == f"gate pass norm_err {g['norm_err']:.3g}" and not gate.failures
-    assert gate_text(gate("rope.kv_update", "bf16", dict(b=8, snew=2048, hkv=8, d=128, smax=8192, layout="paged16"))) \
-        == "gate: no case (parameter snew=2048 is out of range [1, 64])"
+    assert gate_text(gate("rope.kv_update", "bf16", dict(b=8, snew=32768, hkv=8, d=128, smax=65536,
+                                                         layout="paged16"))) \
+        == "gate: no case (parameter snew=32768 is out of range [1, 16384])"
 
 
 @pytest.mark.parametrize("name", ["gpu_norm", "gpu_mlp", "gpu_rope", "gpu_layers_bwd"])

@@ -91,7 +91,9 @@ def paged_latent_cache(rng: np.random.Generator, seqlens: np.ndarray, dist: str,
     # requests the cache is 1.2G values, and fresh per-request arrays were most of its time
     values = np.empty(max_blocks * PAGE * D)
     rows = np.empty((max_blocks * PAGE, D), dtype=cache.dtype)
-    quick = _value_table(dist, dtype) if dist in ("normal", "large") else None
+    # the quantile table where its 65536 levels are finer than most of the dtype's (16-bit caches, the
+    # models suite's); fp32 caches keep draws of full precision
+    quick = _value_table(dist, dtype) if dist in ("normal", "large") and dtype in ("bf16", "fp16") else None
     nxt = 0
     for i in range(b):  # builds the layout (which page holds which tokens), not the math
         n, k = int(seqlens[i]), used[i]
