@@ -113,6 +113,7 @@ def render(doc: dict, diff: Any = None, mutants: dict | None = None) -> str:
     ops, columns, cells = records.matrix(results, records.plan_of(doc))
     left_out = header.get("left_out") if isinstance(header.get("left_out"), dict) else None
     counts = records.summary(results)
+    sampled = sum(1 for r in results if isinstance(r.get("sample"), dict))
     data, omitted = casetable.run_table(ordered)
     return _env().get_template("report.html.j2").render(
         page="run", header=[(label, header.get(key)) for key, label in HEADER_FIELDS],
@@ -124,7 +125,7 @@ def render(doc: dict, diff: Any = None, mutants: dict | None = None) -> str:
         groups=views.failure_groups(failing, lambda r: row[id(r)]),
         skips=views.by_reason(results, "skip"), known=views.by_reason(results, "xfail"),
         coverage=coverage.coverage(results), plots=plots.plot_grid(results),
-        diff=diff, left_out=left_out, mutants=_mutants_view(mutants),
+        diff=diff, left_out=left_out, mutants=_mutants_view(mutants), sampled=sampled,
         version=header.get("package_version") or "",
         diff_entries=list(diff.entries()) if diff is not None else [],
         data=Markup(data), omitted=omitted, script=_script(),

@@ -4,6 +4,8 @@ confined to rows outside a sample still fails a ci case."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -190,3 +192,19 @@ def test_every_declared_row_axis_counts_the_rows():
             for name, shape in spec.output_shapes(p).items():
                 assert shape[spec.rows.outputs[name]] == n, (case.id, name)
         assert seen, spec.name
+
+
+def test_the_flag_reaches_the_records_and_the_html_report_says_so(tmp_path):
+    from kernel_parity.conformance import cli
+
+    suite = tmp_path / "s.toml"
+    suite.write_text('[[cases]]\nop = "norm.rms_norm"\nbackends = ["cpu"]\ndtypes = ["bf16"]\ndists = ["normal"]\n'
+                     'params = [{rows = 300, n = 64, pad = 0, eps = "1e-5", gemma = 0, residual = 0, rstd = 0}]\n')
+    out, page = tmp_path / "r.jsonl", tmp_path / "r.html"
+    assert cli.main(["run", "--suite", str(suite), "--sample", "0", "--no-progress", "-q",
+                     "--json", str(out), "--html", str(page)]) == 0
+    rec = [json.loads(line) for line in out.read_text().splitlines()][1]
+    assert rec["sample"]["param"] == "rows" and rec["sample"]["of"] == 300 and rec["verdict"] == "pass"
+    assert "Judged on a seeded sample of rows: 1 cases" in page.read_text()
+    assert cli.main(["run", "--suite", str(suite), "--sample", "off", "--no-progress", "-q", "--json", str(out)]) == 0
+    assert "sample" not in [json.loads(line) for line in out.read_text().splitlines()][1]
