@@ -20,6 +20,7 @@ Exit status: `parity bench`'s (0 every case passed or skipped, 1 a case failed, 
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -27,6 +28,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A benchmark script's parser: a bad flag is one line and exit 2 (argparse prints its usage)."""
+
+    def error(self, message: str) -> None:
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def _toml_value(v: Any) -> str:

@@ -42,7 +42,6 @@ The small-shape checks of every entry point are the gate's: `parity run --suite 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -83,14 +82,10 @@ def entries(quick: bool = False) -> list[dict]:
              "params": [_prefill(b, s, d) for b, s, d in prefill]}]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints its usage otherwise)
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def main() -> int:
-    p = _Parser(description=__doc__.split("\n\n")[0])
+    from bench_cases import OneLineParser
+
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="one shape per op, no sweep (smoke run)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "attention_bench.json"),
                    help="JSON output path (default $OUT/attention_bench.json)")

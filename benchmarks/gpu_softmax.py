@@ -79,14 +79,10 @@ def entries(quick: bool = False) -> list[dict]:
             + [_online((32768, SPLIT_N), (256, 1024), 256), _combine(["fp32", "bf16"], [128, 512])])
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints its usage otherwise)
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def main() -> int:
-    p = _Parser(description=__doc__.split("\n\n")[0])
+    from bench_cases import OneLineParser
+
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="64 MiB inputs, one case group per op (smoke run)")
     p.add_argument("--graphs", action="store_true",
                    help="CUDA-graph replay of the short calls, each with the gate's verdict")
