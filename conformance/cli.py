@@ -306,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     _output(p, "--export", "write inputs, golden and kernel outputs (.npz), the case and a standalone repro.py "
                            "into this directory", OUTPUT_DIR, "DIR")
     _output(p, "--json", "write the one-record results document")
+    p.add_argument("--sample", type=sample_mode, default=None, metavar="auto|off|N",
+                   help="a model-size case is judged on a sample of rows as in a run (auto); off judges every row")
 
     p = sub.add_parser("bisect", help="the first commit where a case starts failing (or its error grows)")
     p.add_argument("case_id")

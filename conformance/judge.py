@@ -221,8 +221,8 @@ def failure_message(case: Case, outputs: dict[str, OutputResult], problems: list
                          f"  |d|={w['abs']:.2g} rel={w['rel']:.2g}{mark}")
     lines += [f"  diagnosis: {d}" for d in diagnosis]
     if sample is not None:
-        lines.append(f"  judged on a sample of {sample.idx.size} of {sample.n} {sample.param} rows "
-                     f"(the whole outputs scanned for NaN / inf / unwritten; --sample off judges all)")
+        lines.append(f"  judged on a sample of {sample.idx.size} of {sample.n} rows ({sample.param}; the whole "
+                     f"outputs scanned for NaN / inf / unwritten; --sample off judges every row)")
     lines.append(f"  repro: {repro}")
     return "\n".join(lines)
 

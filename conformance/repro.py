@@ -103,6 +103,10 @@ def print_record(rec: dict, out: Any = None) -> None:
                   f"|d|={_g(e['abs'])}", file=w)
     if rec.get("recheck"):
         print(f"recheck  seeds {rec['recheck']['seeds']} -> {rec['recheck']['verdicts']}", file=w)
+    sample = rec.get("sample")
+    if sample:  # conformance/sampling.py
+        print(f"sample   judged on {sample['rows']} of {sample['of']} rows ({sample['param']}; the whole outputs "
+              f"scanned for NaN / inf / unwritten; --sample off judges every row)", file=w)
     if rec.get("message"):
         print(rec["message"], file=w)
     print(f"verdict  {rec['verdict']}{' (' + rec['kind'] + ')' if rec.get('kind') else ''}"

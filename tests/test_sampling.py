@@ -208,3 +208,14 @@ def test_the_flag_reaches_the_records_and_the_html_report_says_so(tmp_path):
     assert "Judged on a seeded sample of rows: 1 cases" in page.read_text()
     assert cli.main(["run", "--suite", str(suite), "--sample", "off", "--no-progress", "-q", "--json", str(out)]) == 0
     assert "sample" not in [json.loads(line) for line in out.read_text().splitlines()][1]
+
+
+def test_repro_says_the_sample_and_takes_the_flag(capsys):
+    from kernel_parity.conformance import cli
+
+    case = BIG.format(b="cpu")
+    assert cli.main(["repro", case, "--sample", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "sample   judged on " in out and "of 4096 rows (rows;" in out
+    assert cli.main(["repro", case, "--sample", "off"]) == 0
+    assert "sample   judged" not in capsys.readouterr().out
