@@ -373,7 +373,7 @@ class Runner:
             if d is None or name in prep.inplace or not isinstance(got, np.ndarray) or got.dtype != d.np:
                 continue
             mask = is_poison(got, d)
-            if d.poison_is_nan:  # a NaN the golden has there too is the kernel's value, not the poison
+            if d.poison_is_nan and mask.any():  # a NaN the golden has there too is the kernel's, not the poison
                 mask &= ~sampling.golden_nan(prep, name)
             if mask.any():
                 found[name] = mask
