@@ -3,8 +3,8 @@
 #   ci      parity gate --suite ci            -> $OUT/ci-<device>.jsonl
 #   models  parity run --suite models         -> $OUT/models-<device>.jsonl ($MODELS_FLAGS added: e.g.
 #           "--devices 0 --jobs 16 --schedule reports/baselines/<an earlier models run>")
-#   full    the models suite's row-independent ops judged whole (--sample off), for the verdict comparison
-#           with the sampled run -> $OUT/models-full-<device>.jsonl
+#   full    the models suite's row-independent ops (every spec with `rows`) judged whole (--sample off), for the
+#           verdict comparison with the sampled run -> $OUT/models-full-<device>.jsonl
 #   tf32    parity mutants of the gpu-only (tf32) mutants -> $OUT/mutants-gpu-<device>.json
 #   sweep   parity sweep --suite models --backend triton (+ torch) -> $OUT/sweep-models-<device>.jsonl
 #   gemm    benchmarks/gpu_gemm.py (quantized GEMMs vs torch / _scaled_mm and the limits) -> $OUT/gemm-bench-<device>.json
@@ -50,8 +50,10 @@ for step in $STEPS; do
     ci) $PARITY gate --suite ci $OPS --no-progress -q --jobs "$JOBS" --json "$OUT/ci$TAG-$DEV.jsonl" || rc=1 ;;
     models) $PARITY run --suite models $OPS ${MODELS_FLAGS:-} --no-progress -q --jobs "$JOBS" \
               --json "$OUT/models$TAG-$DEV.jsonl" || rc=1 ;;
-    full) $PARITY run --suite models --op norm.rms_norm,norm.layer_norm,rope.rope,mlp.swiglu,mlp.geglu,gemm.gemm_nt,mla.decode \
-            ${MODELS_FLAGS:-} --sample off --no-progress -q --jobs "$JOBS" --json "$OUT/models-full$TAG-$DEV.jsonl" || rc=1 ;;
+    full) SAMPLED=$(python3 -c "from kernel_parity.conformance import ops
+print(','.join(sorted(n for n, s in ops.all_specs().items() if s.rows is not None)))")
+          $PARITY run --suite models --op "$SAMPLED" ${MODELS_FLAGS:-} --sample off --no-progress -q --jobs "$JOBS" \
+            --json "$OUT/models-full$TAG-$DEV.jsonl" || rc=1 ;;
     tf32) $PARITY mutants --bug tf32 --json "$OUT/mutants-gpu-$DEV.json" || rc=1 ;;
     sweep) $PARITY sweep --suite models $OPS --backend triton --per-op "$PER_OP" --no-progress -q --jobs "$JOBS" \
              --json "$OUT/sweep-models$TAG-$DEV.jsonl" || rc=1 ;;

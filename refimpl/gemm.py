@@ -11,10 +11,12 @@ L2 per weight format (research/quant-formats.md §1.5 and §3.3; b a block, j a 
     fp8 (DeepSeek-V3):             C = sum_kb (J_kb s_a[m // gm, kb]) s_w[n // gn, kb]
 with the activations quantized exactly as the production path does: `quant.quantize(vec_dot,
 float32(A))` (ggml's reference activation quantizers: Q8_0/Q8_1 roundf, Q8_K half-even) and
-DeepSeek's `act_quant` in (gm x gk) groups; integer block sums J in int64 (computed as float64
-matmuls of integers, exact: every |J| < 2^27 here; FP8 block dots are exact multiples of 2^-18 for
-gk <= 2^17); scale products and the sum over blocks in float64. Q8_K's bsum_j is the activation
-block's stored sum of 16 codes (sub-blocks of 32 add two): the "bsums trick" for the mins.
+DeepSeek's `act_quant` in (gm x gk) groups. GGML: each term d_w d_a sc_j c_w c_a is formed from the
+stored fields in float64 and all of them summed by one float64 matmul over K (the sum's order is not
+the kernel's: a float64 sum of the same terms, within ~1e-16 of the blockwise one, against errors of
+1e-7 and more that L2 is there to separate); FP8: exact block dots (multiples of 2^-18 for gk <=
+2^17) scaled per block, summed over blocks in float64. Q8_K's bsum_j is the activation block's
+stored sum of 16 codes (sub-blocks of 32 add two): the "bsums trick" for the mins.
 "f32" and "int4" weights have no activation quantization in production (int4 kernels dequantize
 to fp16 and multiply in floating point): L2 = L1 there.
 
@@ -36,7 +38,7 @@ F64 = NDArray[np.float64]
 
 GGML_W = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl")
 WFMTS = ("f32", *GGML_W, "fp8", "int4")
-_TEMP = 1 << 22  # elements of the (M, N, blocks) temporaries per chunk of blocks (32 MiB float64)
+_TEMP = 1 << 22  # elements of FP8's (M, N, blocks) temporaries per chunk of blocks (32 MiB float64)
 
 
 def gemm_nt(a: NDArray, w: NDArray, bias: NDArray | None = None) -> F64:
@@ -124,14 +126,6 @@ def dequant_reference(a: NDArray, wfmt: str, weights: dict[str, NDArray], bias: 
     return gemm_nt(a, w, bias)
 
 
-def _block_dots(ca: F64, cw: F64) -> NDArray[np.int64]:
-    """(M, nb, bs) x (N, nb, bs) integer codes (as float64) -> (M, N, nb) int64 per-block dots.
-
-    A float64 BLAS matmul of integers is exact while every partial sum stays below 2^53."""
-    j = np.matmul(ca.transpose(1, 0, 2), cw.transpose(1, 2, 0))  # nb, M, N
-    return j.transpose(1, 2, 0).astype(np.int64)
-
-
 def _sum_blocks(m: int, n: int, nb: int, term) -> F64:
     """sum over blocks b of term(slice of blocks) -> (M, N), in chunks that bound the temporaries."""
     step = max(1, _TEMP // max(1, m * n))
@@ -146,25 +140,21 @@ def _emulated_ggml(a: NDArray, wfmt: str, w: NDArray, act_quantizer: str) -> F64
     quantizer = {"ref": quant.quantize, "x86": quant.quantize_x86}[act_quantizer]
     fa = quant.block_fields(act, quantizer(act, np.asarray(a, dtype=np.float32)))  # (M, nb)
     fw = quant.block_fields(wfmt, w)  # (N, nb)
-    ca = fa.codes.astype(np.float64)  # M, nb, bs
+    m, n, nb = fa.codes.shape[0], fw.codes.shape[0], fa.codes.shape[1]
     cw = fw.codes if fw.scales is None else fw.codes * np.repeat(
         fw.scales, fw.codes.shape[-1] // fw.scales.shape[-1], axis=-1)  # sc_j * c_w
-    cw = cw.astype(np.float64)  # N, nb, bs
-    m, n, nb = ca.shape[0], cw.shape[0], ca.shape[1]
-    da, dw = fa.d[:, None, :], fw.d[None, :, :]  # M, 1, nb and 1, N, nb
-
-    def term(s: slice) -> F64:
-        t = (dw[..., s] * da[..., s]) * _block_dots(ca[:, s], cw[:, s])  # M, N, blocks
-        if fw.m is not None:  # q4_1 / q5_1: the min times Q8_1's stored fp16 s = fp16(d_a sum c_a)
-            t = t + fw.m[None, :, s] * fa.s[:, None, s]
-        if fw.mins is not None:  # K-quants with mins: dmin d_a sum_j m_j bsum_j
-            nsub = fw.mins.shape[-1]
-            bs = fa.bsums[:, s].reshape(m, s.stop - s.start, nsub, 16 // nsub).sum(-1)  # M, blocks, nsub
-            jm = np.einsum("mbj,nbj->mnb", bs, fw.mins[:, s])  # int64, exact
-            t = t - (fw.dmin[None, :, s] * da[..., s]) * jm
-        return t
-
-    return _sum_blocks(m, n, nb, term)
+    # every term d_w d_a (sc_j c_w) c_a is a product of the stored fields: one float64 matmul over all
+    # of K sums them (the block structure is in the factors, not in the order of the float64 sum)
+    xa = (fa.codes.astype(np.float64) * fa.d[..., None]).reshape(m, -1)  # M, K: c_a d_a
+    xw = (cw.astype(np.float64) * fw.d[..., None]).reshape(n, -1)  # N, K: sc_j c_w d_w
+    c = xa @ xw.T
+    if fw.m is not None:  # q4_1 / q5_1: the min times Q8_1's stored fp16 s = fp16(d_a sum c_a)
+        c += np.asarray(fa.s, dtype=np.float64) @ np.asarray(fw.m, dtype=np.float64).T
+    if fw.mins is not None:  # K-quants with mins: dmin d_a sum_j m_j bsum_j
+        nsub = fw.mins.shape[-1]
+        bs = fa.bsums.reshape(m, nb, nsub, 16 // nsub).sum(-1) * fa.d[..., None]  # M, nb, nsub
+        c -= bs.reshape(m, -1) @ (fw.mins * fw.dmin[..., None]).reshape(n, -1).T
+    return c
 
 
 def _emulated_fp8(a: NDArray, weights: dict[str, NDArray], gm: int, gn: int, gk: int) -> F64:

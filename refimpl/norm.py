@@ -60,6 +60,40 @@ def _gain(w: NDArray | None, n: int, aw: int, offset: float) -> F64:
     return g
 
 
+_STAT_ROWS = 2048  # rows per pass of the statistics alone: float64 temporaries of a few MB, not ~1 GB
+
+
+def rms_rstd(x: NDArray, eps: float, *, n: int | None = None, residual: NDArray | None = None) -> F64:
+    """rms_norm's rstd alone, the same bits (each row's statistics are its own): (...,) from (..., aw),
+    over runs of rows. A backward's inputs need it, not the forward's y."""
+    x = np.asarray(x)
+    n = x.shape[-1] if n is None else int(n)
+    flat = x.reshape(-1, x.shape[-1])
+    rf = None if residual is None else np.asarray(residual).reshape(flat.shape)
+    out = np.empty(flat.shape[0])
+    for i in range(0, flat.shape[0], _STAT_ROWS):
+        h = flat[i:i + _STAT_ROWS, :n].astype(np.float64)
+        if rf is not None:
+            h += rf[i:i + _STAT_ROWS, :n]
+        out[i:i + _STAT_ROWS] = 1.0 / np.sqrt(np.mean(h * h, axis=-1) + eps)
+    return out.reshape(x.shape[:-1])
+
+
+def layer_norm_stats(x: NDArray, eps: float, *, n: int | None = None) -> tuple[F64, F64]:
+    """layer_norm's (mean, rstd) alone, the same bits, over runs of rows (see rms_rstd)."""
+    x = np.asarray(x)
+    n = x.shape[-1] if n is None else int(n)
+    flat = x.reshape(-1, x.shape[-1])
+    mean, rstd = np.empty(flat.shape[0]), np.empty(flat.shape[0])
+    for i in range(0, flat.shape[0], _STAT_ROWS):
+        real = flat[i:i + _STAT_ROWS, :n].astype(np.float64)
+        m = real.mean(axis=-1)
+        c = real - m[:, None]
+        mean[i:i + _STAT_ROWS] = m
+        rstd[i:i + _STAT_ROWS] = 1.0 / np.sqrt(np.mean(c * c, axis=-1) + eps)
+    return mean.reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1])
+
+
 def rms_norm(x: NDArray, w: NDArray | None, eps: float, *, n: int | None = None, gemma: bool = False,
              residual: NDArray | None = None) -> dict[str, F64]:
     """RMSNorm over the last axis, with the fused residual add when `residual` is given.

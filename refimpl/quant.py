@@ -244,10 +244,12 @@ def quantize(fmt: str, x: NDArray) -> U8:
     return _by_chunks(fmt, f, blocks).reshape(*lead, nb * f.nbytes)
 
 
-# Blocks are quantized independently, so a large tensor is cut into runs of blocks quantized on
-# threads (NumPy releases the GIL in its array loops): the same bytes, and a models-size weight
-# (Q4_K 14336 x 4096: 230K super-blocks) no longer waits on one core.
-CHUNK_BLOCKS = 1 << 14
+# Blocks are quantized independently, so a tensor is cut into runs of blocks: a run's float64
+# temporaries fit in cache (a models-size weight, Q4_K 14336 x 4096 = 230K super-blocks, quantized
+# whole was 3x slower on one core, and memory-bound when every worker does it at once), and runs go
+# to threads where the worker has more than one (NumPy releases the GIL in its array loops). The
+# same bytes either way.
+CHUNK_BLOCKS = 1 << 10
 
 
 def _by_chunks(fmt: str, f: Any, blocks: NDArray) -> U8:
@@ -256,10 +258,9 @@ def _by_chunks(fmt: str, f: Any, blocks: NDArray) -> U8:
             return kq.quantize(fmt, b) if f.block == 256 else _quantize_small(fmt, b)
 
     n = blocks.shape[0]
-    parts = min(threads(), -(-n // CHUNK_BLOCKS))
-    if parts <= 1:
+    step = CHUNK_BLOCKS * (256 // f.block)  # small-block formats: the same bytes per run
+    if n <= step:
         return one(blocks)
-    step = -(-n // parts)
     return np.concatenate(on_threads(one, [blocks[i:i + step] for i in range(0, n, step)]))
 
 

@@ -83,12 +83,17 @@ def gamma(rng: np.random.Generator, n: int, aw: int, gemma: int) -> np.ndarray:
 def dense(rng: np.random.Generator, n_out: int, k: int, real_in: np.ndarray, real_out: np.ndarray, dist: str,
           row_scale: np.ndarray | None = None) -> np.ndarray:
     """(n_out, k) float64 weight ~ N(0, 1 / #real inputs): zero outside the real rows and columns."""
-    w = rng.standard_normal((n_out, k)) / math.sqrt(max(1, int(real_in.sum())))
+    w = rng.standard_normal((n_out, k))
+    w /= math.sqrt(max(1, int(real_in.sum())))  # in place: a models-size weight is ~1 GB
     if dist == "blocks":
         w *= np.repeat(10.0 ** rng.uniform(-1.0, 1.0, (1, -(-k // 32))), 32, axis=1)[:, :k]
     if row_scale is not None:
         w *= row_scale[:, None]
-    return w * real_out[:, None] * real_in[None, :]
+    if not real_out.all():
+        w *= real_out[:, None]
+    if not real_in.all():
+        w *= real_in[None, :]
+    return w
 
 
 def _lane_rms(x: np.ndarray, n: int) -> np.ndarray:
