@@ -113,6 +113,45 @@ def test_l2_is_dequantized_activations_times_weights(fmt):
     assert np.abs(got - want).max() <= F64_REL * _scale(a, fmt, weights, 512).max()
 
 
+@pytest.mark.parametrize("act_quantizer", ["ref", "x86"])
+@pytest.mark.parametrize("fmt", GGML_W)
+def test_l2_is_the_blockwise_integer_formula(fmt, act_quantizer):
+    """L2 (one float64 matmul over K of the stored fields' products) is the module docstring's blockwise
+    formula written out: int64 block dots J_b = sum_j sc_j sum_i c_w c_a, (d_w d_a) J_b summed over the
+    blocks, the mins' dmin d_a sum_j m_j bsum_j and Q8_1's m_w s_a, within float64 rounding; and the
+    blockwise sums of neighbouring blocks are not interchangeable (a block's scale moves C)."""
+    rng = np.random.default_rng(15)
+    m, n, k = 5, 6, 768
+    a = rng.standard_normal((m, k)) * np.repeat(10.0 ** rng.uniform(-2, 2, (m, k // 32)), 32, axis=1)
+    weights = _weights(fmt, n, k, rng)
+    act = quant.FORMATS[fmt].vec_dot
+    quantizer = {"ref": quant.quantize, "x86": quant.quantize_x86}[act_quantizer]
+    fa = quant.block_fields(act, quantizer(act, a.astype(np.float32)))
+    fw = quant.block_fields(fmt, weights["w"])
+    cw = fw.codes.astype(np.int64)
+    if fw.scales is not None:
+        cw = cw * np.repeat(fw.scales.astype(np.int64), cw.shape[-1] // fw.scales.shape[-1], axis=-1)
+    want = np.zeros((m, n))
+    for b in range(fa.codes.shape[1]):
+        j = fa.codes[:, b].astype(np.int64) @ cw[:, b].T  # exact
+        term = (fw.d[None, :, b] * fa.d[:, None, b]) * j
+        if fw.m is not None:
+            term = term + fw.m[None, :, b] * fa.s[:, None, b]
+        if fw.mins is not None:
+            nsub = fw.mins.shape[-1]
+            bs = fa.bsums[:, b].reshape(m, nsub, 16 // nsub).sum(-1).astype(np.int64)
+            term = term - (fw.dmin[None, :, b] * fa.d[:, None, b]) * (bs @ fw.mins[:, b].astype(np.int64).T)
+        want += term
+    got = gemm.emulated_reference(a, fmt, weights, act_quantizer=act_quantizer)
+    scale = _scale(a, fmt, weights, k).max()
+    assert np.abs(got - want).max() <= F64_REL * scale
+    swapped = dict(weights, w=weights["w"].copy())
+    nbytes = quant.FORMATS[fmt].nbytes
+    first, second = slice(0, nbytes), slice(nbytes, 2 * nbytes)  # blocks 0 and 1 of every row, swapped
+    swapped["w"][:, first], swapped["w"][:, second] = weights["w"][:, second], weights["w"][:, first]
+    assert np.abs(gemm.emulated_reference(a, fmt, swapped, act_quantizer=act_quantizer) - got).max() > 1e-6 * scale
+
+
 @pytest.mark.parametrize("g", [(1, 128, 128), (1, 1, 300), (5, 130, 300), (2, 64, 100)])
 def test_fp8_l2_block_formula(g):
     """L2 = dequant(act_quant(a)) @ dequant(W)^T, and |L1 - L2| within half an e4m3 step of a."""

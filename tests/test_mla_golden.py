@@ -453,3 +453,29 @@ def test_decode_golden_widens_the_stored_cache_itself(dtype):
     want = spec.reference(wide, p)
     assert all(np.array_equal(prep.golden[k], want[k], equal_nan=True) for k in want)
     assert np.array_equal(stored.view(np.uint8), before.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_paged_cache_pages_are_one_calls_draws(dtype):
+    """The 16-bit caches' values go straight into each page: the values of one table draw per request
+    (conformance/inputs.table_draw) laid out through the block table, NaN past each request's tokens
+    and in the two spare pages."""
+    from kernel_parity.conformance.inputs import table_draw
+    from kernel_parity.conformance.ops import mla as M
+
+    seqlens = np.array([0, 1, 64, 65, 130, 7])
+    cache, table = M.paged_latent_cache(np.random.default_rng(4), seqlens, "normal", dtype)
+    rng = np.random.default_rng(4)
+    rng.permutation(cache.shape[0])  # the layout's draw comes first
+    quick = M._value_table("normal", dtype)
+    used = set()
+    for i, n in enumerate(seqlens):
+        want = table_draw(rng, int(n) * M.D, quick).reshape(-1, M.D)
+        k = -(-int(n) // M.PAGE)
+        pages = cache[table[i, :k], :, 0].reshape(-1, M.D)
+        assert np.array_equal(pages[:n].view(np.uint16), want.view(np.uint16))
+        assert np.isnan(pages[n:].astype(np.float32)).all()
+        assert (table[i, k:] == M.TABLE_POISON).all()
+        used.update(table[i, :k].tolist())
+    spare = sorted(set(range(cache.shape[0])) - used)
+    assert len(spare) == 2 and np.isnan(cache[spare].astype(np.float32)).all()

@@ -163,3 +163,24 @@ def test_bad_real_width_is_a_value_error(bad):
         ref.rms_norm(np.zeros((2, 10)), None, 1e-6, n=bad)
     with pytest.raises(ValueError, match="real width"):
         ref.layer_norm(np.zeros((2, 10)), None, None, 1e-6, n=bad)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_statistics_alone_are_the_forward_bits(residual, monkeypatch):
+    """rms_rstd / layer_norm_stats (a backward's inputs: the statistics without the forward's y), over
+    runs of rows, give the forward's rstd and mean bit for bit: padding lanes, leading axes, tiny rows,
+    rows past a run's end."""
+    from kernel_parity.refimpl import norm as N
+
+    monkeypatch.setattr(N, "_STAT_ROWS", 3)
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal((2, 5, 40)) * 10.0 ** rng.uniform(-6, 3, (2, 5, 1))
+    x[0, 1] = 0.0
+    x[..., 37:] = np.nan  # padding: never read
+    r = rng.standard_normal(x.shape) if residual else None
+    fwd = N.rms_norm(x, None, 1e-2, n=37, residual=r)
+    assert np.array_equal(N.rms_rstd(x, 1e-2, n=37, residual=r), fwd["rstd"])
+    mean, rstd = N.layer_norm_stats(x, 1e-2, n=37)
+    ln = N.layer_norm(x, None, None, 1e-2, n=37)
+    assert np.array_equal(mean, ln["mean"]) and np.array_equal(rstd, ln["rstd"])
+    assert rstd.shape == (2, 5) and np.isfinite(rstd).all()
