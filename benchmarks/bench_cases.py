@@ -110,6 +110,7 @@ def run(entries: list[dict], *, out: str, ours: str = "triton", description: str
     a line per case. Returns parity bench's exit status."""
     from kernel_parity.conformance.cli import main
     from kernel_parity.reports import records
+    from kernel_parity.reports.files import write_text
 
     with tempfile.TemporaryDirectory(prefix="kp-bench-") as tmp:
         suite, results = Path(tmp) / "bench.toml", Path(tmp) / "bench.jsonl"
@@ -118,7 +119,7 @@ def run(entries: list[dict], *, out: str, ours: str = "triton", description: str
         if code == 2 or not results.exists():
             return 2
         summary = summarise(records.load(str(results)), ours)
-    Path(out).write_text(json.dumps(summary, indent=1, default=str))
+    write_text(out, json.dumps(summary, indent=1, default=str))  # a missing folder is made, atomically
     for row in summary["cases"]:
         print(_line(row, ours), flush=True)
     return code

@@ -1,43 +1,67 @@
-"""GPU benchmark of the quantized-GEMM Triton kernels (kernels/triton/gemm*.py) on Hopper.
+"""GPU benchmark of the quantized GEMMs of gemm.gemm_nt (kernels/triton/gemm*.py) beside the peers, on Hopper.
 
-    python benchmarks/gpu_gemm.py [--out PATH] [--quick] [--budget-s S] [--sections gemv,q8,fp8,prefill,int4]
-                                  [--formats q4_k,...] [--dump PATH] [--smoke-cpu]
+    python benchmarks/gpu_gemm.py [--quick] [--out PATH]        # a thin caller of `parity bench`
+    python benchmarks/gpu_gemm.py --tune [--quick] [--out PATH] [--budget-s S] [--sections gemv,q8,prefill,fp8,int4]
+                                  [--formats q4_k,...] [--q8-grid] [--q8-m 1,4,16] [--dump PATH] [--smoke-cpu]
 
-1. Header: copy bandwidth (a 2 GiB device-to-device copy, bytes read + written) and the bf16
-   matmul rate (torch.matmul 8192^3), measured in this run; GEMV figures are shares of the first.
-2. gemv: GGML Q4_K, Q8_0, Q4_0, Q6_K at M = 1, N x K = 14336 x 4096 and 4096 x 14336, a sweep of
-   the GEMV configs (BLOCK_N, NB, num_warps, num_stages; automatic split-K); then M = 4 and 16 at
-   the first shape (the launcher's choice, the exact kernel, tensor-core configs). GB/s counts the
-   weight bytes only. Timed as CUDA-graph replays over rotated weight copies whose total exceeds
-   3x L2 (a ~10 us kernel: no launch gaps, no L2 reuse); do_bench (L2 flushed per call) beside it.
-   torch bf16 GEMV of the same shape for scale.
-2b. q8: Q4_K x Q8_K and Q8_0 x Q8_0 activations (kernels/triton/gemm_q8.py, backend triton-q8) at M = 1 on both shapes and
-   M = 4, 16 on the first: quantizer + integer-dot GEMV as one call, and the GEMV alone, as shares of
-   the read and copy rates; checked against the `emulated` golden (and its distance to the dequantized
-   product, the activation quantization, recorded beside it). Beside them, the limits at the weights' own
-   size: a pure Triton read stream of the same rotated bytes and torch's bf16 GEMV over a matrix of the
-   same bytes (a 33 MB matrix is read in ~11 us: launch, ramp and tail count). --q8-grid first sweeps
-   ~40 M = 1 configs per format (the GEMV alone, each checked) and times the three fastest in full.
-3. prefill: Q4_K at M = 4096, 4096 x 4096 and 14336 x 4096 (bf16 A), a config sweep, against a
-   torch bf16 matmul of the same shape.
-4. fp8: DeepSeek 1 x 128 x 128 at 8192^3: the GEMM on pre-quantized operands (config sweep) and
-   with the activation quantizer, against torch._scaled_mm blockwise (scale_a (M, K/128)
-   outer-dim-major, scale_b = w_scale.T), torch.nn.functional.scaled_mm (BlockWise1x128 x
-   BlockWise128x128) and per-tensor _scaled_mm; our per-token x per-channel and per-tensor modes.
-5. int4: GPTQ and AWQ (group 128) at M = 4096 (vs torch bf16 matmul) and M = 1 (GB/s).
-Every timed kernel's output is checked once against float64 (dequantized weights from refimpl/ on
-the CPU, products in torch float64 on the GPU, on the first 512 output columns): err_acc =
-max |C - ref| / (|A| @ |W|^T), err_max = max |C - ref| / max |ref|; `ok` against the path's limit.
-An entry that fails records its error and the run goes on. --dump writes the registers, spills and
-the opcode histogram of the longest loop of every compiled kernel variant (cuobjdump). Results go
-to --out (default $OUT/gemm-bench.json), rewritten after each entry. --budget-s stops the sweeps (not the main
-entries) when the run gets long; --smoke-cpu runs tiny shapes on the CPU (Triton interpreter) to
-check the script itself.
+By default the gemm.gemm_nt cases below go to `parity bench` (benchmarks/bench_cases.py), bf16 A: every
+case judged by the gate against the float64 golden (its verdict and norm_err are the accuracy figures),
+timed with do_bench (L2 cleared before every call), its bytes over the read ceiling (a GEMV reads its
+weights and writes one row) or its flops over the bf16 matmul rate (prefill), both measured in the same
+run, and each peer's ms over ours (triton). A backend that cannot express a case is a skip with its reason.
+- GGML Q4_K, Q8_0, Q4_0, Q6_K (weights of random codes, dist `random`): M = 1 at N x K = 14336 x 4096 and
+  4096 x 14336 (Llama-3-8B's gate / up and down), M = 4 and 16 at 14336 x 4096. Backends triton (ours: W
+  dequantized in registers), triton-q8 (ours: Q8_K / Q8_0 activations, integer dots; Q4_K and Q8_0 only)
+  and torch (W dequantized to bf16, then a @ w.T).
+- Q4_K prefill, M = 4096 at 4096 x 4096 and 14336 x 4096: the same three backends.
+- FP8 e4m3, M = N = K = 8192 (dist normal): DeepSeek's 1 x 128 x 128 blockwise (fp8), per-token x
+  per-channel (fp8_row) and per-tensor (fp8_tensor) scales; triton, torch and scaled-mm (torch._scaled_mm).
+- int4 GPTQ and AWQ, group 128 (dist normal): M = 4096 and 1 at 4096 x 4096 and 14336 x 4096; triton, torch.
+71 cases in 29 input groups. The goldens of the M >= 4096 groups are judged on a sample of rows
+(conformance/sampling.py): about 5 s of host float64 work a group, a few minutes for the whole list.
+--quick: three M = 1 GEMVs, Q4_K and Q8_0 at 14336 x 4096 (triton, triton-q8, torch) and Q6_K at
+4096 x 14336 (triton, torch): a first line in seconds.
+
+--tune (implied by any flag after --out above) instead times the kernels by hand, the sweeps that picked
+the launch tables, after this run's copy, read and bf16 matmul rates (a 2 GiB copy, 8192^3):
+  gemv     the four GGML formats at M = 1 on both shapes, a sweep of the GEMV configs (BLOCK_N, NB, num_warps,
+           num_stages; split-K automatic or 1) as CUDA-graph replays over rotated weight copies (over 3x L2:
+           no launch gaps, no L2 reuse), do_bench beside it, torch's bf16 GEMV of the shape for scale; then
+           M = 4 and 16 at 14336 x 4096 (the launcher's choice, the exact kernel, tensor-core configs).
+  q8       triton-q8 at M = 1 on both shapes, M = 4 and 16 on the first (--q8-m): quantizer + integer-dot
+           GEMV as one call, and the GEMV alone, beside the limits at the weights' own size (a Triton read
+           stream of the same rotated bytes, torch's bf16 GEMV over a matrix of those bytes); --q8-grid first
+           sweeps ~40 M = 1 configs (the GEMV alone) and times the three fastest in full.
+  prefill  Q4_K at M = 4096: the fused kernel's and the dequant path's (dequantizer + our dense GEMM) sweeps,
+           beside torch's bf16 matmul and dequantize + torch matmul; both paths at M = 128 .. 2048.
+  fp8      8192^3: the GEMM on pre-quantized operands (config sweep), with the activation quantizer,
+           torch._scaled_mm blockwise, F.scaled_mm (BlockWise1x128 x BlockWise128x128), per-tensor
+           _scaled_mm on unit scales, and our per-token x per-channel and per-tensor modes.
+  int4     GPTQ and AWQ at M = 4096 (beside torch's bf16 matmul) and M = 1, the fused kernel's sweep, then the
+           fused kernel against the dequant path at M = 128 .. 2048.
+Each timed GEMM's line gives the gate's verdict and norm_err on the gemm.gemm_nt case of its shape and format
+(bench_cases.Gate: dist normal, seed 0, the case's own inputs) with the call the line timed swapped into the
+backend's adapter while the gate runs: its config, split-K, path or kernel on triton / triton-q8, the
+composition itself for the two references (dequantize + torch matmul, F.scaled_mm), scaled-mm's own adapter
+for _scaled_mm blockwise; the first config of each gemv and decode sweep is judged with fp32 A too. A timed
+case the gate fails, or an entry that raises, makes the exit status 1. Lines that time no gemm.gemm_nt (the
+limits, torch's dense GEMMs, the dequantizer and FP8 quantizer alone, _scaled_mm on unit scales) carry no
+verdict. The gate's input groups are prepared once (KERNEL_PARITY_GOLDEN_CACHE, a temporary folder unless set).
+--budget-s (default 170 s, the gate's time included) ends each sweep after its first config once the run is
+that long; --quick times each sweep's first config alone; --sections picks and orders the sections;
+--formats narrows gemv, decode and q8; --dump writes the registers, spills and the opcode histogram of the
+longest loop of every compiled kernel variant (cuobjdump); --smoke-cpu runs tiny shapes on the CPU
+(TRITON_INTERPRET=1, the Triton interpreter) to check the script. benchmarks/gpu_gate.sh's gemm step
+(--quick --budget-s S) and q8 step (--sections q8 --budget-s S) run this path.
+Results: --out (default $OUT/gemm-bench.json, else ./gemm-bench.json): bench's summary, or tune's
+{header, results, errors, gate_failures}, rewritten after each entry.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -45,11 +69,110 @@ import time
 import traceback
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 MIB = 1 << 20
-CHECK_COLS = 512
-# err_acc limits: fp32 arithmetic; weights and output rounded to bf16; fp8 GEMM (exact operands) with a
-# bf16 output, whose rounding alone reaches 2^-9 = 1.95e-3 of sum |a||w|.
-LIMITS = {"fp32": 1e-5, "bf16": 8e-3, "fp8": 4e-3}
+OP = "gemm.gemm_nt"
+GGML = ("q4_k", "q8_0", "q4_0", "q6_k")  # the GGML formats of the triton backend
+Q8 = ("q4_k", "q8_0")  # the formats triton-q8 has a quantized-activation path for
+GEMV_SHAPES = ((14336, 4096), (4096, 14336))  # N x K: Llama-3-8B's gate / up, down
+PREFILL_SHAPES = ((4096, 4096), (14336, 4096))
+PREFILL_M = 4096
+FP8_SIZE = 8192
+SECTIONS = ("gemv", "q8", "prefill", "fp8", "int4")
+BUDGET_S = 170.0
+
+
+def _case(m: int, n: int, k: int, wfmt: str) -> dict:
+    """gemm.gemm_nt's params (no bias): the same in `entries` and in --tune's gate checks."""
+    return dict(m=m, n=n, k=k, wfmt=wfmt, bias=0)
+
+
+def _ggml(fmt: str, params: list[dict]) -> dict:
+    return {"op": OP, "backends": ["triton", "triton-q8", "torch"] if fmt in Q8 else ["triton", "torch"],
+            "dtypes": ["bf16"], "dists": ["random"], "params": params}
+
+
+def entries(quick: bool = False) -> list[dict]:
+    """The benchmark's cases as suite entries (bench_cases.run); --quick: three M = 1 GEMVs (docstring)."""
+    (n, k), (n2, k2) = GEMV_SHAPES
+    if quick:
+        return [_ggml(f, [_case(1, n, k, f)]) for f in Q8] + [_ggml("q6_k", [_case(1, n2, k2, "q6_k")])]
+    out = [_ggml(f, [_case(1, n, k, f), _case(1, n2, k2, f), _case(4, n, k, f), _case(16, n, k, f)]) for f in GGML]
+    out.append(_ggml("q4_k", [_case(PREFILL_M, pn, pk, "q4_k") for pn, pk in PREFILL_SHAPES]))
+    out.append({"op": OP, "backends": ["triton", "torch", "scaled-mm"], "dtypes": ["bf16"], "dists": ["normal"],
+                "params": [_case(FP8_SIZE, FP8_SIZE, FP8_SIZE, w) for w in ("fp8", "fp8_row", "fp8_tensor")]})
+    out.append({"op": OP, "backends": ["triton", "torch"], "dtypes": ["bf16"], "dists": ["normal"],
+                "params": [_case(m, pn, pk, w) for w in ("int4_gptq", "int4_awq") for pn, pk in PREFILL_SHAPES
+                           for m in (PREFILL_M, 1)]})
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from bench_cases import OneLineParser
+
+    p = OneLineParser(prog="gpu_gemm.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="bench: three M = 1 GEMVs; --tune: the first config of each sweep")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gemm-bench.json"),
+                   help="JSON output (default $OUT/gemm-bench.json, else ./gemm-bench.json)")
+    p.add_argument("--tune", action="store_true",
+                   help="time the kernels by hand: the sweeps, each with the gate's verdict")
+    tune_only = " (implies --tune)"
+    p.add_argument("--budget-s", type=float, default=None,
+                   help=f"stop the sweeps after this many seconds (default {BUDGET_S:.0f}){tune_only}")
+    p.add_argument("--sections", default=None, help=f"comma list of {', '.join(SECTIONS)} (default all){tune_only}")
+    p.add_argument("--formats", default=None, help=f"GGML formats of the gemv / decode / q8 sweeps{tune_only}")
+    p.add_argument("--q8-grid", action="store_true",
+                   help=f"q8: sweep a grid of M = 1 configs (the GEMV alone), then time the three fastest{tune_only}")
+    p.add_argument("--q8-m", default=None, help=f"rows of A the q8 section runs, a comma list of 1, 4, 16{tune_only}")
+    p.add_argument("--dump", default=None,
+                   help=f"write registers, spills and loop opcodes of the compiled kernels here{tune_only}")
+    p.add_argument("--smoke-cpu", action="store_true",
+                   help=f"tiny shapes on the CPU (Triton interpreter: TRITON_INTERPRET=1){tune_only}")
+    args = p.parse_args(argv)
+    args.tune = args.tune or args.q8_grid or args.smoke_cpu or any(
+        v is not None for v in (args.budget_s, args.sections, args.formats, args.q8_m, args.dump))
+    args.budget_s = BUDGET_S if args.budget_s is None else args.budget_s
+    args.sections = [s for s in (args.sections or ",".join(SECTIONS)).split(",") if s]
+    if not args.sections or not set(args.sections) <= set(SECTIONS):
+        p.error(f"--sections {','.join(args.sections)!r}: expected a comma list of {', '.join(SECTIONS)}")
+    args.formats = [f for f in (args.formats or "").split(",") if f]
+    if not set(args.formats) <= set(GGML):
+        p.error(f"--formats {','.join(args.formats)!r}: expected a comma list of {', '.join(GGML)}")
+    raw = args.q8_m or ""
+    try:
+        args.q8_m = sorted({int(x) for x in raw.split(",") if x}) or [1, 4, 16]
+    except ValueError:
+        args.q8_m = [0]
+    if not set(args.q8_m) <= {1, 4, 16}:
+        p.error(f"--q8-m {raw!r}: expected a comma list of 1, 4, 16")
+    from kernel_parity.reports.files import check_output_or_exit
+
+    check_output_or_exit(p.prog, "--out", args.out)  # before any GPU work: an unwritable path is exit 2
+    if args.dump:
+        check_output_or_exit(p.prog, "--dump", args.dump)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.tune:
+        return tune(args)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_gemm.py: error: no CUDA device (torch.cuda.is_available() is False); parity bench's cases run "
+              "on a GPU (--smoke-cpu checks the --tune script on the CPU)", file=sys.stderr)
+        return 2
+    from bench_cases import run
+
+    return run(entries(args.quick), out=args.out, ours="triton", argv=("--no-recheck",),
+               description="benchmarks/gpu_gemm.py")
+
+
+# ------------------------------------------------------------------ --tune: the sweeps
 
 # ((BLOCK_N, NB, num_warps, num_stages), split_k or None = automatic); the launcher's table first.
 # NB: blocks (Q4_K) or block pairs (Q8_0, Q4_0) per iteration; Q6_K: (BLOCK_N, G, ...) of its word-tile kernel.
@@ -70,51 +193,88 @@ DECODE_SWEEP = {
     "q4_0": [(None, None), ((2, 8, 16, 4, 1), None), ((16, 64, 2, 4, 3, 1), None)],
     "q6_k": [(None, None), ((1, 16, 4, 4, 2), None), ((16, 64, 1, 4, 3, 1), None)],
 }
-# kernels/triton/gemm_q8.py (Q4_K x Q8_K, Q8_0 x Q8_0 activations, backend triton-q8): (BLOCK_M, BLOCK_N, NB,
-# num_warps, num_stages) per format and M (Q8_0: NB block pairs); None: the launcher's choice
-# (gemm_q8.default_config, by M and N). Offline sm_90 SASS, instructions a weight: Q4_K 1.5 (the exact
-# kernel: 6.4 on the device), Q8_0 1.4 / 1.16.
-Q8_SWEEP = {"q4_k": {1: [None, (1, 4, 2, 1, 1), (1, 2, 4, 1, 1), (1, 8, 8, 4, 1), (1, 4, 8, 4, 1)]},
-            "q8_0": {1: [None, (1, 4, 64, 2, 1), (1, 8, 16, 4, 1), (1, 8, 32, 4, 1)]}}
-# M = 4 / 16: the launcher's choice (None), the dp4a GEMV at its default tile ("gemv"), and the int8 tensor-core
-# kernel (kernels/triton/gemm_mmq.py, "mmq") at (BLOCK_N, BLOCK_M, NB, num_warps, num_stages): W rows on the
-# tensor cores' M side (16 .. 128), A rows on the N side (16), NB 32-wide sub-blocks (Q8_0) / 256-blocks (Q4_K)
+# M = 4 / 16 of triton-q8: the launcher's choice (None), the dp4a GEMV at its default tile ("gemv"), and the int8
+# tensor-core kernel (kernels/triton/gemm_mmq.py, "mmq") at (BLOCK_N, BLOCK_M, NB, num_warps, num_stages): W rows on
+# the tensor cores' M side (16 .. 128), A rows on the N side (16), NB 32-wide sub-blocks (Q8_0) / 256-blocks (Q4_K)
 # an iteration, SPLIT_K ranges of K a row (default gemm_mmq.auto_splits: ~6 programs an SM).
 MMQ_GRID = [(64, 16, 1, 4, 3), (32, 16, 1, 2, 3),  # then PREFETCH (the next block's weight words loaded first)
             (64, 16, 1, 4, 3, None, 1), (32, 16, 1, 2, 3, None, 1), (64, 16, 1, 4, 2, None, 1),
             (32, 16, 1, 2, 2, None, 1), (128, 16, 1, 4, 3, None, 1), (128, 16, 1, 8, 3, None, 1),
             (16, 16, 1, 1, 3, None, 1), (64, 16, 1, 4, 3, 2, 1), (64, 16, 1, 4, 3, 8, 1), (32, 16, 1, 2, 3, 4, 1)]
 # 6th: SPLIT_K (None: auto), 7th: PREFETCH (gemm_mmq.launch_mmq)
-for _fmt in Q8_SWEEP:
-    for _m in (4, 16):
-        Q8_SWEEP[_fmt][_m] = [None, ("gemv", None)] + [("mmq", c) for c in MMQ_GRID]
+_Q8_SMALL_M = [None, ("gemv", None)] + [("mmq", c) for c in MMQ_GRID]
+# kernels/triton/gemm_q8.py (Q4_K x Q8_K, Q8_0 x Q8_0 activations, backend triton-q8): (BLOCK_M, BLOCK_N, NB,
+# num_warps, num_stages) per format and M (Q8_0: NB block pairs); None: the launcher's choice
+# (gemm_q8.default_config, by M and N). Offline sm_90 SASS, instructions a weight: Q4_K 1.5 (the exact
+# kernel: 6.4 on the device), Q8_0 1.4 / 1.16.
+Q8_SWEEP = {"q4_k": {1: [None, (1, 4, 2, 1, 1), (1, 2, 4, 1, 1), (1, 8, 8, 4, 1), (1, 4, 8, 4, 1)],
+                     4: _Q8_SMALL_M, 16: _Q8_SMALL_M},
+            "q8_0": {1: [None, (1, 4, 64, 2, 1), (1, 8, 16, 4, 1), (1, 8, 32, 4, 1)], 4: _Q8_SMALL_M, 16: _Q8_SMALL_M}}
 # Swept on the first shape; the others run the default and the best. 6th element: GROUP_M.
 PREFILL_SWEEP = [(256, 128, 1, 8, 3, 4), (256, 128, 1, 8, 4, 4), (256, 64, 1, 8, 3, 4), (256, 128, 1, 8, 3, 8)]
+# gemm_nt's dequant path (kernels/triton/gemm_dense.py after the dequantizer): (BLOCK_M, BLOCK_N, BLOCK_K,
+# GROUP_M, num_warps, num_stages[, TMA]), swept on the first shape; the others run the default and the best
+DENSE_SWEEP = [None, (256, 128, 64, 8, 8, 4), (256, 128, 64, 16, 8, 3), (256, 128, 64, 4, 8, 3),
+               (256, 128, 128, 8, 8, 2), (128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4), (256, 128, 64, 8, 8, 3, 0)]
+CROSSOVER_M = (128, 256, 512, 1024, 2048)  # rows of A where the fused and dequant paths are both timed
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, TMA)
 FP8_SWEEP = [(128, 128, 128, 8, 8, 4, 1), (128, 128, 128, 16, 8, 4, 1), (128, 128, 128, 8, 8, 3, 1),
              (128, 128, 128, 8, 8, 4, 0)]
 INT4_SWEEP = [(256, 128, 64, 4, 8, 3), (256, 64, 64, 8, 8, 3), (256, 64, 64, 4, 8, 3)]  # first shape, M = 4096
 
 
+def _adding(module, name: str, **kw) -> tuple:
+    """(module, name, module.name with kw added): the config, path or kernel a line timed, for Ctx.judge."""
+    return module, name, functools.partial(getattr(module, name), **kw)
+
+
+@contextlib.contextmanager
+def _replaced(module, name: str, value):
+    """module.name = value while the block runs (the timed call swapped into a backend's adapter)."""
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
 class Ctx:
     def __init__(self, **kw):
         self.__dict__.update(kw)
+        self.gates: dict = {}  # backend -> bench_cases.Gate
 
     def over_budget(self) -> bool:
         return time.time() - self.t0 > self.budget_s
 
+    def judge(self, params: dict, swap: tuple = (), dtype: str = "bf16", backend: str = "triton") -> dict:
+        """The gate's verdict on gemm.gemm_nt at params (bench_cases.Gate on `backend`), with swap = (module,
+        name, replacement) in place while it runs: the call the line timed, on the case's own inputs."""
+        from bench_cases import Gate
+
+        if backend not in self.gates:
+            self.gates[backend] = Gate(backend)
+        with _replaced(*swap) if swap else contextlib.nullcontext():
+            return self.gates[backend](OP, dtype, params)
+
+    def failures(self) -> list[str]:
+        return [f for gate in self.gates.values() for f in gate.failures]
+
     def save(self) -> None:
-        if self.out:
-            Path(self.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(self.out).write_text(json.dumps(dict(header=self.header, results=self.results,
-                                                      errors=self.errors), indent=1, default=str))
+        from kernel_parity.reports.files import write_text
+
+        write_text(self.out, json.dumps(dict(header=self.header, results=self.results, errors=self.errors,
+                                                  gate_failures=self.failures()), indent=1, default=str))
 
     def entry(self, section: str, name: str, fn) -> dict | None:
         """Run one benchmark entry; its dict goes to results, an exception to errors."""
+        from bench_cases import gate_text
+
         try:
             row = dict(section=section, name=name, **fn())
             self.results.append(row)
-            print("bench", {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            print("bench", {k: (f"{v:.4g}" if isinstance(v, float) else gate_text(v) if k.startswith("gate") else v)
+                            for k, v in row.items()}, flush=True)
             return row
         except Exception as e:
             self.errors.append(dict(section=section, name=name, error=f"{type(e).__name__}: {e}"[:500],
@@ -124,17 +284,6 @@ class Ctx:
         finally:
             self.save()
 
-
-def errors_vs(ctx, c, ref, mag, limit: str) -> dict:
-    """err_acc = max |c - ref| / mag (mag = |A| @ |W|^T), err_max = max |c - ref| / max |ref|."""
-    d = (c.double() - ref).abs()
-    bad = bool(ctx.torch.isnan(c).any())
-    err_acc = float((d / mag.clamp_min(1e-300)).max())
-    err_max = float(d.max() / ref.abs().max().clamp_min(1e-300))
-    return dict(err_acc=err_acc, err_max=err_max, ok=not bad and err_acc <= LIMITS[limit], limit=limit)
-
-
-# ------------------------------------------------------------------ weights and float64 references
 
 def ggml_random(ctx, fmt: str, n: int, k: int):
     """(n, k / QK * bytes) uint8 on the device: random codes, random finite fp16 scale fields."""
@@ -148,26 +297,10 @@ def ggml_random(ctx, fmt: str, n: int, k: int):
     return w.view(n, -1)
 
 
-def ggml_w64(ctx, fmt: str, w):
-    """float64 dequantization of the first CHECK_COLS rows (refimpl, on the CPU), on the device."""
-    from kernel_parity.refimpl import quant
-    return ctx.torch.from_numpy(quant.dequantize(fmt, w[:CHECK_COLS].cpu().numpy())).to(ctx.dev)
-
-
-def check_slice(ctx, c, a, w64, limit, bias=None) -> dict:
-    """c[:, :CHECK_COLS] against a @ w64^T in float64 (w64: the first CHECK_COLS rows of W)."""
-    a64 = a.double()
-    ref = a64 @ w64.T
-    if bias is not None:
-        ref += bias[:w64.shape[0]].double()
-    return errors_vs(ctx, c[:, :w64.shape[0]], ref, a64.abs() @ w64.abs().T, limit)
-
-
 def rotated(ctx, fmt: str, n: int, k: int):
-    """(w, copies of w's shape whose total exceeds 3x L2 with w first, w's float64 check rows)."""
+    """(w, copies of w's shape whose total exceeds 3x L2 with w first)."""
     w = ggml_random(ctx, fmt, n, k)
-    rot = [w] + [ggml_random(ctx, fmt, n, k) for _ in range(max(1, min(7, -(-3 * ctx.l2 // w.numel()) - 1)))]
-    return w, rot, ggml_w64(ctx, fmt, w)
+    return w, [w] + [ggml_random(ctx, fmt, n, k) for _ in range(max(1, min(7, -(-3 * ctx.l2 // w.numel()) - 1)))]
 
 
 def graph_ms(ctx, calls) -> float:
@@ -185,8 +318,6 @@ def graph_ms(ctx, calls) -> float:
     return ctx.bench(g.replay) / len(calls)
 
 
-# ------------------------------------------------------------------ sections
-
 def gemv(ctx) -> None:
     from kernel_parity.kernels.triton import gemm as G
     torch = ctx.torch
@@ -200,72 +331,67 @@ def gemv(ctx) -> None:
         for fmt, sweep in GEMV_SWEEP.items():
             if ctx.formats and fmt not in ctx.formats:
                 continue
-            w, rot, w64 = rotated(ctx, fmt, n, k)
+            w, rot = rotated(ctx, fmt, n, k)
             nbytes = w.numel()
             outs = [torch.empty((1, n), dtype=a.dtype, device=ctx.dev) for _ in rot]
             for i, (cfg, split) in enumerate(sweep if not ctx.quick else sweep[:1]):
                 if i and ctx.over_budget():
                     break
 
-                def run(cfg=cfg, split=split):
-                    c = G.gemm_nt(a, fmt, w, config=cfg, split_k=split)
-                    row = dict(fmt=fmt, shape=[1, n, k], config=cfg, split_k=split or "auto", weight_bytes=nbytes,
-                               rotations=len(rot), **check_slice(ctx, c, a, w64, "bf16"))
-                    if i == 0:  # fp32 A and output: the decode path's exact fp32 arithmetic, fp32 limit
-                        f32 = check_slice(ctx, G.gemm_nt(a.float(), fmt, w, config=cfg, split_k=split), a.float(),
-                                          w64, "fp32")
-                        row.update(err_acc_fp32=f32["err_acc"], ok=row["ok"] and f32["ok"])
+                def run(cfg=cfg, split=split, i=i):
                     ms = graph_ms(ctx, [lambda ww=ww, o=o: G.gemm_nt(a, fmt, ww, out=o, config=cfg, split_k=split)
                                         for ww, o in zip(rot, outs)])
-                    row.update(ms=ms, GBps=nbytes / ms / 1e6, pct_copy=100 * nbytes / ms / 1e6 / ctx.copy_gbps,
+                    row = dict(fmt=fmt, shape=[1, n, k], config=cfg, split_k=split or "auto", weight_bytes=nbytes,
+                               rotations=len(rot), ms=ms, GBps=nbytes / ms / 1e6,
+                               pct_copy=100 * nbytes / ms / 1e6 / ctx.copy_gbps,
                                ms_do_bench=ctx.bench(lambda: G.gemm_nt(a, fmt, w, out=outs[0], config=cfg,
                                                                        split_k=split)))
+                    swap = _adding(G, "gemm_nt", config=cfg, split_k=split)
+                    row["gate"] = ctx.judge(_case(1, n, k, fmt), swap)
+                    if i == 0:  # fp32 A: the decode path's exact fp32 arithmetic, judged at fp32
+                        row["gate_fp32"] = ctx.judge(_case(1, n, k, fmt), swap, dtype="fp32")
                     return row
                 ctx.entry("gemv", f"{fmt} {n}x{k} {cfg} split={split or 'auto'}", run)
-            del rot, outs, w, w64
+            del rot, outs, w
             torch.cuda.empty_cache() if ctx.cuda else None
     n, k = ctx.gemv_shapes[0]
     for fmt, sweep in DECODE_SWEEP.items():  # M = 2..16: the GEMV kernel with BLOCK_M rows of A
         if ctx.formats and fmt not in ctx.formats:
             continue
         w = ggml_random(ctx, fmt, n, k)
-        w64 = ggml_w64(ctx, fmt, w)
         for m in (4, 16):
             a = torch.randn((m, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
             for i, (cfg, split) in enumerate(sweep if not ctx.quick else sweep[:1]):
                 if i and ctx.over_budget():
                     break
 
-                def run(cfg=cfg, split=split, m=m, a=a):
-                    row = dict(fmt=fmt, shape=[m, n, k], config=cfg, split_k=split or "auto",
-                               **check_slice(ctx, G.gemm_nt(a, fmt, w, config=cfg, split_k=split), a, w64, "bf16"))
-                    if i == 0:  # fp32 A: fp32 arithmetic
-                        f32 = check_slice(ctx, G.gemm_nt(a.float(), fmt, w, config=cfg, split_k=split), a.float(),
-                                          w64, "fp32")
-                        row.update(err_acc_fp32=f32["err_acc"], ok=row["ok"] and f32["ok"])
+                def run(cfg=cfg, split=split, m=m, a=a, i=i):
                     ms = ctx.bench(lambda: G.gemm_nt(a, fmt, w, config=cfg, split_k=split))
-                    row.update(ms=ms, GBps=w.numel() / ms / 1e6, pct_copy=100 * w.numel() / ms / 1e6 / ctx.copy_gbps)
+                    row = dict(fmt=fmt, shape=[m, n, k], config=cfg, split_k=split or "auto", ms=ms,
+                               GBps=w.numel() / ms / 1e6, pct_copy=100 * w.numel() / ms / 1e6 / ctx.copy_gbps)
+                    swap = _adding(G, "gemm_nt", config=cfg, split_k=split)
+                    row["gate"] = ctx.judge(_case(m, n, k, fmt), swap)
+                    if i == 0:  # fp32 A: fp32 arithmetic
+                        row["gate_fp32"] = ctx.judge(_case(m, n, k, fmt), swap, dtype="fp32")
                     return row
                 ctx.entry("decode", f"{fmt} M={m} {n}x{k} {cfg} split={split or 'auto'}", run)
 
 
 def q8(ctx) -> None:
     """triton-q8 (Q4_K x Q8_K, Q8_0 x Q8_0): the activation quantizer and the integer-dot GEMV together (what
-    a user calls), and the GEMV alone, on weight bytes against the read and copy rates of this run; checked
-    against the `emulated` golden (float64 of the same integer dots) on the first CHECK_COLS rows."""
+    a user calls), and the GEMV alone, on weight bytes against the read and copy rates of this run; each
+    call judged by the gate on the triton-q8 backend (its `emulated` reference) with the line's kernel and tile."""
     from kernel_parity.kernels.triton import gemm_mmq as MMQ, gemm_q8 as Q
-    from kernel_parity.refimpl import gemm as refgemm
     torch = ctx.torch
     for n, k in ctx.gemv_shapes:
         for fmt, sweeps in Q8_SWEEP.items():
             if ctx.formats and fmt not in ctx.formats:
                 continue
-            w, rot, w64 = rotated(ctx, fmt, n, k)
+            w, rot = rotated(ctx, fmt, n, k)
             nbytes = w.numel()
-            w_np = w[:CHECK_COLS].cpu().numpy()
             limits_at_size(ctx, rot, n, k, f"{fmt} {n}x{k}")
             if ctx.q8_grid:
-                q8_grid_sweep(ctx, fmt, n, k, w, rot, w_np, w64)
+                q8_grid_sweep(ctx, fmt, n, k, w, rot)
             for m, sweep in sweeps.items():
                 if (m > 1 and (n, k) != ctx.gemv_shapes[0]) or m not in ctx.q8_m:
                     continue
@@ -277,19 +403,11 @@ def q8(ctx) -> None:
                     if i and ctx.over_budget():
                         break
 
-                    def run(item=cfg, m=m, a=a, outs=outs, fmt=fmt, w=w, w64=w64, w_np=w_np, rot=rot, nbytes=nbytes):
+                    def run(item=cfg, m=m, a=a, outs=outs, fmt=fmt, rot=rot, nbytes=nbytes):
                         kernel, cfg = item if isinstance(item, tuple) and isinstance(item[0], str) else ("auto", item)
                         kernel_used = Q.kernel_for(m) if kernel == "auto" else kernel
                         launch = Q.launch_gemv if kernel_used == "gemv" else MMQ.launch_mmq
                         cfg_used = cfg or (Q.default_config if kernel_used == "gemv" else MMQ.default_config)(fmt, m, n)
-                        c = Q.gemm_nt_q8(a, fmt, w, config=cfg, kernel=kernel)
-                        ref = torch.from_numpy(refgemm.emulated_reference(a.float().cpu().numpy(), fmt, {"w": w_np}))
-                        mag = a.double().abs() @ w64.abs().T
-                        row = dict(fmt=fmt, path="q8", kernel=kernel_used, shape=[m, n, k],
-                                   config=cfg or f"default {cfg_used}", weight_bytes=nbytes,
-                                   rotations=len(rot), **errors_vs(ctx, c[:, :CHECK_COLS], ref.to(ctx.dev), mag, "bf16"))
-                        dq = a.double() @ w64.T  # the dequantized product: the activation quantization's size
-                        row["err_acc_vs_dequant"] = float(((c[:, :CHECK_COLS].double() - dq).abs() / mag).max())
                         ms = graph_ms(ctx, [lambda ww=ww, o=o: Q.gemm_nt_q8(a, fmt, ww, out=o, config=cfg,
                                                                             kernel=kernel)
                                             for ww, o in zip(rot, outs)])
@@ -299,26 +417,28 @@ def q8(ctx) -> None:
                         ms_gemv = graph_ms(ctx, [lambda ww=ww, o=o: launch(fmt, quantized, ww, None, o, cfg_used)
                                                  for ww, o in zip(rot, outs)])
                         gbps = nbytes / ms / 1e6
-                        row.update(ms=ms, GBps=gbps, pct_copy=100 * gbps / ctx.copy_gbps,
-                                   pct_read=100 * gbps / ctx.read_gbps, ms_quantize=ms_quant, ms_gemv_alone=ms_gemv,
-                                   pct_read_gemv_alone=100 * nbytes / ms_gemv / 1e6 / ctx.read_gbps)
-                        return row
+                        return dict(fmt=fmt, path="q8", kernel=kernel_used, shape=[m, n, k],
+                                    config=cfg or f"default {cfg_used}", weight_bytes=nbytes, rotations=len(rot),
+                                    ms=ms, GBps=gbps, pct_copy=100 * gbps / ctx.copy_gbps,
+                                    pct_read=100 * gbps / ctx.read_gbps, ms_quantize=ms_quant, ms_gemv_alone=ms_gemv,
+                                    pct_read_gemv_alone=100 * nbytes / ms_gemv / 1e6 / ctx.read_gbps,
+                                    gate=ctx.judge(_case(m, n, k, fmt), _adding(Q, "gemm_nt_q8", config=cfg,
+                                                                                kernel=kernel), backend="triton-q8"))
                     ctx.entry("q8", f"{fmt} x q8 M={m} {n}x{k} {cfg}", run)  # cfg: the sweep's item
-            del rot, w, w64
+            del rot, w
             torch.cuda.empty_cache() if ctx.cuda else None
 
 
-def q8_grid_sweep(ctx, fmt: str, n: int, k: int, w, rot, w_np, w64) -> None:
+def q8_grid_sweep(ctx, fmt: str, n: int, k: int, w, rot) -> None:
     """--q8-grid, at M = 1 on the first shape: the GEMV alone (activations quantized once) at every q8_grid
-    config, each output checked against the emulated golden; the three fastest go to ctx.q8_best."""
+    config, each judged by the gate (gemm_nt_q8 with that tile); the three fastest that the gate passes go to
+    ctx.q8_best."""
+    from kernel_parity.conformance.results import FAILING
     from kernel_parity.kernels.triton import gemm_q8 as Q
-    from kernel_parity.refimpl import gemm as refgemm
     torch = ctx.torch
     if (n, k) != ctx.gemv_shapes[0]:
         return
     a = torch.randn((1, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
-    ref = torch.from_numpy(refgemm.emulated_reference(a.float().cpu().numpy(), fmt, {"w": w_np})).to(ctx.dev)
-    mag = a.double().abs() @ w64.abs().T
     quantized = (Q.quantize_q8_k if fmt == "q4_k" else Q.quantize_q8_0)(a)
     outs = [torch.empty((1, n), dtype=a.dtype, device=ctx.dev) for _ in rot]
     timed = []
@@ -327,17 +447,16 @@ def q8_grid_sweep(ctx, fmt: str, n: int, k: int, w, rot, w_np, w64) -> None:
             break
 
         def run(cfg=cfg):
-            Q.launch_gemv(fmt, quantized, w, None, outs[0], cfg)
-            row = dict(fmt=fmt, path="q8 gemv alone", shape=[1, n, k], config=cfg,
-                       **errors_vs(ctx, outs[0][:, :CHECK_COLS], ref, mag, "bf16"))
             ms = graph_ms(ctx, [lambda ww=ww, o=o: Q.launch_gemv(fmt, quantized, ww, None, o, cfg)
                                 for ww, o in zip(rot, outs)])
             gbps = w.numel() / ms / 1e6
-            row.update(ms=ms, GBps=gbps, pct_copy=100 * gbps / ctx.copy_gbps, ms_gemv_alone=ms,
-                       pct_read_gemv_alone=100 * gbps / ctx.read_gbps)
-            return row
+            return dict(fmt=fmt, path="q8 gemv alone", shape=[1, n, k], config=cfg, ms=ms, GBps=gbps,
+                        pct_copy=100 * gbps / ctx.copy_gbps, ms_gemv_alone=ms,
+                        pct_read_gemv_alone=100 * gbps / ctx.read_gbps,
+                        gate=ctx.judge(_case(1, n, k, fmt), _adding(Q, "gemm_nt_q8", config=cfg, kernel="gemv"),
+                                       backend="triton-q8"))
         row = ctx.entry("q8grid", f"{fmt} gemv alone M=1 {n}x{k} {cfg}", run)
-        if row and row["ok"]:
+        if row and row["gate"]["verdict"] not in FAILING:
             timed.append((row["ms_gemv_alone"], cfg))
     ctx.q8_best[fmt] = [cfg for _, cfg in sorted(timed)[:3]]
 
@@ -416,7 +535,6 @@ def prefill(ctx) -> None:
                                                                       TFLOPs=flops / t_ref / 1e9))
         del wd
         w = ggml_random(ctx, "q4_k", n, k)
-        w64 = ggml_w64(ctx, "q4_k", w)
         sweep = PREFILL_SWEEP if si == 0 and not ctx.quick else [PREFILL_SWEEP[0]]
         if si and timed and min(timed, key=timed.get) not in sweep:
             sweep = sweep + [min(timed, key=timed.get)]
@@ -426,29 +544,22 @@ def prefill(ctx) -> None:
 
             def run(cfg=cfg):
                 c = G.gemm_nt(a, "q4_k", w, config=cfg, path="fused")
-                row = dict(fmt="q4_k", path="fused", shape=[m, n, k], config=cfg, **check_slice(ctx, c, a, w64, "bf16"))
                 ms = ctx.bench(lambda: G.gemm_nt(a, "q4_k", w, out=c, config=cfg, path="fused"))
-                row.update(ms=ms, TFLOPs=flops / ms / 1e9, pct_matmul=100 * flops / ms / 1e9 / ctx.mm_tflops,
-                           torch_bf16_ms=t_ref, speed_vs_torch_bf16=t_ref / ms)
                 if si == 0:
                     timed[cfg] = ms
-                return row
+                return dict(fmt="q4_k", path="fused", shape=[m, n, k], config=cfg, ms=ms, TFLOPs=flops / ms / 1e9,
+                            pct_matmul=100 * flops / ms / 1e9 / ctx.mm_tflops, torch_bf16_ms=t_ref,
+                            speed_vs_torch_bf16=t_ref / ms,
+                            gate=ctx.judge(_case(m, n, k, "q4_k"), _adding(G, "gemm_nt", config=cfg, path="fused")))
             ctx.entry("prefill", f"q4_k {m}x{n}x{k} {cfg}", run)
-        prefill_dequant(ctx, a, w, w64, t_ref, flops, dense_timed)
-        del w, w64
+        prefill_dequant(ctx, a, w, t_ref, flops, dense_timed)
+        del w
     prefill_crossover(ctx)
 
 
-# gemm_nt's dequant path (kernels/triton/gemm_dense.py after the dequantizer): (BLOCK_M, BLOCK_N, BLOCK_K,
-# GROUP_M, num_warps, num_stages[, TMA]), swept on the first shape; the others run the default and the best
-DENSE_SWEEP = [None, (256, 128, 64, 8, 8, 4), (256, 128, 64, 16, 8, 3), (256, 128, 64, 4, 8, 3),
-               (256, 128, 128, 8, 8, 2), (128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4), (256, 128, 64, 8, 8, 3, 0)]
-CROSSOVER_M = (128, 256, 512, 1024, 2048)  # rows of A where the fused and dequant paths are both timed
-
-
-def prefill_dequant(ctx, a, w, w64, t_ref: float, flops: int, timed: dict) -> None:
+def prefill_dequant(ctx, a, w, t_ref: float, flops: int, timed: dict) -> None:
     """gemm_nt's dequant path at DENSE_SWEEP tiles, and as a reference the same dequantization followed by
-    torch's matmul (cuBLAS) instead of ours; each output checked, the dequantizer timed alone too."""
+    torch's matmul (cuBLAS) instead of ours; each judged by the gate, the dequantizer timed alone too."""
     from kernel_parity.kernels.triton import gemm as G, quant as TQ
     torch = ctx.torch
     m, k = a.shape
@@ -464,13 +575,18 @@ def prefill_dequant(ctx, a, w, w64, t_ref: float, flops: int, timed: dict) -> No
         TQ.dequantize("q4_k", w, out=wd)
         torch.matmul(a, wd.T, out=c)
 
+    def dequant_then_torch(a_, wfmt, w_, bias=None, out=None, **_):
+        """with_torch as gemm.gemm_nt, for the gate (its cases have no bias)."""
+        if bias is not None:
+            raise ValueError("dequantize + torch matmul: no bias form")
+        w16 = TQ.dequantize(wfmt, w_, out=torch.empty((w_.shape[0], a_.shape[1]), dtype=a_.dtype, device=a_.device))
+        return torch.matmul(a_, w16.T, out=out)
+
     def ref_run():
-        with_torch()
-        row = dict(fmt="q4_k", shape=[m, n, k], **check_slice(ctx, c, a, w64, "bf16"))
         ms = ctx.bench(with_torch)
-        row.update(ms=ms, ms_dequantize=ms_dq, TFLOPs=flops / ms / 1e9, torch_bf16_ms=t_ref,
-                   speed_vs_torch_bf16=t_ref / ms)
-        return row
+        return dict(fmt="q4_k", shape=[m, n, k], ms=ms, ms_dequantize=ms_dq, TFLOPs=flops / ms / 1e9,
+                    torch_bf16_ms=t_ref, speed_vs_torch_bf16=t_ref / ms,
+                    gate=ctx.judge(_case(m, n, k, "q4_k"), (G, "gemm_nt", dequant_then_torch)))
     ctx.entry("prefill", f"q4_k dequantize + torch matmul {m}x{n}x{k}", ref_run)
     first = not timed
     sweep = DENSE_SWEEP if first and not ctx.quick else [None]
@@ -482,15 +598,14 @@ def prefill_dequant(ctx, a, w, w64, t_ref: float, flops: int, timed: dict) -> No
             break
 
         def run(cfg=cfg):
-            G.gemm_nt(a, "q4_k", w, out=c, config=cfg, path="dequant")
-            row = dict(fmt="q4_k", path="dequant", shape=[m, n, k], config=cfg or f"default {G.gemm_dense.CONFIG}",
-                       **check_slice(ctx, c, a, w64, "bf16"))
             ms = ctx.bench(lambda: G.gemm_nt(a, "q4_k", w, out=c, config=cfg, path="dequant"))
-            row.update(ms=ms, ms_dequantize=ms_dq, TFLOPs=flops / ms / 1e9, pct_matmul=100 * flops / ms / 1e9 /
-                       ctx.mm_tflops, torch_bf16_ms=t_ref, speed_vs_torch_bf16=t_ref / ms)
             if first:
                 timed[cfg] = ms
-            return row
+            return dict(fmt="q4_k", path="dequant", shape=[m, n, k], config=cfg or f"default {G.gemm_dense.CONFIG}",
+                        ms=ms, ms_dequantize=ms_dq, TFLOPs=flops / ms / 1e9,
+                        pct_matmul=100 * flops / ms / 1e9 / ctx.mm_tflops, torch_bf16_ms=t_ref,
+                        speed_vs_torch_bf16=t_ref / ms,
+                        gate=ctx.judge(_case(m, n, k, "q4_k"), _adding(G, "gemm_nt", config=cfg, path="dequant")))
         ctx.entry("prefill", f"q4_k dequant path {m}x{n}x{k} {cfg}", run)
     del wd, c
 
@@ -502,7 +617,6 @@ def prefill_crossover(ctx) -> None:
     torch = ctx.torch
     n, k = ctx.prefill_shapes[-1]
     w = ggml_random(ctx, "q4_k", n, k)
-    w64 = ggml_w64(ctx, "q4_k", w)
     for m in CROSSOVER_M if ctx.cuda else (17, 40):
         a = torch.randn((m, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
         wd = torch.randn((n, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
@@ -511,31 +625,17 @@ def prefill_crossover(ctx) -> None:
         for path in ("fused", "dequant"):
             def run(path=path, m=m, a=a, t_ref=t_ref):
                 c = G.gemm_nt(a, "q4_k", w, path=path)
-                row = dict(fmt="q4_k", path=path, shape=[m, n, k], **check_slice(ctx, c, a, w64, "bf16"))
                 ms = ctx.bench(lambda: G.gemm_nt(a, "q4_k", w, out=c, path=path))
-                row.update(ms=ms, TFLOPs=2 * m * n * k / ms / 1e9, torch_bf16_ms=t_ref, speed_vs_torch_bf16=t_ref / ms)
-                return row
+                return dict(fmt="q4_k", path=path, shape=[m, n, k], ms=ms, TFLOPs=2 * m * n * k / ms / 1e9,
+                            torch_bf16_ms=t_ref, speed_vs_torch_bf16=t_ref / ms,
+                            gate=ctx.judge(_case(m, n, k, "q4_k"), _adding(G, "gemm_nt", path=path)))
             ctx.entry("prefill", f"q4_k {path} M={m} {n}x{k}", run)
-    del w, w64
-
-
-def fp8_ref(ctx, qa, sa, qw, sw, rows: int, gk: int = 128):
-    """Emulated float64 reference of the first `rows` rows: sum_kb dot(qa, qw)_kb * sa * sw."""
-    torch = ctx.torch
-    xa, xw = qa[:rows].double(), qw[:CHECK_COLS].double()
-    m, k = xa.shape
-    ref = torch.zeros((m, xw.shape[0]), dtype=torch.float64, device=ctx.dev)
-    mag = torch.zeros_like(ref)
-    swn = sw.double()[torch.arange(xw.shape[0], device=ctx.dev) // 128]  # n, kb
-    for kb in range(-(-k // gk)):
-        s = slice(kb * gk, (kb + 1) * gk)
-        scale = sa[:rows, kb].double()[:, None] * swn[:, kb][None, :]
-        ref += (xa[:, s] @ xw[:, s].T) * scale
-        mag += (xa[:, s].abs() @ xw[:, s].abs().T) * scale
-    return ref, mag
+    del w
 
 
 def fp8(ctx) -> None:
+    """The gate judges gemm_fp8 (the activation quantizer, then gemm_fp8_scaled) at the config a line timed:
+    the GEMM-alone lines' kernel, behind the quantizer every gemm.gemm_nt case of the triton backend runs."""
     from kernel_parity.kernels.triton import gemm_fp8 as F
     torch = ctx.torch
     m = n = k = ctx.fp8_size
@@ -548,9 +648,6 @@ def fp8(ctx) -> None:
     qw = (blocks / sw[:, None, :, None]).view(n, k).to(torch.float8_e4m3fn)
     del wf, blocks
     qa, sa = F.act_quant_fp8(a, 1, 128)
-    rows = min(m, 256)
-    ref, mag = fp8_ref(ctx, qa, sa, qw, sw, rows)
-    chk = lambda c: errors_vs(ctx, c[:rows, :CHECK_COLS], ref, mag, "fp8")  # noqa: E731
     t_scaled = {}
     ctx.entry("fp8", f"act_quant_fp8 {m}x{k}", lambda: dict(
         ms=(ms := ctx.bench(lambda: F.act_quant_fp8(a, 1, 128))), GBps=(3 * m * k + 4 * m * k // 128) / ms / 1e6))
@@ -560,36 +657,41 @@ def fp8(ctx) -> None:
 
         def run(cfg=cfg):
             c = F.gemm_fp8_scaled(qa, sa, qw, sw, config=cfg)
-            row = dict(shape=[m, n, k], config=cfg, **chk(c))
-            ms = ctx.bench(lambda: F.gemm_fp8_scaled(qa, sa, qw, sw, out=c, config=cfg))
-            t_scaled[cfg] = ms
-            row.update(ms=ms, TFLOPs=flops / ms / 1e9)
-            return row
+            t_scaled[cfg] = ms = ctx.bench(lambda: F.gemm_fp8_scaled(qa, sa, qw, sw, out=c, config=cfg))
+            return dict(shape=[m, n, k], config=cfg, ms=ms, TFLOPs=flops / ms / 1e9,
+                        gate=ctx.judge(_case(m, n, k, "fp8"), _adding(F, "gemm_fp8", config=cfg)))
         ctx.entry("fp8", f"gemm_fp8_scaled 1x128x128 {cfg}", run)
     best = min(t_scaled, key=t_scaled.get) if t_scaled else None
     ctx.entry("fp8", "gemm_fp8 (act quant + GEMM, best config)", lambda: dict(
-        shape=[m, n, k], config=best, **chk(F.gemm_fp8(a, qw, sw, config=best)),
-        ms=(ms := ctx.bench(lambda: F.gemm_fp8(a, qw, sw, config=best))), TFLOPs=flops / ms / 1e9))
+        shape=[m, n, k], config=best, ms=(ms := ctx.bench(lambda: F.gemm_fp8(a, qw, sw, config=best))),
+        TFLOPs=flops / ms / 1e9, gate=ctx.judge(_case(m, n, k, "fp8"), _adding(F, "gemm_fp8", config=best))))
 
-    def scaled_mm_block():
-        sa_t = sa  # (M, K/128) with strides (1, M): outer-dim-major, as act_quant_fp8 stores it
-        c = torch._scaled_mm(qa, qw.t(), scale_a=sa_t, scale_b=sw.t(), out_dtype=torch.bfloat16)
-        ms = ctx.bench(lambda: torch._scaled_mm(qa, qw.t(), scale_a=sa_t, scale_b=sw.t(), out_dtype=torch.bfloat16))
-        row = dict(shape=[m, n, k], **chk(c), ms=ms, TFLOPs=flops / ms / 1e9)
-        if best is not None:
-            row.update(ours_ms=t_scaled[best], ours_speed_vs_scaled_mm=ms / t_scaled[best])
-        return row
+    def versus_ours(ms: float) -> dict:
+        return {} if best is None else dict(ours_ms=t_scaled[best], ours_speed_vs_scaled_mm=ms / t_scaled[best])
+
+    def scaled_mm_block():  # sa: (M, K/128) with strides (1, M), outer-dim-major, as act_quant_fp8 stores it
+        ms = ctx.bench(lambda: torch._scaled_mm(qa, qw.t(), scale_a=sa, scale_b=sw.t(), out_dtype=torch.bfloat16))
+        return dict(shape=[m, n, k], ms=ms, TFLOPs=flops / ms / 1e9, **versus_ours(ms),
+                    gate=ctx.judge(_case(m, n, k, "fp8"), backend="scaled-mm"))
     ctx.entry("fp8", "torch._scaled_mm blockwise 1x128x128", scaled_mm_block)
 
-    def f_scaled_mm_block():  # the recipe-based API of newer torch, same operands
-        F_ = torch.nn.functional
-        call = lambda: F_.scaled_mm(qa, qw.t(), sa, F_.ScalingType.BlockWise1x128, sw.t(),  # noqa: E731
-                                    F_.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
-        c, ms = call(), ctx.bench(call)
-        row = dict(shape=[m, n, k], **chk(c), ms=ms, TFLOPs=flops / ms / 1e9)
-        if best is not None:
-            row.update(ours_ms=t_scaled[best], ours_speed_vs_scaled_mm=ms / t_scaled[best])
-        return row
+    F_ = torch.nn.functional
+
+    def f_scaled_mm(qa_, sa_, w_, sw_, out_dtype):  # the recipe-based API of newer torch
+        return F_.scaled_mm(qa_, w_.t(), sa_, F_.ScalingType.BlockWise1x128, sw_.t(), F_.ScalingType.BlockWise128x128,
+                            output_dtype=out_dtype)
+
+    def f_scaled_mm_gemm(a_, w_, sw_, bias=None, out=None, gm=1, gn=128, gk=128, **_):
+        """act_quant_fp8 then F.scaled_mm as gemm_fp8, for the gate (its fp8 case: 1 x 128 x 128, no bias)."""
+        if bias is not None or (gm, gn, gk) != (1, 128, 128):
+            raise ValueError(f"F.scaled_mm blockwise: no bias, groups 1 x 128 x 128 (got {gm} x {gn} x {gk})")
+        qa_, sa_ = F.act_quant_fp8(a_, 1, 128)
+        return out.copy_(f_scaled_mm(qa_, sa_, w_, sw_, a_.dtype))
+
+    def f_scaled_mm_block():
+        ms = ctx.bench(lambda: f_scaled_mm(qa, sa, qw, sw, torch.bfloat16))
+        return dict(shape=[m, n, k], ms=ms, TFLOPs=flops / ms / 1e9, **versus_ours(ms),
+                    gate=ctx.judge(_case(m, n, k, "fp8"), (F, "gemm_fp8", f_scaled_mm_gemm)))
     ctx.entry("fp8", "torch.nn.functional.scaled_mm BlockWise1x128 x BlockWise128x128", f_scaled_mm_block)
 
     one = torch.ones((), dtype=torch.float32, device=ctx.dev)
@@ -597,25 +699,22 @@ def fp8(ctx) -> None:
         shape=[m, n, k], ms=(ms := ctx.bench(lambda: torch._scaled_mm(qa, qw.t(), scale_a=one, scale_b=one,
                                                                       out_dtype=torch.bfloat16))),
         TFLOPs=flops / ms / 1e9))
-    for gm, gn, gk, label in ((1, 1, k, "per-token x per-channel"), (m, n, k, "per-tensor")):
-        def run(gm=gm, gn=gn, gk=gk):
+    for gm, gn, gk, wfmt in ((1, 1, k, "fp8_row"), (m, n, k, "fp8_tensor")):
+        def run(gm=gm, gn=gn, gk=gk, wfmt=wfmt):
             qa2, sa2 = F.act_quant_fp8(a, gm, gk)
             sw2 = torch.ones((-(-n // gn), -(-k // gk)), dtype=torch.float32, device=ctx.dev)
             c = F.gemm_fp8_scaled(qa2, sa2, qw, sw2, gm=gm, gn=gn, gk=gk, config=best)
-            s_rows = sa2[torch.arange(rows, device=ctx.dev) // gm, 0].double()[:, None]  # one K group, unit sw
-            ref2 = (qa2[:rows].double() @ qw[:CHECK_COLS].double().T) * s_rows
-            mag2 = (qa2[:rows].double().abs() @ qw[:CHECK_COLS].double().abs().T) * s_rows
             ms = ctx.bench(lambda: F.gemm_fp8_scaled(qa2, sa2, qw, sw2, gm=gm, gn=gn, gk=gk, out=c, config=best))
-            return dict(shape=[m, n, k], config=best, **errors_vs(ctx, c[:rows, :CHECK_COLS], ref2, mag2, "fp8"),
-                        ms=ms, TFLOPs=flops / ms / 1e9)
+            return dict(shape=[m, n, k], config=best, ms=ms, TFLOPs=flops / ms / 1e9,
+                        gate=ctx.judge(_case(m, n, k, wfmt), _adding(F, "gemm_fp8", config=best)))
+        label = "per-token x per-channel" if wfmt == "fp8_row" else "per-tensor"
         ctx.entry("fp8", f"gemm_fp8_scaled {label}", run)
 
 
 def int4(ctx) -> None:
     from kernel_parity.kernels.triton import gemm_int4 as I
-    from kernel_parity.refimpl import quant_fp
     torch = ctx.torch
-    g = 128
+    g = 128  # gemm.gemm_nt's INT4_GROUP
     for si, (n, k) in enumerate(ctx.prefill_shapes):
         packs = {}
         for order in ("gptq", "awq"):
@@ -624,10 +723,7 @@ def int4(ctx) -> None:
             qz = torch.randint(-2**31, 2**31 - 1, (k // g, n // 8), dtype=torch.int32, device=ctx.dev,
                                generator=ctx.gen)
             s = (torch.rand((k // g, n), device=ctx.dev, generator=ctx.gen) * 2e-3 + 1e-4).half()
-            cols = CHECK_COLS if order == "gptq" else CHECK_COLS // 8
-            part = {"qweight": qw[:, :cols].cpu().numpy(), "qzeros": qz[:, :CHECK_COLS // 8].cpu().numpy(),
-                    "scales": s[:, :CHECK_COLS].cpu().numpy()}
-            packs[order] = (qw, qz, s, torch.from_numpy(quant_fp.int4_dequantize(part, order)).to(ctx.dev))
+            packs[order] = (qw, qz, s)
         nbytes = n * k // 2 + 2 * n * (k // g) + n * (k // g) // 2
         for m in (ctx.prefill_m, 1):
             a = torch.randn((m, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
@@ -636,7 +732,7 @@ def int4(ctx) -> None:
                 wd = torch.randn((n, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
                 t_ref = ctx.bench(lambda: a @ wd.T)
                 del wd
-            for order, (qw, qz, s, w64) in packs.items():
+            for order, (qw, qz, s) in packs.items():
                 # (path, config): the launcher's path (the dequant path at this M), the fused kernel's default,
                 # then its sweep on the first shape
                 sweep = [("auto", None)] + ([("fused", None)] + (
@@ -645,30 +741,30 @@ def int4(ctx) -> None:
                     if i and ctx.over_budget():
                         break
 
-                    def run(cfg=cfg, path=path, order=order, qw=qw, qz=qz, s=s, w64=w64):
+                    def run(cfg=cfg, path=path, order=order, qw=qw, qz=qz, s=s):
                         c = I.gemm_int4(a, qw, qz, s, group=g, order=order, config=cfg, path=path)
-                        row = dict(order=order, path=path, shape=[m, n, k], config=cfg,
-                                   **check_slice(ctx, c, a, w64, "bf16"))
                         ms = ctx.bench(lambda: I.gemm_int4(a, qw, qz, s, group=g, order=order, out=c, config=cfg,
                                                            path=path))
-                        row.update(ms=ms, TFLOPs=flops / ms / 1e9, GBps_weights=nbytes / ms / 1e6)
+                        row = dict(order=order, path=path, shape=[m, n, k], config=cfg, ms=ms,
+                                   TFLOPs=flops / ms / 1e9, GBps_weights=nbytes / ms / 1e6)
                         if m > 1:
                             row.update(torch_bf16_ms=t_ref, speed_vs_torch_bf16=t_ref / ms)
                         else:
                             row.update(pct_copy=100 * nbytes / ms / 1e6 / ctx.copy_gbps)
+                        row["gate"] = ctx.judge(_case(m, n, k, f"int4_{order}"),
+                                                _adding(I, "gemm_int4", config=cfg, path=path))
                         return row
                     ctx.entry("int4", f"{order} {path} {m}x{n}x{k} {cfg}", run)
         if si == len(ctx.prefill_shapes) - 1:  # the fused kernel against the dequant path by rows (GPTQ)
-            qw, qz, s, w64 = packs["gptq"]
+            qw, qz, s = packs["gptq"]
             for m in CROSSOVER_M if ctx.cuda else (17, 40):
                 a = torch.randn((m, k), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
                 for path in ("fused", "dequant"):
                     def run(path=path, m=m, a=a):
                         c = I.gemm_int4(a, qw, qz, s, group=g, order="gptq", path=path)
-                        row = dict(order="gptq", path=path, shape=[m, n, k], **check_slice(ctx, c, a, w64, "bf16"))
                         ms = ctx.bench(lambda: I.gemm_int4(a, qw, qz, s, group=g, order="gptq", out=c, path=path))
-                        row.update(ms=ms, TFLOPs=2 * m * n * k / ms / 1e9)
-                        return row
+                        return dict(order="gptq", path=path, shape=[m, n, k], ms=ms, TFLOPs=2 * m * n * k / ms / 1e9,
+                                    gate=ctx.judge(_case(m, n, k, "int4_gptq"), _adding(I, "gemm_int4", path=path)))
                     ctx.entry("int4", f"gptq {path} M={m} {n}x{k}", run)
         del packs
 
@@ -691,8 +787,8 @@ def dump_kernels(ctx, path: str) -> None:
     import subprocess
     import tempfile
     from kernel_parity.kernels.triton import gemm as G, gemm_fp8 as F, gemm_gemv as V, gemm_int4 as I
-    lines = []
     from kernel_parity.kernels.triton import gemm_q8 as Q
+    lines = []
     for fn in (V._gemv_kernel, V._q6_k_kernel, G._gemm_ggml_kernel, F._gemm_fp8_kernel, I._gemm_int4_kernel,
                Q._gemv_q4_k_q8_kernel, Q._gemv_q8_0_q8_kernel):
         for k in _compiled(fn):
@@ -722,54 +818,51 @@ def dump_kernels(ctx, path: str) -> None:
                 hist = f"(no sass: {type(e).__name__})"
             lines.append(f"{fn.__name__} {meta} regs={getattr(k, 'n_regs', None)} "
                          f"spills={getattr(k, 'n_spills', None)} loop={n} {hist}\n    {consts}")
-    Path(path).write_text("\n".join(lines) + "\n")
+    from kernel_parity.reports.files import write_text
+
+    write_text(path, "\n".join(lines) + "\n")
     print(f"kernel dump: {len(lines)} compiled variants -> {path}", flush=True)
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default_out = os.path.join(os.environ["OUT"], "gemm-bench.json") if os.environ.get("OUT") else None
-    p.add_argument("--out", default=default_out, help="JSON output (default $OUT/gemm-bench.json)")
-    p.add_argument("--quick", action="store_true", help="first config of each sweep only")
-    p.add_argument("--budget-s", type=float, default=170.0, help="stop the sweeps after this many seconds")
-    p.add_argument("--sections", default="gemv,q8,prefill,fp8,int4")
-    p.add_argument("--formats", default="", help="GGML formats of the gemv / decode sweeps (default all)")
-    p.add_argument("--q8-grid", action="store_true",
-                   help="q8: sweep a grid of M = 1 configs first (the GEMV alone), then time the three fastest in full")
-    p.add_argument("--dump", default="", help="write registers, spills and loop opcodes of the compiled kernels here")
-    p.add_argument("--smoke-cpu", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
-    p.add_argument("--q8-m", default="", help="rows of A the q8 section runs, a comma list of 1, 4, 16 (default all)")
-    args = p.parse_args()
-    raw = args.q8_m
-    try:
-        args.q8_m = sorted({int(x) for x in raw.split(",") if x}) or [1, 4, 16]
-    except ValueError:
-        args.q8_m = [0]
-    if not set(args.q8_m) <= {1, 4, 16}:
-        p.error(f"--q8-m {raw!r}: expected a comma list of 1, 4, 16")
-    from kernel_parity.reports.files import check_output_or_exit
+@contextlib.contextmanager
+def _golden_cache():
+    """KERNEL_PARITY_GOLDEN_CACHE set to a temporary folder (unless set) while the sweeps run: the gate's
+    input groups and goldens are made once however many configs of a shape it judges."""
+    from kernel_parity.conformance import golden_cache
 
-    check_output_or_exit(p.prog, "--out", args.out)  # before any GPU work: an unwritable path is exit 2
-    return args
+    if golden_cache.directory() is not None:
+        yield
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="kp-gemm-gate-") as tmp:
+        os.environ[golden_cache.ENV] = tmp
+        try:
+            yield
+        finally:
+            del os.environ[golden_cache.ENV]
 
 
-def main() -> int:
-    args = parse_args()
+def tune(args: argparse.Namespace) -> int:
+    """The direct measurement (module docstring); 1 when a timed case fails the gate or an entry raises."""
     if args.smoke_cpu:
         from kernel_parity.conformance.backends.triton_prep import interpreter_ready, prepare_environment
         prepare_environment()
         why = interpreter_ready()
         if why:
-            print(f"gpu_gemm --smoke-cpu: {why}", file=sys.stderr)
+            print(f"gpu_gemm.py: error: --smoke-cpu: {why}", file=sys.stderr)
             return 2
     import torch
 
     cuda = torch.cuda.is_available() and not args.smoke_cpu
     if not cuda and not args.smoke_cpu:
-        print("gpu_gemm: no CUDA device; this benchmark runs on a GPU (--smoke-cpu checks the script)", file=sys.stderr)
+        print("gpu_gemm.py: error: no CUDA device; --tune times the kernels on a GPU (--smoke-cpu checks the "
+              "script on the CPU)", file=sys.stderr)
         return 2
     import triton
     from triton.testing import do_bench
+
+    from bench_cases import gate_text
 
     dev = torch.device("cuda" if cuda else "cpu")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -802,36 +895,35 @@ def main() -> int:
         sm_count=props.multi_processor_count if cuda else None,
         l2_bytes=getattr(props, "L2_cache_size", None) if cuda else None,
         torch=torch.__version__, triton=triton.__version__, copy_GBps=copy_gbps, read_GBps=read_gbps,
-        matmul_bf16_TFLOPs=mm_tflops,
-        matmul_size=n, do_bench=bench_kw, limits=LIMITS, check_cols=CHECK_COLS,
+        matmul_bf16_TFLOPs=mm_tflops, matmul_size=n, do_bench=bench_kw,
+        gate="bench_cases.Gate: gemm.gemm_nt at each line's shape, dist normal, seed 0, the timed call swapped in",
         configs=dict(gemv=V.GEMV_CONFIGS, decode=V.DECODE_CONFIGS, prefill=G.PREFILL_CONFIGS,
                      fp8=F.GEMM_CONFIG, int4=(I.DECODE_CONFIG, I.PREFILL_CONFIG)),
-        time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), command="benchmarks/gpu_gemm.py --tune",
     )
     print(f"{header['device']}  torch {header['torch']}  triton {header['triton']}  "
           f"copy {copy_gbps:.0f} GB/s  bf16 matmul {mm_tflops:.0f} TFLOP/s", flush=True)
     ctx = Ctx(torch=torch, dev=dev, gen=gen, cuda=cuda, bench=bench, copy_gbps=copy_gbps, read_gbps=read_gbps,
-              mm_tflops=mm_tflops,
-              quick=args.quick or not cuda, t0=t0, budget_s=args.budget_s, out=args.out, header=header,
-              results=[], errors=[], l2=(header["l2_bytes"] or 50 * MIB),
-              gemv_shapes=[(14336, 4096), (4096, 14336)] if cuda else [(40, 512)],
-              prefill_shapes=[(4096, 4096), (14336, 4096)] if cuda else [(40, 512)],
-              prefill_m=4096 if cuda else 33, fp8_size=8192 if cuda else 256,
-              formats=[f for f in args.formats.split(",") if f], q8_grid=args.q8_grid, q8_best={}, q8_m=args.q8_m)
+              mm_tflops=mm_tflops, quick=args.quick or not cuda, t0=t0, budget_s=args.budget_s, out=args.out,
+              header=header, results=[], errors=[], l2=(header["l2_bytes"] or 50 * MIB),
+              gemv_shapes=list(GEMV_SHAPES) if cuda else [(40, 512)],
+              prefill_shapes=list(PREFILL_SHAPES) if cuda else [(40, 512)],
+              prefill_m=PREFILL_M if cuda else 33, fp8_size=FP8_SIZE if cuda else 256,
+              formats=args.formats, q8_grid=args.q8_grid, q8_best={}, q8_m=args.q8_m)
     sections = {"gemv": gemv, "q8": q8, "prefill": prefill, "fp8": fp8, "int4": int4}
-    for name in args.sections.split(","):  # in the order given
-        fn = sections[name]
-        t = time.time()
-        try:
-            fn(ctx)
-        except Exception as e:  # set-up of a section; its entries record their own errors
-            ctx.errors.append(dict(section=name, error=f"{type(e).__name__}: {e}"[:500],
-                                   trace=traceback.format_exc()[-2000:]))
-            print(f"SECTION {name} FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        print(f"[{name}: {time.time() - t:.0f} s]", flush=True)
-        if cuda:
-            torch.cuda.empty_cache()
-        ctx.save()
+    with _golden_cache():
+        for name in args.sections:  # in the order given
+            t = time.time()
+            try:
+                sections[name](ctx)
+            except Exception as e:  # set-up of a section; its entries record their own errors
+                ctx.errors.append(dict(section=name, error=f"{type(e).__name__}: {e}"[:500],
+                                       trace=traceback.format_exc()[-2000:]))
+                print(f"SECTION {name} FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            print(f"[{name}: {time.time() - t:.0f} s]", flush=True)
+            if cuda:
+                torch.cuda.empty_cache()
+            ctx.save()
 
     if args.dump and cuda:
         try:
@@ -843,14 +935,15 @@ def main() -> int:
     for r in ctx.results:
         rate = (f"{r['GBps']:7.0f} GB/s {r.get('pct_copy', 0):5.1f}%" if "GBps" in r
                 else f"{r.get('TFLOPs', 0):7.1f} TFLOP/s")
-        print(f"{r['section']:8s} {r['name'][:58]:58s} {r.get('ms', float('nan')):9.4f} ms {rate:>20s} "
-              f"err {r.get('err_acc', float('nan')):8.1e} {'' if r.get('ok', True) else 'WRONG'}")
-    wrong = [r["name"] for r in ctx.results if r.get("ok") is False]
-    if wrong or ctx.errors:
-        print(f"\n{len(wrong)} wrong result(s), {len(ctx.errors)} error(s):", *wrong,
-              *[f"{e['section']}/{e.get('name', '')}: {e['error']}" for e in ctx.errors], sep="\n  ", file=sys.stderr)
-        return 1
-    return 0
+        print(f"{r['section']:8s} {r['name'][:58]:58s} {r.get('ms', float('nan')):9.4f} ms {rate:>20s}  "
+              + ("" if "gate" not in r else gate_text(r["gate"])))
+    failures = ctx.failures()
+    for f in failures:
+        print("GATE FAIL", f, flush=True)
+    if ctx.errors:
+        print(f"\n{len(ctx.errors)} error(s):", *[f"{e['section']}/{e.get('name', '')}: {e['error']}"
+                                                 for e in ctx.errors], sep="\n  ", file=sys.stderr)
+    return 1 if failures or ctx.errors else 0
 
 
 if __name__ == "__main__":

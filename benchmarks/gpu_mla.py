@@ -1,41 +1,65 @@
-"""GPU benchmark of the Triton MLA decode kernels (kernels/triton/mla.py, mla_sparse.py) on Hopper.
+"""GPU benchmark of the Triton MLA decode kernels (kernels/triton/mla.py, mla_sparse.py, mla_fused.py) on Hopper.
 
-    python benchmarks/gpu_mla.py --out $OUT/mla-bench.json    (an H100: < 4 minutes)
-    python benchmarks/gpu_mla.py --smoke-cpu                   (no GPU: tiny shapes in the Triton interpreter)
+    python benchmarks/gpu_mla.py [--quick] [--out PATH]            # a thin caller of `parity bench`
+    python benchmarks/gpu_mla.py --tune [--quick] [--sections configs,sdpa,sparse,fused] [--out PATH]
+    python benchmarks/gpu_mla.py --smoke-cpu [--out PATH]          # --tune at tiny shapes, no GPU
 
-1. Header: this run's device-to-device copy bandwidth (bytes read + written) and bf16 matmul rate.
-2. parity: small bf16 cases (which the interpreter cannot check) against a float64 torch reference
-   of refimpl.mla's formula: seqlens 0 / 1 / 65 / 200, (s_q, h_q) = (1, 16), (2, 16), (2, 64) (two
-   row blocks, causal), auto / uniform / explicit (mla_schedule) splits, NaN past seqlens and in
-   unused pages; sparse with -1 padding and topk_length, h_q 16 and 128.
-3. tune: config sweeps (kernels.triton.mla.MlaConfig) per row class at b=128, 8192 tokens, and a
-   split sweep at one memory-bound shape (1, 2, 4 splits, FlashMLA's scheduler); the bench then
-   uses each class's fastest config. Past --tune-budget seconds only the defaults run.
-4. bench: b=128, s_q in {1, 2}, h_q in {16, 32, 64, 128}, 4096 / 8192 / 16384 cached tokens a
-   request (bf16, pages of 64 on a shuffled table), timed by triton.testing.do_bench (median; the
-   caches are >= 600 MB, far past L2, which do_bench also flushes). Figures with FlashMLA's
-   formulas: bytes = (sum seqlens x 576 + b s_q h_q (576 + 512)) x 2, as % of the copy bandwidth
-   and of FlashMLA's 3000 GB/s; FLOPs = 2 s_q h_q sum seqlens (576 + 512), as % of the matmul rate
-   and of FlashMLA's 660 TFLOP/s. Each timed output is checked once (requests 0 and 1) against a
-   float64 reference: max |error| and FlashMLA's cos_diff. Peer: torch SDPA (efficient, math) on
-   a materialised cache with the MQA head folded into the query length (q (b, 1, s_q h_q, 576),
-   K (b, 1, L, 576), V (b, 1, L, 512), a bottom-right mask for s_q = 2). Plus sparse decode
-   (top-2048 of 8192) at h_q = 64 and 128.
-5. fused: mla_decode_fused_fp8 (kernels/triton/mla_fused.py, MAX's FP8 decode branch) at DeepSeek-V3's
-   shapes (b = 128, one new token a request, h_q in {16, 128}, 4096 / 16384 cached tokens), beside
-   the plain mla_decode of the same attention (what the RoPE + RMSNorm + two FP8 bmms add) and the
-   eager torch branch (kernels/torch/mla.py, the declared baseline). Bytes = the cache rows read
-   (576 x 2 per token) + FP8 weights + q and out; FLOPs = the attention's + the two bmms'. The new
-   rows are re-normalised on every timed call (idempotent up to rounding): the timing is unaffected.
-Every entry is guarded: a failure is recorded and the run goes on. JSON (--out) is rewritten after
-each section; the table prints last. Exit 1 if any parity check or section failed.
+By default the cases below go to `parity bench` (benchmarks/bench_cases.py), bf16, with backends triton
+(ours) and torch (kernels/torch/mla.py: the eager composition, the ops' declared baseline): every case
+judged by the gate against the float64 golden (its verdict and norm_err are the accuracy figures),
+timed with do_bench (L2 cleared before every call; the caches are >= 300 MB), its bytes over the copy /
+read ceiling measured in the same run, and torch's ms over ours. The cpu backend (kernels/cpu/mla.c) is
+left out: at these sizes it is seconds a call on the host, no peer of a GPU kernel.
+- mla.decode, FlashMLA's benchmark grid: b=128, s_q in {1, 2} (2: causal bottom-right), h_q in {16,
+  32, 64, 128}, 4096 / 8192 / 16384 cached tokens, FlashMLA's scale 576^-0.5. Lengths are ragged as
+  in the models suite (FlashMLA's test pattern: longest, 0, 1, longest - 1, longest / 2, then (i + 1)
+  / (i + 2) of the longest; 95.7% of b x kv tokens), so the gate judges a seeded sample of ~40
+  requests (conformance/sampling.py) rather than a float64 golden of minutes.
+- mla.decode_sparse: s_q = 1, top-2048 slots among 8192 cached tokens, h_q in {64, 128}.
+- mla.decode_fused_fp8 (MAX's FP8 decode branch) at DeepSeek-V3's shapes: b=128, one new token a
+  request, h_q in {16, 128}, 4096 / 16384 cached tokens. Its golden is not sampled: a 16384-token
+  group takes minutes and some 40 GB of host memory (10 GB at 4096 tokens, h_q = 16, measured).
+The figures are parity bench's cost model, every input read once and every output written once: for
+decode, FlashMLA's bytes (the cache, q and o). The mla ops declare no `flops` yet, so no case counts
+as compute-bound (h_q = 128's share is of the read ceiling); decode_sparse's bytes count its whole
+cache, not the ~2048 rows a query reads, and decode_fused_fp8's count the cache twice (an in-place
+output, of which the kernel writes the new rows alone): for those two read the ms and torch's ratio;
+--tune has FlashMLA's formulas.
+--quick: mla.decode at 4096 tokens, (s_q, h_q) = (1, 16) and (2, 128), and decode_sparse at h_q = 64
+(three input groups, a first line in seconds).
+
+--tune instead times the kernels directly (conformance/bench.py's time_call: do_bench's median), with
+FlashMLA's formulas: bytes = (sum seqlens x 576 + b s_q h_q (576 + 512)) x 2 as % of the copy ceiling
+and of FlashMLA's 3000 GB/s, FLOPs = 2 s_q h_q sum seqlens (576 + 512) as % of the matmul ceiling and
+of FlashMLA's 660 TFLOP/s (the ceilings measured as parity bench measures them); every request holds
+L tokens (pages of 64 on a shuffled table). Sections (--sections, default all):
+- configs: config sweeps (kernels.triton.mla.MlaConfig) per row class at b=128 over 8192 tokens, the
+  launcher's table entry first, then the fastest config per class that the gate passed (what
+  MLA_CONFIGS should hold); past --tune-budget seconds only the table entries run. Then splits at
+  (s_q, h_q) = (1, 16): 1, 2, 4 a request and FlashMLA's scheduler (refimpl/mla_schedule.py).
+- sdpa: ours beside torch SDPA (efficient, math) at the default decode shapes, on a materialised
+  cache with the MQA head folded into the query length (q (b, 1, s_q h_q, 576), K (b, 1, L, 576),
+  V (b, 1, L, 512), a bottom-right mask for s_q = 2): SDPA has no paged form, no backend of mla.*.
+- sparse: decode_sparse at the default shapes, its bytes and FLOPs those of the 2048 listed rows.
+- fused: mla_decode_fused_fp8's attention configs (mla_fused.ATTEND_CONFIG; --fused-configs N) at two
+  shapes, then the fused branch at the default shapes beside the plain mla_decode of its attention
+  (what RoPE + RMSNorm + two FP8 bmms add). Eager torch's time is the default path's peer.
+Each timed line gives the gate's verdict and norm_err for a case of the same op run the same way
+(bench_cases.Gate on the triton backend, the swept config, split count or schedule in place while the
+gate runs) at b=16 with the line's other params (the same launch-table entry; a smaller batch, so
+the float64 golden takes seconds); a case the gate fails, or a section that raises, makes the exit
+status 1. --tune --quick: fewer shapes in every section, the first four fused configs.
+--smoke-cpu runs --tune at tiny shapes in the Triton interpreter on a machine without a GPU: a crash
+check of this script before a GPU run (the kernels' own check there is `parity run --suite ci --op mla`).
+Results: --out (default $OUT/mla-bench.json, else ./mla-bench.json): parity bench's summary, or --tune's
+document (header, ceilings, rows, best_configs, gate_failures, errors), rewritten after every row.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import math
 import os
 import sys
 import time
@@ -43,14 +67,23 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-MIB = 1 << 20
+B, HEADS, TOKENS = 128, (16, 32, 64, 128), (4096, 8192, 16384)
+SPARSE_HEADS, SPARSE_TOKENS, TOPK = (64, 128), 8192, 2048
+FUSED_HEADS, FUSED_TOKENS = (16, 128), (4096, 16384)
+QUICK_DECODE = ((1, 16, 4096), (2, 128, 4096))  # (s_q, h_q, kv): memory-bound, then compute-bound
+QUICK_SPARSE = (64,)  # h_q
+BACKENDS = ["triton", "torch"]
+COMMON = {"dtypes": ["bf16"], "dists": ["normal"]}
+SECTIONS = ("configs", "sdpa", "sparse", "fused")
+
 D, D_V, PAGE = 576, 512, 64
+SCALE = D ** -0.5  # the ops' scale "head"
 FLASHMLA_GBPS, FLASHMLA_TFLOPS = 3000.0, 660.0  # FlashMLA's published H800 figures
-LIMITS = dict(o=3e-2, lse=1e-3, cos=1e-5)  # bf16 O against float64 (P and O rounded to bf16)
-# Alternatives per row class (the launcher's MLA_CONFIGS entry always runs first): tiles in
-# flight (num_stages - 1) x tile length, orientation, V loaded twice. Some may not fit shared
-# memory (a (64, 576) bf16 tile is 72 KB): they are recorded as errors.
+# Alternatives per row class (the launcher's MLA_CONFIGS entry always runs first): tiles in flight
+# (num_stages - 1) x tile length, orientation, V loaded twice. Some may not fit shared memory (a
+# (64, 576) bf16 tile is 72 KB): they are recorded as errors.
 SWEEP = {
     16: [(16, 64, 4, 2, True, True), (16, 32, 4, 3, True, True), (16, 32, 4, 4, True, False),
          (16, 32, 4, 4, False, True), (16, 32, 4, 5, True, True)],
@@ -59,609 +92,406 @@ SWEEP = {
     64: [(64, 64, 8, 2, False, True), (64, 32, 8, 2, False, True), (64, 32, 8, 3, True, True),
          (64, 32, 8, 3, False, False), (64, 64, 8, 2, True, True)],
 }
+FUSED_SWEEP = [(32, 16, 8, 2, "ieee"), (16, 32, 4, 2, "split3"), (16, 64, 4, 2, "split3"), (16, 16, 4, 2, "split3"),
+               (32, 32, 4, 2, "split3"), (32, 32, 8, 2, "split3"), (16, 32, 4, 3, "split3"), (32, 64, 8, 2, "split3"),
+               (64, 32, 8, 2, "split3"), (64, 16, 8, 2, "split3"), (16, 32, 8, 2, "split3")]
+# --tune's sizes: b, the gate's batch, the sweeps' shapes ((s_q, h_q) or (h_q, L)) and configs
+FULL = dict(b=B, gate_b=16, tune_L=8192, tune_shapes=((1, 16), (1, 32), (1, 64), (1, 128)), sweep=SWEEP,
+            sdpa_L=TOKENS, sdpa_shapes=tuple((sq, hq) for sq in (1, 2) for hq in HEADS), sparse_L=SPARSE_TOKENS,
+            sparse_h=SPARSE_HEADS, topk=TOPK, fused=tuple((hq, L) for L in FUSED_TOKENS for hq in FUSED_HEADS),
+            fused_tune=((128, 4096), (16, 16384)), fused_sweep=FUSED_SWEEP)
+QUICK = {**FULL, "tune_shapes": ((1, 16), (1, 128)), "sdpa_L": (4096,), "sparse_h": (64,),
+         "fused": ((16, 4096), (128, 4096)), "fused_tune": ((128, 4096),), "fused_sweep": FUSED_SWEEP[:4]}
+SMOKE = dict(b=2, gate_b=2, tune_L=128, tune_shapes=((1, 16), (1, 32)),
+             sweep={16: SWEEP[16][:1], 32: SWEEP[32][:1], 64: []}, sdpa_L=(128,), sdpa_shapes=((1, 2), (2, 16)),
+             sparse_L=64, sparse_h=(16,), topk=32, fused=((2, 64),), fused_tune=((2, 64),), fused_sweep=FUSED_SWEEP[:2])
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default_out = os.path.join(os.environ["OUT"], "mla-bench.json") if os.environ.get("OUT") else None
-    p.add_argument("--out", default=default_out, help="JSON output path (default $OUT/mla-bench.json)")
-    p.add_argument("--smoke-cpu", action="store_true", help="tiny shapes in the Triton interpreter (no GPU)")
-    p.add_argument("--sections", default="parity,tune,bench,fused", help="comma list of parity, tune, bench, fused")
-    p.add_argument("--tune-budget", type=float, default=100.0, help="seconds after which tune stops")
+def _decode(b: int, sq: int, hq: int, kv: int) -> dict:
+    return dict(b=b, sq=sq, hq=hq, kv=kv, lens="ragged", causal=int(sq == 2), scale="head")
+
+
+def _sparse(b: int, hq: int, kv: int, topk: int) -> dict:
+    return dict(b=b, sq=1, hq=hq, kv=kv, lens="ragged", topk=topk, topk_len="full", scale="head")
+
+
+def _fused(b: int, hq: int, kv: int) -> dict:
+    return dict(b=b, new=1, hq=hq, kv=kv, lens="ragged", sink=0)
+
+
+def entries(quick: bool = False) -> list[dict]:
+    """The default path's cases as suite entries (bench_cases.run); --quick: QUICK_DECODE and QUICK_SPARSE."""
+    decode = QUICK_DECODE if quick else [(sq, hq, kv) for kv in TOKENS for sq in (1, 2) for hq in HEADS]
+    out = [{"op": "mla.decode", "backends": BACKENDS, **COMMON, "params": [_decode(B, *s) for s in decode]},
+           {"op": "mla.decode_sparse", "backends": BACKENDS, **COMMON,
+            "params": [_sparse(B, hq, SPARSE_TOKENS, TOPK) for hq in (QUICK_SPARSE if quick else SPARSE_HEADS)]}]
+    if not quick:
+        out.append({"op": "mla.decode_fused_fp8", "backends": BACKENDS, **COMMON,
+                    "params": [_fused(B, hq, kv) for kv in FUSED_TOKENS for hq in FUSED_HEADS]})
+    return out
+
+
+def main() -> int:
+    from bench_cases import OneLineParser
+
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="three input groups (default path), or trimmed sweeps (--tune)")
+    p.add_argument("--tune", action="store_true", help="the direct measurement: sweeps, FlashMLA's formulas, SDPA")
+    p.add_argument("--smoke-cpu", action="store_true", help="--tune at tiny shapes in the Triton interpreter (no GPU)")
+    p.add_argument("--sections", default=None, help=f"--tune's sections, a comma list of {', '.join(SECTIONS)}")
+    p.add_argument("--tune-budget", type=float, default=100.0, help="seconds after which configs runs only the table")
     p.add_argument("--fused-configs", type=int, default=None, metavar="N",
-                   help="tune the fused branch over the first N configs of FUSED_SWEEP (default all; 0: only "
-                        "mla_fused.ATTEND_CONFIG, no tuning)")
+                   help="sweep the first N of FUSED_SWEEP (default all; 0: only mla_fused.ATTEND_CONFIG)")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "mla-bench.json"),
+                   help="JSON output path (default $OUT/mla-bench.json)")
     args = p.parse_args()
+    hand = args.tune or args.smoke_cpu
+    sections = [s.strip() for s in (args.sections or ",".join(SECTIONS)).split(",") if s.strip()]
+    bad = [s for s in sections if s not in SECTIONS]
+    if bad or not sections:
+        why = {"parity": "; the small-shape checks are the gate's: parity run --suite ci --op mla --backend triton",
+               "bench": "; bench is the default path (no --tune)", "tune": "; the sweeps are configs"}
+        p.error(f"--sections {args.sections!r}: expected a comma list of {', '.join(SECTIONS)}"
+                + "".join(why.get(s, "") for s in bad))
+    if args.sections is not None and not hand:
+        p.error("--sections selects parts of --tune; add --tune")
     if args.fused_configs is not None and args.fused_configs < 0:
         p.error(f"--fused-configs {args.fused_configs}: expected a count >= 0")
     from kernel_parity.reports.files import check_output_or_exit
 
     check_output_or_exit(p.prog, "--out", args.out)  # before any GPU work: an unwritable path is exit 2
-    return args
+    if args.smoke_cpu:
+        from kernel_parity.conformance.backends.triton_prep import interpreter_mode, interpreter_ready, \
+            prepare_environment
+
+        if not interpreter_mode():
+            p.error("--smoke-cpu is for a machine without a CUDA GPU; on a GPU use --tune")
+        prepare_environment()  # TRITON_INTERPRET=1 before triton is imported
+        why = interpreter_ready()
+        if why:
+            p.error(f"--smoke-cpu: {why}")
+    import torch
+
+    if not args.smoke_cpu and not torch.cuda.is_available():
+        p.error("no CUDA device (torch.cuda.is_available() is False); this benchmark runs on a GPU "
+                "(without one: --smoke-cpu)")
+    if hand:
+        size = SMOKE if args.smoke_cpu else QUICK if args.quick else FULL
+        if args.fused_configs is not None:
+            size = {**size, "fused_sweep": size["fused_sweep"][:args.fused_configs]}
+        return Tune(args, size).run(sections)
+    from bench_cases import run
+
+    return run(entries(args.quick), out=args.out, ours="triton", argv=("--no-recheck",),
+               description="benchmarks/gpu_mla.py")
 
 
-def ref64(torch, q, keys, scale, causal):
-    """float64 MLA of one request. q: (s_q, h_q, d); keys: (L, d) -> o (s_q, h_q, d_v), lse (h_q, s_q)."""
-    q, keys = q.double(), keys.double()
-    s_q, L = q.shape[0], keys.shape[0]
-    s = scale * torch.einsum("qhd,ld->qhl", q, keys)  # s_q, h_q, L
-    if causal:
-        keep = torch.arange(L, device=q.device)[None, :] <= (L - s_q + torch.arange(s_q, device=q.device))[:, None]
-        s = s.masked_fill(~keep[:, None, :], -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
-    return p @ keys[:, :D_V], lse.T
+@contextlib.contextmanager
+def _replaced(module, name: str, value):
+    """module.name = value while the block runs (a launch-table entry swapped in for the gate's run)."""
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
 
 
-def gather(torch, cache, table, i, L):
-    t = torch.arange(L, device=cache.device)
-    return cache[table[i, t // cache.shape[1]].long(), t % cache.shape[1], 0]
-
-
-def compare(ctx, name, pairs) -> dict:
-    """pairs: (got o, got lse, expected o, expected lse); max errors, cos_diff, -inf/NaN patterns."""
-    torch = ctx.torch
-    eo = el = 0.0
-    num = den = 0.0
-    bad = []
-    for o, lse, o_r, lse_r in pairs:
-        o, lse = o.double().to(o_r.device), lse.double().to(o_r.device)
-        if bool(torch.isnan(o).any()) or not torch.equal(torch.isneginf(lse), torch.isneginf(lse_r)):
-            bad.append("NaN or -inf pattern differs")
-        fin = torch.isfinite(lse_r)
-        eo = max(eo, float((o - o_r).abs().max()) if o.numel() else 0.0)
-        el = max(el, float((lse[fin] - lse_r[fin]).abs().max()) if bool(fin.any()) else 0.0)
-        num, den = num + float((o * o_r).sum()), den + float((o * o + o_r * o_r).sum())
-    cos = 1 - 2 * num / max(den, 1e-12)  # FlashMLA's cal_diff
-    for what, val in (("o", eo), ("lse", el), ("cos", cos)):
-        if not abs(val) <= LIMITS[what]:
-            bad.append(f"{what}: {val:.3g} > {LIMITS[what]:.3g}")
-    row = dict(case=name, max_err_o=eo, max_err_lse=el, cos_diff=cos, ok=not bad)
-    ctx.state["parity"].append(row)
-    if bad:
-        ctx.state["failures"].append(f"{name}: " + "; ".join(bad))
-        print("PARITY FAIL", ctx.state["failures"][-1], file=sys.stderr, flush=True)
-    return row
-
-
-def paged(ctx, b, seqlens, spare=2):
-    """bf16 cache of shuffled pages (NaN past each seqlens and in spare pages), table, seqlens tensor."""
-    torch = ctx.torch
-    n = [math.ceil(L / PAGE) for L in seqlens]
-    total = sum(n) + spare
-    cache = torch.randn((total, PAGE, 1, D), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
-    perm = torch.randperm(total, device=ctx.dev, generator=ctx.gen).to(torch.int32)
-    table = torch.full((b, max(n + [1]) + 1), 2147480000, dtype=torch.int32, device=ctx.dev)
-    at = 0
-    for i, (L, k) in enumerate(zip(seqlens, n)):
-        table[i, :k] = perm[at:at + k]
-        at += k
-        if L % PAGE:
-            cache[perm[at - 1].long(), L % PAGE:] = math.nan
-    cache[perm[at:].long()] = math.nan
-    return cache, table, torch.tensor(seqlens, dtype=torch.int32, device=ctx.dev)
-
-
-def check_dense(ctx, name, q, cache, table, sl, o, lse, scale, causal, reqs):
-    torch = ctx.torch
-    pairs = []
-    for i in reqs:
-        L = int(sl[i])
-        o_r, lse_r = ref64(torch, q[i], gather(torch, cache, table, i, L), scale, causal)
-        pairs.append((o[i], lse[i], o_r, lse_r))
-    return compare(ctx, name, pairs)
-
-
-def sparse_ref(ctx, q, cache, idx, tlen, scale, reqs):
-    torch = ctx.torch
-    flat = cache.view(-1, D)
-    out = []
-    for i in reqs:
-        os_, ls_ = [], []
-        for j in range(q.shape[1]):
-            row = idx[i, j, : idx.shape[2] if tlen is None else int(tlen[i])]
-            o_r, lse_r = ref64(torch, q[i, j:j + 1], flat[row[row >= 0].long()], scale, False)
-            os_.append(o_r)
-            ls_.append(lse_r)
-        out.append((torch.cat(os_), torch.cat(ls_, dim=1)))
-    return out
-
-
-def parity(ctx) -> None:
-    from kernel_parity.kernels.triton.mla import mla_decode, mla_schedule
-    from kernel_parity.kernels.triton.mla_sparse import mla_decode_sparse
-    torch = ctx.torch
-    scale = 1 / math.sqrt(D)
-    seqlens = [0, 1, 65, 200]
-    cache, table, sl = paged(ctx, 4, seqlens)
-    for s_q, h_q in ctx.parity_shapes:
-        q = torch.randn((4, s_q, h_q, D), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
-        plan = mla_schedule(seqlens, 5, device=ctx.dev)
-        for label, kw in (("auto", {}), ("splits=3", dict(num_splits=3)), ("mla_schedule", dict(splits=plan))):
-            name = f"mla_decode s_q={s_q} h_q={h_q} seqlens={seqlens} {label}"
-            try:
-                o, lse = mla_decode(q, cache, table, sl, scale, out=torch.full((4, s_q, h_q, D_V), math.nan,
-                                    dtype=q.dtype, device=ctx.dev), **kw)
-                check_dense(ctx, name, q, cache, table, sl, o, lse, scale, True, range(4))
-            except Exception as e:
-                ctx.fail(name, e)
-    rows = table.cpu().tolist()
-    flat_live = [rows[i][t // PAGE] * PAGE + t % PAGE for i, L in enumerate(seqlens) for t in range(L)]
-    for s_q, h_q, tl_list in ctx.parity_sparse:
-        name = f"mla_decode_sparse s_q={s_q} h_q={h_q} topk=96 topk_length={tl_list}"
-        try:
-            pick = torch.randint(len(flat_live), (4, s_q, 96), device=ctx.dev, generator=ctx.gen)
-            idx = torch.tensor(flat_live, dtype=torch.int32, device=ctx.dev)[pick]
-            idx[torch.rand(idx.shape, device=ctx.dev, generator=ctx.gen) < 0.25] = -1
-            tlen = None if tl_list is None else torch.tensor(tl_list, dtype=torch.int32, device=ctx.dev)
-            q = torch.randn((4, s_q, h_q, D), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
-            for splits in (None, 3):
-                o, lse = mla_decode_sparse(q, cache, idx, tlen, scale, num_splits=splits)
-                refs = sparse_ref(ctx, q, cache, idx, tlen, scale, range(4))
-                compare(ctx, f"{name} splits={splits}", [(o[i], lse[i], *refs[i]) for i in range(4)])
-        except Exception as e:
-            ctx.fail(name, e)
-
-
-def big_cache(ctx, b, L):
-    """(b L / 64 pages, 64, 1, 576) bf16 on a shuffled table, every request L tokens."""
-    torch = ctx.torch
-    n = b * L // PAGE
-    cache = torch.randn((n, PAGE, 1, D), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
-    table = torch.randperm(n, device=ctx.dev, generator=ctx.gen).to(torch.int32).view(b, L // PAGE)
-    return cache, table, torch.full((b,), L, dtype=torch.int32, device=ctx.dev)
-
-
-def figures(ctx, b, s_q, h_q, tokens, ms) -> dict:
-    nbytes = (tokens * D + b * s_q * h_q * (D + D_V)) * 2
-    flops = 2 * s_q * h_q * tokens * (D + D_V)
-    gbps, tflops = nbytes / ms / 1e6, flops / ms / 1e9
-    return dict(ms=ms, bytes=nbytes, flops=flops, GBps=gbps, pct_copy=100 * gbps / ctx.copy_gbps,
-                pct_3000=100 * gbps / FLASHMLA_GBPS, TFLOPs=tflops, pct_matmul=100 * tflops / ctx.mm_tflops,
-                pct_660=100 * tflops / FLASHMLA_TFLOPS)
+def flashmla_cost(b: int, s_q: int, h_q: int, tokens: int) -> tuple[int, float]:
+    """FlashMLA's (bytes, FLOPs) of a decode over `tokens` cached rows: the rows, q and o; both matmuls."""
+    return (tokens * D + b * s_q * h_q * (D + D_V)) * 2, 2.0 * s_q * h_q * tokens * (D + D_V)
 
 
 def row_class(rows: int) -> int:
     return min(64, max(16, 1 << (rows - 1).bit_length()))
 
 
-def pick_best(ctx) -> None:
-    """Per row class, the config with the least total time over the class's tuned shapes (only
-    configs that ran correctly on all of them)."""
-    for cls in {r["rows_class"] for r in ctx.state["tune"] if "rows_class" in r}:
-        rows = [r for r in ctx.state["tune"] if r.get("rows_class") == cls]
-        n_shapes = len({r["sweep"] for r in rows})
-        total: dict = {}
-        for r in rows:
-            if "ms" in r and r["ok"]:
-                n, t = total.get(tuple(r["config"]), (0, 0.0))
-                total[tuple(r["config"])] = (n + 1, t + r["ms"])
-        full = {c: t for c, (n, t) in total.items() if n == n_shapes}
-        if full:
-            ctx.best[cls] = min(full, key=full.get)
+class Tune:
+    """The direct measurement (module docstring, --tune): each section's rows, each with the gate's verdict."""
 
+    def __init__(self, args: argparse.Namespace, size: dict) -> None:
+        import torch
+        import triton
 
-def tune(ctx) -> None:
-    from kernel_parity.kernels.triton import mla as M
-    torch = ctx.torch
-    t0 = time.time()
-    b, L = ctx.shape_b, ctx.tune_L
-    cache, table, sl = big_cache(ctx, b, L)
-    for (s_q, h_q) in ctx.tune_shapes:
-        cls = row_class(s_q * h_q)
-        q = torch.randn((b, s_q, h_q, D), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
-        o = torch.empty((b, s_q, h_q, D_V), dtype=q.dtype, device=ctx.dev)
-        lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=ctx.dev)
-        default = tuple(M.MLA_CONFIGS[(cls, 2)])
-        for k, cfg in enumerate([default] + [c for c in ctx.sweep[cls] if c != default]):
-            if k and time.time() - t0 > ctx.tune_budget:  # past the budget only the defaults run
-                ctx.state["notes"].append(f"tune budget {ctx.tune_budget:.0f} s: skipped {cfg} at h_q={h_q}")
-                continue
-            row = dict(sweep=f"b={b} s_q={s_q} h_q={h_q} L={L}", rows_class=cls, config=cfg)
+        from bench_cases import Gate
+
+        from kernel_parity.conformance.bench import measure_ceilings, time_call
+        from kernel_parity.kernels.triton import mla as M
+        from kernel_parity.kernels.triton import mla_fused as F
+
+        self.torch, self.M, self.F, self.args, self.size = torch, M, F, args, size
+        self.dev = torch.device("cpu" if args.smoke_cpu else "cuda")
+        self.gen = torch.Generator(device=self.dev).manual_seed(0)
+        self.time = lambda fn: time_call(fn, self.dev)
+        self.ceil = measure_ceilings(str(self.dev), quick=args.quick or args.smoke_cpu)
+        cuda = self.dev.type == "cuda"
+        self.sm_count = torch.cuda.get_device_properties(self.dev).multi_processor_count if cuda else 1
+        self.gate = Gate("triton")
+        header = dict(device=self.ceil.device, torch=torch.__version__, triton=triton.__version__,
+                      time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                      command=" ".join(["benchmarks/gpu_mla.py", *sys.argv[1:]]),
+                      sm_count=self.sm_count, mla_configs={str(k): tuple(v) for k, v in M.MLA_CONFIGS.items()},
+                      fused_attend_config=F.ATTEND_CONFIG)
+        self.doc = dict(header=header, ceilings=self.ceil.to_json(), rows=[], best_configs={},
+                        gate_failures=self.gate.failures, errors=[])
+        print(f"{self.ceil.device}  copy {self.ceil.copy_gbps:.0f} GB/s  {self.ceil.matmul_dtype} matmul "
+              f"{self.ceil.matmul_tflops:.3g} TFLOP/s", flush=True)
+
+    def run(self, sections: list[str]) -> int:
+        for name in sections:
+            t0 = time.time()
             try:
-                M.mla_decode(q, cache, table, sl, 1 / math.sqrt(D), out=o, out_lse=lse, config=cfg)
-                err = check_dense(ctx, f"tune {row['sweep']} {cfg}", q, cache, table, sl, o, lse,
-                                  1 / math.sqrt(D), True, (0,))
-                ms = ctx.bench(lambda: M.mla_decode(q, cache, table, sl, 1 / math.sqrt(D), out=o, out_lse=lse,
-                                                    config=cfg))
-                row.update(figures(ctx, b, s_q, h_q, b * L, ms), ok=err["ok"])
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-            ctx.state["tune"].append(row)
-            print("tune", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-        ctx.save()
-    pick_best(ctx)
-    # Splits at one memory-bound shape: 1, 2, 4 a request, and FlashMLA's own scheduler
-    # (refimpl.mla.schedule with its num_sm_parts, as ranges) through mla_splits.
-    import numpy as np
+                getattr(self, name)()
+            except Exception as e:  # keep what the other sections measure
+                self.doc["errors"].append(f"section {name}: {type(e).__name__}: {e}\n{traceback.format_exc()}"[:3000])
+                print(f"SECTION {name} FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            print(f"[{name}: {time.time() - t0:.0f} s]", flush=True)
+            if self.dev.type == "cuda":
+                self.torch.cuda.empty_cache()
+        self.save()
+        for f in self.gate.failures:
+            print("GATE FAIL", f, flush=True)
+        for e in self.doc["errors"]:
+            print("ERROR", e.splitlines()[0], flush=True)
+        return 1 if self.gate.failures or self.doc["errors"] else 0
 
-    from kernel_parity.refimpl import mla as R
-    s_q, h_q = ctx.tune_shapes[0]
-    q = torch.randn((b, s_q, h_q, D), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
-    lens = np.full(b, L)
-    parts = max(1, R.sm_parts(ctx.sm_count, s_q, h_q))
-    flashmla = M.mla_splits(R.partitions(*R.schedule(lens, s_q, h_q, parts), lens), device=ctx.dev)
-    for label, kw in (("1", dict(num_splits=1)), ("2", dict(num_splits=2)), ("4", dict(num_splits=4)),
-                      (f"FlashMLA schedule, {parts} parts", dict(splits=flashmla))):
-        row = dict(sweep=f"splits b={b} s_q={s_q} h_q={h_q} L={L}", splits=label)
+    # -- helpers ------------------------------------------------------------------------
+    def save(self) -> None:
+        from kernel_parity.reports.files import write_text
+
+        write_text(self.args.out, json.dumps(self.doc, indent=1, default=str))  # atomically: a crash keeps the last
+
+    def rnd(self, *shape):
+        return self.torch.randn(shape, device=self.dev, generator=self.gen).to(self.torch.bfloat16)
+
+    def rates(self, ms: float, cost: tuple[int, float]) -> dict:
+        """ms, (bytes, FLOPs) -> the figures against this run's ceilings and FlashMLA's published ones."""
+        nbytes, flops = cost
+        gbps, tflops = nbytes / ms / 1e6, flops / ms / 1e9
+        return dict(ms=ms, bytes=nbytes, flops=flops, gbps=gbps, pct_copy=100 * gbps / self.ceil.copy_gbps,
+                    pct_3000=100 * gbps / FLASHMLA_GBPS, tflops=tflops,
+                    pct_matmul=100 * tflops / self.ceil.matmul_tflops, pct_660=100 * tflops / FLASHMLA_TFLOPS)
+
+    def timed(self, name: str, info: dict, call, figs, judged, sweep: bool = False) -> dict:
+        """Time call(); figs(ms) -> figures; judged = (op, params, context in which the gate's case runs).
+        An exception is an error row (a failure of the run unless `sweep`: a config that does not fit)."""
         try:
-            cfg = ctx.best.get(row_class(s_q * h_q))
-            ms = ctx.bench(lambda: M.mla_decode(q, cache, table, sl, 1 / math.sqrt(D), config=cfg, **kw))
-            row.update(figures(ctx, b, s_q, h_q, b * L, ms))
+            ms = self.time(call)
         except Exception as e:
-            row["error"] = f"{type(e).__name__}: {e}"[:300]
-        ctx.state["tune"].append(row)
-        print("tune", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            row = dict(name=name, **info, error=f"{type(e).__name__}: {e}"[:300])
+            if not sweep:
+                self.doc["errors"].append(f"{name} {info}: {row['error']}")
+            return self.record(row, f"{name} {info}: {row['error']}")
+        from bench_cases import gate_text
 
+        op, params, ctx = judged
+        with ctx:
+            verdict = self.gate(op, "bf16", params)
+        row = dict(name=name, **info, **figs(ms), gate=verdict)
+        what = " ".join([name] + [f"{k}={v}" for k, v in info.items()])
+        return self.record(row, f"{what}: {self.text(row)}  {gate_text(verdict)}")
 
-def sdpa_ms(ctx, q, dense, v_dense, s_q, h_q, scale) -> dict:
-    """torch SDPA per backend on the materialised cache, MQA folded into the query length."""
-    torch = ctx.torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    b, L = dense.shape[:2]
-    qs = q.reshape(b, 1, s_q * h_q, D)
-    k, v = dense.unsqueeze(1), v_dense.unsqueeze(1)
-    mask = None
-    if s_q > 1:  # row (i, head) sees keys j <= L - s_q + i
-        qi = torch.arange(s_q, device=ctx.dev).repeat_interleave(h_q)
-        mask = torch.arange(L, device=ctx.dev)[None, :] <= (L - s_q + qi)[:, None]
-    res = {}
-    for name, be in (("efficient", SDPBackend.EFFICIENT_ATTENTION), ("math", SDPBackend.MATH)):
-        try:
-            with sdpa_kernel(be):
-                def fn():
-                    return torch.nn.functional.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
-                fn()
-                res[name] = ctx.bench(fn)
-        except Exception as e:
-            res[name] = None
-            ctx.state["errors_sdpa"].append(f"{name} s_q={s_q} h_q={h_q} L={L}: {type(e).__name__}: {str(e)[:200]}")
-    return res
+    def text(self, r: dict) -> str:
+        return (f"{r['ms']:.4f} ms {r['gbps']:.0f} GB/s {r['pct_copy']:.1f}% of copy ({r['pct_3000']:.1f}% of 3000)  "
+                f"{r['tflops']:.1f} TFLOP/s {r['pct_matmul']:.1f}% of matmul ({r['pct_660']:.1f}% of 660)")
 
+    def record(self, row: dict, line: str) -> dict:
+        self.doc["rows"].append(row)
+        print(line, flush=True)
+        self.save()
+        return row
 
-def record(ctx, row) -> None:
-    ctx.state["results"].append(row)
-    print("bench", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    def big_cache(self, b: int, L: int):
+        """(b L / 64 pages, 64, 1, 576) bf16 on a shuffled table, every request L tokens."""
+        torch = self.torch
+        n = b * L // PAGE
+        cache = self.rnd(n, PAGE, 1, D)
+        table = torch.randperm(n, device=self.dev, generator=self.gen).to(torch.int32).view(b, L // PAGE)
+        return cache, table, torch.full((b,), L, dtype=torch.int32, device=self.dev)
 
+    def scheduled(self, decode):
+        """mla_decode with FlashMLA's split schedule of its own seqlens (read to the host: the gate's run)."""
+        def call(q, kv_cache, block_table, seqlens, scale, *a, **kw):
+            s_q, h_q = q.shape[1], q.shape[2]
+            return decode(q, kv_cache, block_table, seqlens, scale, *a, **kw,
+                          splits=self.schedule(seqlens.cpu().numpy(), s_q, h_q)[1])
+        return call
 
-def bench_dense(ctx, L) -> None:
-    """mla_decode at every (s_q, h_q) over one b x L cache, SDPA beside it."""
-    from kernel_parity.kernels.triton.mla import mla_decode
-    torch = ctx.torch
-    b, scale = ctx.shape_b, 1 / math.sqrt(D)
-    cache, table, sl = big_cache(ctx, b, L)
-    dense = v_dense = None
-    if ctx.sdpa:
-        try:
-            dense = cache[table.long()].reshape(b, L, D)
-            v_dense = dense[..., :D_V].contiguous()
-        except Exception as e:  # out of memory: no peer at this length
-            ctx.state["errors_sdpa"].append(f"materialise L={L}: {type(e).__name__}: {e}"[:300])
-    for s_q in (1, 2):
-        for h_q in ctx.bench_h:
-            shape = f"b={b} s_q={s_q} h_q={h_q} L={L}"
-            row = dict(op="mla_decode", shape=shape)
-            try:
-                q = torch.randn((b, s_q, h_q, D), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
-                cfg = ctx.best.get(row_class(s_q * h_q))
-                o = torch.full((b, s_q, h_q, D_V), math.nan, dtype=q.dtype, device=ctx.dev)
-                lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=ctx.dev)
-                mla_decode(q, cache, table, sl, scale, out=o, out_lse=lse, config=cfg)
-                chk = check_dense(ctx, "bench " + shape, q, cache, table, sl, o, lse, scale, True, (0, 1))
-                ms = ctx.bench(lambda: mla_decode(q, cache, table, sl, scale, out=o, out_lse=lse, config=cfg))
-                row.update(figures(ctx, b, s_q, h_q, b * L, ms), config=cfg or "default",
-                           max_err_o=chk["max_err_o"], cos_diff=chk["cos_diff"], parity_ok=chk["ok"])
-                if dense is not None and v_dense is not None:
-                    sd = sdpa_ms(ctx, q, dense, v_dense, s_q, h_q, scale)
-                    row["sdpa_ms"] = sd
-                    live = {k: t for k, t in sd.items() if t is not None}
-                    if live:
-                        best = min(live, key=live.get)
-                        row.update(best_sdpa=best, speedup_vs_sdpa=live[best] / ms)
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-                ctx.fail("bench " + shape, e)
-            record(ctx, row)
+    def schedule(self, lens, s_q: int, h_q: int):
+        """(SM parts, mla_decode's splits) of FlashMLA's scheduler for these lengths."""
+        from kernel_parity.refimpl import mla_schedule as S
 
+        parts = max(1, S.sm_parts(self.sm_count, s_q, h_q))
+        return parts, self.M.mla_splits(S.partitions(*S.schedule(lens, s_q, h_q, parts), lens), device=self.dev)
 
-def bench_sparse(ctx, L) -> None:
-    """mla_decode_sparse, s_q = 1: each request's top-k slots drawn among its own L tokens."""
-    from kernel_parity.kernels.triton.mla_sparse import mla_decode_sparse
-    torch = ctx.torch
-    b, scale = ctx.shape_b, 1 / math.sqrt(D)
-    cache, table, _ = big_cache(ctx, b, L)
-    for h_q in ctx.sparse_h:
-        shape = f"b={b} s_q=1 h_q={h_q} topk={ctx.topk} of L={L}"
-        row = dict(op="mla_decode_sparse", shape=shape)
-        try:
-            tok = torch.randint(L, (b, 1, ctx.topk), device=ctx.dev, generator=ctx.gen)
+    # -- sections -----------------------------------------------------------------------
+    def configs(self) -> None:
+        """The config sweep per row class, the best passing config of each, then the split sweep."""
+        import numpy as np
+
+        M, torch = self.M, self.torch
+        b, L, gb = self.size["b"], self.size["tune_L"], self.size["gate_b"]
+        cache, table, sl = self.big_cache(b, L)
+        t0 = time.time()
+        totals: dict = {}  # (class, config) -> [shapes, ms] over configs the gate passed
+        for s_q, h_q in self.size["tune_shapes"]:
+            cls = row_class(s_q * h_q)
+            q = self.rnd(b, s_q, h_q, D)
+            o = torch.empty((b, s_q, h_q, D_V), dtype=q.dtype, device=self.dev)
+            lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=self.dev)
+            default = tuple(M.MLA_CONFIGS[(cls, 2)])
+            for k, cfg in enumerate([default] + [c for c in self.size["sweep"][cls] if c != default]):
+                if k and time.time() - t0 > self.args.tune_budget:  # past the budget only the table runs
+                    self.record(dict(name="config", skipped=f"{cfg} at s_q={s_q} h_q={h_q}"),
+                                f"config {cfg} at s_q={s_q} h_q={h_q}: skipped (past --tune-budget)")
+                    continue
+                entry = {**M.MLA_CONFIGS, (cls, 2): M.MlaConfig(*cfg)}
+                row = self.timed(f"config b={b} s_q={s_q} h_q={h_q} L={L}", dict(config=cfg),
+                                 lambda: M.mla_decode(q, cache, table, sl, SCALE, out=o, out_lse=lse, config=cfg),
+                                 lambda ms: self.rates(ms, flashmla_cost(b, s_q, h_q, b * L)),
+                                 ("mla.decode", _decode(gb, s_q, h_q, L), _replaced(M, "MLA_CONFIGS", entry)), True)
+                if row.get("gate", {}).get("verdict") == "pass":
+                    t = totals.setdefault((cls, tuple(cfg)), [0, 0.0])
+                    t[0], t[1] = t[0] + 1, t[1] + row["ms"]
+        for cls in sorted({row_class(s * h) for s, h in self.size["tune_shapes"]}):
+            n = sum(1 for s, h in self.size["tune_shapes"] if row_class(s * h) == cls)
+            full = {c: t for (k, c), (m, t) in totals.items() if k == cls and m == n}
+            if full:
+                self.doc["best_configs"][str(cls)] = min(full, key=full.get)
+        print(f"best configs (fastest the gate passed, per row class): {self.doc['best_configs']}", flush=True)
+        # Splits at one memory-bound shape: 1, 2, 4 a request, and FlashMLA's own scheduler
+        s_q, h_q = self.size["tune_shapes"][0]
+        q = self.rnd(b, s_q, h_q, D)
+        parts, flashmla = self.schedule(np.full(b, L), s_q, h_q)
+        forms = [(str(n), dict(num_splits=n), _replaced(M, "_auto_splits", lambda *a, n=n: n)) for n in (1, 2, 4)]
+        forms.append((f"FlashMLA schedule, {parts} parts", dict(splits=flashmla),
+                      _replaced(M, "mla_decode", self.scheduled(M.mla_decode))))
+        for label, kw, ctx in forms:
+            self.timed(f"splits b={b} s_q={s_q} h_q={h_q} L={L}", dict(splits=label),
+                       lambda: M.mla_decode(q, cache, table, sl, SCALE, **kw),
+                       lambda ms: self.rates(ms, flashmla_cost(b, s_q, h_q, b * L)),
+                       ("mla.decode", _decode(gb, s_q, h_q, L), ctx))
+
+    def sdpa(self) -> None:
+        """Ours (the launcher's table) beside torch SDPA per backend at every default decode shape."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        M, torch = self.M, self.torch
+        b, gb = self.size["b"], self.size["gate_b"]
+        for L in self.size["sdpa_L"]:
+            cache, table, sl = self.big_cache(b, L)
+            dense = cache[table.long()].reshape(b, 1, L, D)
+            v = dense[..., :D_V].contiguous()
+            for s_q, h_q in self.size["sdpa_shapes"]:
+                q = self.rnd(b, s_q, h_q, D)
+                qs = q.reshape(b, 1, s_q * h_q, D)
+                mask = None
+                if s_q > 1:  # row (i, head) sees keys j <= L - s_q + i
+                    qi = torch.arange(s_q, device=self.dev).repeat_interleave(h_q)
+                    mask = torch.arange(L, device=self.dev)[None, :] <= (L - s_q + qi)[:, None]
+                peers: dict = {}
+                for name, be in (("efficient", SDPBackend.EFFICIENT_ATTENTION), ("math", SDPBackend.MATH)):
+                    def fn(qs=qs, mask=mask):
+                        return torch.nn.functional.scaled_dot_product_attention(qs, dense, v, attn_mask=mask,
+                                                                                scale=SCALE)
+                    try:
+                        with sdpa_kernel(be):
+                            fn()
+                            peers[name] = self.time(fn)
+                    except Exception as e:  # this SDPA backend cannot take the shape here
+                        peers[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+                def figs(ms, peers=peers):
+                    live = {k: t for k, t in peers.items() if isinstance(t, float)}
+                    return {**self.rates(ms, flashmla_cost(b, s_q, h_q, b * L)), "sdpa_ms": peers,
+                            "sdpa_ms_over_ours": {k: t / ms for k, t in live.items()}}
+
+                row = self.timed(f"sdpa b={b} s_q={s_q} h_q={h_q} L={L}", {},
+                                 lambda: M.mla_decode(q, cache, table, sl, SCALE, causal=s_q > 1), figs,
+                                 ("mla.decode", _decode(gb, s_q, h_q, L), contextlib.nullcontext()))
+                ratios = [f"{k} {r:.2f}x" for k, r in row.get("sdpa_ms_over_ours", {}).items()]
+                print("  SDPA ms / ours: " + (", ".join(ratios) or "-")
+                      + "".join(f"  ({k}: {t})" for k, t in peers.items() if not isinstance(t, float)), flush=True)
+            del cache, table, dense, v
+
+    def sparse(self) -> None:
+        """decode_sparse, s_q = 1: each request's top-k slots drawn among its own L tokens."""
+        from kernel_parity.kernels.triton.mla_sparse import mla_decode_sparse
+
+        torch = self.torch
+        b, L, k, gb = self.size["b"], self.size["sparse_L"], self.size["topk"], self.size["gate_b"]
+        cache, table, _ = self.big_cache(b, L)
+        for h_q in self.size["sparse_h"]:
+            tok = torch.randint(L, (b, 1, k), device=self.dev, generator=self.gen)
             page = table.long().gather(1, (tok // PAGE).view(b, -1)).view(b, 1, -1)
             idx = (page * PAGE + tok % PAGE).to(torch.int32)
-            q = torch.randn((b, 1, h_q, D), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
-            o, lse = mla_decode_sparse(q, cache, idx, None, scale)
-            refs = sparse_ref(ctx, q, cache, idx, None, scale, (0, 1))
-            chk = compare(ctx, "bench " + shape, [(o[i], lse[i], *refs[i]) for i in (0, 1)])
-            ms = ctx.bench(lambda: mla_decode_sparse(q, cache, idx, None, scale, out=o, out_lse=lse))
-            row.update(figures(ctx, b, 1, h_q, b * ctx.topk, ms), config="default",
-                       max_err_o=chk["max_err_o"], cos_diff=chk["cos_diff"], parity_ok=chk["ok"])
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {e}"[:300]
-            ctx.fail("bench " + shape, e)
-        record(ctx, row)
+            q = self.rnd(b, 1, h_q, D)
+            self.timed(f"sparse b={b} s_q=1 h_q={h_q} topk={k} of L={L}", {},
+                       lambda: mla_decode_sparse(q, cache, idx, None, SCALE),
+                       lambda ms: self.rates(ms, flashmla_cost(b, 1, h_q, b * k)),
+                       ("mla.decode_sparse", _sparse(gb, h_q, L, k), contextlib.nullcontext()))
 
+    def fused_inputs(self, b: int, h_q: int, L: int) -> tuple[list, object]:
+        """mla_decode_fused_fp8's positional arguments at DeepSeek-V3's shapes (dn 128, d_r 64, d_c 512,
+        v 128), one new token a request at position L - 1; and the seqlens (L) of its attention."""
+        torch, dev, gen = self.torch, self.dev, self.gen
+        cache, table, sl = self.big_cache(b, L)
+        dn, d_r, d_c, dv = 128, D - D_V, D_V, 128
+        ang = torch.arange(L, device=dev, dtype=torch.float64)[:, None] * \
+            10000.0 ** (-torch.arange(0, d_r, 2, device=dev, dtype=torch.float64) / d_r)
+        fp8 = lambda *s: (0.05 * torch.randn(s, device=dev, generator=gen) * 448).to(torch.float8_e4m3fn)  # noqa: E731
+        args = [self.rnd(b, h_q, dn + d_r), torch.arange(b + 1, device=dev, dtype=torch.int32),
+                torch.stack([ang.cos(), ang.sin()], -1).reshape(L, d_r).float(),
+                1 + 0.1 * torch.randn(d_c, device=dev, generator=gen), 1e-6,
+                fp8(h_q, d_c, dn), torch.full((h_q, d_c // 128, dn // 128), 1 / 448, device=dev),
+                fp8(h_q, dv, d_c), torch.full((h_q, dv // 128, d_c // 128), 1 / 448, device=dev),
+                cache, table, sl - 1, 192 ** -0.5]
+        return args, sl
 
-def fused_inputs(ctx, b, h_q, L):
-    """DeepSeek-V3 shapes (dn 128, d_r 64, d_c 512, v 128): one new token a request at position L - 1."""
-    torch = ctx.torch
-    cache, table, sl = big_cache(ctx, b, L)
-    dn, d_r, d_c, dv = 128, D - D_V, D_V, 128
-    q = torch.randn((b, h_q, dn + d_r), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
-    off = torch.arange(b + 1, device=ctx.dev, dtype=torch.int32)
-    ang = torch.arange(L, device=ctx.dev, dtype=torch.float64)[:, None] * \
-        10000.0 ** (-torch.arange(0, d_r, 2, device=ctx.dev, dtype=torch.float64) / d_r)
-    freqs = torch.stack([ang.cos(), ang.sin()], -1).reshape(L, d_r).float()
-    gamma = 1 + 0.1 * torch.randn(d_c, device=ctx.dev, generator=ctx.gen)
-    w_uk = (0.05 * torch.randn((h_q, d_c, dn), device=ctx.dev, generator=ctx.gen) * 448).to(torch.float8_e4m3fn)
-    w_uv = (0.05 * torch.randn((h_q, dv, d_c), device=ctx.dev, generator=ctx.gen) * 448).to(torch.float8_e4m3fn)
-    s_uk = torch.full((h_q, d_c // 128, dn // 128), 1 / 448, device=ctx.dev)
-    s_uv = torch.full((h_q, dv // 128, d_c // 128), 1 / 448, device=ctx.dev)
-    return dict(q=q, input_row_offsets=off, freqs_cis=freqs, gamma=gamma, epsilon=1e-6, w_uk=w_uk, w_uk_scale=s_uk,
-                w_uv=w_uv, w_uv_scale=s_uv, kv_cache=cache, block_table=table, cache_lengths=sl - 1,
-                scale=192 ** -0.5), sl
+    def fused_cost(self, args: list, b: int, h_q: int, L: int) -> tuple[int, float]:
+        """(bytes, FLOPs) of the fused branch: the cache rows, the FP8 weights and their scales, q and out;
+        the attention's FLOPs and the two bmms'."""
+        w_bytes = 2 * h_q * D_V * 128 + 4 * (args[6].numel() + args[8].numel())
+        return (b * L * D * 2 + w_bytes + b * h_q * (192 + 128) * 2,
+                2.0 * h_q * b * L * (D + D_V) + 2 * 2 * b * h_q * 128 * D_V)
 
-
-FUSED_SWEEP = [(32, 16, 8, 2, "ieee"), (16, 32, 4, 2, "split3"), (16, 64, 4, 2, "split3"), (16, 16, 4, 2, "split3"),
-               (32, 32, 4, 2, "split3"), (32, 32, 8, 2, "split3"), (16, 32, 4, 3, "split3"), (32, 64, 8, 2, "split3"),
-               (64, 32, 8, 2, "split3"), (64, 16, 8, 2, "split3"), (16, 32, 8, 2, "split3")]
-
-
-def _fused_args(x):
-    return [x[k] for k in ("q", "input_row_offsets", "freqs_cis", "gamma", "epsilon", "w_uk", "w_uk_scale", "w_uv",
-                           "w_uv_scale", "kv_cache", "block_table", "cache_lengths", "scale")]
-
-
-def fused_tune(ctx) -> None:
-    """The fused attention's configs (kernels.triton.mla_fused.ATTEND_CONFIG) at two shapes; each
-    output against the first (IEEE) config's on the same raw cache: max |d out| and cos_diff."""
-    from kernel_parity.kernels.triton import mla_fused as F
-    torch = ctx.torch
-    default = F.ATTEND_CONFIG
-    total: dict = {}
-    for h_q, L in ctx.fused_tune_shapes:
-        x, _ = fused_inputs(ctx, ctx.shape_b, h_q, L)
-        args = _fused_args(x)
-        raw = args[9].clone()
-        ref = None
-        for cfg in ctx.fused_sweep:
-            row = dict(sweep=f"h_q={h_q} L={L}", config=cfg)
-            try:
-                F.ATTEND_CONFIG = cfg
-                args[9].copy_(raw)
-                out = F.mla_decode_fused_fp8(*args, max_new_tokens=1)
-                if ref is None:
-                    ref = out.double()
-                d = out.double()
-                row.update(max_d_out=float((d - ref).abs().max()),
-                           cos_vs_first=float(1 - 2 * (d * ref).sum() / ((d * d).sum() + (ref * ref).sum())))
-                row["ms"] = ctx.bench(lambda: F.mla_decode_fused_fp8(*args, out=out, max_new_tokens=1))
-                n, t = total.get(cfg, (0, 0.0))
-                total[cfg] = (n + 1, t + row["ms"])
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-            finally:
-                F.ATTEND_CONFIG = default
-            ctx.state["tune"].append(row)
-            print("fused tune", row, flush=True)
-        del x, args, raw
-        if ctx.cuda:
-            torch.cuda.empty_cache()
-    full = {c: t for c, (n, t) in total.items() if n == len(ctx.fused_tune_shapes) and c[4] != "ieee"}
-    if full:
-        ctx.best["fused"] = min(full, key=full.get)
-    ctx.save()
-
-
-def fused(ctx) -> None:
-    """mla_decode_fused_fp8 vs the plain mla_decode of its attention and the eager branch."""
-    from kernel_parity.kernels.torch import mla as eager
-    from kernel_parity.kernels.triton import mla_fused as F
-    from kernel_parity.kernels.triton.mla import mla_decode
-    from kernel_parity.kernels.triton.mla_fused import mla_decode_fused_fp8
-    torch = ctx.torch
-    b = ctx.shape_b
-    if ctx.fused_sweep:
-        fused_tune(ctx)
-    if "fused" in ctx.best:
-        F.ATTEND_CONFIG = tuple(ctx.best["fused"])
-    for L in ctx.fused_L:
-        for h_q in ctx.fused_h:
-            shape = f"b={b} new=1 h_q={h_q} L={L}"
-            row = dict(op="mla_decode_fused_fp8", shape=shape)
-            try:
-                x, sl = fused_inputs(ctx, b, h_q, L)
-                kw = dict(x)
-                args = [kw.pop(k) for k in ("q", "input_row_offsets", "freqs_cis", "gamma", "epsilon", "w_uk",
-                                            "w_uk_scale", "w_uv", "w_uv_scale", "kv_cache", "block_table",
-                                            "cache_lengths", "scale")]
-                out = torch.empty((b, h_q, 128), dtype=torch.bfloat16, device=ctx.dev)
-                fresh = args[9].clone()  # the check runs both on the same raw cache rows
-                ref_out, _ = eager.decode_fused_fp8(*args[:9], fresh.clone(), *args[10:])
-                mla_decode_fused_fp8(*args[:9], fresh, *args[10:], out=out, max_new_tokens=1)
-                del fresh
-                cos = 1 - 2 * (out.double() * ref_out.double()).sum() / \
-                    ((out.double() ** 2).sum() + (ref_out.double() ** 2).sum())
-                err = float((out.double() - ref_out.double()).abs().max())
-                ms = ctx.bench(lambda: mla_decode_fused_fp8(*args, out=out, max_new_tokens=1))
-                q_abs = torch.randn((b, 1, h_q, D), device=ctx.dev, generator=ctx.gen).to(torch.bfloat16)
-                ms_attn = ctx.bench(lambda: mla_decode(q_abs, x["kv_cache"], x["block_table"], sl, x["scale"]))
-                w_bytes = 2 * h_q * D_V * 128 + 4 * (x["w_uk_scale"].numel() + x["w_uv_scale"].numel())
-                nbytes = b * L * D * 2 + w_bytes + b * h_q * (192 + 128) * 2
-                flops = 2 * h_q * b * L * (D + D_V) + 2 * 2 * b * h_q * 128 * D_V
-                gbps = nbytes / ms / 1e6
-                row.update(config=F.ATTEND_CONFIG, ms=ms, bytes=nbytes, flops=flops, GBps=gbps, pct_copy=100 * gbps / ctx.copy_gbps,
-                           pct_3000=100 * gbps / FLASHMLA_GBPS, TFLOPs=flops / ms / 1e9,
-                           pct_matmul=100 * flops / ms / 1e9 / ctx.mm_tflops, pct_660=100 * flops / ms / 1e9 / 660,
-                           mla_decode_ms=ms_attn, fused_overhead=ms / ms_attn - 1,
-                           cos_diff_vs_eager=float(cos), max_err_o=err,
-                           cos_diff=float(cos), parity_ok=bool(cos < 1.2e-3))  # the eager bf16 tier
-                try:
-                    row["eager_ms"] = ctx.bench(lambda: eager.decode_fused_fp8(*args, inplace=True))
-                    row["speedup_vs_eager"] = row["eager_ms"] / ms
-                except Exception as e:  # out of memory: no peer at this size
-                    row["eager_error"] = f"{type(e).__name__}: {e}"[:300]
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-                ctx.fail("fused " + shape, e)
-            record(ctx, row)
-            if ctx.cuda:
-                torch.cuda.empty_cache()
-        ctx.save()
-
-
-def bench(ctx) -> None:
-    for L in ctx.bench_L:
-        bench_dense(ctx, L)
-        if L == ctx.sparse_L:
-            bench_sparse(ctx, L)
-        if ctx.cuda:
-            ctx.torch.cuda.empty_cache()
-        ctx.save()
-
-
-def ceilings(torch, dev, gen, time_ms, cuda) -> tuple[float, float]:
-    """This run's copy bandwidth (GB/s, bytes read + written, 2 GiB) and bf16 matmul rate (8192^3)."""
-    n_copy = (2048 if cuda else 8) * MIB
-    src = torch.rand(n_copy // 4, device=dev, generator=gen)
-    dst = torch.empty_like(src)
-    copy_gbps = 2 * n_copy / time_ms(lambda: dst.copy_(src)) / 1e6
-    n = 8192 if cuda else 256
-    a = torch.randn(n, n, device=dev, generator=gen).to(torch.bfloat16)
-    b = torch.randn(n, n, device=dev, generator=gen).to(torch.bfloat16)
-    return copy_gbps, 2 * n**3 / time_ms(lambda: a @ b) / 1e9
-
-
-class Context:
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-        self.best: dict = {}
-
-    def fail(self, name, e) -> None:
-        self.state["errors"].append(f"{name}: {type(e).__name__}: {e}\n{traceback.format_exc()}"[:2000])
-        print(f"ERROR {name}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-
-
-def main() -> int:
-    args = parse_args()
-    if args.smoke_cpu:
-        from kernel_parity.conformance.backends.triton_prep import interpreter_mode, interpreter_ready, \
-            prepare_environment
-        if not interpreter_mode():
-            print("gpu_mla --smoke-cpu is for a machine without a CUDA GPU (the interpreter's fixes apply only "
-                  "there); on a GPU run it without the flag", file=sys.stderr)
-            return 2
-        prepare_environment()  # TRITON_INTERPRET=1 before triton is imported
-        why = interpreter_ready()
-        if why:
-            print(f"gpu_mla --smoke-cpu: {why}", file=sys.stderr)
-            return 2
-    import torch
-    import triton
-
-    cuda = torch.cuda.is_available() and not args.smoke_cpu
-    if not cuda and not args.smoke_cpu:
-        print("gpu_mla: no CUDA device; run on a GPU machine, or with --smoke-cpu", file=sys.stderr)
-        return 2
-    dev = torch.device("cuda" if cuda else "cpu")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    if cuda:
-        from triton.testing import do_bench
-        bench_kw = dict(warmup=25, rep=100, return_mode="median")
-
-        def time_ms(fn) -> float:
-            return float(do_bench(fn, **bench_kw))
-    else:
-        bench_kw = dict(perf_counter="min of 2")
-
-        def time_ms(fn) -> float:
-            ts = []
-            for _ in range(2):
-                t = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t) * 1e3)
-            return sorted(ts)[0]
-
-    state: dict = dict(parity=[], tune=[], results=[], failures=[], errors=[], errors_sdpa=[], notes=[])
-    copy_gbps, mm_tflops = ceilings(torch, dev, gen, time_ms, cuda)
-    from kernel_parity.kernels.triton import mla as M
-    props = torch.cuda.get_device_properties(dev) if cuda else None
-    header = dict(
-        device=torch.cuda.get_device_name(dev) if cuda else "cpu (Triton interpreter)",
-        capability=".".join(map(str, torch.cuda.get_device_capability(dev))) if cuda else None,
-        sm_count=props.multi_processor_count if cuda else 1,
-        l2_bytes=getattr(props, "L2_cache_size", None) if cuda else None,
-        torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda, smoke_cpu=args.smoke_cpu,
-        copy_GBps=copy_gbps, matmul_bf16_TFLOPs=mm_tflops, do_bench=bench_kw, limits=LIMITS,
-        mla_configs={str(k): tuple(v) for k, v in M.MLA_CONFIGS.items()},
-        time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    )
-    print(f"{header['device']}  torch {header['torch']}  triton {header['triton']}  "
-          f"copy {copy_gbps:.0f} GB/s  bf16 matmul {mm_tflops:.1f} TFLOP/s", flush=True)
-
-    def save() -> None:
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            doc = dict(header=header, best_configs={str(k): v for k, v in ctx.best.items()}, **state)
-            Path(args.out).write_text(json.dumps(doc, indent=1, default=str))
-
-    sizes = (dict(shape_b=128, tune_L=8192, bench_L=(4096, 8192, 16384), bench_h=(16, 32, 64, 128),
-                  tune_shapes=((1, 16), (1, 32), (1, 64), (1, 128)), sweep=SWEEP, sparse_L=8192,
-                  sparse_h=(64, 128), topk=2048, sdpa=True, fused_L=(4096, 16384), fused_h=(16, 128),
-                  fused_tune_shapes=((128, 4096), (16, 16384)), fused_sweep=FUSED_SWEEP, parity_shapes=((1, 16), (2, 16), (2, 64)),
-                  parity_sparse=((2, 16, [50, 0, 96, 7]), (1, 128, None)))
-             if cuda else
-             dict(shape_b=2, tune_L=128, bench_L=(64, 128), bench_h=(2, 16), tune_shapes=((1, 16), (1, 32)),
-                  sweep={16: SWEEP[16][:1], 32: SWEEP[32][:1], 64: []}, sparse_L=64, sparse_h=(16,), topk=32, fused_L=(64,), fused_h=(2,), fused_tune_shapes=((2, 64),),
-                  fused_sweep=FUSED_SWEEP[:2],
-                  sdpa=True, parity_shapes=((1, 16), (2, 2)), parity_sparse=((2, 16, [50, 0, 96, 7]),)))
-    ctx = Context(torch=torch, dev=dev, gen=gen, cuda=cuda, bench=time_ms, copy_gbps=copy_gbps, mm_tflops=mm_tflops,
-                  sm_count=header["sm_count"], tune_budget=args.tune_budget if cuda else 1e9, state=state,
-                  save=save, **sizes)
-    if args.fused_configs is not None:
-        ctx.fused_sweep = ctx.fused_sweep[:args.fused_configs]
-    sections = set(args.sections.split(","))
-    for name, fn in (("parity", parity), ("tune", tune), ("bench", bench), ("fused", fused)):
-        if name not in sections:
-            continue
-        t0 = time.time()
-        try:
-            fn(ctx)
-        except Exception as e:  # keep what the other sections measured
-            state["errors"].append(f"section {name}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-            print(f"SECTION {name} FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        print(f"[{name}: {time.time() - t0:.0f} s]", flush=True)
-        if cuda:
-            torch.cuda.empty_cache()
-        save()
-
-    print(f"\n{header['device']}  copy {copy_gbps:.0f} GB/s  bf16 matmul {mm_tflops:.1f} TFLOP/s  "
-          f"best configs {ctx.best}")
-    print(f"{'op':17s} {'shape':36s} {'ms':>8s} {'GB/s':>7s} {'%copy':>6s} {'%3000':>6s} {'TFLOP/s':>8s} "
-          f"{'%mm':>5s} {'%660':>5s} {'max|dO|':>8s} {'cos_diff':>9s} {'SDPA ms':>14s} {'x':>6s}")
-    for r in state["results"]:
-        if "ms" not in r:
-            print(f"{r['op']:17s} {r['shape']:36s} ERROR {r.get('error', '')[:80]}")
-            continue
-        sd = f"{r['best_sdpa']} {r['sdpa_ms'][r['best_sdpa']]:.3f}" if r.get("best_sdpa") else "-"
-        x = f"{r['speedup_vs_sdpa']:5.1f}x" if r.get("best_sdpa") else "-"
-        print(f"{r['op']:17s} {r['shape']:36s} {r['ms']:8.4f} {r['GBps']:7.0f} {r['pct_copy']:5.1f}% "
-              f"{r['pct_3000']:5.1f}% {r['TFLOPs']:8.1f} {r['pct_matmul']:4.0f}% {r['pct_660']:4.0f}% "
-              f"{r['max_err_o']:8.1e} {r['cos_diff']:9.1e} {sd:>14s} {x:>6s}")
-    if state["failures"] or state["errors"]:
-        print(f"\nFAILED: {len(state['failures'])} parity failure(s), {len(state['errors'])} error(s)",
-              *state["failures"], *[e.splitlines()[0] for e in state["errors"]], sep="\n  ", file=sys.stderr)
-        return 1
-    print(f"\nparity ok in {len(state['parity'])} checks; {len(state['results'])} timed entries")
-    return 0
+    def fused(self) -> None:
+        """The attention-config sweep of the fused branch, then the branch beside the plain mla_decode."""
+        M, F, torch = self.M, self.F, self.torch
+        b, gb, sweep = self.size["b"], self.size["gate_b"], self.size["fused_sweep"]
+        totals: dict = {}  # config -> [shapes, ms] over the split3 configs the gate passed
+        for h_q, L in self.size["fused_tune"] if sweep else ():
+            args, _ = self.fused_inputs(b, h_q, L)
+            out = torch.empty((b, h_q, 128), dtype=torch.bfloat16, device=self.dev)
+            cost = self.fused_cost(args, b, h_q, L)
+            for cfg in sweep:
+                # the new rows are re-normalised on every timed call: idempotent up to rounding
+                with _replaced(F, "ATTEND_CONFIG", cfg):
+                    row = self.timed(f"fused config b={b} h_q={h_q} L={L}", dict(config=cfg),
+                                     lambda: F.mla_decode_fused_fp8(*args, out=out, max_new_tokens=1),
+                                     lambda ms: self.rates(ms, cost),
+                                     ("mla.decode_fused_fp8", _fused(gb, h_q, L - 1), contextlib.nullcontext()), True)
+                if row.get("gate", {}).get("verdict") == "pass" and cfg[4] != "ieee":
+                    t = totals.setdefault(cfg, [0, 0.0])
+                    t[0], t[1] = t[0] + 1, t[1] + row["ms"]
+            del args, out
+        full = {c: t for c, (n, t) in totals.items() if n == len(self.size["fused_tune"])}
+        if full:
+            self.doc["best_configs"]["fused"] = min(full, key=full.get)
+            print(f"best fused attention config (fastest the gate passed): {self.doc['best_configs']['fused']}",
+                  flush=True)
+        for h_q, L in self.size["fused"]:
+            args, sl = self.fused_inputs(b, h_q, L)
+            out = torch.empty((b, h_q, 128), dtype=torch.bfloat16, device=self.dev)
+            q_abs = self.rnd(b, 1, h_q, D)
+            attn = self.time(lambda: M.mla_decode(q_abs, args[9], args[10], sl, args[12]))
+            cost = self.fused_cost(args, b, h_q, L)
+            self.timed(f"fused b={b} new=1 h_q={h_q} L={L}", dict(config=F.ATTEND_CONFIG),
+                       lambda: F.mla_decode_fused_fp8(*args, out=out, max_new_tokens=1),
+                       lambda ms: {**self.rates(ms, cost), "mla_decode_ms": attn, "fused_overhead": ms / attn - 1},
+                       ("mla.decode_fused_fp8", _fused(gb, h_q, L - 1), contextlib.nullcontext()))
+            print(f"  the plain mla_decode of its attention: {attn:.4f} ms", flush=True)
+            del args, out
 
 
 if __name__ == "__main__":

@@ -109,21 +109,29 @@ def _fp8(peer: bool):
     return lambda: F.gemm_fp8_scaled(qa, sa, qw, sw)
 
 
-def _mla(s_q: int, h_q: int, L: int = 4096, b: int = 128):
-    from gpu_mla import big_cache, D
-    from kernel_parity.kernels.triton.mla import mla_decode
+def _mla_ctx():
+    """_ctx() with what gpu_mla.Tune's input builders read of their instance (rnd, big_cache)."""
+    from gpu_mla import Tune
     c = _ctx()
-    cache, table, sl = big_cache(SimpleNamespace(torch=c.torch, dev=c.dev, gen=c.gen), b, L)
+    c.rnd = lambda *s: c.torch.randn(s, device=c.dev, generator=c.gen).to(c.torch.bfloat16)
+    c.big_cache = lambda b, L: Tune.big_cache(c, b, L)
+    return c
+
+
+def _mla(s_q: int, h_q: int, L: int = 4096, b: int = 128):
+    from gpu_mla import D
+    from kernel_parity.kernels.triton.mla import mla_decode
+    c = _mla_ctx()
+    cache, table, sl = c.big_cache(b, L)
     q = c.torch.randn((b, s_q, h_q, D), device=c.dev, generator=c.gen).to(c.torch.bfloat16)
     return lambda: mla_decode(q, cache, table, sl, 1 / math.sqrt(D))
 
 
 def _mla_fused(h_q: int = 128, L: int = 4096, b: int = 128):
-    from gpu_mla import _fused_args, fused_inputs
+    from gpu_mla import Tune
     from kernel_parity.kernels.triton.mla_fused import mla_decode_fused_fp8
-    c = _ctx()
-    x, _ = fused_inputs(SimpleNamespace(torch=c.torch, dev=c.dev, gen=c.gen), b, h_q, L)
-    args = _fused_args(x)
+    c = _mla_ctx()
+    args, _ = Tune.fused_inputs(c, b, h_q, L)
     return lambda: mla_decode_fused_fp8(*args, max_new_tokens=1)
 
 

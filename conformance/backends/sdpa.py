@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernel_parity.conformance.backends import Backend, NotProvided
-from kernel_parity.conformance.backends._torch import cuda_available, to_torch, torch_available
+from kernel_parity.conformance.backends._torch import autograd_timed, cuda_available, to_torch, torch_available
 from kernel_parity.conformance.ops.attention_inputs import value_dim
 
 OPS = ("attention.prefill", "attention.decode", "attention.prefill_backward")
@@ -185,8 +185,12 @@ def _kernel_ctx(kind: str) -> Any:
 
 
 def _make(name: str, device: str, kind: str, **caps: Any) -> SdpaBackend:
-    return SdpaBackend(name=name, device=device, dtypes=("fp32", "fp16", "bf16"),
-                       ops={op: None for op in OPS}, kind=kind, doc=f"torch SDPA ({kind}) on {device}", **caps)
+    b = SdpaBackend(name=name, device=device, dtypes=("fp32", "fp16", "bf16"),
+                    ops={op: None for op in OPS}, kind=kind, doc=f"torch SDPA ({kind}) on {device}", **caps)
+    # parity bench times SDPA's backward alone, as it times ours: the forward runs once, untimed
+    b.timed["attention.prefill_backward"] = autograd_timed(
+        b._backward, "SDPA's backward alone: its forward ran once, untimed (autograd.grad, retain_graph)")
+    return b
 
 
 CPU = _make("sdpa-cpu", "cpu", "default")

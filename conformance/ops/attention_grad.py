@@ -186,11 +186,14 @@ def backward_specs(prefill: OpSpec, varlen: OpSpec, diagnoses: tuple[Diagnosis, 
     dists = {**prefill.dists, "scales": SCALES}
     common = dict(outputs=OUTPUTS, tolerance=tolerance(), dists=dists, check=prefill.check, diagnoses=diagnoses,
                   backends=("triton", "cpu", "torch"))
+
     return (
         OpSpec(name="attention.prefill_backward", golden=ref.prefill_backward, reference=_prefill_ref,
                references={"exact": lambda x, p: _prefill_ref(x, p, given_o=False)},
                params=_schema(prefill), make_inputs=_make_inputs(prefill, varlen=False),
                output_shapes=_shapes(prefill), **common,
+               # FlashAttention's count: five s^2 d matmuls to the forward's two
+               flops=None if prefill.flops is None else (lambda p: 2.5 * prefill.flops(p)),
                doc="Gradients dq, dk, dv (dsinks) of attention.prefill for cotangents dO (and dLSE), given O and the "
                    "LSE with the sink."),
         OpSpec(name="attention.varlen_backward", golden=ref.varlen_backward, reference=_varlen_ref,

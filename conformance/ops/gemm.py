@@ -279,6 +279,8 @@ GEMM_NT_BACKWARD = OpSpec(
     tolerance=Tol(acc_len=_backward_acc, overrides=_GRAD_SCALE, noise_k=3.0),
     dists=DISTS,
     check=_check,
+    # da = dc W: 2 M N K; dw = dc^T A (float32 W only): 2 M N K more (db's column sum aside)
+    flops=lambda p: 2.0 * p["m"] * p["n"] * p["k"] * (2 if p["wfmt"] == "f32" else 1),
     doc="The VJP of C = A @ W^T (+ bias): da = dc W (W dequantized), dw = dc^T A and db = sum dc for float32 W.",
 )
 

@@ -190,6 +190,15 @@ def _edge_requests(p: dict[str, Any], x: dict[str, np.ndarray]) -> np.ndarray:
 REQUESTS = Rows("b", inputs={"q": 0, "block_table": 0, "seqlens": 0}, outputs={"o": 0, "lse": 0},
                 always=_edge_requests, size=lambda p: p["b"] * p["sq"] * p["hq"] * p["kv"])
 
+def _decode_flops(p: dict[str, Any]) -> float:
+    """FlashMLA's count: 2 s_q h_q (576 + 512) per cached token (`parity bench`)."""
+    return 2.0 * p["sq"] * p["hq"] * float(_decode_lens(p).sum()) * (D + DV)
+
+
+def _sparse_flops(p: dict[str, Any]) -> float:
+    return 2.0 * p["b"] * p["sq"] * p["hq"] * p["topk"] * (D + DV)
+
+
 DECODE = OpSpec(
     name="mla.decode",
     golden=refimpl.mla.decode,
@@ -206,6 +215,7 @@ DECODE = OpSpec(
     check=_check,
     storage_inputs=frozenset({"kv_cache"}),  # refimpl.mla.decode widens the rows it gathers
     rows=REQUESTS,
+    flops=_decode_flops,
     doc="FlashMLA dense decode: paged latent cache (64-token pages, 576 dims, V = first 512), one KV head.",
 )
 
@@ -224,6 +234,7 @@ DECODE_SPARSE = OpSpec(
     dtypes=("bf16", "fp16", "fp32"),
     dists=DISTS,
     backends=("triton", "torch"),
+    flops=_sparse_flops,
     doc="DeepSeek sparse MLA decode: each query row attends to its top-k list of cache slots (-1 skipped).",
 )
 
@@ -368,6 +379,13 @@ FUSED_BASELINE = Tier(
     ),
 )
 
+def _fused_flops(p: dict[str, Any]) -> float:
+    """The attention (each new token over its request's keys, FlashMLA's count) and the two FP8 bmms."""
+    cl, n = _fused_layout(p)
+    return (2.0 * p["hq"] * float(((cl + n) * n).sum()) * (D + DV)
+            + 2.0 * int(n.sum()) * p["hq"] * (DN * D_C + D_C * DV_HEAD))
+
+
 DECODE_FUSED_FP8 = OpSpec(
     name="mla.decode_fused_fp8",
     golden=refimpl.mla.decode_fused_fp8,
@@ -388,6 +406,7 @@ DECODE_FUSED_FP8 = OpSpec(
                            doc="the cache after the call: the new tokens' rows RMS-normalised and roped"),
     },
     tolerance=replace(attention_tolerance(_fused_acc, *_FUSED_OUT), baseline=FUSED_BASELINE),
+    flops=_fused_flops,
     dtypes=("bf16", "fp16"),
     dists=FUSED_DISTS,
     backends=("triton", "torch"),
