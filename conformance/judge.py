@@ -146,7 +146,11 @@ def _judge_output(case: Case, spec: Any, prep: Any, name: str, got: Any, ev: Evi
         return finish()
     tol_dtype = spec.tol_dtype(name, case.dtype)
     lim = spec.tolerance.limits(name, tol_dtype, case.p, tier)
-    cmp = compare(got, ref, want_dtype, lim, tol_dtype)
+    mags = getattr(prep, "magnitudes", None) or {}
+    mag = mags.get(name)
+    if mag is not None and name in ev.excluded:  # as the golden: excluded elements judged against |golden|
+        mag = np.where(np.broadcast_to(mask, np.shape(mag)), 0.0, mag)
+    cmp = compare(got, ref, want_dtype, lim, tol_dtype, magnitude=mag)
     if cmp.anomaly_mismatch:
         structure.append(cmp.anomaly_detail)
     j.layers["structure"] = LayerResult(not structure, "; ".join(structure))  # layer 1
@@ -167,12 +171,15 @@ def _judge_output(case: Case, spec: Any, prep: Any, name: str, got: Any, ev: Evi
         orec.references = {}
         for rname, rout in prep.references.items():
             if name in rout:
-                other = cmp if rname == ref_name else compare(got, np.asarray(rout[name]), want_dtype, lim, tol_dtype)
+                other = cmp if rname == ref_name else compare(got, np.asarray(rout[name]), want_dtype, lim, tol_dtype,
+                                                              magnitude=mag)
                 orec.references[rname] = {k: other.metrics[k] for k in REFERENCE_METRICS}
     k = spec.tolerance.noise_factor(case.p, gradient=name in spec.gradients)
     base = (ev.noise_base or {}).get(name)
     if base is not None and k is not None:  # layer 4
-        floor = spec.tolerance.noise_floor(tol_dtype, cmp.metrics["max_ref"], lim.atol, case.p, name)
+        # the error model's scale where the op has one: the rounding of the magnitudes, not of |golden| alone
+        floor = spec.tolerance.noise_floor(tol_dtype, cmp.metrics.get("max_mag", cmp.metrics["max_ref"]), lim.atol,
+                                           case.p, name)
         nl, nr = layers.noise_layer(cmp.metrics["max_abs"], base, k, floor)
         j.layers["noise"] = nl
         j.ratios.update(nr)
@@ -217,8 +224,9 @@ def failure_message(case: Case, outputs: dict[str, OutputResult], problems: list
         for w in orec.worst[:MAX_WORST_LINES]:
             idx = ", ".join(map(str, w["index"]))
             mark = "" if w.get("out", True) else "  (within tolerance)"
+            model = (f" bound={w['bound']:.2g} (magnitude {w['magnitude']:.2g})" if "bound" in w else "")
             lines.append(f"  {name}[{idx}] = {w['got']:.6g}, expected {w['expected']:.6g}"
-                         f"  |d|={w['abs']:.2g} rel={w['rel']:.2g}{mark}")
+                         f"  |d|={w['abs']:.2g} rel={w['rel']:.2g}{model}{mark}")
     lines += [f"  diagnosis: {d}" for d in diagnosis]
     if sample is not None:
         lines.append(f"  judged on a sample of {sample.idx.size} of {sample.n} rows ({sample.param}; the whole "

@@ -100,10 +100,16 @@ _CLASS_NAME = {0: "finite", 1: "NaN", 2: "+inf", 3: "-inf"}
 
 
 def compare(got: np.ndarray, ref: np.ndarray, dtype: DType, limits: Limits | None,
-            tol_dtype: DType | None = None) -> Comparison:
+            tol_dtype: DType | None = None, magnitude: np.ndarray | None = None) -> Comparison:
     """Compare a kernel output (storage dtype) with its golden (float64) of the same shape.
 
     tol_dtype: whose eps scales `limits.atol_max_eps` (default the output's own dtype).
+    magnitude: the error model's float64 magnitudes of the golden's elements (OpSpec.magnitude, same
+    shape), or None. Given, each element's relative allowance is taken against m = max(|golden|,
+    magnitude) (atol + rtol m: the same limit where the magnitude is |golden|, a wider one where the
+    golden is a cancellation of larger terms), the worst elements carry their bound and magnitude, and
+    the metrics gain `cond` = sum m^2 / sum golden^2 (>= 1), by which the aggregate limits scale
+    (tolerance.aggregate_limits).
 
     Outputs of 10^8 elements are judged here (model sizes), so every full pass counts: one pass
     over the chunks when both sides are finite everywhere (the common case), nothing masked; a
@@ -113,9 +119,15 @@ def compare(got: np.ndarray, ref: np.ndarray, dtype: DType, limits: Limits | Non
     g, r = np.asarray(got), np.asarray(ref)
     if g.size != r.size:
         raise ValueError(f"output of shape {g.shape} compared with a golden of shape {r.shape}")
-    scan = _scan(g, r, dtype, limits, tol_dtype, masked=False)
+    mag = None
+    if magnitude is not None:
+        mag = np.asarray(magnitude, dtype=np.float64)
+        if mag.size != r.size:
+            raise ValueError(f"magnitude of shape {mag.shape} for a golden of shape {r.shape}")
+        mag = np.ascontiguousarray(mag).reshape(-1)
+    scan = _scan(g, r, dtype, limits, tol_dtype, masked=False, mag=mag)
     if scan is None:  # a NaN or inf: values compared where both are finite, the rest by class
-        scan = _scan(g, r, dtype, limits, tol_dtype, masked=True)
+        scan = _scan(g, r, dtype, limits, tol_dtype, masked=True, mag=mag)
     n, anomalies = scan.n, scan.anomalies
     if n:
         max_abs = float(np.max(scan.max_abs))
@@ -154,11 +166,16 @@ def compare(got: np.ndarray, ref: np.ndarray, dtype: DType, limits: Limits | Non
         "sum_sq_ref": bb,
         "sum_sq_both": denom,
     }
+    if mag is not None:  # the error model's conditioning of this output (>= 1; 1: as well-conditioned as |golden|)
+        mm = scan.mag_sq if n else 0.0
+        metrics["sum_sq_mag"] = mm
+        metrics["max_mag"] = scan.mag_max if n else 0.0  # max of max(|golden|, magnitude): the noise floor's scale
+        metrics["cond"] = mm / bb if bb > 0 else (1.0 if mm == 0 else float("inf"))
     return Comparison(metrics, n_bad_anom, anomaly_detail, _worst(g, r, scan), elem_ratio)
 
 
 def _scan(g: np.ndarray, r: np.ndarray, dtype: DType, limits: Limits | None, tol_dtype: DType | None,
-          masked: bool) -> _Scan | None:
+          masked: bool, mag: np.ndarray | None = None) -> _Scan | None:
     """Every chunk folded into one _Scan; None, unmasked, at the first NaN or inf on either side."""
     eps = (tol_dtype or dtype).eps if limits else 0.0
     if limits is None or limits.atol_max_eps == 0:
@@ -168,7 +185,7 @@ def _scan(g: np.ndarray, r: np.ndarray, dtype: DType, limits: Limits | None, tol
         if max_ref is None:
             return None
         atol = limits.effective_atol(eps, max_ref)
-    scan = _Scan(dtype, atol, limits.rtol if limits else 0.0, masked, g.shape)
+    scan = _Scan(dtype, atol, limits.rtol if limits else 0.0, masked, g.shape, mag)
     for chunk in _chunks(g, r, masked, scan.anomalies):
         if not scan.add(*chunk):
             return None
@@ -336,8 +353,12 @@ class _Top:
 class _Scan:
     """Every metric's partial result over the compared elements, fed a chunk at a time."""
 
-    def __init__(self, dtype: DType, atol: float, rtol: float, masked: bool, shape: tuple[int, ...]) -> None:
+    def __init__(self, dtype: DType, atol: float, rtol: float, masked: bool, shape: tuple[int, ...],
+                 mag: np.ndarray | None = None) -> None:
         self.atol, self.rtol, self.masked = atol, rtol, masked
+        self.mag = mag  # flat float64 magnitudes (compare's `magnitude`) or None
+        self.mag_sq = 0.0
+        self.mag_max = 0.0
         self.anomalies = _Anomalies(shape) if masked else None
         self.nonneg_limits = atol >= 0 and rtol >= 0
         self.rel_floor = atol if atol > 0 else TINY
@@ -382,6 +403,10 @@ class _Scan:
             where = None if small > self.ulp_floor else absb > self.ulp_floor
             self.max_ulp = max(self.max_ulp, max_ulp_distance(g, b, self.ulp_dtype, where=where))
         allowed = absb  # |b| is not needed after this: its buffer becomes the limit
+        if self.mag is not None:  # the error model: the allowance against max(|b|, magnitude)
+            np.maximum(allowed, self.mag_at(pos, a.size), out=allowed)
+            self.mag_sq += float(np.einsum("i,i->", allowed, allowed))
+            self.mag_max = max(self.mag_max, float(allowed.max()))
         allowed *= self.rtol
         allowed += self.atol
         ratio = _ratio(d, allowed, self.atol, out=t)
@@ -400,6 +425,15 @@ class _Scan:
         self.top.offer(ratio, r_max, pos)
         return True
 
+    def mag_at(self, pos, n: int) -> np.ndarray:
+        """The magnitudes of a chunk: from flat index `pos` on (unmasked), or at the indices `pos`."""
+        return self.mag[pos:pos + n] if isinstance(pos, (int, np.integer)) else self.mag[pos]
+
+    def scale(self, b: np.ndarray, pos) -> np.ndarray:
+        """What each element's relative allowance is taken against: |b|, or max(|b|, magnitude)."""
+        absb = np.abs(b)
+        return absb if self.mag is None else np.maximum(absb, self.mag_at(pos, b.size))
+
     def keys(self, g: np.ndarray, r: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Every compared element's worst-list key (ratio, or d where no ratio is positive), and,
         masked, each one's flat index: what the whole-array selection ran on."""
@@ -409,7 +443,7 @@ class _Scan:
         for a, b, _, pos in _chunks(g, r, self.masked):
             n = a.size
             d = np.abs(a - b)
-            key[i:i + n] = _ratio(d, np.abs(b) * self.rtol + self.atol, self.atol, d) if self.any_pos else d
+            key[i:i + n] = _ratio(d, self.scale(b, pos) * self.rtol + self.atol, self.atol, d) if self.any_pos else d
             if flats is not None:
                 flats[i:i + n] = pos + np.arange(n) if isinstance(pos, int) else pos
             i += n
@@ -433,7 +467,11 @@ def _worst(g: np.ndarray, r: np.ndarray, scan: _Scan) -> list[dict]:
         e = float(np.asarray(_flat(r)[flat:flat + 1], dtype=np.float64)[0])
         ad = abs(gv - e) if np.isfinite(gv) and np.isfinite(e) else float("nan")
         rel = ad / abs(e) if np.isfinite(ad) and e != 0 else float("nan")
-        out.append({"index": _index(flat, g.shape), "got": gv, "expected": e, "abs": ad, "rel": rel, "out": is_out})
+        w = {"index": _index(flat, g.shape), "got": gv, "expected": e, "abs": ad, "rel": rel, "out": is_out}
+        if scan.mag is not None:  # the element's bound and the magnitude term behind it
+            m = float(scan.mag[flat])
+            w["magnitude"], w["bound"] = m, scan.atol + scan.rtol * max(abs(e), m)
+        out.append(w)
     return out
 
 

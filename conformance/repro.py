@@ -36,7 +36,8 @@ from kernel_parity.conformance.inputs import storage
 from kernel_parity.conformance.session import open_session
 from kernel_parity.reports import files, records
 
-_METRICS = ("max_abs", "max_rel", "rmse", "nmse", "cos_diff", "max_ulp", "mismatch", "max_ref")
+_METRICS = ("max_abs", "max_rel", "rmse", "nmse", "cos_diff", "max_ulp", "mismatch", "max_ref",
+            "cond")  # cond: the error model's conditioning (OpSpec.magnitude), where the op has one
 EXPORT_FILES = ("case.json", "inputs.npz", "expected.npz", "actual.npz", "layout.json", "repro.py")
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -99,8 +100,9 @@ def print_record(rec: dict, out: Any = None) -> None:
             print(f"  {layer:<9} {state}{': ' + res['detail'] if res['detail'] else ''}", file=w)
         for e in o.get("worst", []):
             mark = "OUT " if e.get("out") else ("in  " if e.get("out") is False else "")
+            model = f" bound={_g(e['bound'])} (magnitude {_g(e['magnitude'])})" if "bound" in e else ""
             print(f"  worst    {mark}{name}{e['index']} got {e['got']!r} expected {e['expected']!r} "
-                  f"|d|={_g(e['abs'])}", file=w)
+                  f"|d|={_g(e['abs'])}{model}", file=w)
     if rec.get("recheck"):
         print(f"recheck  seeds {rec['recheck']['seeds']} -> {rec['recheck']['verdicts']}", file=w)
     sample = rec.get("sample")

@@ -82,6 +82,7 @@ class Prepared:
         if cached is not None:
             self._sub_inputs()
             self.references, self.cotangents = cached["references"], cached["cotangents"]
+            self._compute_magnitudes()  # not cached: recomputed from the inputs
             self.cache_read_s = t1 - t0
         else:
             self._compute_references()
@@ -119,6 +120,12 @@ class Prepared:
         self._sub_inputs()
         self.references = {name: dict(fn(self.inputs64, self.params))
                             for name, fn in self.spec.all_references().items()}
+        self._compute_magnitudes()
+
+    def _compute_magnitudes(self) -> None:
+        """The error model's magnitudes (OpSpec.magnitude), on the same rows as the references."""
+        fn = self.spec.magnitude
+        self.magnitudes = {} if fn is None else dict(fn(self.inputs64, self.params))
 
     def golden_shape(self, name: str) -> tuple[int, ...]:
         """The shape of output `name` as the references hold it (the sample's rows when sampled)."""

@@ -134,6 +134,12 @@ class OpSpec:
     # group's time and 9.6 GB of a worker's memory); every other input reaches them as float64
     storage_inputs: frozenset[str] = frozenset()
     rows: Rows | None = None  # row-independent outputs: large cases are judged on a sample of rows
+    # the error model: float64 inputs, params -> {output: the magnitude its rounding errors scale with,
+    # the golden's shape}, i.e. the golden's computation on absolute values (for a product |A| |B|, for
+    # dS = P (dP - D) P (|dP| + |D|)). The numeric layer then judges each element against
+    # max(|golden|, magnitude) and scales the aggregate limits by the output's conditioning
+    # (conformance/tolerance.py, layer 3); outputs it leaves out are judged against |golden| alone
+    magnitude: Callable[[Inputs, dict[str, Any]], dict[str, np.ndarray]] | None = None
 
     def canonical_dtype(self, name: str) -> str:
         """A case dtype: the name of one of the op's dtype sets, or a dtype (aliases resolved)."""

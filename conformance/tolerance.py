@@ -7,6 +7,12 @@ Layers (each one's outcome is recorded per output):
 2. exact      bit-exact outputs
 3. numeric    every element |a - b| <= atol + rtol |b|, plus aggregate cos_diff and nmse limits;
               rtol = the dtype's rtol + acc_coeff * eps(fp32) * sqrt(accumulation length).
+              An op with an error model (`OpSpec.magnitude`: per element, the golden's computation
+              on absolute values, what its rounding errors scale with) is judged against
+              m = max(|b|, magnitude) instead: atol + rtol m elementwise, and the aggregate limits
+              times cond = sum m^2 / sum b^2 (1 for a well-conditioned output: today's limits; more
+              where the golden is a cancellation of larger terms, which no limit on |b| can see);
+              the noise layer's floor then scales with max m instead of max |b|
               The aggregate limits have an absolute floor derived from the elementwise one: they
               never fail an output whose RMS error is at most AGG_FLOOR * atol (the absolute part),
               so an output that passes elementwise by orders of magnitude (one LSE value off by
@@ -192,13 +198,16 @@ def aggregate_limits(m: dict[str, float], lim: Limits) -> tuple[float | None, fl
     AGG_FLOOR * atol: sum(d^2) = n (AGG_FLOOR atol)^2 over sum(a^2 + b^2) (cos_diff) or sum(b^2)
     (nmse), with the sums `compare` recorded."""
     floor_sq = m.get("numel_finite", m["numel"]) * (AGG_FLOOR * lim.atol) ** 2
+    # the error model (OpSpec.magnitude): errors scale with the magnitudes m >= |golden|, so the
+    # relative norms may be `cond` = sum m^2 / sum golden^2 times those of a well-conditioned output
+    cond = max(1.0, m.get("cond", 1.0))
     cos = nmse = None
     if lim.cos_diff is not None:
         denom = m.get("sum_sq_both", 0.0)
-        cos = max(lim.cos_diff, floor_sq / denom) if denom > 0 else math.inf
+        cos = max(lim.cos_diff * cond, floor_sq / denom) if denom > 0 else math.inf
     if lim.nmse is not None:
         bb = m.get("sum_sq_ref", 0.0)
-        nmse = max(lim.nmse, floor_sq / bb) if bb > 0 else math.inf
+        nmse = max(lim.nmse * cond, floor_sq / bb) if bb > 0 else math.inf
     return cos, nmse
 
 

@@ -150,7 +150,7 @@ def _unorder(x: F64, order: NDArray[np.int64], axis: int) -> F64:
 def masked_attention_backward(q: NDArray, k: NDArray, v: NDArray, keep: NDArray, do: NDArray,
                               dlse: NDArray | None = None, *, o: NDArray | None = None, scale: float | None = None,
                               softcap: float = 0.0, sinks: NDArray | None = None, head_map: str = "grouped",
-                              budget: int = CHUNK_LOGITS) -> dict[str, F64]:
+                              budget: int = CHUNK_LOGITS, absolute: bool = False) -> dict[str, F64]:
     """Gradients of attention under an explicit mask (module docstring).
 
     q: (b, s_q, h_q, d); k: (b, s_k, h_kv, d); v: (b, s_k, h_kv, d_v); keep: (b, s_q, s_k) bool
@@ -162,7 +162,14 @@ def masked_attention_backward(q: NDArray, k: NDArray, v: NDArray, keep: NDArray,
     sinks: (h_q,) sink logits or None; budget: logits per chunk (memory bound, module docstring)
     returns: {"dq": (b, s_q, h_q, d), "dk": (b, s_k, h_kv, d), "dv": (b, s_k, h_kv, d_v),
               "dsinks": (h_q,) when sinks are given}
+    absolute: the error model's magnitudes instead (conformance/tolerance.py): the same computation on
+    absolute values, P from the true logits (P >= 0) and every signed factor and sum taken absolutely:
+    D = sum |dO| |O|, dP = |dO| . |v|, dT = P (dP + D + |dL|) (x the softcap factor, >= 0), dq = scale
+    dT |k|, dk = scale dT^T |q|, dv = P^T |dO|, dsinks = sum P_sink (|dL| + D). Where dP - D + dL
+    cancels (one key and a sink: every term ~ the same size), dq's magnitude stays that of its terms.
     """
+    mag = np.abs if absolute else (lambda x: x)
+    sign = 1.0 if absolute else -1.0
     q, k, v, keep, scale, order, g = _prepare(q, k, v, keep, scale, head_map)
     b, s_q, h_q, d = q.shape
     s_k, h_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
@@ -180,29 +187,29 @@ def masked_attention_backward(q: NDArray, k: NDArray, v: NDArray, keep: NDArray,
         kb, vb = k[bs, :, kv], v[bs, :, kv]  # b, s_k, nk, d | d_v
         sb = None if sk is None else sk[heads].reshape(nk, gr)
         t, lse, p = _block(qb, kb, keep[bs], scale, softcap, sb)  # b, nk, gr, s_q, s_k
-        do_b = do[bs][:, :, heads].reshape(-1, s_q, nk, gr, d_v).transpose(0, 2, 3, 1, 4)  # b, nk, gr, s_q, d_v
-        kt, vt = kb.transpose(0, 2, 1, 3), vb.transpose(0, 2, 1, 3)  # b, nk, s_k, d | d_v
+        do_b = mag(do[bs][:, :, heads].reshape(-1, s_q, nk, gr, d_v).transpose(0, 2, 3, 1, 4))  # b, nk, gr, s_q, d_v
+        kt, vt = mag(kb.transpose(0, 2, 1, 3)), mag(vb.transpose(0, 2, 1, 3))  # b, nk, s_k, d | d_v
         if o_given is None:
             o_b = (_rows(p) @ vt).reshape(do_b.shape)
         else:
-            o_b = o_given[bs][:, :, heads].reshape(-1, s_q, nk, gr, d_v).transpose(0, 2, 3, 1, 4)
-        dl = np.zeros(lse.shape) if dl_all is None else dl_all[bs][:, heads].reshape(lse.shape)
+            o_b = mag(o_given[bs][:, :, heads].reshape(-1, s_q, nk, gr, d_v).transpose(0, 2, 3, 1, 4))
+        dl = np.zeros(lse.shape) if dl_all is None else mag(dl_all[bs][:, heads].reshape(lse.shape))
         dl = np.where(np.isfinite(lse), dl, 0.0)  # a row with no key and no sink: its LSE is -inf, no gradient
         big_d = np.sum(do_b * o_b, axis=-1)  # b, nk, gr, s_q
         dp = (_rows(do_b) @ vt.transpose(0, 1, 3, 2)).reshape(p.shape)  # b, nk, gr, s_q, s_k
-        dt = p * (dp - big_d[..., None] + dl[..., None])
+        dt = p * (dp + sign * big_d[..., None] + dl[..., None])
         if softcap:
             tc = np.where(np.isfinite(t), t, 0.0) / softcap
             dt = dt * (1.0 - tc * tc)
         dq_b = scale * (_rows(dt) @ kt).reshape(*dt.shape[:4], d)  # b, nk, gr, s_q, d
         dq[bs, :, heads] = dq_b.transpose(0, 3, 1, 2, 4).reshape(dq_b.shape[0], s_q, -1, d)
         # dk, dv: each kv head's sum over its query heads' rows (the GQA reduction) in one matmul
-        qr = _rows(qb.transpose(0, 2, 3, 1, 4))  # b, nk, gr s_q, d
+        qr = mag(_rows(qb.transpose(0, 2, 3, 1, 4)))  # b, nk, gr s_q, d
         dk[bs, :, kv] += scale * (_rows(dt).transpose(0, 1, 3, 2) @ qr).transpose(0, 2, 1, 3)
         dv[bs, :, kv] += (_rows(p).transpose(0, 1, 3, 2) @ _rows(do_b)).transpose(0, 2, 1, 3)
         if sb is not None:
             p_sink = np.where(np.isfinite(lse), np.exp(sb[None, :, :, None] - np.where(np.isfinite(lse), lse, 0.0)), 0.0)
-            dsinks[heads] += np.sum(p_sink * (dl - big_d), axis=(0, 3)).reshape(-1)
+            dsinks[heads] += np.sum(p_sink * (dl + sign * big_d), axis=(0, 3)).reshape(-1)
     out = {"dq": _unorder(dq, order, axis=2), "dk": dk, "dv": dv}
     if sinks is not None:
         out["dsinks"] = _unorder(dsinks, order, axis=0)

@@ -101,7 +101,8 @@ def online_softmax(x: NDArray, tile: int, axis: int = -1) -> tuple[F64, F64]:
     return np.moveaxis(y, -1, axis), lse
 
 
-def softmax_backward(x: NDArray, dy: NDArray, axis: int = -1, dlse: NDArray | None = None) -> F64:
+def softmax_backward(x: NDArray, dy: NDArray, axis: int = -1, dlse: NDArray | None = None,
+                     absolute: bool = False) -> F64:
     """VJP of softmax (and of the row LSE, for `online_softmax`), written out.
 
         dx = y * (dy - sum_k dy_k y_k) + dlse * y,    y = softmax(x)
@@ -109,19 +110,26 @@ def softmax_backward(x: NDArray, dy: NDArray, axis: int = -1, dlse: NDArray | No
     x: (..., n) float, values finite or -inf; dy: like x, the cotangent of y
     dlse: x.shape without `axis`, the cotangent of logsumexp(x) (None: the LSE is not an output)
     returns: like x, float64. A -inf entry has y = 0 and gets dx = 0; an all -inf row gets 0.
+    absolute: the error model's magnitudes instead (conformance/tolerance.py): the same on absolute
+    values, y (|dy| + sum_k |dy_k| y_k) + |dlse| y. A kernel handed y rounded to its dtype (each y_k off
+    by eps/2 of itself) is off by at most ~eps of that in every dx_j, however far dy_j - D cancels.
     """
     y = softmax(x, axis=axis)
     dy = _as_f64(dy)
+    if absolute:
+        dy = np.abs(dy)
     dot = np.sum(dy * y, axis=axis, keepdims=True)
-    dx = y * (dy - dot)
+    dx = y * (dy + dot) if absolute else y * (dy - dot)
     if dlse is not None:
-        dx = dx + np.expand_dims(_as_f64(dlse), axis) * y
+        dl = np.expand_dims(_as_f64(dlse), axis)
+        dx = dx + (np.abs(dl) if absolute else dl) * y
     return dx
 
 
-def online_softmax_backward(x: NDArray, tile: int, dy: NDArray, dlse: NDArray, axis: int = -1) -> F64:
+def online_softmax_backward(x: NDArray, tile: int, dy: NDArray, dlse: NDArray, axis: int = -1,
+                            absolute: bool = False) -> F64:
     """VJP of `online_softmax` (outputs y and lse): the streaming form computes the same function,
     so its gradient is `softmax_backward` with the LSE's cotangent. tile: as the forward (unused)."""
     if tile < 1:
         raise ValueError(f"tile must be >= 1, got {tile}")
-    return softmax_backward(x, dy, axis=axis, dlse=dlse)
+    return softmax_backward(x, dy, axis=axis, dlse=dlse, absolute=absolute)

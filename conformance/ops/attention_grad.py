@@ -90,6 +90,17 @@ def _varlen_ref(x: dict[str, np.ndarray], p: dict[str, Any], given_o: bool = Tru
                                 o=x["o"] if given_o else None, sinks=x.get("sinks"), **golden_kw(p))
 
 
+def _prefill_mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The error model: the golden on absolute values (refimpl.attention_grad, `absolute`)."""
+    return grad.prefill_backward(x["q"], x["k"], x["v"], x["do"], x.get("dlse"), o=x["o"], sinks=x.get("sinks"),
+                                 absolute=True, **golden_kw(p))
+
+
+def _varlen_mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    return grad.varlen_backward(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"], x["do"], x.get("dlse"),
+                                o=x["o"], sinks=x.get("sinks"), absolute=True, **golden_kw(p))
+
+
 def _shapes(forward: OpSpec) -> Callable:
     """dq, dk, dv in the inputs' shapes (from the forward's output shapes and the parameters)."""
     def shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -192,6 +203,7 @@ def backward_specs(prefill: OpSpec, varlen: OpSpec, diagnoses: tuple[Diagnosis, 
                references={"exact": lambda x, p: _prefill_ref(x, p, given_o=False)},
                params=_schema(prefill), make_inputs=_make_inputs(prefill, varlen=False),
                output_shapes=_shapes(prefill), **common,
+               magnitude=_prefill_mag,
                # FlashAttention's count: five s^2 d matmuls to the forward's two
                flops=None if prefill.flops is None else (lambda p: 2.5 * prefill.flops(p)),
                doc="Gradients dq, dk, dv (dsinks) of attention.prefill for cotangents dO (and dLSE), given O and the "
@@ -199,6 +211,6 @@ def backward_specs(prefill: OpSpec, varlen: OpSpec, diagnoses: tuple[Diagnosis, 
         OpSpec(name="attention.varlen_backward", golden=ref.varlen_backward, reference=_varlen_ref,
                references={"exact": lambda x, p: _varlen_ref(x, p, given_o=False)},
                params=_schema(varlen), make_inputs=_make_inputs(varlen, varlen=True),
-               output_shapes=_shapes(varlen), **common,
+               output_shapes=_shapes(varlen), magnitude=_varlen_mag, **common,
                doc="Gradients of attention.varlen (packed sequences, cu_seqlens; empty sequences included)."),
     )

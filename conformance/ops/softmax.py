@@ -161,6 +161,18 @@ def _online_backward_ref(inputs: dict[str, np.ndarray], p: dict[str, Any]) -> di
     return {"dx": refimpl.softmax.online_softmax_backward(inputs["x"], p["tile"], inputs["dy"], inputs["dlse"])}
 
 
+# The error model (conformance/tolerance.py): dx's magnitude y (|dy| + sum |dy| y) (+ |dlse| y), what the
+# rounding of y (and of the products and the row sum) scales with where dy_j - D cancels (two comparable
+# logits whose cotangents agree: dx ~1e-3 of its terms).
+def _softmax_backward_mag(inputs: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {"dx": refimpl.softmax.softmax_backward(inputs["x"], inputs["dy"], axis=-1, absolute=True)}
+
+
+def _online_backward_mag(inputs: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {"dx": refimpl.softmax.online_softmax_backward(inputs["x"], p["tile"], inputs["dy"], inputs["dlse"],
+                                                          absolute=True)}
+
+
 # dx = y (dy - D) is computed from the forward's y rounded to the dtype (eps/2 each), whose sum is no
 # longer 1: D = sum_k dy_k y_k carries sum_k dy_k e_k (e_k the rounding of y_k), and every dx_j carries y_j times that,
 # absolute, however far dy_j - D cancels. Measured on the ci shapes (12 seeds per combination, our
@@ -197,6 +209,7 @@ SOFTMAX_BACKWARD = OpSpec(
     outputs={"dx": Output("test", doc="gradient of x: y (dy - sum(dy y)); 0 at -inf logits and on all -inf rows")},
     tolerance=_BACKWARD_TOL,
     dists=BACKWARD_DISTS,
+    magnitude=_softmax_backward_mag,
     doc="VJP of softmax.softmax: inputs x, y (the forward output), dy; output dx.",
 )
 
@@ -211,6 +224,7 @@ ONLINE_SOFTMAX_BACKWARD = OpSpec(
     outputs={"dx": Output("test", doc="gradient of x: y (dy - sum(dy y) + dlse)")},
     tolerance=_ONLINE_BACKWARD_TOL,
     dists=BACKWARD_DISTS,
+    magnitude=_online_backward_mag,
     doc="VJP of softmax.online_softmax (outputs y and lse): inputs x, y, lse, dy, dlse; output dx.",
 )
 
