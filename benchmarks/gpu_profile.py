@@ -63,7 +63,7 @@ def _ctx():
 
 
 def _q8(fmt: str, m: int, n: int = 14336, k: int = 4096, kernel: str = "default"):
-    from gpu_gemm import ggml_random
+    from gpu_gemm_tune import ggml_random
     from kernel_parity.kernels.triton import gemm_q8 as Q
     c = _ctx()
     a = c.torch.randn((m, k), device=c.dev, generator=c.gen).to(c.torch.bfloat16)
@@ -87,7 +87,7 @@ def _torch_mm(m: int, n: int, k: int):
 
 
 def _prefill_q4k():
-    from gpu_gemm import ggml_random
+    from gpu_gemm_tune import ggml_random
     from kernel_parity.kernels.triton import gemm as G
     c = _ctx()
     a = c.torch.randn((4096, 4096), device=c.dev, generator=c.gen).to(c.torch.bfloat16)
@@ -110,8 +110,8 @@ def _fp8(peer: bool):
 
 
 def _mla_ctx():
-    """_ctx() with what gpu_mla.Tune's input builders read of their instance (rnd, big_cache)."""
-    from gpu_mla import Tune
+    """_ctx() with what gpu_mla_tune.Tune's input builders read of their instance (rnd, big_cache)."""
+    from gpu_mla_tune import Tune
     c = _ctx()
     c.rnd = lambda *s: c.torch.randn(s, device=c.dev, generator=c.gen).to(c.torch.bfloat16)
     c.big_cache = lambda b, L: Tune.big_cache(c, b, L)
@@ -119,7 +119,7 @@ def _mla_ctx():
 
 
 def _mla(s_q: int, h_q: int, L: int = 4096, b: int = 128):
-    from gpu_mla import D
+    from gpu_mla_tune import D
     from kernel_parity.kernels.triton.mla import mla_decode
     c = _mla_ctx()
     cache, table, sl = c.big_cache(b, L)
@@ -128,7 +128,7 @@ def _mla(s_q: int, h_q: int, L: int = 4096, b: int = 128):
 
 
 def _mla_fused(h_q: int = 128, L: int = 4096, b: int = 128):
-    from gpu_mla import Tune
+    from gpu_mla_tune import Tune
     from kernel_parity.kernels.triton.mla_fused import mla_decode_fused_fp8
     c = _mla_ctx()
     args, _ = Tune.fused_inputs(c, b, h_q, L)

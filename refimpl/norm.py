@@ -158,14 +158,17 @@ def _weight_grad(w: NDArray | None, terms: F64, n: int) -> F64 | None:
 
 
 def rms_norm_backward(x: NDArray, w: NDArray | None, dy: NDArray, eps: float, *, n: int | None = None,
-                      gemma: bool = False, residual: NDArray | None = None, dh: NDArray | None = None
-                      ) -> dict[str, F64]:
+                      gemma: bool = False, residual: NDArray | None = None, dh: NDArray | None = None,
+                      absolute: bool = False) -> dict[str, F64]:
     """VJP of `rms_norm` (module docstring), the statistics recomputed in float64.
 
     x, residual: (..., aw) as the forward; w: (aw,) or (n,) or None
     dy: (..., aw) cotangent of y (lanes [n, aw) not read); dh: (..., aw) cotangent of h = x + r, or None
     returns: {"dx": (..., aw) the gradient of x (and of r: the same), zeros on lanes [n, aw);
               "dw": w's shape, zeros past n (when w is given)}
+    absolute: the error model's magnitudes instead (conformance/tolerance.py), the same on absolute
+    values: dx = rstd (|g dy| + |h| rstd^2 mean|h g dy|) + |dh|, dw = sum |dy h| rstd (rstd and h as the
+    golden's: a sum of squares, and x + r, whose rounding is the storage's)
     """
     x, n = _real(x, n)
     aw = x.shape[-1]
@@ -175,9 +178,12 @@ def rms_norm_backward(x: NDArray, w: NDArray | None, dy: NDArray, eps: float, *,
     rstd = 1.0 / np.sqrt(np.mean(real * real, axis=-1) + eps)  # ...
     dyr = np.asarray(dy, dtype=np.float64)[..., :n]
     gdy = dyr * _gain(w, n, aw, 1.0 if gemma else 0.0)[:n]
+    if absolute:
+        real, gdy, dyr = np.abs(real), np.abs(gdy), np.abs(dyr)
+        dh = None if dh is None else np.abs(dh)
     m = np.mean(real * gdy, axis=-1)  # ...: mean(h g dy)
     dx = np.zeros_like(h)
-    dx[..., :n] = rstd[..., None] * (gdy - real * (rstd * rstd * m)[..., None])
+    dx[..., :n] = rstd[..., None] * (gdy + (1.0 if absolute else -1.0) * real * (rstd * rstd * m)[..., None])
     if dh is not None:
         dx[..., :n] += dh[..., :n]
     out = {"dx": dx}
@@ -188,12 +194,16 @@ def rms_norm_backward(x: NDArray, w: NDArray | None, dy: NDArray, eps: float, *,
 
 
 def layer_norm_backward(x: NDArray, w: NDArray | None, b: NDArray | None, dy: NDArray, eps: float, *,
-                        n: int | None = None) -> dict[str, F64]:
+                        n: int | None = None, absolute: bool = False) -> dict[str, F64]:
     """VJP of `layer_norm` (module docstring), mean and rstd recomputed in float64.
 
     x: (..., aw); w, b: (aw,) or (n,) or None; dy: (..., aw) cotangent of y (lanes [n, aw) not read)
     returns: {"dx": (..., aw) zeros on lanes [n, aw); "dw": w's shape (when w is given);
               "db": b's shape (when b is given); zeros past n}
+    absolute: the error model's magnitudes instead (conformance/tolerance.py), the same on absolute
+    values from the golden's xhat: dx = rstd (|d| + mean|d| + |xhat| mean|d xhat|), dw = sum |dy xhat|,
+    db = sum |dy|. xhat is taken as the golden's (x - mean exact): a kernel whose mean carries the
+    rounding of |x| (shifted rows) is not covered by it (mutant c-ln-bwd-saved-mean-taken-as-exact).
     """
     x, n = _real(x, n)
     aw = x.shape[-1]
@@ -203,9 +213,12 @@ def layer_norm_backward(x: NDArray, w: NDArray | None, b: NDArray | None, dy: ND
     xhat = c * rstd[..., None]
     dyr = np.asarray(dy, dtype=np.float64)[..., :n]
     d = dyr * _gain(w, n, aw, 0.0)[:n]
+    if absolute:
+        xhat, dyr, d = np.abs(xhat), np.abs(dyr), np.abs(d)
+    sign = 1.0 if absolute else -1.0
     dx = np.zeros_like(x)
-    dx[..., :n] = rstd[..., None] * (d - d.mean(axis=-1, keepdims=True)
-                                     - xhat * np.mean(d * xhat, axis=-1, keepdims=True))
+    dx[..., :n] = rstd[..., None] * (d + sign * d.mean(axis=-1, keepdims=True)
+                                     + sign * xhat * np.mean(d * xhat, axis=-1, keepdims=True))
     out = {"dx": dx}
     dw, db = _weight_grad(w, dyr * xhat, n), _weight_grad(b, dyr, n)
     if dw is not None:

@@ -1,7 +1,7 @@
 """benchmarks/gpu_gemm.py as a thin caller of `parity bench`: its cases, quick and full, load as a suite of
 gemm.gemm_nt cases on existing backends, quick is a small part of the full list, the calls of
-benchmarks/gpu_gate.sh still reach the --tune path, and a bad flag or --out path is exit 2 with one line
-before any GPU work."""
+benchmarks/gpu_gate.sh still reach the --tune path (benchmarks/gpu_gemm_tune.py, imported on that path alone),
+and a bad flag or --out path is exit 2 with one line before any GPU work."""
 
 from __future__ import annotations
 
@@ -68,6 +68,13 @@ def test_gpu_gate_calls_take_the_tune_path(argv, tmp_path):
     assert gpu_gemm.parse_args(["--quick", "--out", str(tmp_path / "gemm.json")]).tune is False
 
 
+def test_the_tune_module_is_imported_on_the_tune_path_alone():
+    """gpu_gemm.py is the thin caller: importing it (entries, parse_args) leaves gpu_gemm_tune unloaded."""
+    code = f"import sys; sys.path.insert(0, {str(BENCH)!r}); import gpu_gemm; print('gpu_gemm_tune' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+
+
 def _script(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(BENCH / "gpu_gemm.py"), *args], capture_output=True, text=True,
                           timeout=120)
@@ -93,8 +100,10 @@ def test_the_gate_judges_the_swapped_in_call():
     from kernel_parity.kernels.torch import gemm as TG
     from kernel_parity.kernels.triton import gemm as G
 
+    from gpu_gemm_tune import Ctx
+
     launcher = G.gemm_nt
-    ctx = gpu_gemm.Ctx()
+    ctx = Ctx()
     params = gpu_gemm._case(2, 64, 256, "q4_k")
     zeros = (G, "gemm_nt", lambda a, wfmt, w, bias=None, out=None, **_: out.zero_())
     assert ctx.judge(params, zeros)["verdict"] == "fail"

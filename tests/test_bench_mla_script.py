@@ -64,6 +64,13 @@ def test_quick_is_a_strict_subset(tmp_path):
     assert all(c.p["kv"] <= 8192 for c in quick)
 
 
+def test_the_tune_module_is_imported_on_the_tune_path_alone():
+    """gpu_mla.py is the thin caller: importing it (entries) leaves gpu_mla_tune unloaded."""
+    code = f"import sys; sys.path.insert(0, {str(BENCH)!r}); import gpu_mla; print('gpu_mla_tune' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+
+
 def _script(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(BENCH / "gpu_mla.py"), *args], capture_output=True, text=True,
                           timeout=120)

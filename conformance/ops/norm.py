@@ -220,6 +220,16 @@ def _ref_ln_bwd(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.nda
     return ref.layer_norm_backward(x["x"], x["w"], x.get("b"), x["dy"], float(p["eps"]), n=p["n"])
 
 
+def _mag_rms_bwd(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The error model: the golden on absolute values (refimpl.norm, `absolute`)."""
+    return ref.rms_norm_backward(x["x"], x["w"], x["dy"], float(p["eps"]), n=p["n"], gemma=bool(p["gemma"]),
+                                 residual=x.get("r"), dh=x.get("dh"), absolute=True)
+
+
+def _mag_ln_bwd(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    return ref.layer_norm_backward(x["x"], x["w"], x.get("b"), x["dy"], float(p["eps"]), n=p["n"], absolute=True)
+
+
 def _grad_len(p: dict[str, Any], output: str) -> int:
     """dx sums over its row's n lanes (mean(h g dy)); dw and db over the rows."""
     return p["n"] if output == "dx" else p["rows"]
@@ -253,6 +263,7 @@ RMS_NORM_BACKWARD = OpSpec(
     tolerance=Tol(acc_len=_grad_len, noise_k=3.0, overrides=_GRAD_OVERRIDES),
     dists=RMS_NORM.dists,
     diagnoses=RMS_NORM.diagnoses,
+    magnitude=_mag_rms_bwd,
     doc="RMSNorm's VJP: dx (= dr, + dh) and dw from x (+ r), w, the forward's fp32 rstd and the cotangents dy (dh).",
 )
 
@@ -271,6 +282,7 @@ LAYER_NORM_BACKWARD = OpSpec(
     },
     tolerance=Tol(acc_len=_grad_len, noise_k=3.0, overrides=_GRAD_OVERRIDES),
     dists=LAYER_NORM.dists,
+    magnitude=_mag_ln_bwd,
     doc="LayerNorm's VJP: dx, dw (and db) from x, w, the forward's fp32 mean and rstd and the cotangent dy.",
 )
 
