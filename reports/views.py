@@ -71,7 +71,9 @@ def output_view(name: str, out: dict) -> dict:
                    for k, v in (out.get("layers") or {}).items()],
         "worst": [{"index": "[" + ", ".join(str(i) for i in w.get("index", [])) + "]",
                    "got": w.get("got"), "expected": w.get("expected"),
-                   "abs": w.get("abs"), "rel": w.get("rel"), "out": w.get("out")} for w in out.get("worst") or []],
+                   "abs": w.get("abs"), "rel": w.get("rel"), "out": w.get("out"),
+                   # the error model's bound for the element and the magnitude behind it (OpSpec.magnitude)
+                   "bound": w.get("bound"), "magnitude": w.get("magnitude")} for w in out.get("worst") or []],
         "noise": out.get("noise") or None,
     }
 

@@ -168,3 +168,31 @@ def test_norm_backward_short_rows_regression():
         gold, mag = spec.reference(x64, p), spec.magnitude(x64, p)
         for k in gold:
             assert (mag[k] >= np.abs(gold[k]) * (1 - 1e-12)).all(), k
+
+
+def test_the_report_shows_the_bound_and_magnitude_of_a_failing_element():
+    """A failing element of an op with an error model: the comparison's worst element and the HTML page's
+    worst-elements table give its bound and the magnitude it scales with."""
+    import re
+
+    from kernel_parity.reports import html, records
+
+    rng = np.random.default_rng(5)
+    ref = rng.standard_normal(64) * 1e-3
+    mag = np.full(64, 0.5)
+    got = ref + 0.05  # 0.05 > 1e-5 + 1.6e-2 x 0.5: out even against its magnitude
+    cmp = compare(got, ref, dt.get("fp32"), LIM, magnitude=mag)
+    assert not _verdict(cmp) and all(w["out"] for w in cmp.worst)
+    w = cmp.worst[0]
+    assert w["magnitude"] == 0.5 and w["bound"] == pytest.approx(1e-5 + 1.6e-2 * 0.5)
+    cid = "softmax.softmax_backward/cpu/fp32/rows=1,n=64,pad=0/normal/seed=0"
+    out = {"dtype": "fp32", "shape": [1, 64], "exact": False, "metrics": cmp.metrics,
+           "limits": {"atol": LIM.atol, "rtol": LIM.rtol}, "layers": {"numeric": {"ok": False, "detail": "out"}},
+           "worst": cmp.worst, "noise": None}
+    rec = {"id": cid, "op": "softmax.softmax_backward", "backend": "cpu", "dtype": "fp32", "dist": "normal",
+           "seed": 0, "params": {"rows": 1, "n": 64, "pad": 0}, "verdict": "fail", "kind": "numeric",
+           "reason": "dx: out", "message": f"{cid}: dx: out", "repro": f"parity repro {cid}", "norm_err": 3.0,
+           "outputs": {"dx": out}, "layers": {"numeric": "fail"}, "recheck": None}
+    page = html.render({"schema": records.SCHEMA, "header": {"device": "cpu"}, "results": [rec]})
+    assert "bound (magnitude)" in page
+    assert re.search(r"0\.00801\d* \(0\.5\)", page), "the element's bound and magnitude are in the table"
