@@ -62,8 +62,8 @@ def attention_state(s: NDArray, v: NDArray) -> tuple[F64, F64]:
     return o, logsumexp(s, axis=-1)
 
 
-def lse_combine_backward(o_parts: NDArray, lse_parts: NDArray, do: NDArray, dlse: NDArray | None = None
-                         ) -> tuple[F64, F64]:
+def lse_combine_backward(o_parts: NDArray, lse_parts: NDArray, do: NDArray, dlse: NDArray | None = None,
+                         absolute: bool = False) -> tuple[F64, F64]:
     """VJP of `lse_combine`, written out. With w_i = exp(LSE_i - LSE), O = sum_i w_i O_i:
 
         dO_i   = w_i dO
@@ -72,6 +72,8 @@ def lse_combine_backward(o_parts: NDArray, lse_parts: NDArray, do: NDArray, dlse
     o_parts: (n, ..., d_v); lse_parts: (n, ...); do: (..., d_v); dlse: (...) or None
     returns: (do_parts (n, ..., d_v), dlse_parts (n, ...)), float64; an empty split (LSE_i = -inf,
     any O_i, NaN included) gets zero gradients, and so does every split of an all-empty row.
+    absolute: the error model's magnitudes instead (conformance/tolerance.py): w_i |dO| and
+    w_i (|dO| . (|O_i| + |O|) + |dLSE|): dO . (O_i - O) cancels where the splits agree.
     """
     o_parts = np.asarray(o_parts, dtype=np.float64)
     lse_parts = np.asarray(lse_parts, dtype=np.float64)
@@ -82,6 +84,10 @@ def lse_combine_backward(o_parts: NDArray, lse_parts: NDArray, do: NDArray, dlse
     do = np.asarray(do, dtype=np.float64)
     o_live = np.where(live[..., None], o_parts, 0.0)
     dl = 0.0 if dlse is None else np.asarray(dlse, dtype=np.float64)
-    dlse_parts = w * (np.sum(do * (o_live - o), axis=-1) + dl)
+    if absolute:
+        do, dl = np.abs(do), np.abs(dl)
+        dlse_parts = w * (np.sum(do * (np.abs(o_live) + np.abs(o)), axis=-1) + dl)
+    else:
+        dlse_parts = w * (np.sum(do * (o_live - o), axis=-1) + dl)
     do_parts = w[..., None] * do
     return do_parts, np.where(live, dlse_parts, 0.0)

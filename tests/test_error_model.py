@@ -196,3 +196,19 @@ def test_the_report_shows_the_bound_and_magnitude_of_a_failing_element():
     page = html.render({"schema": records.SCHEMA, "header": {"device": "cpu"}, "results": [rec]})
     assert "bound (magnitude)" in page
     assert re.search(r"0\.00801\d* \(0\.5\)", page), "the element's bound and magnitude are in the table"
+
+
+def test_combine_backward_magnitudes():
+    """combine.lse_combine_backward's model: dLSE_i's magnitude w_i (|dO| . (|O_i| + |O|) + |dLSE|) dominates it,
+    and where every split holds the same O (dO . (O_i - O) = 0 exactly) it stays that of its terms."""
+    spec = ops.get("combine.lse_combine_backward")
+    p = spec.validate(dict(splits=4, rows=5, dv=16), "fp32", "normal")
+    x = spec.make_inputs(p, "fp32", "normal", np.random.default_rng(6))
+    x64 = {k: np.asarray(v, dtype=np.float64) for k, v in x.items()}
+    gold, mag = spec.reference(x64, p), spec.magnitude(x64, p)
+    for k in gold:
+        assert (mag[k] >= np.abs(gold[k]) * (1 - 1e-12)).all(), k
+    x64["o_parts"][:] = x64["o_parts"][:1]  # every split the same O: the O term cancels exactly
+    x64["dlse"][:] = 0.0
+    gold, mag = spec.reference(x64, p), spec.magnitude(x64, p)
+    assert np.abs(gold["dlse_parts"]).max() < 1e-12 * mag["dlse_parts"].max() and mag["dlse_parts"].min() > 0

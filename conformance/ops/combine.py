@@ -99,6 +99,13 @@ def _backward_ref(inputs: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str,
     return {"do_parts": do_parts, "dlse_parts": dlse_parts}
 
 
+def _backward_mag(inputs: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The error model: the golden on absolute values (refimpl.combine, `absolute`)."""
+    do_parts, dlse_parts = refimpl.combine.lse_combine_backward(inputs["o_parts"], inputs["lse_parts"],
+                                                                 inputs["do"], inputs["dlse"], absolute=True)
+    return {"do_parts": do_parts, "dlse_parts": dlse_parts}
+
+
 def _backward_acc_len(p: dict[str, Any], output: str) -> int:
     # dO_i = w_i dO: the weights' sum runs over the splits; dLSE_i = w_i (dO . O_i - sum_j w_j dO . O_j
     # + dLSE): a dot of d_v products, then the weighted sum over the splits
@@ -120,6 +127,7 @@ LSE_COMBINE_BACKWARD = OpSpec(
     # norm_err 0.78, fp16 do_parts against the noise floor).
     tolerance=Tol(acc_len=_backward_acc_len, noise_k=3.0),
     dists=DISTS,
+    magnitude=_backward_mag,
     doc="VJP of combine.lse_combine: inputs o_parts, lse_parts, o, lse, do, dlse; outputs do_parts, dlse_parts.",
 )
 
