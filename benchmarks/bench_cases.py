@@ -103,6 +103,14 @@ def _line(row: dict, ours: str) -> str:
     return f"{row['op']} {row['dtype']} {params}: " + " | ".join(figs)
 
 
+def replaced(module: Any, name: str, value: Any) -> Any:
+    """A context in which module.name is value (a launch-table entry, config or timed call swapped in
+    while the gate judges the line that timed it): unittest.mock's patch.object, restored on exit."""
+    from unittest import mock
+
+    return mock.patch.object(module, name, value)
+
+
 def run(entries: list[dict], *, out: str, ours: str = "triton", description: str = "",
         argv: tuple[str, ...] = ()) -> int:
     """Bench `entries` with `parity bench` (extra `argv` passed on, e.g. --no-recheck): its line per

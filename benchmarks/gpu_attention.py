@@ -52,6 +52,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_cases import replaced  # noqa: E402
+
 SECTIONS = ("bench", "tune")
 HEADS = dict(hq=32, hkv=8)
 DECODE_BACKENDS = ["triton", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math"]
@@ -123,17 +125,6 @@ def main() -> int:
     return code
 
 
-@contextlib.contextmanager
-def _replaced(module, name: str, value):
-    """module.name = value while the block runs (a launch-table entry swapped in for the gate's run)."""
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
-
-
 def tune(out: str) -> tuple[int, dict]:
     """The sweeps (module docstring): (exit status, {header, ceilings, rows, gate_failures}) also
     written to `out` after every row, so a crash keeps what was measured."""
@@ -187,7 +178,7 @@ def tune(out: str) -> tuple[int, dict]:
           lambda cfg: time_call(lambda: A.prefill(q, k, v, causal="bottom_right", config=cfg), dev),
           lambda ms: {"tflops": flops / ms / 1e9, "pct_of_matmul": 100 * flops / ms / 1e9 / ceil.matmul_tflops},
           lambda cfg: ("attention.prefill", _prefill(2, 1024, 128),
-                       _replaced(A, "PREFILL_CONFIGS", {**A.PREFILL_CONFIGS, key: cfg})))
+                       replaced(A, "PREFILL_CONFIGS", {**A.PREFILL_CONFIGS, key: cfg})))
     del q, k, v
     # Paged decode at the target shape, pages 16 and 64.
     b, L = 64, 8192
@@ -200,7 +191,7 @@ def tune(out: str) -> tuple[int, dict]:
               lambda cfg: time_call(lambda: D.decode_paged(q, kp, vp, table, sl, config=cfg), dev),
               lambda ms: {"gbps": nbytes / ms / 1e6, "pct_of_copy": 100 * nbytes / ms / 1e6 / ceil.copy_gbps},
               lambda cfg, page=page: ("attention.decode_paged", _decode(32, 2048, "bottom_right", page=page),
-                                      _replaced(D, "DECODE_CONFIGS", {**D.DECODE_CONFIGS, key: cfg})))
+                                      replaced(D, "DECODE_CONFIGS", {**D.DECODE_CONFIGS, key: cfg})))
         del kp, vp, table
     del q, kc, vc
     torch.cuda.empty_cache()
@@ -227,7 +218,7 @@ def tune(out: str) -> tuple[int, dict]:
     sweep("decode_paged16_splits", [None, 1, 2, 4, 8], replay_ms,
           lambda ms: {"gbps": nbytes / ms / 1e6, "pct_of_copy": 100 * nbytes / ms / 1e6 / ceil.copy_gbps},
           lambda n: ("attention.decode_paged", _decode(b, L, "bottom_right", page=16),
-                     contextlib.nullcontext() if n is None else _replaced(D, "_auto_splits", lambda *a, n=n: n)))
+                     contextlib.nullcontext() if n is None else replaced(D, "_auto_splits", lambda *a, n=n: n)))
     del sets
     torch.cuda.empty_cache()
     for f in gate.failures:

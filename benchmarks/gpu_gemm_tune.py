@@ -51,6 +51,7 @@ import sys
 import time
 import traceback
 
+from bench_cases import replaced
 from gpu_gemm import FP8_SIZE, GEMV_SHAPES, OP, PREFILL_M, PREFILL_SHAPES, _case
 
 MIB = 1 << 20
@@ -112,17 +113,6 @@ def _adding(module, name: str, **kw) -> tuple:
     return module, name, functools.partial(getattr(module, name), **kw)
 
 
-@contextlib.contextmanager
-def _replaced(module, name: str, value):
-    """module.name = value while the block runs (the timed call swapped into a backend's adapter)."""
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
-
-
 class Ctx:
     def __init__(self, **kw):
         self.__dict__.update(kw)
@@ -138,7 +128,7 @@ class Ctx:
 
         if backend not in self.gates:
             self.gates[backend] = Gate(backend)
-        with _replaced(*swap) if swap else contextlib.nullcontext():
+        with replaced(*swap) if swap else contextlib.nullcontext():
             return self.gates[backend](OP, dtype, params)
 
     def failures(self) -> list[str]:

@@ -43,6 +43,7 @@ import sys
 import time
 import traceback
 
+from bench_cases import replaced
 from gpu_mla import (B, FUSED_HEADS, FUSED_TOKENS, HEADS, SPARSE_HEADS, SPARSE_TOKENS, TOKENS, TOPK, _decode,
                      _fused, _sparse)
 
@@ -81,17 +82,6 @@ def tune(args: argparse.Namespace, sections: list[str]) -> int:
     if args.fused_configs is not None:
         size = {**size, "fused_sweep": size["fused_sweep"][:args.fused_configs]}
     return Tune(args, size).run(sections)
-
-
-@contextlib.contextmanager
-def _replaced(module, name: str, value):
-    """module.name = value while the block runs (a launch-table entry swapped in for the gate's run)."""
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
 
 
 def flashmla_cost(b: int, s_q: int, h_q: int, tokens: int) -> tuple[int, float]:
@@ -246,7 +236,7 @@ class Tune:
                 row = self.timed(f"config b={b} s_q={s_q} h_q={h_q} L={L}", dict(config=cfg),
                                  lambda: M.mla_decode(q, cache, table, sl, SCALE, out=o, out_lse=lse, config=cfg),
                                  lambda ms: self.rates(ms, flashmla_cost(b, s_q, h_q, b * L)),
-                                 ("mla.decode", _decode(gb, s_q, h_q, L), _replaced(M, "MLA_CONFIGS", entry)), True)
+                                 ("mla.decode", _decode(gb, s_q, h_q, L), replaced(M, "MLA_CONFIGS", entry)), True)
                 if row.get("gate", {}).get("verdict") == "pass":
                     t = totals.setdefault((cls, tuple(cfg)), [0, 0.0])
                     t[0], t[1] = t[0] + 1, t[1] + row["ms"]
@@ -260,9 +250,9 @@ class Tune:
         s_q, h_q = self.size["tune_shapes"][0]
         q = self.rnd(b, s_q, h_q, D)
         parts, flashmla = self.schedule(np.full(b, L), s_q, h_q)
-        forms = [(str(n), dict(num_splits=n), _replaced(M, "_auto_splits", lambda *a, n=n: n)) for n in (1, 2, 4)]
+        forms = [(str(n), dict(num_splits=n), replaced(M, "_auto_splits", lambda *a, n=n: n)) for n in (1, 2, 4)]
         forms.append((f"FlashMLA schedule, {parts} parts", dict(splits=flashmla),
-                      _replaced(M, "mla_decode", self.scheduled(M.mla_decode))))
+                      replaced(M, "mla_decode", self.scheduled(M.mla_decode))))
         for label, kw, ctx in forms:
             self.timed(f"splits b={b} s_q={s_q} h_q={h_q} L={L}", dict(splits=label),
                        lambda: M.mla_decode(q, cache, table, sl, SCALE, **kw),
@@ -363,7 +353,7 @@ class Tune:
             cost = self.fused_cost(args, b, h_q, L)
             for cfg in sweep:
                 # the new rows are re-normalised on every timed call: idempotent up to rounding
-                with _replaced(F, "ATTEND_CONFIG", cfg):
+                with replaced(F, "ATTEND_CONFIG", cfg):
                     row = self.timed(f"fused config b={b} h_q={h_q} L={L}", dict(config=cfg),
                                      lambda: F.mla_decode_fused_fp8(*args, out=out, max_new_tokens=1),
                                      lambda ms: self.rates(ms, cost),
