@@ -6,6 +6,10 @@
 #   full    the models suite's row-independent ops (every spec with `rows`) judged whole (--sample off), for the
 #           verdict comparison with the sampled run -> $OUT/models-full-<device>.jsonl
 #   tf32    parity mutants of the gpu-only (tf32) mutants -> $OUT/mutants-gpu-<device>.json
+#   fresh   parity sweep --suite ci $OPS --per-op $PER_OP (--start $START): fresh seeds on every backend of the
+#           ci cases, the GPU ones natively -> $OUT/sweep-ci<tag>-<device>.jsonl
+#   thorough parity gate --suite ci --changed-since $REF --thorough-seeds $THOROUGH (default HEAD, 2): the seeds
+#           a change's gate draws -> $OUT/thorough<tag>-<device>.jsonl
 #   sweep   parity sweep --suite models --backend triton (+ torch) -> $OUT/sweep-models-<device>.jsonl
 #   gemm    benchmarks/gpu_gemm.py (quantized GEMMs vs torch / _scaled_mm and the limits) -> $OUT/gemm-bench-<device>.json
 #   q8      triton-q8 (Q4_K x Q8_K, Q8_0 x Q8_0; kernels/triton/gemm_q8.py): its ci cases on the GPU, then the q8 section
@@ -55,6 +59,10 @@ print(','.join(sorted(n for n, s in ops.all_specs().items() if s.rows is not Non
           $PARITY run --suite models --op "$SAMPLED" ${MODELS_FLAGS:-} --sample off --no-progress -q --jobs "$JOBS" \
             --json "$OUT/models-full$TAG-$DEV.jsonl" || rc=1 ;;
     tf32) $PARITY mutants --bug tf32 --json "$OUT/mutants-gpu-$DEV.json" || rc=1 ;;
+    fresh) $PARITY sweep --suite ci $OPS --per-op "$PER_OP" ${START:+--start "$START"} --no-progress -q --jobs "$JOBS" \
+             --json "$OUT/sweep-ci$TAG-$DEV.jsonl" || rc=1 ;;
+    thorough) $PARITY gate --suite ci $OPS --changed-since "${REF:-HEAD}" --thorough-seeds "${THOROUGH:-2}" --no-progress \
+                -q --jobs "$JOBS" --json "$OUT/thorough$TAG-$DEV.jsonl" || rc=1 ;;
     sweep) $PARITY sweep --suite models $OPS --backend triton --per-op "$PER_OP" --no-progress -q --jobs "$JOBS" \
              --json "$OUT/sweep-models$TAG-$DEV.jsonl" || rc=1 ;;
     gemm) python3 benchmarks/gpu_gemm.py --quick --out "$OUT/gemm-bench-$DEV.json" --budget-s "${BUDGET_S:-60}" || rc=1 ;;

@@ -5,7 +5,9 @@ The cases come from the same selection every command resolves (conformance/comma
 configured backends, else the suite's own; the repository's tolerance overrides apply. For every
 backend, output and dtype, over the suite's parameter sets x distributions x `--seeds` seeds: the
 quantiles of max_ulp, the worst cos_diff, nmse and noise ratio, and the smallest rtol (at the
-declared atol) every element would have needed.
+declared atol) every element would have needed: relative to |golden|, or for an output the op's error
+model judges (`OpSpec.magnitude`), relative to max(|golden|, magnitude): the measured c of the bound
+atol + c m, against the declared rtol (the model's c), with the outputs' cond.
 
 Suggestions are never degenerate: rtol is 2x the worst needed, and never below one unit of the
 output dtype's eps (a computation rounds at least once; "rtol 0" would fail the first seed whose
@@ -31,13 +33,16 @@ from kernel_parity.conformance.errors import EXIT_OK, UsageError
 from kernel_parity.conformance.session import open_session, progress
 
 
-def _needed_rtol(got: np.ndarray, ref: np.ndarray, atol: float) -> float:
+def _needed_rtol(got: np.ndarray, ref: np.ndarray, atol: float, magnitude: np.ndarray | None = None) -> float:
+    """The smallest rtol every element needs at `atol`: against |golden|, or, for an op with an error
+    model, against max(|golden|, magnitude) (the c of the model's bound atol + c m)."""
     a, b = got.astype(np.float64), np.asarray(ref, dtype=np.float64)
-    ok = np.isfinite(a) & np.isfinite(b) & (b != 0)
+    m = np.abs(b) if magnitude is None or np.shape(magnitude) != b.shape else np.maximum(np.abs(b), magnitude)
+    ok = np.isfinite(a) & np.isfinite(b) & (m != 0)
     if not ok.any():
         return 0.0
     with np.errstate(over="ignore"):
-        need = (np.abs(a[ok] - b[ok]) - atol) / np.abs(b[ok])
+        need = (np.abs(a[ok] - b[ok]) - atol) / m[ok]
     return float(max(0.0, need.max()))
 
 
@@ -88,8 +93,11 @@ def calibrate(args: Any, command: str = "") -> int:
                 s[k].append(m[k])
             if o.get("noise"):
                 s["noise_ratio"].append(o["noise"]["err"] / o["noise"]["limit"])
+            if "cond" in m:  # the op's error model judged this output
+                s["cond"].append(m["cond"])
             if arrays is not None and name in arrays["outputs"]:
-                s["rtol_needed"].append(_needed_rtol(arrays["outputs"][name], arrays["golden"][name], m["atol_eff"]))
+                s["rtol_needed"].append(_needed_rtol(arrays["outputs"][name], arrays["golden"][name], m["atol_eff"],
+                                                     arrays.get("magnitudes", {}).get(name)))
             s["rtol_declared"].append(o["limits"]["rtol"])
 
     runner.run(cases, on_result=collect)
@@ -116,10 +124,15 @@ def calibrate(args: Any, command: str = "") -> int:
               f"{min(s['rtol_declared']):>9.3g} {sug['rtol']:>9.3g}   verdicts {dict(verdicts[key])}")
         if sug["rtol"] > 2 * need:
             print(f"{'':<10} suggested rtol is {sug['rtol_from']}")
+        cond = s.get("cond") or []
+        if cond:
+            print(f"{'':<10} error model: rtol need is against max(|golden|, magnitude); cond median "
+                  f"{float(np.median(cond)):.3g}, max {max(cond):.3g} (limits scale by max(1, cond / 2))")
         rows.append({"backend": key[0], "output": key[1], "dtype": key[2], "runs": int(len(ulp)),
                      "max_ulp": {"p50": q(50), "p99": q(99), "max": float(finite.max()) if finite.size else None},
                      "cos_diff_max": max(s["cos_diff"]), "nmse_max": max(s["nmse"]), "noise_ratio_max": noise,
                      "rtol_needed": need, "rtol_declared": min(s["rtol_declared"]), "suggest": sug,
+                     "error_model": ({"cond_median": float(np.median(cond)), "cond_max": max(cond)} if cond else None),
                      "verdicts": dict(verdicts[key])})
     if getattr(args, "json", None):
         from kernel_parity.reports import files, records

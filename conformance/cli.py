@@ -212,6 +212,10 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                         "without Ray; exit 2 on a machine without a GPU")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-recheck", action="store_true", help="do not re-run borderline cases on fresh seeds")
+    p.add_argument("--determinism", action="store_true",
+                   help="run every case's kernel twice more on the same inputs: differing bits fail a backend that "
+                        "claims run-to-run determinism (ours), are recorded for the others (KERNEL_PARITY_DETERMINISM; "
+                        "borderline cases are always checked)")
     p.add_argument("--no-diagnose", action="store_true", help="do not re-run failed cases' goldens under alternative semantics")
     p.add_argument("--quiet", "-q", action="store_true", help="print only the summary line")
     p.add_argument("--scale", default="auto", choices=["auto", "real", "cpu"],
@@ -429,6 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise UsageError(f"--schedule {schedule!r}: {e}") from None
         with _env(golden_cache.ENV, os.path.abspath(cache) if cache else None), \
                 _env(sampling.ENV, getattr(args, "sample", None)), \
+                _env("KERNEL_PARITY_DETERMINISM", "1" if getattr(args, "determinism", False) else None), \
                 _env(SCHEDULE_ENV if schedule else "", os.path.abspath(schedule) if schedule else None):
             return impl(args, "parity " + " ".join(shlex.quote(a) for a in argv))
     except UsageError as e:

@@ -6,7 +6,8 @@ JSON form (`to_json`), one line each, and reading one back (`from_json`) validat
 file of the right schema string but the wrong shape is a one-line `ResultsError`, never a green page.
 The schema is versioned: `SCHEMA` names it in every results file's header line.
 
-Verdicts: pass, fail (kind: structural | exact | numeric | noise), error (the kernel or a plugin
+Verdicts: pass, fail (kind: structural | exact | numeric | noise | determinism: a backend that claims
+run-to-run determinism gave other bits on the same inputs), error (the kernel or a plugin
 hook raised), crash, timeout, skip (with its reason), vacuous (a zero output would pass), flaky (a
 borderline case whose fresh seeds disagree), xfail / xpass (a listed known failure that fails /
 passes). FAILING verdicts fail the gate.
@@ -21,7 +22,7 @@ from typing import Any
 SCHEMA = "kernel-parity/results/2"
 VERDICTS = ("fail", "error", "crash", "timeout", "flaky", "xpass", "xfail", "vacuous", "skip", "pass")  # worst first
 FAILING = frozenset({"fail", "error", "crash", "timeout", "flaky", "xpass"})
-KINDS = ("structural", "exact", "numeric", "noise")
+KINDS = ("structural", "exact", "numeric", "noise", "determinism")
 TIERS = ("production", "baseline")
 LAYERS = ("structure", "exact", "numeric", "noise", "trust")
 
@@ -152,7 +153,7 @@ class CaseResult:
     dist: str
     seed: int
     verdict: str
-    kind: str | None = None  # for fail: structural | exact | numeric | noise
+    kind: str | None = None  # for fail: structural | exact | numeric | noise | determinism
     tier: str | None = None  # the limits that judged it: production | baseline
     reason: str | None = None  # one line
     message: str | None = None  # first line what, then where (worst elements), then the repro line
@@ -160,7 +161,9 @@ class CaseResult:
     norm_err: float | None = None  # worst error / its limit over every output and layer (<= 1 passes)
     outputs: dict[str, OutputResult] = field(default_factory=dict)
     layers: dict[str, str] = field(default_factory=dict)  # layer -> pass | fail | n/a (worst over outputs)
-    recheck: dict | None = None  # {"seeds": [...], "verdicts": [...]} for a borderline case
+    # {"seeds": [...], "verdicts": [...]} for a borderline case; "same_inputs": "bit-identical" or which outputs
+    # differed between two more calls on the case's own inputs (borderline cases, and every case with --determinism)
+    recheck: dict | None = None
     timing: dict[str, float] = field(default_factory=dict)
     diagnosis: list[str] | None = None  # the alternative semantics the kernel matches
     diagnosis_skipped: str | None = None

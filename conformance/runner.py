@@ -37,6 +37,7 @@ from kernel_parity.conformance.results import CaseResult
 from kernel_parity.conformance.spec import OpSpec, float64_view
 
 RECHECK_SEEDS = 3
+DETERMINISM_ENV = "KERNEL_PARITY_DETERMINISM"  # "1": `--determinism` (Runner._determinism)
 RECHECK_STRIDE = 1_000_003  # fresh seed k of a case with seed s is s + k * RECHECK_STRIDE
 COTANGENT_STREAM = 0x636F74  # the cotangents of a case come from PCG64([seed, COTANGENT_STREAM])
 
@@ -194,6 +195,8 @@ class Runner:
         self.diagnose = diagnose
         self.overrides = dict(overrides or {})  # op -> a repo's tolerance overrides ([tool.kernel-parity])
         self.capture: dict[str, dict] | None = None  # case id -> arrays, for `parity repro --export`
+        # --determinism: every case's kernel also runs twice more on its own inputs (`_determinism`)
+        self.determinism = os.environ.get(DETERMINISM_ENV) == "1"
         self._specs: dict[str, OpSpec] = {}
 
     def spec(self, op: str) -> OpSpec:
@@ -251,7 +254,9 @@ class Runner:
                 else:
                     rec = self._one(case, spec, prep)
                     if self.recheck:
-                        rec = self._recheck(case, rec)
+                        rec = self._recheck(case, rec, prep)
+                    if self.determinism:
+                        rec = self._determinism(case, rec, prep)
             out[case] = rec
             if on_result:
                 on_result(rec)
@@ -311,7 +316,8 @@ class Runner:
         except BaseException as e:  # SystemExit too: a kernel that calls exit() is an error, not the run's end
             return self._error(case, f"{type(e).__name__}: {_first_line(e)}", traceback.format_exc(), timing, origin)
         if self.capture is not None:
-            self.capture[case.id] = {"inputs": prep.inputs, "golden": prep.golden, "outputs": outputs}
+            self.capture[case.id] = {"inputs": prep.inputs, "golden": prep.golden, "outputs": outputs,
+                                     "magnitudes": getattr(prep, "magnitudes", None) or {}}
         touched = [k for k in inputs if k not in prep.inplace.values() and not same_bits(inputs[k], prep.inputs[k])]
         tier = tier_of(spec, case.backend)
         ev = Evidence(damage=req.damage(), unwritten=unwritten, touched=touched, excluded=excluded,
@@ -420,23 +426,75 @@ class Runner:
             prep.baseline_err = {} if unusable else _baseline_from(self._one(base_case, spec, prep))
         return prep.baseline_err or None
 
-    def _recheck(self, case: Case, rec: CaseResult) -> CaseResult:
-        """Re-run a case within `borderline` of a limit on fresh seeds; `flaky` if they disagree."""
+    def _recheck(self, case: Case, rec: CaseResult, prep: Prepared | None = None) -> CaseResult:
+        """Re-run a case within `borderline` of a limit on fresh seeds; `flaky` if they disagree.
+
+        First the kernel runs twice more on the case's own inputs: a verdict this close to a limit
+        could flip on run-to-run noise alone. Differing bits fail a backend that claims determinism
+        (`Backend.deterministic`: kind `determinism`); for any other backend they are recorded
+        (`recheck.same_inputs`) and the fresh seeds decide as before."""
         spec = self.spec(case.op)
         band = spec.tolerance.borderline
         ne = rec.norm_err
         numeric = rec.verdict == "pass" or (rec.verdict == "fail" and rec.kind in ("numeric", "noise"))
         if not numeric or ne is None or not (1.0 - band <= ne <= 1.0 + band):
             return rec
+        differs = None if prep is None else self._run_to_run(case, prep)
+        if differs and getattr(self.registry.get(case.backend), "deterministic", False):
+            rec.recheck = {"same_inputs": differs}
+            rec.verdict, rec.kind = "fail", "determinism"
+            rec.reason = (f"{case.backend} claims run-to-run determinism, but two calls on the same inputs "
+                          f"differ: {differs}")
+            return rec
         seeds = [case.seed + k * RECHECK_STRIDE for k in range(1, RECHECK_SEEDS + 1)]
         inner = Runner(self.registry, recheck=False, noise=self.noise, diagnose=False, overrides=self.overrides)
         verdicts = [inner.evaluate(case.with_seed(s)).verdict for s in seeds]
         rec.recheck = {"seeds": seeds, "verdicts": verdicts}
+        if prep is not None:
+            rec.recheck["same_inputs"] = differs or "bit-identical"
         if any(v != rec.verdict for v in verdicts):
             rec.reason = (f"borderline (norm_err={ne:.3f}) and fresh seeds disagree: "
                           f"{rec.verdict} here, {', '.join(verdicts)} on seeds {', '.join(map(str, seeds))}")
             rec.verdict = "flaky"
         return rec
+
+    def _determinism(self, case: Case, rec: CaseResult, prep: Prepared) -> CaseResult:
+        """--determinism: the same-inputs check of `_recheck` on every judged case (not yet checked)."""
+        if rec.verdict not in ("pass", "fail", "flaky", "xfail", "xpass") or (rec.recheck or {}).get("same_inputs"):
+            return rec
+        differs = self._run_to_run(case, prep)
+        rec.recheck = {**(rec.recheck or {}), "same_inputs": differs or "bit-identical"}
+        if differs and getattr(self.registry.get(case.backend), "deterministic", False):
+            rec.verdict, rec.kind = "fail", "determinism"
+            rec.reason = (f"{case.backend} claims run-to-run determinism, but two calls on the same inputs "
+                          f"differ: {differs}")
+        return rec
+
+    def _run_to_run(self, case: Case, prep: Prepared) -> str | None:
+        """Two more calls of the kernel on the case's inputs: None if every output has the same bits
+        both times, else which outputs differ and in how many elements (a call that raises: None,
+        the first call's record already says what the kernel does)."""
+        backend = self.registry.get(case.backend)
+        try:
+            a = self._call(backend, case, prep)[0]
+            b = self._call(backend, case, prep)[0]
+        except Exception:
+            return None
+        diff = []
+        for name in sorted(set(a) & set(b)):
+            try:
+                x, y = np.asarray(a[name]), np.asarray(b[name])
+                if x.shape != y.shape or x.dtype != y.dtype:
+                    diff.append(f"{name} (shape/dtype)")
+                elif x.dtype == object:  # not an array of numbers (an adapter's extra value): compared as values
+                    if not np.array_equal(x, y):
+                        diff.append(f"{name} (values)")
+                elif not same_bits(x, y):
+                    xb, yb = (np.ascontiguousarray(v).view(np.uint8).reshape(v.size, -1) for v in (x, y))
+                    diff.append(f"{name} ({int(np.count_nonzero((xb != yb).any(axis=1)))} of {x.size} elements)")
+            except Exception:  # a check that cannot compare never decides a verdict
+                continue
+        return "; ".join(diff) or None
 
     def _error(self, case: Case, reason: str, tb: str, timing: dict, origin: str | None = None) -> CaseResult:
         repro = repro_command(case, origin)

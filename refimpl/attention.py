@@ -25,6 +25,23 @@ Conventions (OPS.md, attention; research/attention-semantics.md):
   there, and the golden zeroes them before any product.
 - d_v may differ from d (DeepSeek's 192 / 128); V may be the first d_v dims of K's own rows
   (FlashMLA's 576 / 512): a layout of the caller's buffers, the same values for the golden.
+
+Error model (`absolute=True` on every golden here; conformance/tolerance.py, issue 31): instead of the
+outputs, per element the root-sum-square of the magnitudes of the terms the golden sums, what a correct
+kernel's rounding errors scale with (P, a softmax probability, enters with its true value):
+    |O_i|  -> sqrt(sum_j P_ij^2 v_j^2)                    the P V sum in squared form; with |O_i| it also
+                                                          bounds (to 2x) what P's relative errors e_ij carry
+                                                          into O: sum_j P_ij e_ij (v_j - O_i)
+    |LSE_i| -> sqrt(mx_i^2 + ln(s_i)^2 + (1 - 1/s_i)^2)   LSE = mx + ln s, mx the row's largest (scaled,
+                                                          capped) logit, s = sum_j exp(s_ij - mx) >= 1: the
+                                                          two addends, and s's relative error, an absolute
+                                                          error of ln s: ~1 (eps) where many keys add up,
+                                                          1 - 1/s in general, the share of s that rounds
+                                                          (the max key's exp(0) = 1 is exact: 0 for one
+                                                          key, whose LSE is its logit); lse_sink: the same
+                                                          with the sink as one more logit
+A row with no key: 0. A sum of random-sign terms has E (sum t)^2 = sum t^2, so an ordinary O's magnitude
+is about its own size; where the values cancel (O ~ 0 from terms of size ~|v|) it stays that of the terms.
 """
 
 from __future__ import annotations
@@ -81,7 +98,7 @@ def mask(s_q: int, s_k: int, q_lens: I64, k_lens: I64, causal: str = "none",
 def attention(q: NDArray, k: NDArray, v: NDArray, *, scale: float | None = None, causal: str = "none",
               window: tuple[int, int] = (-1, -1), softcap: float = 0.0, sinks: NDArray | None = None,
               q_lens: NDArray | None = None, k_lens: NDArray | None = None,
-              head_map: str = "grouped") -> tuple[F64, F64, F64]:
+              head_map: str = "grouped", absolute: bool = False) -> tuple[F64, F64, F64]:
     """Dense attention over padded sequences; returns (o, lse, lse_sink).
 
     q: (b, s_q, h_q, d)
@@ -90,13 +107,15 @@ def attention(q: NDArray, k: NDArray, v: NDArray, *, scale: float | None = None,
     sinks: (h_q,) sink logits (scaled domain) or None
     q_lens, k_lens: (b,) valid lengths (default s_q, s_k); padding rows give O = 0, LSE = -inf
     returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q), lse_sink (b, h_q, s_q) (= lse without sinks)
+    absolute: their error model's magnitudes instead, in the same shapes (module docstring)
     """
     b, s_q = np.shape(q)[:2]
     s_k = np.shape(k)[1]
     q_lens = np.full(b, s_q) if q_lens is None else np.asarray(q_lens, dtype=np.int64)
     k_lens = np.full(b, s_k) if k_lens is None else np.asarray(k_lens, dtype=np.int64)
     keep = mask(s_q, s_k, q_lens, k_lens, causal, window)
-    return masked_attention(q, k, v, keep, scale=scale, softcap=softcap, sinks=sinks, head_map=head_map)
+    return masked_attention(q, k, v, keep, scale=scale, softcap=softcap, sinks=sinks, head_map=head_map,
+                            absolute=absolute)
 
 
 def _logits(q: F64, k: F64, keep: NDArray, scale: float, softcap: float, head_map: str) -> F64:
@@ -142,6 +161,16 @@ def _stats(s: F64) -> tuple[F64, F64]:
     return m, lse
 
 
+def lse_magnitude(mx: F64, lse: F64) -> F64:
+    """The LSE's magnitude sqrt(mx^2 + ln(s)^2 + (1 - 1/s)^2) per row (module docstring), from the row's
+    max logit mx and LSE = mx + ln s; 0 where the row is empty (lse = -inf)."""
+    live = np.isfinite(lse)
+    mx = np.where(live, mx, 0.0)
+    ln_s = np.where(live, lse, 0.0) - mx
+    rounds = -np.expm1(-ln_s)  # 1 - 1/s: the share of s that is not the max key's exact exp(0) = 1
+    return np.where(live, np.sqrt(mx * mx + ln_s * ln_s + rounds * rounds), 0.0)
+
+
 def _read_only_kept(x: NDArray, keep: NDArray) -> F64:
     """x (b, s_k, h, d) as float64 with every key no query keeps zeroed (it may hold NaN poison)."""
     read = keep.any(axis=1)[:, :, None, None]  # b, s_k, 1, 1
@@ -150,12 +179,13 @@ def _read_only_kept(x: NDArray, keep: NDArray) -> F64:
 
 def masked_attention(q: NDArray, k: NDArray, v: NDArray, keep: NDArray, *, scale: float | None = None,
                      softcap: float = 0.0, sinks: NDArray | None = None,
-                     head_map: str = "grouped") -> tuple[F64, F64, F64]:
+                     head_map: str = "grouped", absolute: bool = False) -> tuple[F64, F64, F64]:
     """Attention under an explicit mask; keys no query keeps are never read (they may be NaN).
 
     q: (b, s_q, h_q, d); k: (b, s_k, h_kv, d); v: (b, s_k, h_kv, d_v)
     keep: (b, s_q, s_k) bool, True where query i may attend key j
     returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q), lse_sink (b, h_q, s_q)
+    absolute: their magnitudes instead (the error model, module docstring)
     """
     q = np.asarray(q, dtype=np.float64)
     b, s_q, h_q, d = q.shape
@@ -164,8 +194,8 @@ def masked_attention(q: NDArray, k: NDArray, v: NDArray, keep: NDArray, *, scale
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     k, v = _read_only_kept(k, keep), _read_only_kept(v, keep)
     if head_map == "grouped" and b * h_kv > 1 and b * h_q * s_q * np.shape(k)[1] >= PIECE_LOGITS:
-        return _by_pieces(q, k, v, keep, scale, softcap, sinks)
-    return _attend(q, k, v, keep, scale, softcap, sinks, head_map)
+        return _by_pieces(q, k, v, keep, scale, softcap, sinks, absolute)
+    return _attend(q, k, v, keep, scale, softcap, sinks, head_map, absolute)
 
 
 # A (batch, kv head) piece is a whole attention of its own (the grouped mapping reads no other kv
@@ -176,7 +206,7 @@ PIECE_LOGITS = 1 << 22
 
 
 def _by_pieces(q: F64, k: F64, v: F64, keep: NDArray, scale: float, softcap: float,
-               sinks: NDArray | None) -> tuple[F64, F64, F64]:
+               sinks: NDArray | None, absolute: bool = False) -> tuple[F64, F64, F64]:
     b, s_q, h_q, _ = q.shape
     h_kv, d_v = k.shape[2], v.shape[3]
     g = h_q // h_kv
@@ -188,20 +218,26 @@ def _by_pieces(q: F64, k: F64, v: F64, keep: NDArray, scale: float, softcap: flo
         hs = slice(j * g, (j + 1) * g)
         o[i:i + 1, :, hs], lse[i:i + 1, hs], lse_sink[i:i + 1, hs] = _attend(
             q[i:i + 1, :, hs], k[i:i + 1, :, j:j + 1], v[i:i + 1, :, j:j + 1], keep[i:i + 1], scale, softcap,
-            None if sinks is None else sinks[hs], "grouped")
+            None if sinks is None else sinks[hs], "grouped", absolute)
 
     on_threads(piece, [(i, j) for i in range(b) for j in range(h_kv)])
     return o, lse, lse_sink
 
 
 def _attend(q: F64, k: F64, v: F64, keep: NDArray, scale: float, softcap: float, sinks: NDArray | None,
-            head_map: str) -> tuple[F64, F64, F64]:
+            head_map: str, absolute: bool = False) -> tuple[F64, F64, F64]:
     s = _logits(q, k, keep, scale, softcap, head_map)
-    _, lse = _stats(s)  # b, h_q, s_q
-    lse_sink = lse if sinks is None else np.logaddexp(lse, np.asarray(sinks, dtype=np.float64)[None, :, None])
+    m, lse = _stats(s)  # b, h_q, s_q
+    sk = None if sinks is None else np.asarray(sinks, dtype=np.float64)[None, :, None]
+    lse_sink = lse if sk is None else np.logaddexp(lse, sk)
     norm = np.where(np.isfinite(lse_sink), lse_sink, 0.0)[..., None]
     p = np.exp(s - norm)  # a row with no key and no sink: exp(-inf) = 0
-    return _times_v(p, v, head_map), lse, lse_sink
+    if not absolute:
+        return _times_v(p, v, head_map), lse, lse_sink
+    np.multiply(p, p, out=p)  # P^2 in place: the squared form's only logits-sized array
+    mx = np.where(np.isfinite(lse), m[..., 0], -np.inf)
+    mag_sink = lse_magnitude(mx if sk is None else np.maximum(mx, sk), lse_sink)
+    return np.sqrt(_times_v(p, v * v, head_map)), lse_magnitude(mx, lse), mag_sink
 
 
 def prefill(q: NDArray, k: NDArray, v: NDArray, **kw) -> tuple[F64, F64, F64]:
@@ -311,7 +347,8 @@ def split_bounds(seqlens: NDArray, splits: int, *, block: int | None = None,
 def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArray, splits: int, *,
                  causal: str = "bottom_right", window: tuple[int, int] = (-1, -1), sinks: NDArray | None = None,
                  scale: float | None = None, softcap: float = 0.0, head_map: str = "grouped",
-                 block: int | None = None, bounds: NDArray | None = None) -> tuple[F64, F64, F64, F64, F64]:
+                 block: int | None = None, bounds: NDArray | None = None,
+                 absolute: bool = False) -> tuple[F64, F64, F64, F64, F64]:
     """Flash decoding: per-split partial states over a contiguous cache, merged with `lse_combine`.
 
     q, k_cache, v_cache, seqlens: as `decode`; splits: number of key ranges; block / bounds: the
@@ -322,6 +359,10 @@ def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArra
     Each split sees its row's mask (causal / window on global positions) cut to its key range;
     the sink enters after the merge, as one more term of the denominator. The logits are computed
     once; each split's statistics come from its slice (gathered into a padded chunk axis).
+    absolute: the five outputs' magnitudes instead (module docstring), the merge in squared form too:
+    o_parts and lse_parts each split's own, o^2 = sum_s a_s^2 o_parts_s^2 (a_s = exp(lse_s - lse), the
+    merge's weights; = sum_j P_j^2 v_j^2 over all keys, as `decode`'s), lse and lse_sink the row's
+    (mx over every key); an empty split's are 0.
     """
     q = np.asarray(q, dtype=np.float64)
     b, s_q, h_q, d = q.shape
@@ -343,6 +384,8 @@ def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArra
     w = np.exp(s_g - np.where(np.isfinite(lse_p), lse_p, 0.0)[..., None])  # normalised per split
     w = w.transpose(0, 1, 3, 2, 4).reshape(b, h_q, splits * s_q, c_max)  # b, h_q, splits*s_q, c_max
     v_g = v[np.arange(b)[:, None, None], j]  # b, splits, c_max, h_kv, d_v
+    if absolute:
+        return _split_magnitudes(w * w, v_g * v_g, m[..., 0], lse_p, sinks, head_map)
     o_parts = np.stack([_times_v(w.reshape(b, h_q, splits, s_q, c_max)[:, :, sp], v_g[:, sp], head_map)
                         for sp in range(splits)])  # splits, b, s_q, h_q, d_v
     lse_parts = lse_p.transpose(3, 0, 1, 2)  # splits, b, h_q, s_q
@@ -357,6 +400,33 @@ def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArra
         o = o * f.transpose(0, 2, 1)[..., None]
     o_parts = np.where(np.isneginf(lse_rows)[..., None], np.nan, o_parts)
     return o, lse, lse_sink, o_parts, lse_parts
+
+
+def _split_magnitudes(w2: F64, v2: F64, m: F64, lse_p: F64, sinks: NDArray | None,
+                      head_map: str) -> tuple[F64, F64, F64, F64, F64]:
+    """decode_split's magnitudes from its squared split weights w2 (b, h_q, splits*s_q, c_max), squared
+    gathered values v2 (b, splits, c_max, h_kv, d_v), each split's max logit m and LSE (b, h_q, s_q, splits)."""
+    b, h_q, s_q, splits = lse_p.shape
+    c_max = w2.shape[-1]
+    o2_parts = np.stack([_times_v(w2.reshape(b, h_q, splits, s_q, c_max)[:, :, sp], v2[:, sp], head_map)
+                         for sp in range(splits)])  # splits, b, s_q, h_q, d_v: sum over the split of w^2 v^2
+    live = np.isfinite(lse_p)
+    with np.errstate(divide="ignore"):
+        lse = np.logaddexp.reduce(lse_p, axis=-1)  # b, h_q, s_q: the merge's LSE (-inf with no key)
+    a = np.exp(np.where(live, lse_p - np.where(np.isfinite(lse), lse, 0.0)[..., None], -np.inf))  # merge weights
+    a2 = (a * a).transpose(3, 0, 2, 1)[..., None]  # splits, b, s_q, h_q, 1
+    o2 = np.sum(a2 * o2_parts, axis=0)  # b, s_q, h_q, d_v
+    mx = np.max(np.where(live, m, -np.inf), axis=-1)  # the row's largest logit over every split
+    lse_sink, mx_sink = lse, mx
+    if sinks is not None:
+        sk = np.asarray(sinks, dtype=np.float64)[None, :, None]
+        lse_sink, mx_sink = np.logaddexp(lse, sk), np.maximum(mx, sk)
+        fin = np.isfinite(lse_sink)
+        f = np.where(fin, np.exp(lse - np.where(fin, lse_sink, 0.0)), 0.0)  # b, h_q, s_q
+        o2 = o2 * (f * f).transpose(0, 2, 1)[..., None]
+    lse_parts = lse_magnitude(m, lse_p).transpose(3, 0, 1, 2)  # splits, b, h_q, s_q
+    return (np.sqrt(o2), lse_magnitude(mx, lse), lse_magnitude(mx_sink, lse_sink), np.sqrt(o2_parts),
+            lse_parts)
 
 
 def chunked_prefill(q: NDArray, k_cache: NDArray, v_cache: NDArray, cu_seqlens_q: NDArray, hist: NDArray,

@@ -52,17 +52,42 @@ Quantized weights mean their dequantized values (L1); the weight gradients are r
 format (what a float32 weight of those values would get). The forward is recomputed in float64 from
 the inputs: the exact VJP at them. The new k / v rows' lanes [d, a_d) are cleared by the cache write,
 so their gradients there are zero.
+
+Error model (`absolute=True`; conformance/tolerance.py, layer 3): each output's magnitude M, what a kernel's
+rounding error in it scales with, built stage by stage from the golden's own intermediates. A stage's
+error has two parts: its own rounding, the root-sum-square (RSS) of the terms it sums (a projection's
+element sqrt(sum_k a_k^2 W_k^2 + bias^2), RoPE's sqrt((x1 cos)^2 + (x2 sin)^2), the attention's
+sqrt(sum_j P_j^2 V_j^2), a residual add's sqrt(x^2 + y^2)), and what it inherits from the errors of the
+computed operands it reads (the same terms with an operand's M^2 in place of its value squared). Both
+are weighted by the roundings behind them -- the stage's own reduction length l (a projection's K, the
+attention's keys, RMSNorm's n, 1 for RoPE, SwiGLU and an add) and the operand's accumulated length L (the
+lengths the specs' acc_len sums) -- and averaged, in squared form:
+    a sum's term whose computed factor is v:   (l v^2 + L M_v^2) / (l + L) in place of v^2
+    a product of computed factors u v:         (l u^2 v^2 + L_u M_u^2 v^2 + L_v u^2 M_v^2) / (l + L_u + L_v)
+since the numeric layer's rtol already carries eps32 sqrt(total length): M is the scale each rounding
+is proportional to, their weighted RMS, not their sum (summing a product's two routes doubles M^2 on any
+input: act's cond ~2.2 where the RSS of random-sign terms gives ~1.5). Inputs as stored enter with |value|
+and L = 0; the cache's stored history and its new rows side by side, each with its own. Nonlinear factors
+enter with their values (rstd, the gain, P, silu(g), cos / sin), their sensitivities where an operand is
+computed: silu'(g) (silu''(g) in the backward) and RMSNorm's of a computed input (g rstd (dx_i - xhat_i
+mean(xhat dx))). P enters with its value: its sensitivity to the logits' rounding (dP_j = P_j (ds_j - sum_l
+P_l ds_l), ~eps32 |s|) is left to the specs' overrides -- modelled, it put dv's cond at 2.5 .. 4.6 on
+ordinary inputs with the QKV biases (E s^2 ~ 2 .. 4), past what the RSS of random-sign terms gives. Backward:
+the same rules on the VJP's terms, the forward's magnitudes for the activations it reads (a kernel may
+recompute them); dS = P (dP - D) carries P^2 (M_dP^2 + M_D^2) where dP - D cancels. Every magnitude is
+float64, vectorised as the golden (the weights squared a block of rows at a time: no second (N, K) copy).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
 
-from kernel_parity.refimpl import attention, attention_grad, gemm, kvcache, mlp as mlp_ref, norm, rope
+from kernel_parity.refimpl import attention, attention_grad, gemm, kvcache, mlp as mlp_ref, norm, quant, rope
 
 F64 = NDArray[np.float64]
 REFERENCES = ("dequant", "emulated")
@@ -116,7 +141,8 @@ def attention_prefill(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: We
                       k_cache: NDArray, v_cache: NDArray, cos: NDArray, sin: NDArray, start: int, *, n: int,
                       h_q: int, h_kv: int, d: int, bq: NDArray | None = None, bk: NDArray | None = None,
                       bv: NDArray | None = None, bo: NDArray | None = None, residual: NDArray | None = None,
-                      style: str = "half", gemma: bool = False, reference: str = "dequant") -> dict[str, F64]:
+                      style: str = "half", gemma: bool = False, reference: str = "dequant",
+                      absolute: bool = False) -> dict[str, F64]:
     """The attention block over T tokens at positions start .. start + T - 1 (module docstring).
 
     x: (T, aE) float, lanes [n, aE) zero;  gamma: (aE,)
@@ -127,7 +153,19 @@ def attention_prefill(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: We
     style: RoPE pairing ("interleaved" or "half"); gemma: RMSNorm weight (1 + gamma)
     returns: {"norm": (T, aE), "q", "q_rope", "attn": (T, h_q, a_d), "k", "v", "k_rope": (T, h_kv, a_d),
               "k_cache", "v_cache": (h_kv, cap, a_d) after the write, "out": (T, aE)}
+    absolute: the error model's magnitudes instead (module docstring), for every output but "norm" (a
+    product of stored x and the well-conditioned rstd: |norm| is its magnitude). q, k, v: sqrt(norm^2 @
+    (W^2)^T + b^2) (blended with norm's n roundings: the same); q_rope, k_rope: RoPE's RSS of the blended
+    q; the caches: the stored history's |value| (NaN where the golden is: slots never read), the new rows'
+    model; attn: sqrt(sum_j P_j^2 (keys V_j^2 + L_v M_V_j^2) / (keys + L_v)); out: W_o's on the blended attn,
+    + bo^2 + r^2. Measured (ci suite, 4 dists, cpu): cond <= 1.9 on every output (2.3 on decode's k and v
+    of 32 lanes, a ratio of sums of 32 squares).
     """
+    if absolute:
+        kw = dict(n=n, h_q=h_q, h_kv=h_kv, d=d, bq=bq, bk=bk, bv=bv, bo=bo, residual=residual, style=style,
+                  gemma=gemma, reference=reference)
+        _, mags, _ = _attention_pass(x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, **kw)
+        return {k: np.sqrt(m.sq, out=m.sq) for k, m in mags.items() if k != "norm"}
     x = np.asarray(x, dtype=np.float64)
     t, ae = x.shape
     ad = np.shape(k_cache)[-1]
@@ -158,28 +196,38 @@ def attention_decode(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: Wei
                      k_cache: NDArray, v_cache: NDArray, cos: NDArray, sin: NDArray, pos: int, *, n: int,
                      h_q: int, h_kv: int, d: int, bq: NDArray | None = None, bk: NDArray | None = None,
                      bv: NDArray | None = None, bo: NDArray | None = None, residual: NDArray | None = None,
-                     style: str = "half", gemma: bool = False, reference: str = "dequant") -> dict[str, F64]:
+                     style: str = "half", gemma: bool = False, reference: str = "dequant",
+                     absolute: bool = False) -> dict[str, F64]:
     """The attention block for one token at position pos: `attention_prefill` with T = 1, start = pos.
 
     x: (aE,); residual: (aE,) or None; the rest as `attention_prefill`
     returns: {"norm": (aE,), "q", "q_rope", "attn": (h_q, a_d), "k", "v", "k_rope": (h_kv, a_d),
               "k_cache", "v_cache": (h_kv, cap, a_d), "out": (aE,)}; slots 0 .. pos attended
+    absolute: the magnitudes instead (`attention_prefill`'s), "norm" left out
     """
     r = None if residual is None else np.asarray(residual, dtype=np.float64)[None]
     res = attention_prefill(np.asarray(x)[None], gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, pos, n=n,
                             h_q=h_q, h_kv=h_kv, d=d, bq=bq, bk=bk, bv=bv, bo=bo, residual=r, style=style,
-                            gemma=gemma, reference=reference)
+                            gemma=gemma, reference=reference, absolute=absolute)
     return {k: v if k in ("k_cache", "v_cache") else v[0] for k, v in res.items()}
 
 
 def mlp(x: NDArray, gamma: NDArray, eps: float, w1: Weight, w2: Weight, *, n: int, gemma: bool = False,
-        reference: str = "dequant") -> dict[str, F64]:
+        reference: str = "dequant", absolute: bool = False) -> dict[str, F64]:
     """RMSNorm2 -> fused gate/up projection -> SwiGLU -> down projection -> + residual (x).
 
     x: (T, aE) float, lanes [n, aE) zero;  gamma: (aE,)
     w1: Weight (2I, aE), rows [0, I) the gate, [I, 2I) the up projection;  w2: Weight (aE, I)
     returns: {"norm": (T, aE), "h": (T, 2I), "act": (T, I), "down": (T, aE), "out": (T, aE) = x + down}
+    absolute: the error model's magnitudes instead (module docstring), "norm" left out (|norm|): h =
+    sqrt(norm^2 @ (W1^2)^T); act = sqrt((act^2 + L_h ((silu'(g) up M_g)^2 + (silu(g) M_up)^2)) / (1 + 2 L_h));
+    down: W2's on the blended act; out = sqrt(x^2 + (down^2 + L M_down^2) / (1 + L)). Measured (ci suite,
+    cpu): cond <= 1.9 on every output and distribution.
     """
+    if absolute:
+        _, mags = _mlp_pass(np.asarray(x, dtype=np.float64), None, gamma, eps, w1, w2, n=n, gemma=gemma,
+                            reference=reference)
+        return {k: np.sqrt(m.sq, out=m.sq) for k, m in mags.items() if k != "norm"}
     x = np.asarray(x, dtype=np.float64)
     nrm = norm.rms_norm(x, gamma, eps, n=n, gemma=gemma)["y"]
     h = project(nrm, w1, None, reference)
@@ -190,14 +238,24 @@ def mlp(x: NDArray, gamma: NDArray, eps: float, w1: Weight, w2: Weight, *, n: in
 
 def outproj_mlp(attn: NDArray, residual: NDArray, wo: Weight, gamma: NDArray, eps: float, w1: Weight, w2: Weight,
                 *, n: int, bo: NDArray | None = None, gemma: bool = False,
-                reference: str = "dequant") -> dict[str, F64]:
+                reference: str = "dequant", absolute: bool = False) -> dict[str, F64]:
     """Output projection + residual, then the MLP block on the sum (the seed's outproj_mlp_prefill).
 
     attn: (T, h_q a_d) float, the attention output (head-major lanes, padding zero)
     residual: (T, aE);  wo: Weight (aE, h_q a_d) flat, or "f32_heads" (h_q, aE, a_d);  bo: (aE,) or None
     gamma, eps, w1, w2, n, gemma: the MLP's (`mlp`)
     returns: {"proj": (T, aE), "h1": (T, aE) = proj + residual, "norm", "h", "act", "down", "out" = h1 + down}
+    absolute: the error model's magnitudes instead (module docstring), every output: proj = sqrt(attn^2 @
+    (W_o^2)^T + bo^2) (attn as stored); h1 = sqrt((proj^2 + L M_proj^2) / (1 + L) + residual^2); norm: |norm|
+    blended with h1's error through RMSNorm (g rstd (dh1_i - xhat_i mean(xhat dh1))); then `mlp`'s
     """
+    if absolute:
+        a = np.asarray(attn, dtype=np.float64)
+        proj, pm = _project_mag(a, _exact(a), wo, bo, reference)
+        r = np.asarray(residual, dtype=np.float64)
+        h1m = _Mag(_blend(proj, pm, 1.0) + r * r, pm.n + 1.0)
+        _, mags = _mlp_pass(proj + r, h1m, gamma, eps, w1, w2, n=n, gemma=gemma, reference=reference)
+        return {k: np.sqrt(m.sq, out=m.sq) for k, m in {"proj": pm, "h1": h1m, **mags}.items()}
     proj = project(np.asarray(attn, dtype=np.float64), wo, bo, reference)
     h1 = proj + np.asarray(residual, dtype=np.float64)
     return {"proj": proj, "h1": h1, **mlp(h1, gamma, eps, w1, w2, n=n, gemma=gemma, reference=reference)}
@@ -213,14 +271,23 @@ def dense(w: Weight, k: int) -> F64:
 
 
 def mlp_backward(x: NDArray, gamma: NDArray, eps: float, w1: Weight, w2: Weight, dout: NDArray, *, n: int,
-                 gemma: bool = False) -> dict[str, F64]:
+                 gemma: bool = False, absolute: bool = False) -> dict[str, F64]:
     """VJP of `mlp` (the dequantized weights: L1) for the cotangent dout of its output.
 
     x: (T, aE), lanes [n, aE) zero;  gamma: (aE,);  w1: Weight (2I, aE) gate rows first;  w2: Weight (aE, I)
     dout: (T, aE) the cotangent of out = x + down
     returns: {"dact": (T, I), "dh": (T, 2I) (dgate | dup), "dnorm": (T, aE), "dx": (T, aE),
               "dgamma": (aE,), "dw1": (2I, aE), "dw2": (aE, I)}
+    absolute: the error model's magnitudes instead (module docstring), every output: dact = sqrt(dout^2 @
+    W2^2); dgate, dup: products of the blended dact, up, silu'(g) (silu''(g) for g's route), silu(g);
+    dnorm = W1's on the blended dh; dx = sqrt(rstd^2 (g^2 c + xhat^2 sum_k xhat_k^2 g_k^2 c_k / n^2) +
+    dout^2), c the blended dnorm^2; dgamma = sqrt(sum_t c xhat^2); dw1 = sqrt(c'^T @ norm^2), c' dh blended
+    (its L, norm's n); dw2 = sqrt(dout^2^T @ the blended act). Measured (ci suite, cpu): cond <= 1.65 on
+    `normal`, <= 2.2 on every distribution
     """
+    if absolute:
+        return _mlp_backward_mag(np.asarray(x, dtype=np.float64), gamma, eps, w1, w2,
+                                 np.asarray(dout, dtype=np.float64), n=n, gemma=gemma)
     x, dout = np.asarray(x, dtype=np.float64), np.asarray(dout, dtype=np.float64)
     fwd = mlp(x, gamma, eps, w1, w2, n=n, gemma=gemma)
     i = fwd["act"].shape[-1]
@@ -238,7 +305,7 @@ def attention_prefill_backward(x: NDArray, gamma: NDArray, eps: float, wq: Weigh
                                dout: NDArray, *, n: int, h_q: int, h_kv: int, d: int, bq: NDArray | None = None,
                                bk: NDArray | None = None, bv: NDArray | None = None, bo: NDArray | None = None,
                                residual: NDArray | None = None, style: str = "half",
-                               gemma: bool = False) -> dict[str, F64]:
+                               gemma: bool = False, absolute: bool = False) -> dict[str, F64]:
     """VJP of `attention_prefill` (the dequantized weights: L1) for the cotangent dout of its output; the
     cache history (slots < start) is a constant.
 
@@ -247,7 +314,20 @@ def attention_prefill_backward(x: NDArray, gamma: NDArray, eps: float, wq: Weigh
              "dnorm": (T, aE)} and {"dx": (T, aE), "dgamma": (aE,), "dwq": (h_q a_d, aE), "dwk", "dwv":
              (h_kv a_d, aE), "dwo": (aE, h_q a_d)}, with "dbq", "dbk", "dbv", "dbo" for the biases given and
              "dr" (= dout) for a residual
+    absolute: the error model's magnitudes instead (module docstring), every output but "dr" (dout as
+    given): dattn = sqrt(dout^2 @ W_o^2); the attention's dP = dO V^T and D = sum dO O (blended dO, V, O),
+    dS = P (dP - D) with P^2 (M_dP^2 + M_D^2), dq = scale dS K, dk = scale dS^T Q (products of the blended
+    factors), dv = P^T dO; RoPE's transpose in squared form; dnorm the three projections' sum; dx, dgamma as
+    `mlp_backward`'s; dW = (blended dY)^T @ norm^2, db = sum_t (blended dY)^2, dwo = dout^2^T @ the blended
+    attn, dbo = sum_t dout^2 (all under a sqrt). dq's weights dS sum to zero over the keys: it cancels the keys'
+    common part (the bias bk) on any input, cond 1.2 .. 20 on `normal`; dbk, a sum of dk over the chunk,
+    cancels further (up to 1.7e3)
     """
+    if absolute:
+        kw = dict(n=n, h_q=h_q, h_kv=h_kv, d=d, bq=bq, bk=bk, bv=bv, bo=bo, residual=residual, style=style,
+                  gemma=gemma)
+        return _attention_backward_mag(np.asarray(x, dtype=np.float64), gamma, eps, wq, wk, wv, wo, k_cache,
+                                       v_cache, cos, sin, start, np.asarray(dout, dtype=np.float64), **kw)
     x, dout = np.asarray(x, dtype=np.float64), np.asarray(dout, dtype=np.float64)
     t, ae = x.shape
     ad = np.shape(k_cache)[-1]
@@ -281,3 +361,306 @@ def attention_prefill_backward(x: NDArray, gamma: NDArray, eps: float, wq: Weigh
     if residual is not None:
         out["dr"] = dout.copy()
     return out
+
+
+# -- the error model (absolute=True; module docstring) ---------------------------------------------------
+_ROWS = 2048  # weight rows squared at a time: (2048, K) float64 temporaries, never a second (N, K) copy
+
+
+class _Mag(NamedTuple):
+    """A stage's magnitude squared `sq` (the golden's shape) and the roundings `n` behind it (the reduction
+    lengths along the pipeline, as the specs' acc_len sums them)."""
+
+    sq: F64
+    n: float
+
+
+def _exact(v: F64) -> _Mag:
+    """An input as stored: |value|, no rounding behind it."""
+    return _Mag(v * v, 0.0)
+
+
+def _blend(v: F64, m: _Mag, own: float) -> F64:
+    """A computed operand v of a stage that rounds `own` times, in squared form: (own v^2 + n M^2) / (own + n)."""
+    return (own * (v * v) + m.n * m.sq) / (own + m.n)
+
+
+def _squared_rows(w: F64) -> Iterator[tuple[int, F64]]:
+    """(first row, W's rows squared) a block of _ROWS rows at a time, in one reused buffer."""
+    buf = np.empty((min(_ROWS, w.shape[0]), w.shape[1]))
+    for lo in range(0, w.shape[0], _ROWS):  # memory, not the algorithm
+        blk = w[lo:lo + _ROWS]
+        yield lo, np.square(blk, out=buf[:len(blk)])
+
+
+def _act_own(a: F64, w: Weight, reference: str) -> F64:
+    """The activations the golden's products take: a, or ("emulated", a GGML weight) a rounded to float32 and
+    quantized to the weight's activation format (Q8_0 / Q8_K), as gemm.emulated_reference does."""
+    if reference != "emulated" or w.fmt in ("f32", "f32_heads"):
+        return a
+    act = quant.FORMATS[w.fmt].vec_dot
+    return quant.dequantize(act, quant.quantize(act, a.astype(np.float32)))
+
+
+def _project_mag(a: F64, m: _Mag, w: Weight, bias: NDArray | None, reference: str) -> tuple[F64, _Mag]:
+    """a @ W^T (+ bias) with the dequantized W, and its magnitude: c @ (W^2)^T + bias^2, c the activations
+    blended with their own error (own = K, the sum's length). a: (M, K); m: a's _Mag."""
+    if reference not in REFERENCES:
+        raise ValueError(f"reference must be one of {REFERENCES}, got {reference!r}")
+    k = a.shape[-1]
+    wd = dense(w, k)  # N, K
+    own = _act_own(a, w, reference)
+    c = (k * (own * own) + m.n * m.sq) / (k + m.n)
+    val, sq = a @ wd.T, np.empty((a.shape[0], wd.shape[0]))
+    for lo, w2 in _squared_rows(wd):
+        sq[:, lo:lo + len(w2)] = (w2 @ c.T).T  # the weight block on the left: BLAS's fast side for small M
+    if bias is not None:
+        b = np.asarray(bias, dtype=np.float64)
+        val += b
+        sq += b * b
+    return val, _Mag(sq, k + m.n)
+
+
+def _back(dy: F64, c: F64, w: F64) -> tuple[F64, F64]:
+    """(dy @ W, c @ W^2): a projection's input gradient and its squared form. dy, c: (M, N); w: (N, K)."""
+    val, sq = (w.T @ dy.T).T, np.zeros((dy.shape[0], w.shape[1]))
+    for lo, w2 in _squared_rows(w):
+        sq += (w2.T @ c[:, lo:lo + len(w2)].T).T
+    return val, sq
+
+
+def _gain2(gamma: NDArray, n: int, gemma: bool) -> F64:
+    g = np.asarray(gamma, dtype=np.float64)[:n]
+    return np.square(1.0 + g if gemma else g)
+
+
+def _rstd(x: F64, eps: float, n: int) -> F64:
+    return 1.0 / np.sqrt(np.mean(x[..., :n] ** 2, axis=-1) + eps)
+
+
+def _rms_mag(x: F64, m: _Mag | None, gamma: NDArray, eps: float, n: int, gemma: bool) -> tuple[F64, _Mag]:
+    """RMSNorm and its magnitude: |y| (n roundings in the mean of squares), blended, for a computed x, with
+    x's error through it: dy_i = g rstd (dx_i - xhat_i mean(xhat dx))."""
+    y = norm.rms_norm(x, gamma, eps, n=n, gemma=gemma)["y"]
+    if m is None or m.n == 0:
+        return y, _Mag(y * y, float(n))
+    r2 = np.square(_rstd(x, eps, n))[..., None]
+    xh2 = np.square(x[..., :n]) * r2
+    mk = m.sq[..., :n]
+    route = _gain2(gamma, n, gemma) * r2 * (mk + xh2 * np.sum(xh2 * mk, axis=-1, keepdims=True) / (n * n))
+    sq = np.zeros_like(y)
+    sq[..., :n] = (n * np.square(y[..., :n]) + m.n * route) / (n + m.n)
+    return y, _Mag(sq, n + m.n)
+
+
+def _rms_backward_mag(x: F64, gamma: NDArray, eps: float, n: int, gemma: bool, dy: F64, m: _Mag,
+                      t: int) -> tuple[F64, F64]:
+    """(dx^2, dgamma^2) of RMSNorm's VJP at stored x for a computed cotangent dy (m): rstd^2 (g^2 c + xhat^2
+    sum_k xhat_k^2 g_k^2 c_k / n^2) with c = dy blended (own n), and sum_t c xhat^2 (own t)."""
+    r2 = np.square(_rstd(x, eps, n))[..., None]
+    xh2 = np.square(x[..., :n]) * r2
+    g2 = _gain2(gamma, n, gemma)
+    sub = _Mag(m.sq[..., :n], m.n)
+    c = g2 * _blend(dy[..., :n], sub, float(n))
+    dx = np.zeros_like(x)
+    dx[..., :n] = r2 * (c + xh2 * np.sum(xh2 * c, axis=-1, keepdims=True) / (n * n))
+    dg = np.zeros(x.shape[-1])
+    dg[:n] = np.sum(_blend(dy[..., :n], sub, float(t)) * xh2, axis=0)
+    return dx, dg
+
+
+def _rope_sq(sq: F64, cos: NDArray, sin: NDArray, pos: NDArray, style: str, d: int) -> F64:
+    """RoPE (or its transpose) in squared form: each rotated lane a^2 cos^2 + b^2 sin^2 (or a^2 sin^2 +
+    b^2 cos^2) of its pair; lanes [d, a_d) as they are. sq: (T, h, a_d)."""
+    c2 = np.square(np.asarray(cos, dtype=np.float64)[pos])[:, None, :]  # T, 1, d/2
+    s2 = np.square(np.asarray(sin, dtype=np.float64)[pos])[:, None, :]
+    out = sq.copy()
+    lanes = (slice(0, d, 2), slice(1, d, 2)) if style == "interleaved" else (slice(0, d // 2), slice(d // 2, d))
+    a, b = sq[..., lanes[0]], sq[..., lanes[1]]
+    out[..., lanes[0]], out[..., lanes[1]] = a * c2 + b * s2, a * s2 + b * c2
+    return out
+
+
+def _grouped(a: F64, h_kv: int) -> F64:
+    """(T, h_q, a_d) -> (h_kv, G T, a_d): the G query heads of each kv head stacked (row r T + t: head kv G + r)."""
+    t, hq, ad = a.shape
+    return a.reshape(t, h_kv, hq // h_kv, ad).transpose(1, 2, 0, 3).reshape(h_kv, hq // h_kv * t, ad)
+
+
+def _ungrouped(a: F64, t: int) -> F64:
+    """`_grouped`'s inverse: (h_kv, G T, a_d) -> (T, h_q, a_d)."""
+    hkv, gt, ad = a.shape
+    return a.reshape(hkv, gt // t, t, ad).transpose(2, 0, 1, 3).reshape(t, gt // t * hkv, ad)
+
+
+class _Attn(NamedTuple):
+    """The attention stage in the grouped layout (h_kv, G T, .)."""
+
+    p: F64  # probabilities (h_kv, G T, live), 0 where masked
+    o: F64  # the output (h_kv, G T, a_d)
+    om: _Mag
+
+
+def _attention_mag(q: F64, kc: F64, vc: F64, vm: _Mag, start: int, d: int) -> _Attn:
+    """Bottom-right causal attention of q (T, h_q, a_d) over the live cache slots kc, vc (h_kv, live, a_d), and
+    its magnitude sqrt(sum_j P_j^2 V_j^2), V blended (own: the keys) with vm (the stored history's |value|)."""
+    t, (hkv, live, ad) = q.shape[0], kc.shape
+    qg = _grouped(q, hkv)
+    tok = np.arange(qg.shape[1]) % t
+    keep = np.arange(live)[None, :] <= start + tok[:, None]  # G T, live
+    s = np.where(keep, qg @ kc.transpose(0, 2, 1) / math.sqrt(d), -np.inf)  # h_kv, G T, live
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    return _Attn(p, p @ vc, _Mag((p * p) @ _blend(vc, vm, float(live)), live + vm.n))
+
+
+def _attention_pass(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: Weight, wv: Weight, wo: Weight,
+                    k_cache: NDArray, v_cache: NDArray, cos: NDArray, sin: NDArray, start: int, *, n: int, h_q: int,
+                    h_kv: int, d: int, bq: NDArray | None, bk: NDArray | None, bv: NDArray | None,
+                    bo: NDArray | None, residual: NDArray | None, style: str, gemma: bool,
+                    reference: str) -> tuple[dict[str, F64], dict[str, _Mag], _Attn]:
+    """`attention_prefill`'s stages (values) and their magnitudes, stage by stage."""
+    x = np.asarray(x, dtype=np.float64)
+    t, ad = x.shape[0], np.shape(k_cache)[-1]
+    nrm, nm = _rms_mag(x, None, gamma, eps, n, gemma)
+    val, mag = {"norm": nrm}, {"norm": nm}
+    for name, w, b, h in (("q", wq, bq, h_q), ("k", wk, bk, h_kv), ("v", wv, bv, h_kv)):
+        v, m = _project_mag(nrm, nm, w, b, reference)
+        val[name], mag[name] = v.reshape(t, h, ad), _Mag(m.sq.reshape(t, h, ad), m.n)
+    pos = start + np.arange(t)
+    for name in ("q", "k"):
+        val[f"{name}_rope"] = rope.rope(val[name], cos, sin, pos, style=style, rot=d, at="first")
+        mag[f"{name}_rope"] = _Mag(_rope_sq(_blend(val[name], mag[name], 1.0), cos, sin, pos, style, d),
+                                   mag[name].n + 1.0)
+    live = start + t
+    for name, cache, new in (("k_cache", k_cache, "k_rope"), ("v_cache", v_cache, "v")):
+        val[name] = _write(cache, val[new], start, d)
+        mag[name] = _Mag(_write(np.square(np.asarray(cache, dtype=np.float64)), mag[new].sq, start, d), mag[new].n)
+    vm = mag["v_cache"]
+    at = _attention_mag(val["q_rope"], val["k_cache"][:, :live], val["v_cache"][:, :live],
+                        _Mag(vm.sq[:, :live], vm.n), start, d)
+    val["attn"], mag["attn"] = _ungrouped(at.o, t), _Mag(_ungrouped(at.om.sq, t), at.om.n)
+    out, om = _project_mag(val["attn"].reshape(t, -1), _Mag(mag["attn"].sq.reshape(t, -1), at.om.n), wo, bo,
+                           reference)
+    if residual is not None:
+        r = np.asarray(residual, dtype=np.float64)
+        out, om = out + r, _Mag(_blend(out, om, 1.0) + r * r, om.n + 1.0)
+    val["out"], mag["out"] = out, om
+    return val, mag, at
+
+
+def _mlp_pass(x: F64, xm: _Mag | None, gamma: NDArray, eps: float, w1: Weight, w2: Weight, *, n: int, gemma: bool,
+              reference: str) -> tuple[dict[str, F64], dict[str, _Mag]]:
+    """`mlp`'s stages and their magnitudes; xm: x's when x is computed (outproj_mlp's h1), None as stored."""
+    nrm, nm = _rms_mag(x, xm, gamma, eps, n, gemma)
+    h, hm = _project_mag(nrm, nm, w1, None, reference)
+    (gate, up), (g2, u2) = mlp_ref.split(h), mlp_ref.split(hm.sq)
+    sg, dg = mlp_ref.silu(gate), mlp_ref.silu_grad(gate)
+    act = sg * up
+    am = _Mag((act * act + hm.n * (np.square(dg * up) * g2 + sg * sg * u2)) / (1.0 + 2.0 * hm.n), hm.n + 1.0)
+    down, dm = _project_mag(act, am, w2, None, reference)
+    xs = x * x if xm is None else _blend(x, xm, 1.0)
+    val = {"norm": nrm, "h": h, "act": act, "down": down, "out": x + down}
+    return val, {"norm": nm, "h": hm, "act": am, "down": dm, "out": _Mag(xs + _blend(down, dm, 1.0), dm.n + 1.0)}
+
+
+def _weight_grad_sq(dy: F64, m: _Mag, a2: F64, own: float) -> F64:
+    """dW = dy^T @ a's squared form: (dy blended, own the rows plus a's roundings)^T @ a^2."""
+    return _blend(dy, m, own).T @ a2
+
+
+def _mlp_backward_mag(x: F64, gamma: NDArray, eps: float, w1: Weight, w2: Weight, dout: F64, *, n: int,
+                      gemma: bool) -> dict[str, F64]:
+    val, mag = _mlp_pass(x, None, gamma, eps, w1, w2, n=n, gemma=gemma, reference="dequant")
+    t, ae, i = x.shape[0], x.shape[-1], val["act"].shape[-1]
+    d2 = dout * dout
+    dact, sq = _back(dout, d2, dense(w2, i))  # dout W2: stored factors
+    dam = _Mag(sq, float(ae))
+    (gate, up), (g2, u2), lh = mlp_ref.split(val["h"]), mlp_ref.split(mag["h"].sq), mag["h"].n
+    sg, s1 = mlp_ref.silu(gate), mlp_ref.silu_grad(gate)
+    s2 = mlp_ref.sigmoid_grad(gate) * (2.0 + gate * (mlp_ref.sigmoid(-gate) - mlp_ref.sigmoid(gate)))  # silu''
+    dgate, dup = dact * up * s1, dact * sg
+    dgs = (dgate * dgate + dam.n * dam.sq * np.square(up * s1)
+           + lh * (u2 * np.square(dact * s1) + g2 * np.square(dact * up * s2))) / (1.0 + dam.n + 2.0 * lh)
+    dus = (dup * dup + dam.n * dam.sq * sg * sg + lh * g2 * np.square(dact * s1)) / (1.0 + dam.n + lh)
+    dh, dhm = np.concatenate([dgate, dup], axis=-1), _Mag(np.concatenate([dgs, dus], axis=-1), 1.0 + max(dam.n, lh))
+    dnorm, sq = _back(dh, _blend(dh, dhm, 2.0 * i), dense(w1, ae))
+    dnm = _Mag(sq, 2.0 * i + dhm.n)
+    dx, dg = _rms_backward_mag(x, gamma, eps, n, gemma, dnorm, dnm, t)
+    out = {"dact": dam.sq, "dh": dhm.sq, "dnorm": dnm.sq, "dx": dx + d2, "dgamma": dg,
+           "dw1": _weight_grad_sq(dh, dhm, np.square(val["norm"]), float(t + n)),
+           "dw2": d2.T @ _blend(val["act"], mag["act"], float(t))}
+    return {k: np.sqrt(v, out=v) for k, v in out.items()}  # in place: dW is (N, K)
+
+
+def _attention_backward_mag(x: F64, gamma: NDArray, eps: float, wq: Weight, wk: Weight, wv: Weight, wo: Weight,
+                            k_cache: NDArray, v_cache: NDArray, cos: NDArray, sin: NDArray, start: int, dout: F64, *,
+                            n: int, h_q: int, h_kv: int, d: int, bq: NDArray | None, bk: NDArray | None,
+                            bv: NDArray | None, bo: NDArray | None, residual: NDArray | None, style: str,
+                            gemma: bool) -> dict[str, F64]:
+    val, mag, at = _attention_pass(x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, n=n, h_q=h_q,
+                                   h_kv=h_kv, d=d, bq=bq, bk=bk, bv=bv, bo=bo, residual=residual, style=style,
+                                   gemma=gemma, reference="dequant")
+    t, ae = x.shape
+    ad, live = np.shape(k_cache)[-1], start + t
+    d2 = dout * dout
+    dattn, sq = _back(dout, d2, dense(wo, h_q * ad))  # dout W_o: stored factors
+    ldo = float(ae)
+    do, do2 = _grouped(dattn.reshape(t, h_q, ad), h_kv), _grouped(sq.reshape(t, h_q, ad), h_kv)
+    kc, vc = val["k_cache"][:, :live], val["v_cache"][:, :live]  # h_kv, live, a_d
+    km, vm, qm = mag["k_cache"], mag["v_cache"], mag["q_rope"]
+    k2m, v2m = km.sq[:, :live], vm.sq[:, :live]
+    qg, q2m = _grouped(val["q_rope"], h_kv), _grouped(qm.sq, h_kv)
+    p, o, rows = at.p, at.o, at.p.shape[1]
+    dp = do @ vc.transpose(0, 2, 1)  # h_kv, G T, live
+    dd = np.sum(do * o, axis=-1, keepdims=True)
+    ds = p * (dp - dd)
+    dos, bdo = do * do, ad * do * do + ldo * do2  # dO^2, and dO blended (own a_d) times (a_d + L_dO)
+    dp2 = (bdo @ np.square(vc).transpose(0, 2, 1) + vm.n * dos @ v2m.transpose(0, 2, 1)) / (ad + ldo + vm.n)
+    dd2 = np.sum(bdo * o * o + at.om.n * dos * at.om.sq, axis=-1, keepdims=True) / (ad + ldo + at.om.n)
+    n_diff, p2 = ad + max(ldo, vm.n, at.om.n), p * p
+    ds2 = (ds * ds + n_diff * p2 * (dp2 + dd2)) / (1.0 + n_diff)  # P (dP - D): P's value, dP - D's terms
+    n_ds, s2d = 1.0 + n_diff, ds * ds
+    grads = {"dq_rope": (ds @ kc / math.sqrt(d),
+                         ((live * s2d + n_ds * ds2) @ np.square(kc) + km.n * s2d @ k2m) / (d * (live + n_ds + km.n)),
+                         live + max(n_ds, km.n)),
+             "dk_rope": (ds.transpose(0, 2, 1) @ qg / math.sqrt(d),
+                         ((rows * s2d + n_ds * ds2).transpose(0, 2, 1) @ np.square(qg)
+                          + qm.n * s2d.transpose(0, 2, 1) @ q2m) / (d * (rows + n_ds + qm.n)),
+                         rows + max(n_ds, qm.n)),
+             "dv": (p.transpose(0, 2, 1) @ do, p2.transpose(0, 2, 1) @ _blend(do, _Mag(do2, ldo), float(rows)),
+                    rows + ldo)}
+    real = (np.arange(ad) < d).astype(np.float64)
+    g, m = {}, {}
+    for name, (v, s, nn) in grads.items():
+        if name == "dq_rope":
+            g[name], s = _ungrouped(v, t), _ungrouped(s, t)
+        else:  # the new keys' rows, lanes [d, a_d) cleared by the write
+            g[name], s = v[:, start:].transpose(1, 0, 2) * real, s[:, start:].transpose(1, 0, 2) * real
+        m[name] = _Mag(s, float(nn))
+    pos = start + np.arange(t)
+    for name in ("dq", "dk"):
+        src = f"{name}_rope"
+        g[name] = rope.rope_backward(g[src], cos, sin, pos, style=style, rot=d, at="first")
+        m[name] = _Mag(_rope_sq(_blend(g[src], m[src], 1.0), cos, sin, pos, style, d), m[src].n + 1.0)
+    own = float((h_q + 2 * h_kv) * ad)  # dnorm sums the three projections' terms
+    dnorm, sq = np.zeros((t, ae)), np.zeros((t, ae))
+    for name, w in (("dq", wq), ("dk", wk), ("dv", wv)):
+        dy = g[name].reshape(t, -1)
+        pv, ps = _back(dy, _blend(dy, _Mag(m[name].sq.reshape(t, -1), m[name].n), own), dense(w, ae))
+        dnorm, sq = dnorm + pv, sq + ps
+    dnm = _Mag(sq, own + max(m[k].n for k in ("dq", "dk", "dv")))
+    dx, dgam = _rms_backward_mag(x, gamma, eps, n, gemma, dnorm, dnm, t)
+    out = {"dattn": _ungrouped(do2, t), **{k: v.sq for k, v in m.items()}, "dnorm": dnm.sq, "dx": dx,
+           "dgamma": dgam, "dwo": d2.T @ _blend(val["attn"].reshape(t, -1),
+                                                _Mag(mag["attn"].sq.reshape(t, -1), mag["attn"].n), float(t))}
+    n2 = np.square(val["norm"])
+    for name, b in (("q", bq), ("k", bk), ("v", bv)):
+        dy, mm = g[f"d{name}"].reshape(t, -1), m[f"d{name}"]
+        sub = _Mag(mm.sq.reshape(t, -1), mm.n)
+        out[f"dw{name}"] = _weight_grad_sq(dy, sub, n2, float(t + n))
+        if b is not None:
+            out[f"db{name}"] = np.sum(_blend(dy, sub, float(t)), axis=0)
+    if bo is not None:
+        out["dbo"] = np.sum(d2, axis=0)
+    return {k: np.sqrt(v, out=v) for k, v in out.items()}  # in place: dW is (N, K)

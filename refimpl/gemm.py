@@ -41,22 +41,32 @@ WFMTS = ("f32", *GGML_W, "fp8", "int4")
 _TEMP = 1 << 22  # elements of FP8's (M, N, blocks) temporaries per chunk of blocks (32 MiB float64)
 
 
-def gemm_nt(a: NDArray, w: NDArray, bias: NDArray | None = None) -> F64:
+def gemm_nt(a: NDArray, w: NDArray, bias: NDArray | None = None, *, absolute: bool = False) -> F64:
     """C = a @ w^T (+ bias), the textbook product in float64.
 
     a: (M, K) float
     w: (N, K) float (a dequantized weight)
     bias: (N,) float or None
     returns: (M, N) float64
+    absolute: the error model's magnitude instead (conformance/tolerance.py): the root-sum-square of
+    the K + 1 terms each element sums, sqrt(a^2 @ (w^2)^T + bias^2): what a K-long dot product's
+    rounding scales with (an fp32 dot product keeps ~eps32 of its terms, not of the result where they
+    cancel); on random-sign terms it is |C|'s expected size (cond ~1.5)
     """
     a, w = np.asarray(a, dtype=np.float64), np.asarray(w, dtype=np.float64)
     if a.ndim != 2 or w.ndim != 2 or a.shape[1] != w.shape[1]:
         raise ValueError(f"gemm_nt: a (M, K) and w (N, K) must share K, got {a.shape} and {w.shape}")
-    c = a @ w.T  # M, N
     if bias is not None:
         bias = np.asarray(bias, dtype=np.float64)
         if bias.shape != (w.shape[0],):
             raise ValueError(f"gemm_nt: bias must be (N,) = ({w.shape[0]},), got {bias.shape}")
+    if absolute:  # the squared form: squares of the factors, their matmul, the bias's square; one sqrt
+        c = np.square(a) @ np.square(w).T  # M, N
+        if bias is not None:
+            c += np.square(bias)
+        return np.sqrt(c, out=c)
+    c = a @ w.T  # M, N
+    if bias is not None:
         c = c + bias
     return c
 
@@ -113,17 +123,43 @@ def _a_2d(a: NDArray) -> NDArray:
 
 def dequant_reference(a: NDArray, wfmt: str, weights: dict[str, NDArray], bias: NDArray | None = None, *,
                       order: str = "gptq", group: int | None = None, gm: int = 1, gn: int = 128,
-                      gk: int = 128) -> F64:
+                      gk: int = 128, absolute: bool = False) -> F64:
     """L1: C = a @ dequantize_weight(wfmt, weights)^T (+ bias), float64.
 
     a: (M, K) float (used as given, in float64)
     weights: see `dequantize_weight`; gm is the FP8 activation group (unused by L1)
     bias: (N,) or None
     returns: (M, N) float64
+    absolute: the error model's magnitude of C instead, one for both references: `gemm_nt`'s
+    sqrt(A^2 @ (W^2)^T + bias^2) against the dequantized W, A = max(|a|, |quantized a|) where L2
+    quantizes the activations (`quantized_activations`: GGML formats, fp8), |a| otherwise
     """
     a = _a_2d(a)
     w = dequantize_weight(wfmt, weights, a.shape[1], order=order, group=group, gn=gn, gk=gk)
+    if absolute:
+        act = np.abs(np.asarray(a, dtype=np.float64))
+        if wfmt in GGML_W or wfmt == "fp8":
+            act = np.maximum(act, np.abs(quantized_activations(a, wfmt, gm=gm, gk=gk)))
+        return gemm_nt(act, w, bias, absolute=True)
     return gemm_nt(a, w, bias)
+
+
+def quantized_activations(a: NDArray, wfmt: str, *, gm: int = 1, gk: int = 128) -> F64:
+    """The (M, K) activations L2 multiplies, dequantized: c_a d_a of the GGML format's vec_dot blocks
+    (ggml's reference quantizer, `quant.quantize`), or DeepSeek's (gm x gk) e4m3 groups times their
+    scales for "fp8"; `a` itself (float64) for the formats whose production path keeps it ("f32", "int4").
+
+    a: (M, K) float (rounded to float32 first, as L2 does)
+    """
+    a = _a_2d(a)
+    if wfmt in GGML_W:
+        act = quant.FORMATS[wfmt].vec_dot
+        fa = quant.block_fields(act, quant.quantize(act, np.asarray(a, dtype=np.float32)))  # (M, nb)
+        return (fa.codes.astype(np.float64) * fa.d[..., None]).reshape(a.shape[0], -1)
+    if wfmt == "fp8":
+        qa, sa = qf.fp8_quantize_blocks(a, gm, gk)
+        return qf.fp8_dequantize_blocks(qa, sa, gm, gk)
+    return np.asarray(a, dtype=np.float64)
 
 
 def _sum_blocks(m: int, n: int, nb: int, term) -> F64:
@@ -215,20 +251,29 @@ def emulated_reference(a: NDArray, wfmt: str, weights: dict[str, NDArray], bias:
     return c
 
 
-def gemm_nt_backward(a: NDArray, w: NDArray, dc: NDArray, bias: bool = False) -> dict[str, F64]:
+def gemm_nt_backward(a: NDArray, w: NDArray, dc: NDArray, bias: bool = False, *, weight_grad: bool = True,
+                     absolute: bool = False) -> dict[str, F64]:
     """VJP of C = a @ w^T (+ bias), written out, float64.
 
         da = dc @ w,   dw = dc^T @ a,   db = sum over rows of dc
 
     a: (M, K); w: (N, K) float -- for a quantized weight, its dequantized values: the gradient of the
         activations through the weight the forward means (L1); dw of a quantized weight is not defined
-        (the caller does not ask for it); dc: (M, N) the cotangent of C; bias: whether C had one
+        (the caller passes weight_grad=False); dc: (M, N) the cotangent of C; bias: whether C had one
+    weight_grad: compute dw (and db); False: da alone (a quantized weight's case)
     returns: {"da": (M, K), "dw": (N, K), "db": (N,) when bias}
+    absolute: the error model's magnitudes instead (conformance/tolerance.py), the root-sum-square of the
+    terms each element sums: da = sqrt(dc^2 @ w^2) (N terms), dw = sqrt((dc^2)^T @ a^2) and
+    db = sqrt(sum over rows of dc^2) (M terms)
     """
     a, w, dc = (np.asarray(t, dtype=np.float64) for t in (a, w, dc))
     if dc.shape != (a.shape[0], w.shape[0]) or a.shape[1] != w.shape[1]:
         raise ValueError(f"gemm_nt_backward: a {a.shape}, w {w.shape} and dc {dc.shape} do not fit C = a w^T")
-    out = {"da": dc @ w, "dw": dc.T @ a}
-    if bias:
-        out["db"] = dc.sum(axis=0)
-    return out
+    if absolute:  # the squared form: the same matmuls on squares, one sqrt each
+        a, w, dc = np.square(a), np.square(w), np.square(dc)
+    out = {"da": dc @ w}
+    if weight_grad:
+        out["dw"] = dc.T @ a
+        if bias:
+            out["db"] = dc.sum(axis=0)
+    return {k: np.sqrt(v) for k, v in out.items()} if absolute else out

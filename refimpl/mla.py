@@ -28,6 +28,11 @@ Conventions (OPS.md mla; research/attention-semantics.md sections 1, 2, 4.1, 5):
   a slot listed twice is gathered and counted twice (the reference gathers per index).
 - Sinks (FlashMLA sparse decode, MAX's combine): a natural-log logit per query head in the
   scaled domain, in the output's denominator only; the returned LSE excludes it; +inf gives O = 0.
+
+Error model (`absolute=True` on decode, decode_sparse and decode_fused_fp8; refimpl/attention.py's, issue 31):
+the outputs' magnitudes instead, each the root-sum-square of the magnitudes of the terms it sums:
+O_i -> sqrt(sum_j P_ij^2 row_j[:d_v]^2), LSE_i -> sqrt(mx_i^2 + ln(s_i)^2 + 1) (`attention.lse_magnitude`),
+and the fused branch's out -> sqrt(sum_c a_c^2 w_nc^2) over its FP8 projection's dequantized terms.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
+from kernel_parity.refimpl.attention import lse_magnitude
 from kernel_parity.refimpl.mla_fp8 import as_f64, bmm_fp8, rms_norm, rope_interleaved
 from kernel_parity.refimpl.mla_schedule import check_schedule, partitions, schedule, sm_parts
 from kernel_parity.refimpl.threads import on_threads
@@ -77,13 +83,14 @@ def _slots(block_table: NDArray, lengths: I64, page: int, s_k: int, num_slots: i
     return slot, valid
 
 
-def _softmax(s: F64, keep: NDArray, sink: NDArray | None) -> tuple[F64, F64]:
+def _softmax(s: F64, keep: NDArray, sink: NDArray | None) -> tuple[F64, F64, F64]:
     """Weights and LSE of logits s (b, h, s_q, s_k) under keep (b, s_q, s_k); sinks (h,) or None.
 
     s is overwritten with the weights (every caller passes a fresh product): one exp per logit and no
     temporaries of s's size, which at the models suite's sizes (b 128, h 128, 16K keys) are the golden's
     cost, not its matmuls.
-    returns: p (b, h, s_q, s_k) with rows summing to exp(LSE - LSE'), lse (b, h, s_q) without sink."""
+    returns: p (b, h, s_q, s_k) with rows summing to exp(LSE - LSE'), lse (b, h, s_q) without sink, and
+    the row max mx (b, h, s_q) (0 for an empty row): LSE = mx + ln(sum_j exp(s_ij - mx))."""
     np.copyto(s, -np.inf, where=~keep[:, None])
     m = np.max(s, axis=-1, keepdims=True)
     m[~np.isfinite(m)] = 0.0  # a row with no visible key: exp(-inf - 0) = 0 below
@@ -100,16 +107,16 @@ def _softmax(s: F64, keep: NDArray, sink: NDArray | None) -> tuple[F64, F64]:
     s /= np.where(ok, den, 1.0)[..., None]
     if not ok.all():
         s[~ok] = 0.0
-    return s, lse
+    return s, lse, m[..., 0]
 
 
 def _attend_rows(q: F64, kv: F64, keep: NDArray, scale: float, d_v: int,
-                 sink: NDArray | None = None, own: bool = False) -> tuple[F64, F64]:
+                 sink: NDArray | None = None, own: bool = False, absolute: bool = False) -> tuple[F64, F64]:
     """Attention of q (b, s_q, h, d) over per-request rows kv (b, s_k, d) (values kv[..., :d_v]).
 
     keep: (b, s_q, s_k); rows no query keeps are zeroed before any product (they may be NaN),
     in place when `own` (kv is the caller's fresh gather)
-    returns: o (b, s_q, h, d_v), lse (b, h, s_q)"""
+    returns: o (b, s_q, h, d_v), lse (b, h, s_q); absolute: their magnitudes (module docstring)"""
     b, s_q, h, d = q.shape
     if own:
         kv[~keep.any(axis=1)] = 0.0
@@ -117,8 +124,14 @@ def _attend_rows(q: F64, kv: F64, keep: NDArray, scale: float, d_v: int,
         kv = np.where(keep.any(axis=1)[..., None], kv, 0.0)
     s = (q.transpose(0, 2, 1, 3).reshape(b, h * s_q, d) @ kv.transpose(0, 2, 1)).reshape(b, h, s_q, -1)
     s *= float(scale)
-    p, lse = _softmax(s, keep, sink)  # b, h, s_q, s_k
-    o = (p.reshape(b, h * s_q, -1) @ kv[..., :d_v]).reshape(b, h, s_q, d_v)
+    p, lse, mx = _softmax(s, keep, sink)  # b, h, s_q, s_k
+    values = kv[..., :d_v]
+    if absolute:  # the P V sum in squared form (p is this call's own array)
+        np.multiply(p, p, out=p)
+        values = values * values
+    o = (p.reshape(b, h * s_q, -1) @ values).reshape(b, h, s_q, d_v)
+    if absolute:
+        return np.sqrt(o).transpose(0, 2, 1, 3), lse_magnitude(mx, lse)
     return o.transpose(0, 2, 1, 3), lse
 
 
@@ -134,7 +147,7 @@ def _decode_keep(lengths: I64, s_q: int, s_k: int, causal: bool, valid: NDArray)
 # --------------------------------------------------------------------------- FlashMLA decode
 
 def decode(q: NDArray, kv_cache: NDArray, block_table: NDArray, seqlens: NDArray, scale: float,
-           d_v: int = 512, causal: bool = True) -> tuple[F64, F64]:
+           d_v: int = 512, causal: bool = True, absolute: bool = False) -> tuple[F64, F64]:
     """FlashMLA dense decode in the absorbed form (see the module docstring for the formula).
 
     q: (b, s_q, h_q, d), d = d_c + d_r (576)
@@ -142,6 +155,7 @@ def decode(q: NDArray, kv_cache: NDArray, block_table: NDArray, seqlens: NDArray
     block_table: (b, max_blocks) int; seqlens: (b,) int >= 0, cached tokens incl. the s_q new ones
     scale: softmax scale; d_v: value dims (512); causal: bottom-right, for s_q > 1
     returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q) natural log; empty rows (0, -inf)
+    absolute: their magnitudes instead (module docstring; 0 for an empty row)
     """
     q = np.asarray(q, dtype=np.float64)
     rows, page = _rows(kv_cache, convert=False)  # gathered per chunk, then widened: no float64 copy of the cache
@@ -160,7 +174,7 @@ def decode(q: NDArray, kv_cache: NDArray, block_table: NDArray, seqlens: NDArray
         s_k = max(int(L[c].max(initial=0)), 1)
         slot, valid = _slots(bt[c], L[c], page, s_k, rows.shape[0])
         o[c], lse[c] = _attend_rows(q[c], as_f64(rows[slot]), _decode_keep(L[c], s_q, s_k, causal, valid), scale, d_v,
-                                     own=True)
+                                     own=True, absolute=absolute)
 
     on_threads(chunk, range(0, b, step))
     return o, lse
@@ -202,12 +216,12 @@ def decode_naive(q_nope: NDArray, q_pe: NDArray, kv_cache: NDArray, block_table:
     v = np.einsum("bkc,hdc->bhkd", c, wv)  # b, h, s_k, dv
     s = qn.transpose(0, 2, 1, 3) @ k_nope.transpose(0, 1, 3, 2)  # b, h, s_q, s_k
     s = s + np.einsum("bqhr,bkr->bhqk", qp, k_pe)
-    p, lse = _softmax(float(scale) * s, keep, None)
+    p, lse, _ = _softmax(float(scale) * s, keep, None)
     return (p @ v).transpose(0, 2, 1, 3), lse
 
 
 def decode_sparse(q: NDArray, kv_cache: NDArray, indices: NDArray, topk_length: NDArray | None, scale: float,
-                  d_v: int = 512, *, attn_sink: NDArray | None = None) -> tuple[F64, F64]:
+                  d_v: int = 512, *, attn_sink: NDArray | None = None, absolute: bool = False) -> tuple[F64, F64]:
     """FlashMLA sparse decode: each query row attends to the cache slots its indices list.
 
     q: (b, s_q, h_q, d); kv_cache: (num_blocks, page, [1,] d), viewed as (num_blocks * page, d); the
@@ -217,6 +231,7 @@ def decode_sparse(q: NDArray, kv_cache: NDArray, indices: NDArray, topk_length: 
     attn_sink: (h_q,) or None (see the module docstring)
     returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q) (without the sink); a row with no used index (0, -inf)
     A slot listed twice counts twice (its weight doubles). Used indices outside [0, num_slots) raise.
+    absolute: their magnitudes instead (module docstring; a slot listed twice is two terms)
     """
     q = np.asarray(q, dtype=np.float64)
     rows, _ = _rows(kv_cache)
@@ -231,7 +246,10 @@ def decode_sparse(q: NDArray, kv_cache: NDArray, indices: NDArray, topk_length: 
         raise ValueError(f"indices outside the cache's {rows.shape[0]} slots (and not -1)")
     kv = np.where(used[..., None], rows[np.where(used, idx, 0)], 0.0)  # b, s_q, topk, d
     s = np.einsum("bqhd,bqkd->bhqk", q, kv)
-    p, lse = _softmax(float(scale) * s, used, attn_sink)
+    p, lse, mx = _softmax(float(scale) * s, used, attn_sink)
+    if absolute:  # the P V sum in squared form
+        np.multiply(p, p, out=p)
+        return np.sqrt(np.einsum("bhqk,bqkd->bqhd", p, kv[..., :d_v] ** 2)), lse_magnitude(mx, lse)
     return np.einsum("bhqk,bqkd->bqhd", p, kv[..., :d_v]), lse
 
 
@@ -242,7 +260,7 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
                      kv_cache: NDArray, block_table: NDArray, cache_lengths: NDArray, scale: float, *,
                      attn_sink: NDArray | None = None, causal: bool = True,
                      granularity: tuple[int, int, int] = (1, 128, 128),
-                     scale_ub: float = 1200.0) -> tuple[F64, F64]:
+                     scale_ub: float = 1200.0, absolute: bool = False) -> tuple[F64, F64]:
     """MAX's `mla_decode_branch_fp8` (modular/modular max/kernels/src/nn/attention/gpu/mla_graph.mojo).
 
     q: (T, H, dn + d_r) ragged new tokens, dn = 128 (q_nope), d_r = 64 (q_rope)
@@ -257,6 +275,8 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
     scale: softmax scale; attn_sink: (H,) or None; causal: key j visible to position p iff j <= p
     granularity: (m, n, k) scale granularity (1, 128, 128); scale_ub: activation amax bound (1200)
     returns: out (T, H, dv) float64, cache_after (kv_cache's shape) float64
+    absolute: out's magnitudes instead of out, sqrt(sum_c a_c^2 w_nc^2) over step 4's dequantized FP8
+    terms (the activation codes of the exact o_latent); cache_after is returned as it is (no model)
 
     Order, as the kernel runs it:
     1. q_lat = bmm_fp8(q_nope, w_uk): q_nope quantized per (head, token, 128 channels)
@@ -318,5 +338,5 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
     o_lat, _ = _attend_rows(q_pad, after[slot], keep, scale, d_c, attn_sink)  # b, n_max, H, d_c
     o_lat = o_lat[ok]  # T, H, d_c in token order
     out = bmm_fp8(o_lat.transpose(1, 0, 2), w_uv,
-                  np.reshape(w_uv_scale, (H, -1, -(-d_c // kg))), granularity, scale_ub)  # H, T, dv
+                  np.reshape(w_uv_scale, (H, -1, -(-d_c // kg))), granularity, scale_ub, absolute=absolute)  # H, T, dv
     return out.transpose(1, 0, 2), after.reshape(np.shape(kv_cache))

@@ -97,7 +97,7 @@ def dequantize(q: NDArray, scales: NDArray, m_gran: int, k_gran: int) -> F64:
 
 
 def bmm_fp8(a: NDArray, w: NDArray, w_scale: NDArray, granularity: tuple[int, int, int] = (1, 128, 128),
-            scale_ub: float = SCALE_UB) -> F64:
+            scale_ub: float = SCALE_UB, absolute: bool = False) -> F64:
     """C = deq(quantize_act(a)) @ deq(w)^T per batch entry: MAX's quantize + batched blockwise FP8 matmul.
 
     a: (B, M, K) float activations
@@ -106,7 +106,12 @@ def bmm_fp8(a: NDArray, w: NDArray, w_scale: NDArray, granularity: tuple[int, in
     granularity: (m_gran, n_gran, k_gran)
     returns: (B, M, N) float64 (products of fp8 codes and float32 scales are exact; the sums round
     in float64)
+    absolute: the error model's magnitudes instead, the sum in squared form: sqrt(sum_k A_mk^2 W_nk^2) with
+    A, W the dequantized operands (refimpl/mla.py)
     """
     mg, ng, kg = granularity
     qa, sa = quantize_act(a, mg, kg, scale_ub)
-    return dequantize(qa, sa, mg, kg) @ dequantize(w, w_scale, ng, kg).transpose(0, 2, 1)
+    x, y = dequantize(qa, sa, mg, kg), dequantize(w, w_scale, ng, kg)
+    if absolute:
+        return np.sqrt((x * x) @ (y * y).transpose(0, 2, 1))
+    return x @ y.transpose(0, 2, 1)

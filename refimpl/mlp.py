@@ -135,13 +135,47 @@ def gelu_grad(g: NDArray, approx: str = "tanh") -> F64:
     raise ValueError(f"unknown gelu approximation {approx!r} (tanh, erf)")
 
 
-def swiglu_backward(gate: NDArray, up: NDArray, dy: NDArray) -> dict[str, F64]:
-    """VJP of `swiglu`: dgate = dy up silu'(gate), dup = dy silu(gate). gate, up, dy: (..., I)."""
-    gate, up, dy = (np.asarray(a, dtype=np.float64) for a in (gate, up, dy))
-    return {"dgate": dy * up * silu_grad(gate), "dup": dy * silu(gate)}
+def _grad_terms(g: F64, act: str, approx: str = "tanh") -> tuple[F64, F64]:
+    """The two terms act'(g) sums (`silu_grad`, `gelu_grad`): s(g) and g s(g) s(-g) (silu); Phi(g) and g phi(g)
+    (gelu, erf); s(z) and g s(z) s(-z) z' (gelu, tanh). Their signs differ for g < 0: act' crosses zero."""
+    if act == "silu":
+        return sigmoid(g), g * sigmoid_grad(g)
+    if approx == "tanh":
+        k = 2.0 * math.sqrt(2.0 / math.pi)
+        z = k * (g + 0.044715 * g ** 3)
+        return sigmoid(z), g * sigmoid_grad(z) * (k * (1.0 + 3.0 * 0.044715 * g * g))
+    if approx == "erf":
+        return std_normal_cdf(g), g * np.exp(-0.5 * g * g) / math.sqrt(2.0 * math.pi)
+    raise ValueError(f"unknown gelu approximation {approx!r} (tanh, erf)")
 
 
-def geglu_backward(gate: NDArray, up: NDArray, dy: NDArray, approx: str = "tanh") -> dict[str, F64]:
-    """VJP of `geglu`: dgate = dy up gelu'(gate), dup = dy gelu(gate). gate, up, dy: (..., I)."""
+def _glu_backward(gate: NDArray, up: NDArray, dy: NDArray, act: str, approx: str, absolute: bool) -> dict[str, F64]:
     gate, up, dy = (np.asarray(a, dtype=np.float64) for a in (gate, up, dy))
-    return {"dgate": dy * up * gelu_grad(gate, approx), "dup": dy * gelu(gate, approx)}
+    fwd = silu(gate) if act == "silu" else gelu(gate, approx)
+    if not absolute:
+        grad = silu_grad(gate) if act == "silu" else gelu_grad(gate, approx)
+        return {"dgate": dy * up * grad, "dup": dy * fwd}
+    t1, t2 = _grad_terms(gate, act, approx)
+    return {"dgate": np.abs(dy * up) * np.sqrt(t1 * t1 + t2 * t2), "dup": np.abs(dy * fwd)}
+
+
+def swiglu_backward(gate: NDArray, up: NDArray, dy: NDArray, absolute: bool = False) -> dict[str, F64]:
+    """VJP of `swiglu`: dgate = dy up silu'(gate), dup = dy silu(gate). gate, up, dy: (..., I).
+
+    absolute: the error model's magnitudes instead (conformance/tolerance.py): dgate is a product with
+    silu'(g) = s(g) + g s(g) s(-g), a sum of two terms of opposite signs for g < 0 that cancel at its root
+    g = -1.278 (both ~0.22 there): |dy up| sqrt(s(g)^2 + (g s(g) s(-g))^2), what a kernel's rounding of those
+    terms scales with (eps32 |dy up| x ~0.2 where dgate is 0). dup = dy silu(g) is a product: |dup|.
+    """
+    return _glu_backward(gate, up, dy, "silu", "tanh", absolute)
+
+
+def geglu_backward(gate: NDArray, up: NDArray, dy: NDArray, approx: str = "tanh",
+                   absolute: bool = False) -> dict[str, F64]:
+    """VJP of `geglu`: dgate = dy up gelu'(gate), dup = dy gelu(gate). gate, up, dy: (..., I).
+
+    absolute: the error model's magnitudes instead, as `swiglu_backward`'s: gelu'(g) sums Phi(g) and g phi(g)
+    (erf) or s(z) and g s(z) s(-z) z' (tanh), which cancel at its root near g = -0.752: dgate -> |dy up|
+    sqrt(term1^2 + term2^2); dup = dy gelu(g), a product: |dup|.
+    """
+    return _glu_backward(gate, up, dy, "gelu", approx, absolute)

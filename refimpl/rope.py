@@ -86,7 +86,7 @@ def _pairs(part: F64, style: str) -> tuple[F64, F64]:
 
 
 def rope(x: NDArray, cos: NDArray, sin: NDArray, positions: NDArray, *, style: str = "half", rot: int | None = None,
-         at: str = "first") -> F64:
+         at: str = "first", absolute: bool = False) -> F64:
     """Rotate the rotary part of every head of every token by its position's angles.
 
     x: (t, h, d) float (tokens, heads, head dim)
@@ -95,6 +95,11 @@ def rope(x: NDArray, cos: NDArray, sin: NDArray, positions: NDArray, *, style: s
     style: "interleaved" or "half" (module docstring); rot: rotary dims (even, <= d; default d)
     at: the rotary part is the "first" or the "last" rot dims
     returns: (t, h, d) float64; the dims outside the rotary part are x's, unchanged
+    absolute: the error model's magnitudes instead (conformance/tolerance.py): each rotated element is the
+    sum of two products, a cos - b sin (a sin + b cos), whose rounding scales with the root-sum-square of
+    the products, sqrt((a cos)^2 + (b sin)^2) (sqrt((a sin)^2 + (b cos)^2); the table values with their
+    values, as the golden rotates by them). Where the products cancel (a cos = b sin) the element is near 0
+    and its error is still ~eps |a cos|. The pass-through dims are an exact copy: |x|.
     """
     x = np.asarray(x, dtype=np.float64)
     d = x.shape[-1]
@@ -107,9 +112,13 @@ def rope(x: NDArray, cos: NDArray, sin: NDArray, positions: NDArray, *, style: s
     c = np.asarray(cos, dtype=np.float64)[pos][:, None, :]  # t, 1, rot/2
     s = np.asarray(sin, dtype=np.float64)[pos][:, None, :]
     lo = 0 if at == "first" else d - rot
-    out = x.copy()
+    out = np.abs(x) if absolute else x.copy()
     a, b = _pairs(x[..., lo:lo + rot], style)
-    ra, rb = a * c - b * s, a * s + b * c
+    if absolute:  # squares of the products, sqrt of their sums
+        ac, bs, as_, bc = (a * c) ** 2, (b * s) ** 2, (a * s) ** 2, (b * c) ** 2
+        ra, rb = np.sqrt(ac + bs), np.sqrt(as_ + bc)
+    else:
+        ra, rb = a * c - b * s, a * s + b * c
     part = out[..., lo:lo + rot]
     if style == "interleaved":
         part[..., 0::2], part[..., 1::2] = ra, rb
@@ -119,18 +128,21 @@ def rope(x: NDArray, cos: NDArray, sin: NDArray, positions: NDArray, *, style: s
 
 
 def rope_backward(dy: NDArray, cos: NDArray, sin: NDArray, positions: NDArray, *, style: str = "half",
-                  rot: int | None = None, at: str = "first") -> F64:
+                  rot: int | None = None, at: str = "first", absolute: bool = False) -> F64:
     """VJP of `rope` with respect to x: the rotary pairs of dy rotated by the negated angles.
 
     Each pair's rotation R(p w) is orthogonal, so its transpose is R(-p w): the VJP is `rope` of dy with
     sin negated (cos is even). dy: (t, h, d) float, the cotangent of y; cos, sin, positions, style, rot,
     at: as `rope`. returns: (t, h, d) float64 dx; the dims outside the rotary part are dy's, unchanged
+    absolute: the error model's magnitudes instead, as `rope`'s (of dy at the negated angles)
     """
-    return rope(dy, cos, -np.asarray(sin, dtype=np.float64), positions, style=style, rot=rot, at=at)
+    return rope(dy, cos, -np.asarray(sin, dtype=np.float64), positions, style=style, rot=rot, at=at,
+                absolute=absolute)
 
 
 def kv_update(k_cache: NDArray, v_cache: NDArray, k_new: NDArray, v_new: NDArray, pos: NDArray, cos: NDArray,
-              sin: NDArray, *, block_table: NDArray | None = None, style: str = "half") -> tuple[F64, F64]:
+              sin: NDArray, *, block_table: NDArray | None = None, style: str = "half",
+              absolute: bool = False) -> tuple[F64, F64]:
     """TensorRT-LLM's RoPE-fused KV-cache write: k rotated at position pos[b] + t, then both written
     into the kvcache family's cache (contiguous, or paged through block_table); v unrotated.
 
@@ -138,14 +150,19 @@ def kv_update(k_cache: NDArray, v_cache: NDArray, k_new: NDArray, v_new: NDArray
     k_new, v_new: (b, s_new, h_kv, d); pos: (b,) tokens already cached per sequence
     cos, sin: (max_seq, d/2) tables (rows indexed by absolute position)
     returns: (k_cache, v_cache) after the write, float64 (the old slots unchanged)
+    absolute: the error model's magnitudes instead: the new k rows as `rope`'s, every copied value
+    (old slots, v) its |value|
     """
     from kernel_parity.refimpl import kvcache
 
     k_new = np.asarray(k_new, dtype=np.float64)
     b, s_new, h, d = k_new.shape
     p = (np.asarray(pos, dtype=np.int64)[:, None] + np.arange(s_new)[None, :]).reshape(-1)  # b * s_new
-    k_rot = rope(k_new.reshape(b * s_new, h, d), cos, sin, p, style=style, rot=d).reshape(k_new.shape)
-    kc = kvcache.update(np.asarray(k_cache, dtype=np.float64), k_rot, pos, block_table=block_table)
-    vc = kvcache.update(np.asarray(v_cache, dtype=np.float64), np.asarray(v_new, dtype=np.float64), pos,
-                        block_table=block_table)
+    k_rot = rope(k_new.reshape(b * s_new, h, d), cos, sin, p, style=style, rot=d,
+                 absolute=absolute).reshape(k_new.shape)
+    k_cache, v_cache, v_new = (np.asarray(a, dtype=np.float64) for a in (k_cache, v_cache, v_new))
+    if absolute:
+        k_cache, v_cache, v_new = np.abs(k_cache), np.abs(v_cache), np.abs(v_new)
+    kc = kvcache.update(k_cache, k_rot, pos, block_table=block_table)
+    vc = kvcache.update(v_cache, v_new, pos, block_table=block_table)
     return kc, vc

@@ -58,6 +58,10 @@ class Backend:
     origin: str | None = None  # "module:object" for a third-party backend (goes into repro lines)
     doc: str = ""
     triton: bool = False  # its kernels are Triton: prepared like ours (the interpreter on a machine without a GPU)
+    # its kernels claim run-to-run determinism (the same bits for the same inputs: no atomics, no order that
+    # depends on scheduling): a borderline case is then also re-run on its own inputs, and differing bits
+    # fail it (kind `determinism`; conformance/runner.py `_recheck`)
+    deterministic: bool = False
     # op -> the reference its kernel claims to compute: a name, or fn(case) -> name when it depends on
     # the case (a GEMM whose decode path computes the dequantized product and whose FP8 path the
     # emulated one)

@@ -30,5 +30,6 @@ def make() -> CpuBackend:
         ops=collect("cpu_ops"),
         claims=collect("cpu_claims"),
         support=collect("cpu_supports"),
+        deterministic=True,
         doc="kernels/cpu/*.c: native C kernels, fp32 accumulation",
     )

@@ -34,5 +34,6 @@ def make() -> TritonBackend:
         claims=collect("triton_claims"),
         support=collect("triton_supports"),
         interpreter=interpreter,
+        deterministic=True,
         doc="kernels/triton/*: Triton GPU kernels (interpreter mode on a machine without a GPU)",
     )

@@ -110,35 +110,48 @@ def _decode_inputs(p, dtype, dist, rng):
 
 
 # -- references -------------------------------------------------------------------------------
-def _prefill_ref(x, p):
-    o, lse, _ = ref.prefill(x["q"], x["k"], x["v"], sinks=x.get("sinks"), **golden_kw(p))
+# Each reference takes `absolute`: True gives the error model's magnitudes of the same outputs (below).
+def _prefill_ref(x, p, absolute=False):
+    o, lse, _ = ref.prefill(x["q"], x["k"], x["v"], sinks=x.get("sinks"), absolute=absolute, **golden_kw(p))
     return {"o": o, "lse": _lse_out(lse, p)}
 
 
-def _varlen_ref(x, p):
+def _varlen_ref(x, p, absolute=False):
     o, lse, _ = ref.varlen(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"], sinks=x.get("sinks"),
-                           **golden_kw(p))
+                           absolute=absolute, **golden_kw(p))
     return {"o": o, "lse": _lse_out(lse, p)}
 
 
-def _decode_ref(x, p):
+def _decode_ref(x, p, absolute=False):
     fn = ref.decode_paged if "page" in p else ref.decode
     extra = (x["block_table"],) if "page" in p else ()
-    o, lse, _ = fn(x["q"], x["k_cache"], values(x, p), *extra, x["seqlens"], sinks=x.get("sinks"), **golden_kw(p))
+    o, lse, _ = fn(x["q"], x["k_cache"], values(x, p), *extra, x["seqlens"], sinks=x.get("sinks"), absolute=absolute,
+                   **golden_kw(p))
     return {"o": o, "lse": _lse_out(lse, p)}
 
 
-def _split_ref(x, p):
+def _split_ref(x, p, absolute=False):
     part = dict(block=p.get("blk") or None, bounds=x.get("split_bounds"))
     o, lse, _, o_parts, lse_parts = ref.decode_split(x["q"], x["k_cache"], values(x, p), x["seqlens"], p["splits"],
-                                                     sinks=x.get("sinks"), **part, **golden_kw(p))
+                                                     sinks=x.get("sinks"), absolute=absolute, **part, **golden_kw(p))
     return {"o": o, "lse": _lse_out(lse, p), "o_parts": o_parts, "lse_parts": _lse_out(lse_parts, p)}
 
 
-def _chunked_ref(x, p):
+def _chunked_ref(x, p, absolute=False):
     o, lse, _ = ref.chunked_prefill(x["q"], x["k_cache"], x["v_cache"], x["cu_seqlens_q"], x["hist"],
-                                    x.get("block_table"), sinks=x.get("sinks"), **golden_kw(p))
+                                    x.get("block_table"), sinks=x.get("sinks"), absolute=absolute, **golden_kw(p))
     return {"o": o, "lse": _lse_out(lse, p)}
+
+
+# The error model (OpSpec.magnitude; refimpl/attention.py, `absolute`): O's magnitude is the P V sum in
+# squared form, sqrt(sum_j P_ij^2 v_j^2), the LSE's sqrt(mx^2 + ln(s)^2 + (1 - 1/s)^2). On ordinary inputs
+# it is about |golden|: cond on the ci cases (seed 0, every op) O and o_parts medians 1.03-1.3, at most 1.55;
+# lse and lse_parts at most 1.17, under COND_RANDOM = 2, so their limits are today's. Where the values
+# cancel (O ~ 0 from terms ~|v|) or the LSE sits near 0 (mx ~ -ln s), the element is judged against its
+# terms. (A constant 1 in place of 1 - 1/s, s's rounding, gave a one-key row, whose s = exp(0) is exact,
+# cond 3.6 here and 2.7e4 for MLA's LSE of ~0.01.)
+def _magnitude(reference):
+    return lambda x, p: reference(x, p, absolute=True)
 
 
 # -- diagnoses: alternative semantics a wrong kernel may implement -----------------------------
@@ -176,7 +189,11 @@ DIAGNOSES = MASK_DIAGNOSES + (
 
 # O sums weighted values with cancellation: an element near 0 carries the rounding error of the
 # larger terms, so its absolute error is measured against the output's scale (FlashInfer scales
-# atol by |ref|_inf for the same reason).
+# atol by |ref|_inf for the same reason). Kept under the error model (issue 31), which now judges the
+# cancellation element by element: the floor also holds fp16 outputs one ulp off (rtol 1e-3 is below
+# one fp16 ulp just above a power of 2). Without it the ci suite's seed 0 failed Triton's fp16
+# chunked_prefill O (0.500977 for 0.500463, 1.03 ulp, norm_err 1.004) and fp16 O reached norm_err
+# 0.8-1.0 on every other forward op (triton, sdpa-cpu).
 _O_SCALE = Override("O sums weighted values with cancellation: absolute error relative to max|O|",
                     output="o", atol_max_eps=4.0)
 _PARTS_SCALE = Override("split partials sum weighted values like O", output="o_parts", atol_max_eps=4.0)
@@ -283,6 +300,7 @@ def prefill_flops(p: dict[str, Any]) -> float:
 
 PREFILL = OpSpec(
     name="attention.prefill", golden=ref.prefill, reference=_prefill_ref,
+    magnitude=_magnitude(_prefill_ref),
     params=_schema(b=Int(1, 64), sq=Int(1, 1 << 16), sk=Int(1, 1 << 16), **HEADS, **DV, **MASKING),
     make_inputs=_prefill_inputs,
     output_shapes=lambda p: {"o": (p["b"], p["sq"], p["hq"], value_dim(p)), "lse": (p["b"], p["hq"], p["sq"])},
@@ -292,6 +310,7 @@ PREFILL = OpSpec(
 
 VARLEN = OpSpec(
     name="attention.varlen", golden=ref.varlen, reference=_varlen_ref,
+    magnitude=_magnitude(_varlen_ref),
     params=_schema(b=Int(1, 64), sq=Int(1, 1 << 16), sk=Int(1, 1 << 16), **HEADS, **DV, lens=LENS, **MASKING),
     make_inputs=_varlen_inputs,
     output_shapes=lambda p: {"o": (int(varlen_lens(p)[0].sum()), p["hq"], value_dim(p)),
@@ -312,6 +331,7 @@ def _decode_shapes(p):
 
 DECODE = OpSpec(
     name="attention.decode", golden=ref.decode, reference=_decode_ref,
+    magnitude=_magnitude(_decode_ref),
     params=_schema(**_DECODE_PARAMS, **_DECODE_MASK), make_inputs=_decode_inputs,
     output_shapes=_decode_shapes, outputs=OUT, tolerance=_tol(), dists=DISTS, check=_check,
     diagnoses=DIAGNOSES,
@@ -320,6 +340,7 @@ DECODE = OpSpec(
 
 DECODE_PAGED = OpSpec(
     name="attention.decode_paged", golden=ref.decode_paged, reference=_decode_ref,
+    magnitude=_magnitude(_decode_ref),
     params=_schema(**_DECODE_PARAMS, page=OneOf(16, 64, doc="tokens per page"), **_DECODE_MASK),
     make_inputs=_decode_inputs, output_shapes=_decode_shapes, outputs=OUT, tolerance=_tol(), dists=DISTS,
     check=_check, diagnoses=DIAGNOSES,
@@ -328,6 +349,7 @@ DECODE_PAGED = OpSpec(
 
 DECODE_SPLIT = OpSpec(
     name="attention.decode_split", golden=ref.decode_split, reference=_split_ref,
+    magnitude=_magnitude(_split_ref),
     params=_schema(**_DECODE_PARAMS, splits=Int(1, 128, edges=(2, 3, 8, 16)), **PART, **_DECODE_MASK),
     make_inputs=_decode_inputs,
     output_shapes=lambda p: {**_decode_shapes(p),
@@ -351,6 +373,7 @@ def _chunked_shapes(p):
 
 CHUNKED_PREFILL = OpSpec(
     name="attention.chunked_prefill", golden=ref.chunked_prefill, reference=_chunked_ref,
+    magnitude=_magnitude(_chunked_ref),
     params=_schema(b=Int(1, 64), sq=Int(1, 1 << 16, doc="longest chunk (queries of a sequence)"),
                    hist=Int(0, 1 << 17, edges=(16, 64), doc="longest history (tokens cached before the chunk)"),
                    **HEADS, lens=LENS, page=OneOf(0, 16, 64, doc="0: contiguous cache; else tokens per page"),

@@ -90,8 +90,17 @@ def _varlen_ref(x: dict[str, np.ndarray], p: dict[str, Any], given_o: bool = Tru
                                 o=x["o"] if given_o else None, sinks=x.get("sinks"), **golden_kw(p))
 
 
+# The error model (OpSpec.magnitude; refimpl.attention_grad, `absolute`): each gradient element's magnitude is the
+# root-sum-square of its terms' magnitudes, the golden in squared form (P^2, scale^2, dS^2 = P^2 (dP^2 + D^2 + dL^2)
+# from the squared inputs). Where dP - D + dL cancels (issue 31's one key and a sink: every term ~100x the result),
+# the element is judged against its terms: cond ~1.1e4 on that case, where eager torch's bf16 dq and dk are 1.31x the
+# golden and pass. dS = P (dP - D) cancels on any input (D is the P-weighted mean of dP; (n + 1) / (n - 1) in cond for
+# a row of n keys of equal P, an exact 0 for one key), so dq and dk keep cond above 2 on rows of few keys: on the ci
+# cases (seeds 0-2) medians 2.8 (normal; varlen 3.8), 5-16 (scales), 11 (large: one key dominates), against 350-1,400
+# for the sum of |terms| this replaces; dv (P^T dO, no cancellation beyond chance) at most 1.64; dsinks medians 1.4-4
+# (a few elements per case). Their aggregate limits scale by cond / 2 (tolerance.COND_RANDOM).
 def _prefill_mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
-    """The error model: the golden on absolute values (refimpl.attention_grad, `absolute`)."""
+    """The error model: the golden in squared form (refimpl.attention_grad, `absolute`)."""
     return grad.prefill_backward(x["q"], x["k"], x["v"], x["do"], x.get("dlse"), o=x["o"], sinks=x.get("sinks"),
                                  absolute=True, **golden_kw(p))
 
@@ -130,7 +139,10 @@ def _acc(p: dict[str, Any], output: str) -> int:
 
 # Gradients are sums of signed terms (dS has rows that sum to about zero; dv sums weights times
 # N(0, 1) cotangents): an element near 0 carries the rounding of the larger terms, so its absolute
-# error is measured against the output's scale (as O's is, conformance/ops/attention.py).
+# error is measured against the output's scale (as O's is, conformance/ops/attention.py). Kept under the
+# error model: it also holds fp16 gradients one ulp off (rtol 1e-3); without it a 4-seed ci sweep
+# (2,400 runs over cpu, triton, torch, sdpa-cpu) gave 46 failures and 47 flaky verdicts, fp16 dq / dk
+# elements just outside rtol on Triton and SDPA.
 _SCALE = tuple(Override("gradients sum signed terms with cancellation: absolute error relative to max|grad|",
                         output=n, atol_max_eps=4.0) for n in GRADS)
 # fp32: P = exp(t - L) uses the forward's LSE, an fp32 input rounded to eps32 |L| (and Triton forms t and
@@ -169,7 +181,9 @@ BASELINE_TIER = Tier(
 # so its error, the noise layer's yardstick, is 0 on such rows. Measured: a Triton fp32 dk at 3.1x the
 # acc_coeff = 1 floor (8.6e-6 vs 2.8e-6; 1 of 200 fresh-seed interpreter runs, a 5-query top-left case with
 # `scales` rows); acc_coeff 16 puts that floor at 1.7e-5, 2x the error seen. 16-bit limits move < 2%
-# (eps(out) dominates there).
+# (eps(out) dominates there). The error model now scales that floor by max(|grad|, magnitude), but acc_coeff 1
+# still failed an 8-seed ci sweep (4,800 runs: 2 failures, 1 flaky): fp32 dv, which does not cancel (cond 1.2),
+# at 1.8x the noise floor (Triton 1.2e-4 against 3 x 4.9e-6 + 5.2e-5); the 16 sets the fp32 floor there too.
 ACC_COEFF = 16.0
 
 

@@ -73,6 +73,34 @@ def _outproj_mlp_ref(reference: str):
     return reference_fn
 
 
+# -- the error model (refimpl/blocks.py, `absolute`) ------------------------------------------------------
+# Each output's magnitude, stage by stage: its own rounding (the RSS of the terms it sums) and what it inherits
+# from the computed stages it reads, weighted by the roundings behind each (module docstring of refimpl/blocks.py).
+# Computed with the dequantized weights (the `dequant` reference): the C kernels, judged against `emulated`,
+# see activations quantized to Q8_0 / Q8_K, whose squares differ from the float ones by < 1% (Q8's half step
+# of 1/254 of a block's max), immaterial to a magnitude.
+def _attention_mag(decode: bool):
+    fn = ref.attention_decode if decode else ref.attention_prefill
+
+    def magnitude(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+        where = p["pos"] if decode else p["start"]
+        return fn(x["x"], x["gamma"], float(p["eps"]), *weights_of(x, p, "wq", "wk", "wv", "wo"), x["k_cache"],
+                  x["v_cache"], x["cos"], x["sin"], where, **attention_kw(x, p, "dequant"), absolute=True)
+
+    return magnitude
+
+
+def _mlp_mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    return ref.mlp(x["x"], x["gamma"], float(p["eps"]), *weights_of(x, p, "w1", "w2"), n=p["e"],
+                   gemma=bool(p["gemma"]), absolute=True)
+
+
+def _outproj_mlp_mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    (wo,) = weights_of(x, p, "wo")
+    return ref.outproj_mlp(x["attn"], x["residual"], wo, x["gamma"], float(p["eps"]), *weights_of(x, p, "w1", "w2"),
+                           n=p["e"], bo=x.get("bo"), gemma=bool(p["gemma"]), absolute=True)
+
+
 # -- shapes -------------------------------------------------------------------------------------
 def _attention_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     lead = () if "pos" in p else (p["t"],)
@@ -146,13 +174,16 @@ def _mlp_acc(p: dict[str, Any], output: str) -> int:
     return n if output in ("h", "act") else n + p["i"]
 
 
-# Every output after a projection sums K products with cancellation: an element near 0 carries the
-# rounding of the larger terms, so its absolute error is measured against the output's scale, as the
-# gemm family's C (atol_acc: eps32 sqrt(reduction length) x max|out|).
-_SCALED = tuple(Override(f"{o} follows a projection: absolute error ~ eps32 sqrt(reduction length) max|{o}|",
-                         output=o, atol_acc=1.0)
-                for o in ("q", "k", "v", "q_rope", "k_rope", "attn", "k_cache", "v_cache", "out", "proj", "h1",
-                          "h", "act", "down")) + tuple(
+# An output after a projection sums K products of either sign: the error model (`magnitude`) judges each
+# element against max(|golden|, M), M the RSS of its terms stage by stage, where an absolute atol of eps32
+# sqrt(reduction length) max|out| (atol_acc 1, the gemm family's rule) stood before: an element near 0 by
+# cancellation keeps its terms' allowance, every other element a limit relative to its own size. Measured:
+# cond <= 1.91 on every output and ci case of cpu (2.3 on decode's k and v of 32 lanes: a ratio of sums of 32
+# squares, whose expectation is 1.5); the errors of eager fp32 torch in units of eps32 max(|golden|, M), rms
+# 0.4 .. 2.1 where M <= |golden| and 0.8 .. 2.5 where M > 4 |golden| (prefill and outproj_mlp, ci shapes,
+# 4 seeds): M is what the rounding scales with. attn and out (rms 3.0 and 2.0 there) also carry P's sensitivity
+# to the logits, outside the model (P enters with its value): the agg_acc override below.
+_LIMITS = tuple(
     # A kernel that keeps q and k in fp32 (the Triton and torch compositions) hands their rounding (~eps32
     # sqrt(aE) relative) to every logit, |ds| ~ that x |s|, and through the softmax to every element of the
     # attention output and of W_o's sum over it: each element may carry ~eps32 sqrt(reduction length)
@@ -184,7 +215,8 @@ def _attention_spec(name: str, decode: bool, params: Schema, doc: str) -> OpSpec
         if decode else (lambda p, dtype, dist, rng: attention_inputs(p, dtype, dist, rng, p["t"], p["start"])),
         output_shapes=_attention_shapes,
         outputs=ATTENTION_OUT,
-        tolerance=Tol(acc_len=_attention_acc, overrides=_SCALED),
+        magnitude=_attention_mag(decode),
+        tolerance=Tol(acc_len=_attention_acc, overrides=_LIMITS),
         dtypes=("fp32",),
         dists={k: DISTS[k] for k in ATTN_DISTS},
         check=check_attention,
@@ -219,7 +251,8 @@ BLOCK_MLP = OpSpec(
     make_inputs=mlp_inputs,
     output_shapes=_mlp_shapes,
     outputs=MLP_OUT,
-    tolerance=Tol(acc_len=_mlp_acc, overrides=_SCALED),
+    magnitude=_mlp_mag,
+    tolerance=Tol(acc_len=_mlp_acc, overrides=_LIMITS),
     dtypes=("fp32",),
     dists={k: DISTS[k] for k in ROW_DISTS},
     check=check_mlp,
@@ -244,7 +277,8 @@ OUTPROJ_MLP = OpSpec(
     make_inputs=outproj_mlp_inputs,
     output_shapes=_outproj_mlp_shapes,
     outputs=OUTPROJ_MLP_OUT,
-    tolerance=Tol(acc_len=_mlp_acc, overrides=_SCALED),
+    magnitude=_outproj_mlp_mag,
+    tolerance=Tol(acc_len=_mlp_acc, overrides=_LIMITS),
     dtypes=("fp32",),
     dists={k: DISTS[k] for k in ROW_DISTS},
     check=check_outproj_mlp,

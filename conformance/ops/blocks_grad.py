@@ -76,6 +76,13 @@ def _mlp_ref(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarra
     return {k: g[k] for k in mlp_grad_shapes(p)}
 
 
+def _mlp_mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The error model (refimpl.blocks.mlp_backward, `absolute`), the outputs the case has."""
+    g = ref.mlp_backward(x["x"], x["gamma"], float(p["eps"]), *weights_of(x, p, "w1", "w2"), x["dout"], n=p["e"],
+                         gemma=bool(p["gemma"]), absolute=True)
+    return {k: g[k] for k in mlp_grad_shapes(p)}
+
+
 def mlp_grad_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     t, e, i = p["t"], ae(p), p["i"]
     shapes = {"dact": (t, i), "dh": (t, 2 * i), "dnorm": (t, e), "dx": (t, e)}
@@ -132,6 +139,15 @@ def _attention_ref(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.
     return {k: g[k] for k in attention_grad_shapes(p)}
 
 
+def _attention_mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The error model (refimpl.blocks.attention_prefill_backward, `absolute`); dr = dout is stored: left out."""
+    kw = {k: v for k, v in attention_kw(x, p, "dequant").items() if k != "reference"}
+    g = ref.attention_prefill_backward(x["x"], x["gamma"], float(p["eps"]), *weights_of(x, p, "wq", "wk", "wv", "wo"),
+                                       x["k_cache"], x["v_cache"], x["cos"], x["sin"], p["start"], x["dout"], **kw,
+                                       absolute=True)
+    return {k: g[k] for k in attention_grad_shapes(p) if k != "dr"}
+
+
 def attention_grad_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     t, e, a, hq, hkv = p["t"], ae(p), ad(p), p["hq"], p["hkv"]
     shapes = {"dattn": (t, hq, a), "dq_rope": (t, hq, a), "dk_rope": (t, hkv, a), "dv": (t, hkv, a),
@@ -183,10 +199,27 @@ ATTENTION_OUT = {
 }
 
 # Every gradient is a sum of terms of either sign (a projection's, the attention's dS = P (dP - D), a row's
-# weight-gradient sum): an element near 0 carries the rounding of the larger terms, so its absolute error is
-# measured against the output's scale (eps32 sqrt(reduction length) max|out|), as the forward's stages.
-_SCALED = tuple(Override(f"{o} is a sum with cancellation: absolute error ~ eps32 sqrt(reduction length) max|{o}|",
-                         output=o, atol_acc=1.0) for o in sorted({*MLP_OUT, *ATTENTION_OUT} - {"dr"}))
+# weight-gradient sum): the error model (`magnitude`, refimpl.blocks `absolute`) judges each element against
+# max(|golden|, M), M the RSS of its terms stage by stage, where an absolute atol of eps32 sqrt(reduction
+# length) max|out| (atol_acc 1) stood before. Measured (eager fp32 torch, two ci shapes, `normal` and `heads`,
+# 6 seeds each): the errors in units of eps32 max(|golden|, M), rms 0.3 .. 2.2 where M <= |golden| and 0.2 ..
+# 3.1 where M > 4 |golden|, per output within 0.56 .. 1.84x of each other: M is what the rounding scales with,
+# cancellation or not. cond on the ci cases (cpu): <= 1.65 for mlp_backward's outputs on `normal` (<= 2.2
+# elsewhere); the attention's dq, dk and the sums after them 1.2 .. 20 on `normal`: dq = scale sum_j dS_ij k_j
+# with sum_j dS_ij = 0 cancels the keys' common part (the bias bk) exactly, and dP - D cancels where P peaks.
+# Not in the model: P's sensitivity to the logits (P enters the model with its value). The gradients after P
+# alone -- dv = P^T dO, dwv, dbv, and dwo through the attention output -- carry it where no other override does
+# (_LOGITS below has dq, dk and what follows them): with `heads`' logits to ~30, fp32 q and k give P ~30 eps32
+# of relative error, past rtol x M (measured: torch dwo 1.28 x the element bound, Triton dwv 1.12, e=96, 33
+# tokens, `heads`). They keep the absolute allowance eps32 sqrt(reduction length) max|out|.
+# Kept for the MLP backward: the property tests compare kernel with kernel (a row split, summed weight
+# gradients: property_tests/test_blocks.py, runs.assert_close) without the error model's magnitude, and
+# there dw2 of a correct kernel moved by 2.4x rtol |golden| (torch, t 4, e 32, i 2) without it.
+_SCALED_MLP = tuple(Override(f"{o} is a sum with cancellation: absolute error ~ eps32 sqrt(reduction length) max|{o}|",
+                             output=o, atol_acc=1.0) for o in sorted(MLP_OUT))
+_SCALED = tuple(Override(f"{o} follows P (P^T dO or the attention output): the logits' fp32 rounding (~eps32 |s|, s "
+                         f"to ~30 in `heads`) reaches it through the softmax, outside the error model (measured "
+                         f"1.28 x rtol M, torch dwo)", output=o, atol_acc=1.0) for o in ("dv", "dwv", "dbv", "dwo"))
 # Through the softmax: with fp32 q and k (saved or recomputed) every logit carries ~eps32 |s| of absolute
 # error, and `heads` makes the logits ~30, so P, dS = P (dP - D) and every gradient after them carry up to
 # ~30 eps32 relative error, a few times eps32 sqrt(reduction length) at these lengths. Measured over 15
@@ -195,13 +228,12 @@ _SCALED = tuple(Override(f"{o} is a sum with cancellation: absolute error ~ eps3
 _LOGITS = tuple(Override(f"{o} passes through the softmax: logits ~30 (`heads`) carry eps32 |s| from fp32 q, k "
                          f"(measured need 1.56 elementwise, 2.2 aggregate, torch)", output=o, atol_acc=4.0, agg_acc=8.0)
                 for o in ("dq_rope", "dk_rope", "dq", "dk", "dnorm", "dx", "dgamma", "dwq", "dwk", "dbq"))
-# dbk sums over the chunk's tokens the gradients of their keys, which the softmax makes cancel: each row of
-# dS sums to zero, so a bias added to every key moves no probability, and only RoPE's per-position rotation
-# (and the history's keys) keeps the sum from vanishing: dbk is far smaller than its terms. Measured (same
-# sweep) worst at e=32, start=0 (every key in the chunk), `heads`: elementwise 1.2, aggregate 13.2 (cpu).
-_DBK = (Override("dbk cancels across the chunk's keys (rows of dS sum to zero; RoPE and the history keep a "
-                 "remainder): measured need 1.2 elementwise, 13.2 aggregate (cpu, heads, start=0)", output="dbk",
-                 atol_acc=4.0, agg_acc=64.0),)
+# dbk sums over the chunk's tokens the gradients of their keys, which the softmax makes cancel (each row of dS
+# sums to zero: a bias added to every key moves no probability; only RoPE's per-position rotation and the
+# history keep a remainder): dbk is far smaller than its terms. Its magnitude sqrt(sum_t M_dk^2) says so
+# (cond: median 4 .. 80 per distribution, up to 1.7e3, ci cases, cpu) where an override (atol_acc 4, agg_acc
+# 64) stood before; our C kernel's dbk, 6.5x over the limits without it (`heads`, start 0, seed 11), passes
+# at 0.07 of its bound (tests/test_error_model_blocks.py).
 
 # dv = P^T dO (and dwv, dbv after it) is through the softmax too, through P alone. A kernel that recomputes P
 # from the saved fp32 LSE L (FlashAttention-2's backward) in the log2 domain, P = exp2(s log2e - L log2e),
@@ -232,7 +264,8 @@ MLP_BACKWARD = OpSpec(
     make_inputs=_mlp_inputs,
     output_shapes=mlp_grad_shapes,
     outputs=MLP_OUT,
-    tolerance=Tol(acc_len=_mlp_acc, overrides=_SCALED + _MLP_AGG, noise_k=3.0),
+    magnitude=_mlp_mag,
+    tolerance=Tol(acc_len=_mlp_acc, overrides=_SCALED_MLP + _MLP_AGG, noise_k=3.0),
     dtypes=("fp32",),
     dists={k: DISTS[k] for k in ROW_DISTS},
     check=check_mlp,
@@ -250,7 +283,8 @@ ATTENTION_PREFILL_BACKWARD = OpSpec(
     make_inputs=_attention_inputs,
     output_shapes=attention_grad_shapes,
     outputs=ATTENTION_OUT,
-    tolerance=Tol(acc_len=_attention_acc, overrides=_SCALED + _LOGITS + _DBK + _PV, noise_k=3.0),
+    magnitude=_attention_mag,
+    tolerance=Tol(acc_len=_attention_acc, overrides=_SCALED + _LOGITS + _PV, noise_k=3.0),
     dtypes=("fp32",),
     dists={k: DISTS[k] for k in ATTN_DISTS},
     check=check_attention,

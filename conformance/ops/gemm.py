@@ -166,9 +166,21 @@ def _emulated_x86(inputs: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str,
                                                  act_quantizer="x86")}
 
 
+def _magnitude(inputs: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The error model: sqrt(A^2 @ (W^2)^T + bias^2), W dequantized, A the larger of the activations and the
+    ones L2 quantizes (refimpl.gemm.dequant_reference, `absolute`)."""
+    wfmt, weights, extra = _weight_args(inputs, p)
+    return {"c": refimpl.gemm.dequant_reference(inputs["a"], wfmt, weights, inputs.get("bias"), absolute=True,
+                                                **extra)}
+
+
 _C_SCALE = (
     # C = A W^T sums K products with cancellation: a correct fp32 dot product of length K is off by
-    # ~eps32 sqrt(K) of the row's magnitude, whatever |C| is at that element.
+    # ~eps32 sqrt(K) of the row's magnitude, whatever |C| is at that element. The error model
+    # (`_magnitude`: each element against sqrt(sum_k a_k^2 w_k^2 + bias^2), the root-sum-square of its
+    # terms; cond 1.3 .. 1.5 on the ci cases, median) covers this against the golden; the override stays
+    # for the comparisons that have no magnitude, kernel against kernel (property_tests/test_gemm.py, a row
+    # of A alone vs the same row of the whole: torch fails it under the thorough profile without it).
     Override("C sums K products with cancellation: absolute error ~ eps32 sqrt(K) max|C|", output="c",
              atol_acc=1.0),
     # A kernel that dequantizes W to the 16-bit activation dtype before a tensor-core dot rounds
@@ -200,6 +212,7 @@ GEMM_NT = OpSpec(
     rows=Rows("m", inputs={"a": 0}, outputs={"c": 0}),  # A's rows (its quantizers work per row)
     dists=DISTS,
     check=_check,
+    magnitude=_magnitude,
     flops=lambda p: 2.0 * p["m"] * p["n"] * p["k"],
     doc="C = A @ W^T (+ bias) with W stored quantized: GGML blocks, FP8 block-scaled, int4 groups.",
 )
@@ -238,6 +251,13 @@ def _backward_ref(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.n
     return {k: g[k] for k in _backward_shapes(p)}
 
 
+def _backward_mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The error model: the root-sum-square of each gradient's terms (refimpl.gemm.gemm_nt_backward, `absolute`):
+    da = sqrt(dc^2 @ W^2), dw = sqrt((dc^2)^T @ A^2), db = sqrt(sum dc^2); dw, db only where they are outputs."""
+    return refimpl.gemm.gemm_nt_backward(x["a"], dequantized_weight(x, p), x["dc"], bias=bool(p["bias"]),
+                                         weight_grad=p["wfmt"] == "f32", absolute=True)
+
+
 def _backward_acc(p: dict[str, Any], output: str) -> int:
     """da sums over N (dc's rows times W's columns), dw and db over M (the tokens)."""
     return p["n"] if output == "da" else p["m"]
@@ -245,7 +265,11 @@ def _backward_acc(p: dict[str, Any], output: str) -> int:
 
 _GRAD_SCALE = (
     # Every gradient is a sum with cancellation (da over N, dw and db over M): an element near 0 carries
-    # the rounding of the larger terms, ~eps32 sqrt(reduction length) of the output's scale (as C's).
+    # the rounding of the larger terms, ~eps32 sqrt(reduction length) of the output's scale (as C's). The
+    # error model (`_backward_mag`: each element against the root-sum-square of its terms) covers this
+    # against the golden; the override stays for the comparisons that have no magnitude, kernel against
+    # kernel (property_tests/test_gemm.py: dc split in two or M split in two and the gradients summed,
+    # runs.assert_close: without it those fail in the ci profile, da off by 1.4e-4 at max|da| 972).
     *(Override(f"{g} sums its reduction with cancellation: absolute error ~ eps32 sqrt(length) max|{g}|",
                output=g, atol_acc=1.0) for g in ("da", "dw", "db")),
     # Their aggregate error grows with the length too: a sum of n terms added in index order in fp32 (the C
@@ -279,6 +303,7 @@ GEMM_NT_BACKWARD = OpSpec(
     tolerance=Tol(acc_len=_backward_acc, overrides=_GRAD_SCALE, noise_k=3.0),
     dists=DISTS,
     check=_check,
+    magnitude=_backward_mag,
     # da = dc W: 2 M N K; dw = dc^T A (float32 W only): 2 M N K more (db's column sum aside)
     flops=lambda p: 2.0 * p["m"] * p["n"] * p["k"] * (2 if p["wfmt"] == "f32" else 1),
     doc="The VJP of C = A @ W^T (+ bias): da = dc W (W dequantized), dw = dc^T A and db = sum dc for float32 W.",

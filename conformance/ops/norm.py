@@ -110,6 +110,22 @@ def _ref_ln(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray
     return {k: v for k, v in res.items() if k in _ln_shapes(p)}
 
 
+# The error model of the forward (OpSpec.magnitude): y = xhat w + b, magnitude sqrt(xhat^2 w^2 + b^2)
+# (refimpl.norm.layer_norm, `absolute`): where xhat w and b cancel. x - mean is taken as exact: a kernel in
+# fp32 arithmetic centres x on a mean rounded to fp32 (on `shifted` rows, 1000 + N(0, 1), xhat then carries
+# ~3e-5 rstd: F.layer_norm, torch-norm, 4.7e-5 .. 8.2e-5 on fp32 y of size ~1), but the term that would allow
+# it, sqrt(x^2 + mean^2) rstd |w|, is scaled by the output dtype's rtol: fp16 / bf16 `shifted` rows got
+# bounds of ~1.3 and ~22 on y of size 1 (unjudged), and four mutants that centre in fp32 passed. Until the
+# model carries a compute-dtype term the fp32 centring stays a deviation (conformance/known_failures.toml).
+# On rows centred near zero the magnitude is ~|y| (cond 1.0 .. 1.5 from 16 lanes up; rows of 1-2 lanes,
+# variance below eps, are ill-conditioned). mean and rstd are judged against |golden| as before.
+# RMSNorm's forward needs no model: y = h rstd g is a product of a stored (or once-rounded) h, the
+# well-conditioned rstd (a sum of squares) and g, each relative to its own value; h = x + r rounds once
+# after the sum of two stored inputs, relative to |h| itself.
+def _mag_ln(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    return ref.layer_norm(x["x"], x["w"], x.get("b"), float(p["eps"]), n=p["n"], absolute=True)
+
+
 def _row_len(p: dict[str, Any], output: str) -> int:
     return p["n"]  # every output element depends on a sum over its row's n real lanes
 
@@ -174,6 +190,7 @@ LAYER_NORM = OpSpec(
     tolerance=Tol(acc_len=_row_len),
     rows=Rows("rows", inputs={"x": 0}, outputs={"y": 0, "mean": 0, "rstd": 0}),
     dists={k: v for k, v in DISTS.items()},
+    magnitude=_mag_ln,
     doc="LayerNorm (biased variance, eps inside the sqrt) over the real width, with or without bias.",
 )
 
@@ -235,19 +252,23 @@ def _grad_len(p: dict[str, Any], output: str) -> int:
     return p["n"] if output == "dx" else p["rows"]
 
 
-# The dx limits assume rows of at least 7 lanes (LayerNorm's one lane aside, dx = 0): on fewer, dx is
-# the cotangent projected onto the n - 1 (RMSNorm) or n - 2 (LayerNorm) dimensions orthogonal to h (1
-# and xhat), whose row condition |g dy| / |dx| is heavy-tailed; the ci suite and the property
-# strategies leave those rows out (figures in ci.toml).
+# The error model (OpSpec.magnitude; refimpl.norm, `absolute`): each gradient element against the
+# root-sum-square of the terms it sums. dx = rstd (g dy - h rstd^2 mean(h g dy)) (LayerNorm: rstd (d - mean(d)
+# - xhat mean(d xhat))) cancels where its terms agree, and dw, db are sums over the rows of terms of either
+# sign; fp32 keeps ~eps32 of those terms, not of the result. The model replaced the overrides of dw and db
+# (atol_acc 2: 2 eps32 sqrt(rows) max|dw| on every element; a sweep of 8 fresh seeds, 4,536 runs: 0 fail).
+# dx keeps its override below for the comparisons that have no magnitude, kernel against golden in
+# property_tests/test_norm.py's row split (runs.assert_close): without it a correct C kernel fails there
+# under the thorough profile (`scales` rows, rstd ~1e3: 6.9e-5 off at an element near zero, max|dx| 1.1e3).
+# LayerNorm's xhat is taken as exact, as in the forward (the fp32 centring of `shifted` rows stays outside
+# the model: torch-norm's and liger's known failures).
 _GRAD_OVERRIDES = (
     Override("dx = rstd (g dy - h rstd^2 mean(h g dy)) (LayerNorm: rstd (d - mean(d) - xhat mean(d xhat))) cancels "
              "where its terms agree: fp32 keeps ~eps32 of the larger term and the row mean, a sum of n products, "
              "~eps32 sqrt(n) of its own size, so the error is absolute at the scale of the row's terms (measured: "
              "eager fp32 autograd 0.03 eps32 max|dx| past rtol at such elements, `scales` rows)", output="dx",
              atol_acc=1.0),
-) + tuple(Override("dw and db are sums over the rows of terms of either sign (dy h rstd, dy xhat, dy) that cancel: "
-                   "an fp32 sum carries ~eps32 sqrt(rows) of the largest column's size, not of its own", output=o,
-                   atol_acc=2.0) for o in ("dw", "db"))
+)
 
 RMS_NORM_BACKWARD = OpSpec(
     name="norm.rms_norm_backward",
