@@ -42,6 +42,17 @@ def test_numeric_layer_elementwise_and_aggregates():
     assert not res.ok and "100/100 elements outside" in res.detail and ratios["elementwise"] > 1
 
 
+def test_an_all_zero_golden_has_finite_ratios_when_it_passes():
+    """dq of rows that see one key is exactly 0: a kernel's 5e-7 there passes elementwise, no nmse can be judged
+    (limit inf), and the case's norm_err must say how close it came (was inf: inf / inf, on an H200 sweep)."""
+    lim = Limits(atol=1e-5, rtol=1e-3, cos_diff=1e-6, nmse=2e-6)
+    got = np.full(64, 4.8e-7, dtype=np.float32)
+    c = compare(got, np.zeros(64), dt.get("fp32"), lim)
+    res, ratios = numeric_layer(c.metrics, c.elem_ratio, lim)
+    assert res.ok and all(math.isfinite(r) for r in ratios.values()) and ratios["nmse"] == 0.0
+    assert 0.0 < max(ratios.values()) < 1.0  # the elementwise ratio, 4.8e-7 / 1e-5
+
+
 def test_cos_diff_limit_catches_a_systematic_error_inside_elementwise_tol():
     lim = Limits(atol=1.0, rtol=0.0, cos_diff=1e-6)
     ref = np.sin(np.arange(1000.0))

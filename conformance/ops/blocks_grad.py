@@ -233,7 +233,15 @@ _LOGITS = tuple(Override(f"{o} passes through the softmax: logits ~30 (`heads`) 
 # history keep a remainder): dbk is far smaller than its terms. Its magnitude sqrt(sum_t M_dk^2) says so
 # (cond: median 4 .. 80 per distribution, up to 1.7e3, ci cases, cpu) where an override (atol_acc 4, agg_acc
 # 64) stood before; our C kernel's dbk, 6.5x over the limits without it (`heads`, start 0, seed 11), passes
-# at 0.07 of its bound (tests/test_error_model_blocks.py).
+# at 0.07 of its bound (tests/test_error_model_blocks.py). The logits' rounding reaches dbk too, as a
+# per-row scale error of P (the saved LSE's, below): every element inside its model bound, the aggregate
+# over the limits. Our Triton composition on an H200, fresh seeds: 1 fail + 1 flaky of 95 (`heads`, e 60,
+# start 20: cos_diff 4.3e-12 > 1.49e-12, every element within 0.4 of its bound; the interpreter 2.0e-12 on
+# the same case, our C kernel 2.3e-13). So dbk keeps the model's elementwise bound and takes _LOGITS'
+# aggregate allowance alone (agg_acc 8; no absolute allowance).
+_DBK_AGG = (Override("dbk passes through the softmax: the saved LSE's fp32 rounding scales each row of P (a "
+                     "coherent error: aggregate allowance of _LOGITS, elementwise by the model)", output="dbk",
+                     agg_acc=8.0),)
 
 # dv = P^T dO (and dwv, dbv after it) is through the softmax too, through P alone. A kernel that recomputes P
 # from the saved fp32 LSE L (FlashAttention-2's backward) in the log2 domain, P = exp2(s log2e - L log2e),
@@ -284,7 +292,7 @@ ATTENTION_PREFILL_BACKWARD = OpSpec(
     output_shapes=attention_grad_shapes,
     outputs=ATTENTION_OUT,
     magnitude=_attention_mag,
-    tolerance=Tol(acc_len=_attention_acc, overrides=_SCALED + _LOGITS + _PV, noise_k=3.0),
+    tolerance=Tol(acc_len=_attention_acc, overrides=_SCALED + _LOGITS + _DBK_AGG + _PV, noise_k=3.0),
     dtypes=("fp32",),
     dists={k: DISTS[k] for k in ATTN_DISTS},
     check=check_attention,
