@@ -141,14 +141,15 @@ def rope_backward(dy: NDArray, cos: NDArray, sin: NDArray, positions: NDArray, *
 
 
 def kv_update(k_cache: NDArray, v_cache: NDArray, k_new: NDArray, v_new: NDArray, pos: NDArray, cos: NDArray,
-              sin: NDArray, *, block_table: NDArray | None = None, style: str = "half",
-              absolute: bool = False) -> tuple[F64, F64]:
+              sin: NDArray, *, block_table: NDArray | None = None, cache_loc: NDArray | None = None,
+              style: str = "half", absolute: bool = False) -> tuple[F64, F64]:
     """TensorRT-LLM's RoPE-fused KV-cache write: k rotated at position pos[b] + t, then both written
     into the kvcache family's cache (contiguous, or paged through block_table); v unrotated.
 
-    k_cache, v_cache: (b, s_max, h_kv, d) or (num_blocks, page, h_kv, d) with block_table
+    k_cache, v_cache: (rows, s_max, h_kv, d) or (num_blocks, page, h_kv, d) with block_table (rows, max_blocks)
     k_new, v_new: (b, s_new, h_kv, d); pos: (b,) tokens already cached per sequence
     cos, sin: (max_seq, d/2) tables (rows indexed by absolute position)
+    cache_loc: (b,) the cache / block-table row of sequence b (TensorRT-LLM's cache_loc; None: row b)
     returns: (k_cache, v_cache) after the write, float64 (the old slots unchanged)
     absolute: the error model's magnitudes instead: the new k rows as `rope`'s, every copied value
     (old slots, v) its |value|
@@ -163,6 +164,6 @@ def kv_update(k_cache: NDArray, v_cache: NDArray, k_new: NDArray, v_new: NDArray
     k_cache, v_cache, v_new = (np.asarray(a, dtype=np.float64) for a in (k_cache, v_cache, v_new))
     if absolute:
         k_cache, v_cache, v_new = np.abs(k_cache), np.abs(v_cache), np.abs(v_new)
-    kc = kvcache.update(k_cache, k_rot, pos, block_table=block_table)
-    vc = kvcache.update(v_cache, v_new, pos, block_table=block_table)
+    kc = kvcache.update(k_cache, k_rot, pos, block_table=block_table, cache_loc=cache_loc)
+    vc = kvcache.update(v_cache, v_new, pos, block_table=block_table, cache_loc=cache_loc)
     return kc, vc

@@ -50,7 +50,8 @@ def _torch_kv(device: str, kernel: Callable[[], Any]) -> Callable:
         kc, vc = out.torch("k_cache", device), out.torch("v_cache", device)
         kc.copy_(t["k_cache"])
         vc.copy_(t["v_cache"])
-        kernel()(kc, vc, t["k_new"], t["v_new"], t["pos"], t["table"], block_table=t.get("block_table"))
+        kernel()(kc, vc, t["k_new"], t["v_new"], t["pos"], t["table"], block_table=t.get("block_table"),
+                 cache_loc=t.get("cache_loc"))
         return {"k_cache": kc, "v_cache": vc}
 
     return run
@@ -96,7 +97,7 @@ def cpu_ops() -> dict[str, Callable]:
         kc[...] = inputs["k_cache"]
         vc[...] = inputs["v_cache"]
         k.kv_update(kc, vc, inputs["k_new"], inputs["v_new"], inputs["pos"], inputs["table"],
-                    block_table=inputs.get("block_table"))
+                    block_table=inputs.get("block_table"), cache_loc=inputs.get("cache_loc"))
         return {"k_cache": kc, "v_cache": vc}
 
     def rope_backward(case, inputs, out):

@@ -54,6 +54,7 @@ CLASSES = {
     "read-past-end": "a key or element read at or past the sequence's length",
     "dropped-tail": "the last (partial) tile, page, split or block not processed",
     "paged-write": "a paged write to the wrong page or slot",
+    "cache-loc": "a sequence's cache / block-table row taken as its batch index b (TensorRT-LLM's cache_loc ignored)",
     "low-precision-accumulation": "a sum accumulated in the storage dtype instead of fp32",
     "truncated-constant": "a constant (ln 2, log2 e) with too few digits",
     "masked-row": "a fully masked row returns NaN or a uniform average instead of 0",

@@ -17,7 +17,9 @@ rotates by the rounded values it holds. With `theta` the golden's angles are exa
 own fp32 angle p w_i is off by ~eps32 p, so the limits grow with the largest position (acc_len).
 
 `rope.kv_update`: k_new rotated (half-split pairs, fp16 interleaved table, position pos[b] + t)
-and v_new unrotated, written into the kvcache family's contiguous or paged caches.
+and v_new unrotated, written into the kvcache family's contiguous or paged caches; with `rows` > 0,
+through TensorRT-LLM's cache_loc (sequence b writes cache / block-table row cache_loc[b]; the
+inputs and their canary rows are kvcache.update's).
 """
 
 from __future__ import annotations
@@ -204,7 +206,8 @@ def _kv_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generato
 
 def _kv_ref(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
     kc, vc = ref.kv_update(x["k_cache"], x["v_cache"], x["k_new"], x["v_new"], x["pos"], x["table"][..., 0],
-                           x["table"][..., 1], block_table=x.get("block_table"), style="half")
+                           x["table"][..., 1], block_table=x.get("block_table"),
+                           cache_loc=x.get("cache_loc"), style="half")
     return {"k_cache": kc, "v_cache": vc}
 
 
@@ -214,7 +217,8 @@ def _kv_mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray
     (fp32 k_new with heads 10^3 apart put 2-5 of 40,960 elements outside atol 1e-5 where the two fp32 products
     cancel): without it, 0 failures in the fresh-seed sweeps of the ci cases."""
     kc, _ = ref.kv_update(x["k_cache"], x["v_cache"], x["k_new"], x["v_new"], x["pos"], x["table"][..., 0],
-                          x["table"][..., 1], block_table=x.get("block_table"), style="half", absolute=True)
+                          x["table"][..., 1], block_table=x.get("block_table"),
+                           cache_loc=x.get("cache_loc"), style="half", absolute=True)
     return {"k_cache": kc}
 
 

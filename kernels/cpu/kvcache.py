@@ -1,12 +1,14 @@
 """Native CPU KV-cache append, contiguous or paged (kernel in kvcache.c). Bit-exact: a copy.
 
-    contiguous: cache[i, pos[i] + t] = new[i, t]                               t < s_new
-    paged:      cache[block_table[i, p // page], p % page] = new[i, t]         p = pos[i] + t
+    contiguous: cache[r, pos[i] + t] = new[i, t]                               t < s_new
+    paged:      cache[block_table[r, p // page], p % page] = new[i, t]         p = pos[i] + t
+    r = cache_loc[i] (TensorRT-LLM's row indirection), or i without cache_loc
 
-cache: (b, s_max, h_kv, d), or (num_blocks, page, h_kv, d) with block_table; written in place
+cache: (rows, s_max, h_kv, d), or (num_blocks, page, h_kv, d) with block_table; written in place
 new: (b, s_new, h_kv, d), cache's dtype (any of 1, 2 or 4 bytes: the bits are copied)
 pos: (b,) int32, tokens already cached per sequence
-block_table: (b, max_blocks) int32 for the paged layout
+block_table: (rows, max_blocks) int32 for the paged layout
+cache_loc: (b,) int32 distinct rows in [0, rows) (checked), or None (rows = b)
 
 Conventions (OPS.md, kvcache.update; refimpl/kvcache.py): every other slot keeps its bits. The
 writes must fit (0 <= pos, pos + s_new <= s_max or max_blocks * page; the written pages' table
@@ -23,7 +25,7 @@ import numpy as np
 from kernel_parity.kernels.cpu.loader import (check_array, check_status, element_strides, load,
                                               unit_last_strides)
 
-__all__ = ["update"]
+__all__ = ["update", "cache_rows"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _I32 = np.dtype(np.int32)
@@ -35,15 +37,16 @@ def _kernels() -> ctypes.CDLL:
     if _lib is None:
         lib = load("kvcache")
         lib.kvcache_update_kernel.argtypes = [_I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64,
-                                              _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64]
+                                              _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
+                                              _I64]
         lib.kvcache_update_kernel.restype = ctypes.c_int
         _lib = lib
     return _lib
 
 
 def update(cache: np.ndarray, new: np.ndarray, pos: np.ndarray, *,
-           block_table: np.ndarray | None = None) -> None:
-    """Append `new` after the first pos[i] tokens of each sequence, in place."""
+           block_table: np.ndarray | None = None, cache_loc: np.ndarray | None = None) -> None:
+    """Append `new` after the first pos[i] tokens of each sequence (in row cache_loc[i]), in place."""
     if not isinstance(cache, np.ndarray) or cache.ndim != 4:
         raise ValueError(f"cache must be a 4-D numpy.ndarray (b | num_blocks, s_max | page, h_kv, d), "
                          f"got {getattr(cache, 'shape', type(cache).__name__)}")
@@ -63,28 +66,29 @@ def update(cache: np.ndarray, new: np.ndarray, pos: np.ndarray, *,
         raise ValueError(f"pos must be >= 0, got min {pos.min()}")
     page = cache.shape[1]
     if block_table is None:
-        if cache.shape[0] != b:
+        if cache_loc is None and cache.shape[0] != b:
             raise ValueError(f"cache batch {cache.shape[0]} must equal new's b = {b} (contiguous layout)")
         capacity, bt_strides = page, (0, 0)
     else:
-        check_array("block_table", block_table, 2, "(b, max_blocks)", (_I32,))
-        if block_table.shape[0] != b:
+        check_array("block_table", block_table, 2, "(rows, max_blocks)", (_I32,))
+        if cache_loc is None and block_table.shape[0] != b:
             raise ValueError(f"block_table must have shape (b, max_blocks) with b = {b}, "
                              f"got {block_table.shape}")
         capacity, bt_strides = block_table.shape[1] * page, element_strides("block_table", block_table)
+    row = cache_rows(cache_loc, b, cache.shape[0] if block_table is None else block_table.shape[0])  # b
     if b and end.max() > capacity:
         i = int(end.argmax())
         raise ValueError(f"writes do not fit: pos[{i}] + s_new = {end[i]} > capacity {capacity}")
     if block_table is not None and b * s_new:
         p = pos.astype(np.int64)[:, None] + np.arange(s_new)[None, :]  # b, s_new
-        blk = block_table[np.arange(b)[:, None], p // page]
+        blk = block_table[row[:, None], p // page]
         if blk.min() < 0 or blk.max() >= cache.shape[0]:
             i, t = (int(x[0]) for x in np.nonzero((blk < 0) | (blk >= cache.shape[0])))
-            raise ValueError(f"block_table[{i}, {p[i, t] // page}] = {blk[i, t]} must lie in "
+            raise ValueError(f"block_table[{row[i]}, {p[i, t] // page}] = {blk[i, t]} must lie in "
                              f"[0, {cache.shape[0]}) (a page written for sequence {i})")
         if np.unique(blk * page + p % page).size != b * s_new:
             raise ValueError("two writes land on the same cache slot (sequences share a written page)")
-    for name, a in (("new", new), ("pos", pos), ("block_table", block_table)):
+    for name, a in (("new", new), ("pos", pos), ("block_table", block_table), ("cache_loc", cache_loc)):
         if a is not None and np.may_share_memory(cache, a):
             raise ValueError(f"{name} overlaps cache")
     if b * s_new == 0 or new.size == 0:
@@ -93,6 +97,23 @@ def update(cache: np.ndarray, new: np.ndarray, pos: np.ndarray, *,
     status = _kernels().kvcache_update_kernel(
         cache.dtype.itemsize, cache.ctypes.data, sc[0], sc[1], sc[2], new.ctypes.data, sn[0], sn[1],
         sn[2], pos.ctypes.data, element_strides("pos", pos)[0],
+        None if cache_loc is None else cache_loc.ctypes.data,
+        0 if cache_loc is None else element_strides("cache_loc", cache_loc)[0],
         None if block_table is None else block_table.ctypes.data, *bt_strides, page, b, s_new,
         cache.shape[2], cache.shape[3])
     check_status(status, "kvcache_update_kernel")
+
+
+def cache_rows(cache_loc: np.ndarray | None, b: int, n_rows: int) -> np.ndarray:
+    """(b,) int64 row of each sequence: cache_loc, checked to be distinct rows in [0, n_rows), or 0..b-1."""
+    if cache_loc is None:
+        return np.arange(b)
+    check_array("cache_loc", cache_loc, 1, "(b,)", (_I32,))
+    if cache_loc.shape != (b,):
+        raise ValueError(f"cache_loc must have shape (b,) = ({b},), got {cache_loc.shape}")
+    if b and (cache_loc.min() < 0 or cache_loc.max() >= n_rows):
+        i = int(np.flatnonzero((cache_loc < 0) | (cache_loc >= n_rows))[0])
+        raise ValueError(f"cache_loc[{i}] = {cache_loc[i]} must lie in [0, {n_rows}) (the cache's / block table's rows)")
+    if np.unique(cache_loc).size != b:
+        raise ValueError("cache_loc maps two sequences to the same cache row")
+    return cache_loc.astype(np.int64)

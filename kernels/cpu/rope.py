@@ -14,7 +14,9 @@ rope_backward: dx = RoPE of the cotangent dy (t, h, d) at the negated angles (th
       sin negated as it is read or built), the pass-through dims dy's bits; arguments as rope's.
 kv_update: TensorRT-LLM's fused write, in place: k_new rotated at position pos[i] + t by table's
       row (half pairs by default) and v_new copied, appended after the first pos[i] tokens of each
-      sequence, contiguous (b, s_max, h, d) or paged (num_blocks, page, h, d) with block_table.
+      sequence, contiguous (rows, s_max, h, d) or paged (num_blocks, page, h, d) with block_table
+      (rows, max_blocks); sequence i writes row cache_loc[i] (TensorRT-LLM's indirection; distinct
+      int32 rows, checked) or row i without cache_loc (rows = b).
       Writes must fit, table rows cover every position, written pages lie in the cache and no two
       writes share a slot: ValueError before anything is written.
 
@@ -27,6 +29,7 @@ import ctypes
 
 import numpy as np
 
+from kernel_parity.kernels.cpu.kvcache import cache_rows
 from kernel_parity.kernels.cpu.loader import (DTYPE_CODES, check_array, check_output, check_status, dtype_code,
                                               element_strides, load, unit_last_strides)
 
@@ -47,8 +50,8 @@ def _kernels() -> ctypes.CDLL:
         lib.rope_kernel.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT, _I64,
                                     _I64, _DBL, _INT, _INT, _INT, _I64, _I64, _I64, _I64, _I64]
         lib.rope_kv_update_kernel.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64,
-                                              _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT,
-                                              _I64, _I64, _INT, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64]
+                                              _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR,
+                                              _INT, _I64, _I64, _INT, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64]
         for fn in (lib.rope_kernel, lib.rope_kv_update_kernel):
             fn.restype = ctypes.c_int
         _lib = lib
@@ -160,7 +163,8 @@ def _rope(x: np.ndarray, positions: np.ndarray, cos, sin, table, theta, scaling:
 
 
 def kv_update(k_cache: np.ndarray, v_cache: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, pos: np.ndarray,
-              table: np.ndarray, *, block_table: np.ndarray | None = None, style: str = "half") -> None:
+              table: np.ndarray, *, block_table: np.ndarray | None = None, cache_loc: np.ndarray | None = None,
+              style: str = "half") -> None:
     """The RoPE-fused KV write, in place (module docstring)."""
     check_array("k_cache", k_cache, 4, "(b | num_blocks, s_max | page, h, d)", tuple(DTYPE_CODES))
     for name, a in (("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
@@ -182,30 +186,31 @@ def kv_update(k_cache: np.ndarray, v_cache: np.ndarray, k_new: np.ndarray, v_new
     end = pos.astype(np.int64) + s_new  # b
     page = k_cache.shape[1]
     if block_table is None:
-        if k_cache.shape[0] != b:
+        if cache_loc is None and k_cache.shape[0] != b:
             raise ValueError(f"k_cache batch {k_cache.shape[0]} must equal k_new's b = {b} (contiguous layout)")
         capacity, bt_strides = page, (0, 0)
     else:
-        check_array("block_table", block_table, 2, "(b, max_blocks)", (_I32,))
-        if block_table.shape[0] != b:
+        check_array("block_table", block_table, 2, "(rows, max_blocks)", (_I32,))
+        if cache_loc is None and block_table.shape[0] != b:
             raise ValueError(f"block_table must have shape (b, max_blocks) with b = {b}, got {block_table.shape}")
         capacity, bt_strides = block_table.shape[1] * page, element_strides("block_table", block_table)
+    row = cache_rows(cache_loc, b, k_cache.shape[0] if block_table is None else block_table.shape[0])  # b
     if b and end.max() > min(capacity, max_seq):
         i = int(end.argmax())
         raise ValueError(f"writes do not fit: pos[{i}] + s_new = {end[i]} > capacity {capacity} "
                          f"or the table's max_seq {max_seq}")
     if block_table is not None and b * s_new:
         p = pos.astype(np.int64)[:, None] + np.arange(s_new)[None, :]  # b, s_new
-        blk = block_table[np.arange(b)[:, None], p // page]
+        blk = block_table[row[:, None], p // page]
         if blk.min() < 0 or blk.max() >= k_cache.shape[0]:
             i, t = (int(v[0]) for v in np.nonzero((blk < 0) | (blk >= k_cache.shape[0])))
-            raise ValueError(f"block_table[{i}, {p[i, t] // page}] = {blk[i, t]} must lie in "
+            raise ValueError(f"block_table[{row[i]}, {p[i, t] // page}] = {blk[i, t]} must lie in "
                              f"[0, {k_cache.shape[0]}) (a page written for sequence {i})")
         if np.unique(blk * page + p % page).size != b * s_new:
             raise ValueError("two writes land on the same cache slot (sequences share a written page)")
     for cache in (k_cache, v_cache):
         for name, a in (("k_new", k_new), ("v_new", v_new), ("pos", pos), ("table", table),
-                        ("block_table", block_table)):
+                        ("block_table", block_table), ("cache_loc", cache_loc)):
             if a is not None and np.may_share_memory(cache, a):
                 raise ValueError(f"{name} overlaps a cache")
     if np.may_share_memory(k_cache, v_cache):
@@ -217,6 +222,8 @@ def kv_update(k_cache: np.ndarray, v_cache: np.ndarray, k_new: np.ndarray, v_new
     status = _kernels().rope_kv_update_kernel(
         dtype_code(k_cache.dtype), k_cache.ctypes.data, kc[0], kc[1], kc[2], v_cache.ctypes.data, vc[0], vc[1], vc[2],
         k_new.ctypes.data, kn[0], kn[1], kn[2], v_new.ctypes.data, vn[0], vn[1], vn[2], pos.ctypes.data, spos,
+        None if cache_loc is None else cache_loc.ctypes.data,
+        0 if cache_loc is None else element_strides("cache_loc", cache_loc)[0],
         cos.ctypes.data, sin.ctypes.data, dtype_code(cos.dtype), s_row, s_col, STYLES[style],
         None if block_table is None else block_table.ctypes.data, *bt_strides, page, b, s_new, h, d)
     check_status(status, "rope_kv_update_kernel")
