@@ -113,3 +113,74 @@ def test_cpu_kernels_reject_a_bad_cache_loc_before_writing(bad, match):
     with pytest.raises(ValueError, match=match):
         rope.kv_update(cache, cache.copy(), new, new.copy(), pos, np.zeros((8, 8, 2), np.float16), cache_loc=bad)
     assert np.array_equal(cache, before)
+
+
+# -- TensorRT-LLM's ragged writes (tokens="ragged": flattened new tokens, seq_len / seq_start) and dv --------
+RAGGED = dict(b=4, snew=6, hkv=2, d=16, smax=30, tokens="ragged")
+
+
+def _ragged_loop(cache, new, pos, seq_len, seq_start, block_table=None, cache_loc=None):
+    """The ragged contract one sequence at a time: its rows of new are a (1, seq_len, h, d) fixed append."""
+    out = cache.copy()
+    for i in range(seq_len.size):
+        one = new[seq_start[i]: seq_start[i] + seq_len[i]][None]
+        loc = None if cache_loc is None else cache_loc[i:i + 1]
+        bt = None if block_table is None else (block_table if cache_loc is not None else block_table[i:i + 1])
+        if cache_loc is None and block_table is None:
+            out[i:i + 1] = _loop(out[i:i + 1], one, pos[i:i + 1])
+        else:
+            out = _loop(out, one, pos[i:i + 1], bt, loc)
+    return out
+
+
+@pytest.mark.parametrize("extra", [dict(layout="contiguous", dv=8), dict(layout="paged16", dv=40),
+                                   dict(layout="paged16", rows=6), dict(layout="contiguous", rows=5)])
+def test_ragged_golden_is_the_per_sequence_loop(extra):
+    zero_seen = 0
+    for seed in range(10):
+        p, x = _inputs({**RAGGED, **extra}, seed)
+        n, start = x["seq_len"], x["seq_start"]
+        assert n.min() == 0 and n.max() <= 6 and np.array_equal(start, np.cumsum(n) - n)  # a 0-length sequence
+        assert x["k_new"].shape == (n.sum(), 2, 16) and x["v_new"].shape == (n.sum(), 2, extra.get("dv") or 16)
+        assert x["v_cache"].shape[-1] == (extra.get("dv") or 16) and ((x["pos"] + n) <= 30).all()
+        kw = dict(block_table=x.get("block_table"), cache_loc=x.get("cache_loc"))
+        for c, new in (("k_cache", "k_new"), ("v_cache", "v_new")):
+            got = ref.update(x[c], x[new], x["pos"], seq_len=n, seq_start=start, **kw)
+            want = _ragged_loop(x[c], x[new], x["pos"], n, start, kw["block_table"], kw["cache_loc"])
+            assert np.array_equal(got, want)
+            assert (got != x[c]).sum() > 0  # something was written
+        zero_seen += int((n == 0).sum())
+    assert zero_seen == 10
+
+
+def test_ragged_and_dv_keep_the_older_ids_and_are_kvcache_only():
+    default = ops.make_case("kvcache.update", "cpu", "fp32", {**SEPARATING, "tokens": "fixed", "dv": 0}, "normal", 0)
+    assert "tokens" not in default.id and "dv" not in default.id
+    with pytest.raises(UsageError, match="tokens='padded' is not one of fixed, ragged"):
+        ops.make_case("kvcache.update", "cpu", "fp32", {**RAGGED, "layout": "contiguous", "tokens": "padded"}, "normal", 0)
+    with pytest.raises(UsageError, match="no parameter 'tokens'"):
+        ops.make_case("rope.kv_update", "cpu", "fp32", {**RAGGED, "layout": "contiguous"}, "normal", 0)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(seq_start=np.array([0, 3], dtype=np.int32)), r"sequence 1's tokens new\[3 : 6\] must lie in new's 5 rows"),
+    (dict(seq_len=np.array([2, -1], dtype=np.int32)), "seq_len and seq_start >= 0"),
+    (dict(seq_start=None), "go together"),
+    (dict(seq_len=np.array([3, 3], dtype=np.int32), seq_start=np.array([0, 2], dtype=np.int32),
+          pos=np.array([0, 6], dtype=np.int32)), "do not fit"),
+])
+def test_cpu_kernel_rejects_a_bad_ragged_layout_before_writing(kw, match):
+    from kernel_parity.kernels.cpu import kvcache
+
+    rng = np.random.default_rng(4)
+    cache = rng.standard_normal((2, 8, 2, 16)).astype(np.float32)
+    new = rng.standard_normal((5, 2, 16)).astype(np.float32)
+    args = dict(seq_len=np.array([2, 3], dtype=np.int32), seq_start=np.array([0, 2], dtype=np.int32),
+                pos=np.array([1, 4], dtype=np.int32)) | kw
+    before = cache.copy()
+    with pytest.raises(ValueError, match=match):
+        kvcache.update(cache, new, args.pop("pos"), **args)
+    assert np.array_equal(cache, before)
+    kvcache.update(cache, new, np.array([1, 4], dtype=np.int32), seq_len=np.array([2, 3], dtype=np.int32),
+                   seq_start=np.array([0, 2], dtype=np.int32))  # the good layout writes
+    assert np.array_equal(cache[1, 4:7], new[2:5]) and np.array_equal(cache[0, 1:3], new[:2])

@@ -168,7 +168,9 @@ KP_INLINE int kv_rows(char *KC_ptr, int64_t stride_kc_blk, int64_t stride_kc_slo
                       const char *KN_ptr, int64_t stride_kn_b, int64_t stride_kn_t, int64_t stride_kn_h,
                       const char *VN_ptr, int64_t stride_vn_b, int64_t stride_vn_t, int64_t stride_vn_h,
                       const int32_t *POS_ptr, int64_t stride_pos,
-                      const int32_t *LOC_ptr, int64_t stride_loc, const void *COS_ptr, const void *SIN_ptr,
+                      const int32_t *LOC_ptr, int64_t stride_loc, const char *Q_ptr, int64_t stride_q_b,
+                      int64_t stride_q_t, int64_t stride_q_h, char *QO_ptr, int64_t stride_qo_b,
+                      int64_t stride_qo_t, int64_t stride_qo_h, int64_t hq, const void *COS_ptr, const void *SIN_ptr,
                       int tab_dt, int64_t stride_tab_row, int64_t stride_tab_col, int style, const int32_t *BT_ptr,
                       int64_t stride_bt_b, int64_t stride_bt_p, int64_t page, int64_t b, int64_t s_new,
                       int64_t h, int64_t d, int dt) {
@@ -191,6 +193,9 @@ KP_INLINE int kv_rows(char *KC_ptr, int64_t stride_kc_blk, int64_t stride_kc_slo
             kv_row(VN_ptr + (i * stride_vn_b + t * stride_vn_t) * size, stride_vn_h,
                    VC_ptr + (blk * stride_vc_blk + slot * stride_vc_slot) * size, stride_vc_h, c, s, h, d, style, dt,
                    0);
+            if (Q_ptr)   /* TensorRT-LLM's q rotation: every query head at the token's position p */
+                kv_row(Q_ptr + (i * stride_q_b + t * stride_q_t) * size, stride_q_h,
+                       QO_ptr + (i * stride_qo_b + t * stride_qo_t) * size, stride_qo_h, c, s, hq, d, style, dt, 1);
         }
     }
     free(buf);
@@ -204,13 +209,18 @@ KP_INLINE int rope_kv_update_kernel_impl(int dtype, void *KC_ptr, int64_t stride
                                          const void *VN_ptr, int64_t stride_vn_b, int64_t stride_vn_t,
                                          int64_t stride_vn_h, const int32_t *POS_ptr, int64_t stride_pos,
                                          const int32_t *LOC_ptr, int64_t stride_loc,
+                                         const void *Q_ptr, int64_t stride_q_b, int64_t stride_q_t,
+                                         int64_t stride_q_h, void *QO_ptr, int64_t stride_qo_b, int64_t stride_qo_t,
+                                         int64_t stride_qo_h, int64_t hq,
                                          const void *COS_ptr, const void *SIN_ptr, int tab_dt,
                                          int64_t stride_tab_row, int64_t stride_tab_col, int style,
                                          const int32_t *BT_ptr, int64_t stride_bt_b, int64_t stride_bt_p,
                                          int64_t page, int64_t b, int64_t s_new, int64_t h, int64_t d) {
 #define KV_ROWS(DT) kv_rows(KC_ptr, stride_kc_blk, stride_kc_slot, stride_kc_h, VC_ptr, stride_vc_blk, stride_vc_slot, \
                             stride_vc_h, KN_ptr, stride_kn_b, stride_kn_t, stride_kn_h, VN_ptr, stride_vn_b,         \
-                            stride_vn_t, stride_vn_h, POS_ptr, stride_pos, LOC_ptr, stride_loc, COS_ptr, SIN_ptr,  \
+                            stride_vn_t, stride_vn_h, POS_ptr, stride_pos, LOC_ptr, stride_loc, Q_ptr, stride_q_b,   \
+                            stride_q_t, stride_q_h, QO_ptr, stride_qo_b, stride_qo_t, stride_qo_h, hq,               \
+                            COS_ptr, SIN_ptr,                                                                        \
                             tab_dt, stride_tab_row, stride_tab_col, style, BT_ptr, stride_bt_b, stride_bt_p, page, b, s_new, h, d, DT)
     switch (dtype) {
     case KP_F32: return KV_ROWS(KP_F32);
@@ -227,11 +237,14 @@ KP_MULTIVERSION(rope_kv_update_kernel,
                  const void *KN_ptr, int64_t stride_kn_b, int64_t stride_kn_t, int64_t stride_kn_h,
                  const void *VN_ptr, int64_t stride_vn_b, int64_t stride_vn_t, int64_t stride_vn_h,
                  const int32_t *POS_ptr, int64_t stride_pos, const int32_t *LOC_ptr, int64_t stride_loc,
+                 const void *Q_ptr, int64_t stride_q_b, int64_t stride_q_t, int64_t stride_q_h, void *QO_ptr,
+                 int64_t stride_qo_b, int64_t stride_qo_t, int64_t stride_qo_h, int64_t hq,
                  const void *COS_ptr, const void *SIN_ptr, int tab_dt,
                  int64_t stride_tab_row, int64_t stride_tab_col, int style, const int32_t *BT_ptr,
                  int64_t stride_bt_b, int64_t stride_bt_p, int64_t page, int64_t b, int64_t s_new, int64_t h,
                  int64_t d),
                 (dtype, KC_ptr, stride_kc_blk, stride_kc_slot, stride_kc_h, VC_ptr, stride_vc_blk, stride_vc_slot,
                  stride_vc_h, KN_ptr, stride_kn_b, stride_kn_t, stride_kn_h, VN_ptr, stride_vn_b, stride_vn_t,
-                 stride_vn_h, POS_ptr, stride_pos, LOC_ptr, stride_loc, COS_ptr, SIN_ptr, tab_dt, stride_tab_row,
+                 stride_vn_h, POS_ptr, stride_pos, LOC_ptr, stride_loc, Q_ptr, stride_q_b, stride_q_t, stride_q_h,
+                 QO_ptr, stride_qo_b, stride_qo_t, stride_qo_h, hq, COS_ptr, SIN_ptr, tab_dt, stride_tab_row,
                  stride_tab_col, style, BT_ptr, stride_bt_b, stride_bt_p, page, b, s_new, h, d))

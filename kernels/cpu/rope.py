@@ -16,7 +16,9 @@ kv_update: TensorRT-LLM's fused write, in place: k_new rotated at position pos[i
       row (half pairs by default) and v_new copied, appended after the first pos[i] tokens of each
       sequence, contiguous (rows, s_max, h, d) or paged (num_blocks, page, h, d) with block_table
       (rows, max_blocks); sequence i writes row cache_loc[i] (TensorRT-LLM's indirection; distinct
-      int32 rows, checked) or row i without cache_loc (rows = b).
+      int32 rows, checked) or row i without cache_loc (rows = b). With q (b, s_new, h_q, d), h_q a
+      multiple of h, the queries are rotated too, each token at its position pos[i] + t (TensorRT-LLM's
+      update_kv_cache_rope_fusion), into q_out (like q; allocated when None), which is returned.
       Writes must fit, table rows cover every position, written pages lie in the cache and no two
       writes share a slot: ValueError before anything is written.
 
@@ -50,7 +52,8 @@ def _kernels() -> ctypes.CDLL:
         lib.rope_kernel.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT, _I64,
                                     _I64, _DBL, _INT, _INT, _INT, _I64, _I64, _I64, _I64, _I64]
         lib.rope_kv_update_kernel.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64,
-                                              _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR,
+                                              _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64,
+                                              _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR,
                                               _INT, _I64, _I64, _INT, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64]
         for fn in (lib.rope_kernel, lib.rope_kv_update_kernel):
             fn.restype = ctypes.c_int
@@ -164,8 +167,9 @@ def _rope(x: np.ndarray, positions: np.ndarray, cos, sin, table, theta, scaling:
 
 def kv_update(k_cache: np.ndarray, v_cache: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, pos: np.ndarray,
               table: np.ndarray, *, block_table: np.ndarray | None = None, cache_loc: np.ndarray | None = None,
-              style: str = "half") -> None:
-    """The RoPE-fused KV write, in place (module docstring)."""
+              q: np.ndarray | None = None, q_out: np.ndarray | None = None,
+              style: str = "half") -> np.ndarray | None:
+    """The RoPE-fused KV write, in place (module docstring); with q, returns q_out (q rotated)."""
     check_array("k_cache", k_cache, 4, "(b | num_blocks, s_max | page, h, d)", tuple(DTYPE_CODES))
     for name, a in (("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
         check_array(name, a, 4, "(b, s_new, h, d)" if "new" in name else "like k_cache", (k_cache.dtype,))
@@ -215,8 +219,22 @@ def kv_update(k_cache: np.ndarray, v_cache: np.ndarray, k_new: np.ndarray, v_new
                 raise ValueError(f"{name} overlaps a cache")
     if np.may_share_memory(k_cache, v_cache):
         raise ValueError("k_cache and v_cache overlap")
+    sq = sqo = (0, 0, 0)
+    if q is not None:
+        check_array("q", q, 4, "(b, s_new, h_q, d)", (k_cache.dtype,))
+        if q.shape[:2] != (b, s_new) or q.shape[3] != d or (h and q.shape[2] % h):
+            raise ValueError(f"q {q.shape} must be (b, s_new, h_q, d) = ({b}, {s_new}, k * {h}, {d})")
+        if q_out is None:
+            q_out = np.empty(q.shape, dtype=q.dtype)
+        check_output("q_out", q_out, q.shape, q.dtype, "(b, s_new, h_q, d)")
+        for name, a in (("k_cache", k_cache), ("v_cache", v_cache), ("q", q)):
+            if np.may_share_memory(q_out, a):
+                raise ValueError(f"q_out overlaps {name}")
+        sq, sqo = unit_last_strides("q", q)[:3], unit_last_strides("q_out", q_out)[:3]
+    elif q_out is not None:
+        raise ValueError("q_out given without q")
     if b * s_new == 0 or h * d == 0:
-        return
+        return q_out
     kc, vc = unit_last_strides("k_cache", k_cache), unit_last_strides("v_cache", v_cache)
     kn, vn = unit_last_strides("k_new", k_new), unit_last_strides("v_new", v_new)
     status = _kernels().rope_kv_update_kernel(
@@ -224,6 +242,9 @@ def kv_update(k_cache: np.ndarray, v_cache: np.ndarray, k_new: np.ndarray, v_new
         k_new.ctypes.data, kn[0], kn[1], kn[2], v_new.ctypes.data, vn[0], vn[1], vn[2], pos.ctypes.data, spos,
         None if cache_loc is None else cache_loc.ctypes.data,
         0 if cache_loc is None else element_strides("cache_loc", cache_loc)[0],
+        None if q is None else q.ctypes.data, *sq, None if q is None else q_out.ctypes.data, *sqo,
+        0 if q is None else q.shape[2],
         cos.ctypes.data, sin.ctypes.data, dtype_code(cos.dtype), s_row, s_col, STYLES[style],
         None if block_table is None else block_table.ctypes.data, *bt_strides, page, b, s_new, h, d)
     check_status(status, "rope_kv_update_kernel")
+    return q_out
