@@ -2,7 +2,7 @@
 
 Kernel (every backend, or the --parity-backend plugins):
 - rope.rope and rope.kv_update vs their goldens, over every style, end, table layout and position
-  mode the spec has (shapes small: the Triton kernels run through the interpreter on CI);
+  mode the spec has (kv_update with and without TensorRT-LLM's cache_loc and its q rotation) (shapes small: the Triton kernels run through the interpreter on CI);
 - at position 0 RoPE is the identity: every position set to 0 gives x back, value for value;
 - the dims outside the rotary part are x's, bit for bit.
 - rope.rope_backward vs its golden; and the backward is the forward at the negated angle: each
@@ -46,11 +46,13 @@ def _partial(p):
     return {**p, "rot": min(p["rot"], (p["d"] - 1) // 2 * 2)}
 
 
-KV_SMALL = dict(b=(1, 4), snew=(1, 8), hkv=(1, 4), d=[2, 16, 64, 96], smax=(1, 80))
+KV_SMALL = dict(b=(1, 4), snew=(1, 8), hkv=(1, 4), d=[2, 16, 64, 96], smax=(1, 80), rows=(0, 6), hq=(0, 3))
 
 
 def _kv_valid(p):
-    return {**p, "smax": max(p["smax"], p["snew"])}
+    """snew fits the cache; rows (cache_loc) 0 or at least b; hq (q rotated too) 0 to 3 query groups."""
+    return {**p, "smax": max(p["smax"], p["snew"]), "rows": p["rows"] and max(p["rows"], p["b"]),
+            "hq": p["hq"] * p["hkv"]}
 
 
 @pytest.mark.parity_backends(*BACKENDS)

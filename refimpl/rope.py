@@ -141,17 +141,21 @@ def rope_backward(dy: NDArray, cos: NDArray, sin: NDArray, positions: NDArray, *
 
 
 def kv_update(k_cache: NDArray, v_cache: NDArray, k_new: NDArray, v_new: NDArray, pos: NDArray, cos: NDArray,
-              sin: NDArray, *, block_table: NDArray | None = None, style: str = "half",
-              absolute: bool = False) -> tuple[F64, F64]:
+              sin: NDArray, *, block_table: NDArray | None = None, cache_loc: NDArray | None = None,
+              q: NDArray | None = None, style: str = "half", absolute: bool = False) -> tuple[F64, ...]:
     """TensorRT-LLM's RoPE-fused KV-cache write: k rotated at position pos[b] + t, then both written
     into the kvcache family's cache (contiguous, or paged through block_table); v unrotated.
 
-    k_cache, v_cache: (b, s_max, h_kv, d) or (num_blocks, page, h_kv, d) with block_table
+    k_cache, v_cache: (rows, s_max, h_kv, d) or (num_blocks, page, h_kv, d) with block_table (rows, max_blocks)
     k_new, v_new: (b, s_new, h_kv, d); pos: (b,) tokens already cached per sequence
     cos, sin: (max_seq, d/2) tables (rows indexed by absolute position)
-    returns: (k_cache, v_cache) after the write, float64 (the old slots unchanged)
-    absolute: the error model's magnitudes instead: the new k rows as `rope`'s, every copied value
-    (old slots, v) its |value|
+    cache_loc: (b,) the cache / block-table row of sequence b (TensorRT-LLM's cache_loc; None: row b)
+    q: (b, s_new, h_q, d), h_q a multiple of h_kv, or None: TensorRT-LLM's update_kv_cache_rope_fusion
+       also rotates the queries, each token at its own position pos[b] + t (k's; never its cache slot)
+    returns: (k_cache, v_cache) after the write, float64 (the old slots unchanged), and with q a third
+    array, q_rope (b, s_new, h_q, d): q rotated over its whole head dim like k
+    absolute: the error model's magnitudes instead: the new k rows (and q_rope) as `rope`'s, every copied
+    value (old slots, v) its |value|
     """
     from kernel_parity.refimpl import kvcache
 
@@ -163,6 +167,13 @@ def kv_update(k_cache: NDArray, v_cache: NDArray, k_new: NDArray, v_new: NDArray
     k_cache, v_cache, v_new = (np.asarray(a, dtype=np.float64) for a in (k_cache, v_cache, v_new))
     if absolute:
         k_cache, v_cache, v_new = np.abs(k_cache), np.abs(v_cache), np.abs(v_new)
-    kc = kvcache.update(k_cache, k_rot, pos, block_table=block_table)
-    vc = kvcache.update(v_cache, v_new, pos, block_table=block_table)
-    return kc, vc
+    kc = kvcache.update(k_cache, k_rot, pos, block_table=block_table, cache_loc=cache_loc)
+    vc = kvcache.update(v_cache, v_new, pos, block_table=block_table, cache_loc=cache_loc)
+    if q is None:
+        return kc, vc
+    q = np.asarray(q, dtype=np.float64)
+    if q.shape[:2] != (b, s_new) or q.shape[3] != d or q.shape[2] % max(h, 1):
+        raise ValueError(f"q {q.shape} must be (b, s_new, h_q, d) = ({b}, {s_new}, k * {h}, {d})")
+    q_rope = rope(q.reshape(b * s_new, q.shape[2], d), cos, sin, p, style=style, rot=d,
+                  absolute=absolute).reshape(q.shape)
+    return kc, vc, q_rope

@@ -148,6 +148,36 @@ def test_kv_update_is_rope_then_kvcache_update(layout):
     assert np.array_equal(vc, kvcache.update(v_cache, v_new, pos, block_table=table))
 
 
+def test_kv_update_q_is_rope_at_each_tokens_position():
+    """TensorRT-LLM's q_rope: every query head (h_q = 3 h_kv) rotated at pos[b] + t, the caches as without q."""
+    rng = np.random.default_rng(12)
+    b, s_new, h, d, smax, page = 3, 5, 2, 16, 24, 8
+    k_new, v_new = rng.standard_normal((2, b, s_new, h, d))
+    q = rng.standard_normal((b, s_new, 3 * h, d))
+    pos = np.array([0, 9, 19])  # positions past a page: the cache slot p % page differs from p
+    cos, sin = ref.tables(smax, d, 10000.0)
+    table = rng.permutation(b * smax // page).reshape(b, smax // page)
+    k_cache, v_cache = rng.standard_normal((2, b * smax // page, page, h, d))
+    kc, vc, q_rope = ref.kv_update(k_cache, v_cache, k_new, v_new, pos, cos, sin, block_table=table, q=q)
+    want = np.stack([ref.rope(q[i], cos, sin, pos[i] + np.arange(s_new), style="half") for i in range(b)])
+    assert np.array_equal(q_rope, want)
+    assert not np.allclose(q_rope[1:], q[1:])  # rotated (no position is 0 past the first sequence's first token)
+    kc0, vc0 = ref.kv_update(k_cache, v_cache, k_new, v_new, pos, cos, sin, block_table=table)
+    assert np.array_equal(kc, kc0) and np.array_equal(vc, vc0)
+    with pytest.raises(ValueError, match="h_q"):
+        ref.kv_update(k_cache, v_cache, k_new, v_new, pos, cos, sin, block_table=table, q=q[:, :, :5])
+
+
+def test_kv_update_spec_rejects_q_heads_not_a_multiple_of_kv_heads():
+    from kernel_parity.conformance import ops
+
+    spec = ops.get("rope.kv_update")
+    p = dict(b=2, snew=3, hkv=2, d=16, smax=20, layout="contiguous")
+    assert spec.check({**p, "hq": 6}) is None
+    why = spec.check({**p, "hq": 5})
+    assert why is not None and "hq=5" in why and "multiple of hkv=2" in why
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(rot=3), "even"), (dict(rot=66), "d=64"), (dict(at="middle"), "first, last"),
     (dict(style="neox"), "interleaved, half"),

@@ -1,7 +1,10 @@
 """Adapters binding the KV-cache write kernels of each built-in backend to `kvcache.update`.
 
 The kernels write in place, so each adapter first copies the old cache into the poisoned output
-buffer (harness work, outside what is judged) and lets the kernel append K and V there.
+buffer (harness work, outside what is judged) and lets the kernel append K and V there. A case
+with `rows` > 0 hands the kernels its cache_loc (each sequence's cache / block-table row); a ragged
+case (`tokens` = "ragged") its seq_len / seq_start. K and V are separate calls, each with its own head
+dim (`dv`).
 """
 
 from __future__ import annotations
@@ -15,11 +18,14 @@ def _torch_run(device: str, kernel: Callable[[], Any]) -> Callable:
     def run(case, inputs, out):
         update = kernel()
         bt = to_torch(inputs["block_table"], device) if "block_table" in inputs else None
+        loc = to_torch(inputs["cache_loc"], device) if "cache_loc" in inputs else None
+        rag = {k: to_torch(inputs[k], device) for k in ("seq_len", "seq_start") if k in inputs}
         res = {}
         for name, new in (("k_cache", "k_new"), ("v_cache", "v_new")):
             buf = out.torch(name, device)
             buf.copy_(to_torch(inputs[name], device))
-            update(buf, to_torch(inputs[new], device), to_torch(inputs["pos"], device), block_table=bt)
+            update(buf, to_torch(inputs[new], device), to_torch(inputs["pos"], device), block_table=bt, cache_loc=loc,
+                   **rag)
             res[name] = buf
         return res
 
@@ -52,7 +58,8 @@ def cpu_ops() -> dict[str, Callable]:
         for name, new in (("k_cache", "k_new"), ("v_cache", "v_new")):
             buf = out.numpy(name)
             buf[...] = inputs[name]
-            update(buf, inputs[new], inputs["pos"], block_table=inputs.get("block_table"))
+            update(buf, inputs[new], inputs["pos"], block_table=inputs.get("block_table"),
+                   cache_loc=inputs.get("cache_loc"), seq_len=inputs.get("seq_len"), seq_start=inputs.get("seq_start"))
             res[name] = buf
         return res
 

@@ -6,7 +6,8 @@ The table a case gives is handed to the kernel in its own layout: `cos`/`sin` (c
 (real, imag) pairs; the adapters view them as complex, with no copy); table=theta passes theta
 and the scaling. rope.rope_backward hands the kernels dy (the cotangent) where the forward hands x:
 our Triton and C backward run the forward kernel at the negated angles. kv_update writes in place, so each adapter first copies the old caches into the
-poisoned output buffers (harness work, outside what is judged) and lets the kernel write there.
+poisoned output buffers (harness work, outside what is judged) and lets the kernel write there;
+with q (hq > 0) each kernel also writes the rotated queries into the q_rope output buffer.
 """
 
 from __future__ import annotations
@@ -50,8 +51,11 @@ def _torch_kv(device: str, kernel: Callable[[], Any]) -> Callable:
         kc, vc = out.torch("k_cache", device), out.torch("v_cache", device)
         kc.copy_(t["k_cache"])
         vc.copy_(t["v_cache"])
-        kernel()(kc, vc, t["k_new"], t["v_new"], t["pos"], t["table"], block_table=t.get("block_table"))
-        return {"k_cache": kc, "v_cache": vc}
+        q = t.get("q")
+        qo = None if q is None else out.torch("q_rope", device)
+        kernel()(kc, vc, t["k_new"], t["v_new"], t["pos"], t["table"], block_table=t.get("block_table"),
+                 cache_loc=t.get("cache_loc"), q=q, q_out=qo)
+        return {"k_cache": kc, "v_cache": vc, **({} if q is None else {"q_rope": qo})}
 
     return run
 
@@ -95,9 +99,11 @@ def cpu_ops() -> dict[str, Callable]:
         kc, vc = out.numpy("k_cache"), out.numpy("v_cache")
         kc[...] = inputs["k_cache"]
         vc[...] = inputs["v_cache"]
+        q = inputs.get("q")
+        qo = None if q is None else out.numpy("q_rope")
         k.kv_update(kc, vc, inputs["k_new"], inputs["v_new"], inputs["pos"], inputs["table"],
-                    block_table=inputs.get("block_table"))
-        return {"k_cache": kc, "v_cache": vc}
+                    block_table=inputs.get("block_table"), cache_loc=inputs.get("cache_loc"), q=q, q_out=qo)
+        return {"k_cache": kc, "v_cache": vc, **({} if q is None else {"q_rope": qo})}
 
     def rope_backward(case, inputs, out):
         from kernel_parity.kernels.cpu import rope as k

@@ -54,6 +54,9 @@ CLASSES = {
     "read-past-end": "a key or element read at or past the sequence's length",
     "dropped-tail": "the last (partial) tile, page, split or block not processed",
     "paged-write": "a paged write to the wrong page or slot",
+    "cache-loc": "a sequence's cache / block-table row taken as its batch index b (TensorRT-LLM's cache_loc ignored)",
+    "ragged": "a ragged (flattened) batch's new tokens read from the wrong rows (seq_start ignored: the padded "
+              "layout assumed) or one past a sequence's seq_len (TensorRT-LLM's seq_len / seq_start)",
     "low-precision-accumulation": "a sum accumulated in the storage dtype instead of fp32",
     "truncated-constant": "a constant (ln 2, log2 e) with too few digits",
     "masked-row": "a fully masked row returns NaN or a uniform average instead of 0",
@@ -80,7 +83,8 @@ CLASSES = {
     "rope-style": "RoPE pairs (2i, 2i+1) and (i, i + rot/2) confused",
     "rope-position": "a token rotated by its index (or a neighbour's position) instead of its own position",
     "rope-angle": "the angle table misread (cos and sin swapped, a row off by one) or its frequencies built wrong",
-    "rope-scope": "the rotation applied where it does not belong (V rotated too, pass-through dims rotated)",
+    "rope-scope": "the rotation applied where it does not belong (V rotated too, pass-through dims rotated), or "
+                  "left out where it does (q copied unrotated)",
     "sparse-padding": "a -1 top-k index (padding) gathered instead of skipped",
     # gated MLP
     "gate-up-order": "the gate and up halves of a gated MLP swapped (up goes through the activation)",

@@ -17,7 +17,14 @@ rotates by the rounded values it holds. With `theta` the golden's angles are exa
 own fp32 angle p w_i is off by ~eps32 p, so the limits grow with the largest position (acc_len).
 
 `rope.kv_update`: k_new rotated (half-split pairs, fp16 interleaved table, position pos[b] + t)
-and v_new unrotated, written into the kvcache family's contiguous or paged caches.
+and v_new unrotated, written into the kvcache family's contiguous or paged caches; with `rows` > 0,
+through TensorRT-LLM's cache_loc (sequence b writes cache / block-table row cache_loc[b]; the
+inputs and their canary rows are kvcache.update's). With `hq` > 0 (TensorRT-LLM's
+update_kv_cache_rope_fusion, which rotates q in the same pass and writes it out) the op also takes
+q (b, snew, hq, d), hq a multiple of hkv, and outputs q_rope: q rotated at its token's position
+pos[b] + t (never its cache slot), judged as k_cache's rotated rows are: rope.rope's error model
+(acc_len 2) and baseline tier, without rope.rope's override for kernels that compute their own angles
+(table=theta), since the fp16 table is given.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import numpy as np
 import kernel_parity.refimpl.rope as ref
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.ops import kvcache as kv
-from kernel_parity.conformance.params import Int, OneOf, Schema
+from kernel_parity.conformance.params import Defaults, Int, OneOf, Schema
 from kernel_parity.conformance.spec import Diagnosis, OpSpec, Output, Rows
 from kernel_parity.conformance.tolerance import Override, Tier, Tol
 
@@ -150,7 +157,7 @@ BASELINE_TIER = Tier(
     "the torch baseline's half-split path is HF's apply_rotary_pos_emb in the test dtype: cos / sin and every "
     "product rounded to fp16 / bf16, up to ~sqrt(2) eps(dtype) max|y| where the products cancel (measured 0.55)",
     overrides=tuple(Override(_HF_16BIT, output=out, dtype=dtype, atol_max_eps=1.5)
-                    for out in ("y", "k_cache") for dtype in ("fp16", "bf16")),
+                    for out in ("y", "k_cache", "q_rope") for dtype in ("fp16", "bf16")),
 )
 
 ROPE = OpSpec(
@@ -199,13 +206,22 @@ def _kv_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generato
         raise ValueError(f"unknown distribution {dist!r}")
     cos, sin = ref.tables(p["smax"], p["d"], 10000.0)
     out["table"] = np.stack([cos, sin], axis=-1).astype(np.float16)  # smax, d/2, 2
+    if p.get("hq", 0):  # drawn last: the inputs of a case without q are those it always had
+        q = rng.standard_normal((p["b"], p["snew"], p["hq"], p["d"]))
+        if dist == "heads":
+            q *= 10.0 ** rng.uniform(-3.0, 3.0, (1, 1, p["hq"], 1))
+        out["q"] = dt.round_to(q, dtype)
     return out
 
 
+def _kv_golden(x: dict[str, np.ndarray], absolute: bool) -> tuple[np.ndarray, ...]:
+    return ref.kv_update(x["k_cache"], x["v_cache"], x["k_new"], x["v_new"], x["pos"], x["table"][..., 0],
+                         x["table"][..., 1], block_table=x.get("block_table"), cache_loc=x.get("cache_loc"),
+                         q=x.get("q"), style="half", absolute=absolute)
+
+
 def _kv_ref(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
-    kc, vc = ref.kv_update(x["k_cache"], x["v_cache"], x["k_new"], x["v_new"], x["pos"], x["table"][..., 0],
-                           x["table"][..., 1], block_table=x.get("block_table"), style="half")
-    return {"k_cache": kc, "v_cache": vc}
+    return dict(zip(("k_cache", "v_cache", "q_rope"), _kv_golden(x, absolute=False)))
 
 
 def _kv_mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -213,31 +229,47 @@ def _kv_mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray
     slots are copies (|k|); v_cache is bit-exact. It replaces an override of atol 2.8 eps32 max|k_cache|
     (fp32 k_new with heads 10^3 apart put 2-5 of 40,960 elements outside atol 1e-5 where the two fp32 products
     cancel): without it, 0 failures in the fresh-seed sweeps of the ci cases."""
-    kc, _ = ref.kv_update(x["k_cache"], x["v_cache"], x["k_new"], x["v_new"], x["pos"], x["table"][..., 0],
-                          x["table"][..., 1], block_table=x.get("block_table"), style="half", absolute=True)
-    return {"k_cache": kc}
+    out = dict(zip(("k_cache", "v_cache", "q_rope"), _kv_golden(x, absolute=True)))
+    del out["v_cache"]  # bit-exact
+    return out
 
 
 def _kv_check(p: dict[str, Any]) -> str | None:
     if p["d"] % 2:
         return f"d={p['d']} must be even (rotary pairs)"
+    if p.get("hq", 0) % p["hkv"]:
+        return f"hq={p['hq']} query heads must be a multiple of hkv={p['hkv']} (expected hq=0, no q, or k * hkv)"
     return kv.UPDATE.check(p)
 
+
+def _kv_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    out = kv.UPDATE.output_shapes(p)
+    if p.get("hq", 0):
+        out["q_rope"] = (p["b"], p["snew"], p["hq"], p["d"])
+    return out
+
+
+_KV_SHARED = ("b", "snew", "hkv", "d", "smax", "layout", "rows")  # kvcache.update's params this op takes
 
 KV_UPDATE = OpSpec(
     name="rope.kv_update",
     golden=ref.kv_update,
     reference=_kv_ref,
-    params=kv.UPDATE.params,
+    params=Defaults({**{k: v for k, v in kv.UPDATE.params.params.items() if k in _KV_SHARED},
+                     "hq": Int(0, 256, edges=(0,), doc="query heads rotated and output as q_rope (TensorRT-LLM's "
+                               "update_kv_cache_rope_fusion); a multiple of hkv; 0: no q")},
+                    {"rows": 0, "hq": 0}),
     make_inputs=_kv_inputs,
-    output_shapes=kv.UPDATE.output_shapes,
+    output_shapes=_kv_shapes,
     outputs={"k_cache": Output("test", doc="K cache after the write: new rows rotated at pos[b] + t, old rows untouched"),
-             "v_cache": Output("test", exact=True, doc="V cache after the write (unrotated, bit-exact)")},
+             "v_cache": Output("test", exact=True, doc="V cache after the write (unrotated, bit-exact)"),
+             "q_rope": Output("test", doc="q rotated at pos[b] + t (hq > 0 only)")},
     tolerance=Tol(acc_len=lambda p, o: 2, baseline=BASELINE_TIER),
     dists=DISTS,
     magnitude=_kv_mag,
     check=_kv_check,
-    doc="TensorRT-LLM's RoPE-fused KV write: k rotated (half pairs, fp16 [smax, d/2, 2] table), v copied.",
+    doc="TensorRT-LLM's RoPE-fused KV write: k rotated (half pairs, fp16 [smax, d/2, 2] table), v copied; "
+        "with hq > 0 q rotated too and output (q_rope).",
 )
 
 SPECS = (ROPE, KV_UPDATE)

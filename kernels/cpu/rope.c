@@ -25,8 +25,8 @@
  * (or built) once into fp32 buffers and used by all its heads.
  *
  * kv update: for sequence i and new token t, p = pos[i] + t; K's row is rotated into the cache slot
- * (contiguous: cache[i, p]; paged: cache[block_table[i, p / page], p % page]) and V's row copied
- * as bits. The wrapper checks that the writes fit and that no two land on one slot.
+ * (contiguous: cache[r, p]; paged: cache[block_table[r, p / page], p % page], r = cache_loc[i] or i
+ * without cache_loc) and V's row copied as bits. The wrapper checks that the writes fit and that no two land on one slot.
  */
 #include <stdlib.h>
 
@@ -167,7 +167,10 @@ KP_INLINE int kv_rows(char *KC_ptr, int64_t stride_kc_blk, int64_t stride_kc_slo
                       char *VC_ptr, int64_t stride_vc_blk, int64_t stride_vc_slot, int64_t stride_vc_h,
                       const char *KN_ptr, int64_t stride_kn_b, int64_t stride_kn_t, int64_t stride_kn_h,
                       const char *VN_ptr, int64_t stride_vn_b, int64_t stride_vn_t, int64_t stride_vn_h,
-                      const int32_t *POS_ptr, int64_t stride_pos, const void *COS_ptr, const void *SIN_ptr,
+                      const int32_t *POS_ptr, int64_t stride_pos,
+                      const int32_t *LOC_ptr, int64_t stride_loc, const char *Q_ptr, int64_t stride_q_b,
+                      int64_t stride_q_t, int64_t stride_q_h, char *QO_ptr, int64_t stride_qo_b,
+                      int64_t stride_qo_t, int64_t stride_qo_h, int64_t hq, const void *COS_ptr, const void *SIN_ptr,
                       int tab_dt, int64_t stride_tab_row, int64_t stride_tab_col, int style, const int32_t *BT_ptr,
                       int64_t stride_bt_b, int64_t stride_bt_p, int64_t page, int64_t b, int64_t s_new,
                       int64_t h, int64_t d, int dt) {
@@ -176,10 +179,11 @@ KP_INLINE int kv_rows(char *KC_ptr, int64_t stride_kc_blk, int64_t stride_kc_slo
     if (!buf) return KP_ERR_NOMEM;
     float *c = buf, *s = buf + half;
     for (int64_t i = 0; i < b; i++) {
+        const int64_t r = LOC_ptr ? (int64_t)LOC_ptr[i * stride_loc] : i;   /* the sequence's cache row */
         for (int64_t t = 0; t < s_new; t++) {
-            int64_t p = (int64_t)POS_ptr[i * stride_pos] + t, blk = i, slot = p;
+            int64_t p = (int64_t)POS_ptr[i * stride_pos] + t, blk = r, slot = p;
             if (BT_ptr) {
-                blk = BT_ptr[i * stride_bt_b + p / page * stride_bt_p];
+                blk = BT_ptr[r * stride_bt_b + p / page * stride_bt_p];
                 slot = p % page;
             }
             angle_row(c, s, half, p, COS_ptr, SIN_ptr, tab_dt, stride_tab_row, stride_tab_col, NULL);
@@ -189,6 +193,9 @@ KP_INLINE int kv_rows(char *KC_ptr, int64_t stride_kc_blk, int64_t stride_kc_slo
             kv_row(VN_ptr + (i * stride_vn_b + t * stride_vn_t) * size, stride_vn_h,
                    VC_ptr + (blk * stride_vc_blk + slot * stride_vc_slot) * size, stride_vc_h, c, s, h, d, style, dt,
                    0);
+            if (Q_ptr)   /* TensorRT-LLM's q rotation: every query head at the token's position p */
+                kv_row(Q_ptr + (i * stride_q_b + t * stride_q_t) * size, stride_q_h,
+                       QO_ptr + (i * stride_qo_b + t * stride_qo_t) * size, stride_qo_h, c, s, hq, d, style, dt, 1);
         }
     }
     free(buf);
@@ -201,14 +208,20 @@ KP_INLINE int rope_kv_update_kernel_impl(int dtype, void *KC_ptr, int64_t stride
                                          int64_t stride_kn_b, int64_t stride_kn_t, int64_t stride_kn_h,
                                          const void *VN_ptr, int64_t stride_vn_b, int64_t stride_vn_t,
                                          int64_t stride_vn_h, const int32_t *POS_ptr, int64_t stride_pos,
+                                         const int32_t *LOC_ptr, int64_t stride_loc,
+                                         const void *Q_ptr, int64_t stride_q_b, int64_t stride_q_t,
+                                         int64_t stride_q_h, void *QO_ptr, int64_t stride_qo_b, int64_t stride_qo_t,
+                                         int64_t stride_qo_h, int64_t hq,
                                          const void *COS_ptr, const void *SIN_ptr, int tab_dt,
                                          int64_t stride_tab_row, int64_t stride_tab_col, int style,
                                          const int32_t *BT_ptr, int64_t stride_bt_b, int64_t stride_bt_p,
                                          int64_t page, int64_t b, int64_t s_new, int64_t h, int64_t d) {
 #define KV_ROWS(DT) kv_rows(KC_ptr, stride_kc_blk, stride_kc_slot, stride_kc_h, VC_ptr, stride_vc_blk, stride_vc_slot, \
                             stride_vc_h, KN_ptr, stride_kn_b, stride_kn_t, stride_kn_h, VN_ptr, stride_vn_b,         \
-                            stride_vn_t, stride_vn_h, POS_ptr, stride_pos, COS_ptr, SIN_ptr, tab_dt, stride_tab_row, \
-                            stride_tab_col, style, BT_ptr, stride_bt_b, stride_bt_p, page, b, s_new, h, d, DT)
+                            stride_vn_t, stride_vn_h, POS_ptr, stride_pos, LOC_ptr, stride_loc, Q_ptr, stride_q_b,   \
+                            stride_q_t, stride_q_h, QO_ptr, stride_qo_b, stride_qo_t, stride_qo_h, hq,               \
+                            COS_ptr, SIN_ptr,                                                                        \
+                            tab_dt, stride_tab_row, stride_tab_col, style, BT_ptr, stride_bt_b, stride_bt_p, page, b, s_new, h, d, DT)
     switch (dtype) {
     case KP_F32: return KV_ROWS(KP_F32);
     case KP_F16: return KV_ROWS(KP_F16);
@@ -223,11 +236,15 @@ KP_MULTIVERSION(rope_kv_update_kernel,
                  void *VC_ptr, int64_t stride_vc_blk, int64_t stride_vc_slot, int64_t stride_vc_h,
                  const void *KN_ptr, int64_t stride_kn_b, int64_t stride_kn_t, int64_t stride_kn_h,
                  const void *VN_ptr, int64_t stride_vn_b, int64_t stride_vn_t, int64_t stride_vn_h,
-                 const int32_t *POS_ptr, int64_t stride_pos, const void *COS_ptr, const void *SIN_ptr, int tab_dt,
+                 const int32_t *POS_ptr, int64_t stride_pos, const int32_t *LOC_ptr, int64_t stride_loc,
+                 const void *Q_ptr, int64_t stride_q_b, int64_t stride_q_t, int64_t stride_q_h, void *QO_ptr,
+                 int64_t stride_qo_b, int64_t stride_qo_t, int64_t stride_qo_h, int64_t hq,
+                 const void *COS_ptr, const void *SIN_ptr, int tab_dt,
                  int64_t stride_tab_row, int64_t stride_tab_col, int style, const int32_t *BT_ptr,
                  int64_t stride_bt_b, int64_t stride_bt_p, int64_t page, int64_t b, int64_t s_new, int64_t h,
                  int64_t d),
                 (dtype, KC_ptr, stride_kc_blk, stride_kc_slot, stride_kc_h, VC_ptr, stride_vc_blk, stride_vc_slot,
                  stride_vc_h, KN_ptr, stride_kn_b, stride_kn_t, stride_kn_h, VN_ptr, stride_vn_b, stride_vn_t,
-                 stride_vn_h, POS_ptr, stride_pos, COS_ptr, SIN_ptr, tab_dt, stride_tab_row, stride_tab_col, style,
-                 BT_ptr, stride_bt_b, stride_bt_p, page, b, s_new, h, d))
+                 stride_vn_h, POS_ptr, stride_pos, LOC_ptr, stride_loc, Q_ptr, stride_q_b, stride_q_t, stride_q_h,
+                 QO_ptr, stride_qo_b, stride_qo_t, stride_qo_h, hq, COS_ptr, SIN_ptr, tab_dt, stride_tab_row,
+                 stride_tab_col, style, BT_ptr, stride_bt_b, stride_bt_p, page, b, s_new, h, d))

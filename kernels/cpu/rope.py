@@ -14,7 +14,11 @@ rope_backward: dx = RoPE of the cotangent dy (t, h, d) at the negated angles (th
       sin negated as it is read or built), the pass-through dims dy's bits; arguments as rope's.
 kv_update: TensorRT-LLM's fused write, in place: k_new rotated at position pos[i] + t by table's
       row (half pairs by default) and v_new copied, appended after the first pos[i] tokens of each
-      sequence, contiguous (b, s_max, h, d) or paged (num_blocks, page, h, d) with block_table.
+      sequence, contiguous (rows, s_max, h, d) or paged (num_blocks, page, h, d) with block_table
+      (rows, max_blocks); sequence i writes row cache_loc[i] (TensorRT-LLM's indirection; distinct
+      int32 rows, checked) or row i without cache_loc (rows = b). With q (b, s_new, h_q, d), h_q a
+      multiple of h, the queries are rotated too, each token at its position pos[i] + t (TensorRT-LLM's
+      update_kv_cache_rope_fusion), into q_out (like q; allocated when None), which is returned.
       Writes must fit, table rows cover every position, written pages lie in the cache and no two
       writes share a slot: ValueError before anything is written.
 
@@ -27,6 +31,7 @@ import ctypes
 
 import numpy as np
 
+from kernel_parity.kernels.cpu.kvcache import cache_rows
 from kernel_parity.kernels.cpu.loader import (DTYPE_CODES, check_array, check_output, check_status, dtype_code,
                                               element_strides, load, unit_last_strides)
 
@@ -47,8 +52,9 @@ def _kernels() -> ctypes.CDLL:
         lib.rope_kernel.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT, _I64,
                                     _I64, _DBL, _INT, _INT, _INT, _I64, _I64, _I64, _I64, _I64]
         lib.rope_kv_update_kernel.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64,
-                                              _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT,
-                                              _I64, _I64, _INT, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64]
+                                              _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64,
+                                              _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR,
+                                              _INT, _I64, _I64, _INT, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64]
         for fn in (lib.rope_kernel, lib.rope_kv_update_kernel):
             fn.restype = ctypes.c_int
         _lib = lib
@@ -160,8 +166,10 @@ def _rope(x: np.ndarray, positions: np.ndarray, cos, sin, table, theta, scaling:
 
 
 def kv_update(k_cache: np.ndarray, v_cache: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, pos: np.ndarray,
-              table: np.ndarray, *, block_table: np.ndarray | None = None, style: str = "half") -> None:
-    """The RoPE-fused KV write, in place (module docstring)."""
+              table: np.ndarray, *, block_table: np.ndarray | None = None, cache_loc: np.ndarray | None = None,
+              q: np.ndarray | None = None, q_out: np.ndarray | None = None,
+              style: str = "half") -> np.ndarray | None:
+    """The RoPE-fused KV write, in place (module docstring); with q, returns q_out (q rotated)."""
     check_array("k_cache", k_cache, 4, "(b | num_blocks, s_max | page, h, d)", tuple(DTYPE_CODES))
     for name, a in (("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
         check_array(name, a, 4, "(b, s_new, h, d)" if "new" in name else "like k_cache", (k_cache.dtype,))
@@ -182,41 +190,61 @@ def kv_update(k_cache: np.ndarray, v_cache: np.ndarray, k_new: np.ndarray, v_new
     end = pos.astype(np.int64) + s_new  # b
     page = k_cache.shape[1]
     if block_table is None:
-        if k_cache.shape[0] != b:
+        if cache_loc is None and k_cache.shape[0] != b:
             raise ValueError(f"k_cache batch {k_cache.shape[0]} must equal k_new's b = {b} (contiguous layout)")
         capacity, bt_strides = page, (0, 0)
     else:
-        check_array("block_table", block_table, 2, "(b, max_blocks)", (_I32,))
-        if block_table.shape[0] != b:
+        check_array("block_table", block_table, 2, "(rows, max_blocks)", (_I32,))
+        if cache_loc is None and block_table.shape[0] != b:
             raise ValueError(f"block_table must have shape (b, max_blocks) with b = {b}, got {block_table.shape}")
         capacity, bt_strides = block_table.shape[1] * page, element_strides("block_table", block_table)
+    row = cache_rows(cache_loc, b, k_cache.shape[0] if block_table is None else block_table.shape[0])  # b
     if b and end.max() > min(capacity, max_seq):
         i = int(end.argmax())
         raise ValueError(f"writes do not fit: pos[{i}] + s_new = {end[i]} > capacity {capacity} "
                          f"or the table's max_seq {max_seq}")
     if block_table is not None and b * s_new:
         p = pos.astype(np.int64)[:, None] + np.arange(s_new)[None, :]  # b, s_new
-        blk = block_table[np.arange(b)[:, None], p // page]
+        blk = block_table[row[:, None], p // page]
         if blk.min() < 0 or blk.max() >= k_cache.shape[0]:
             i, t = (int(v[0]) for v in np.nonzero((blk < 0) | (blk >= k_cache.shape[0])))
-            raise ValueError(f"block_table[{i}, {p[i, t] // page}] = {blk[i, t]} must lie in "
+            raise ValueError(f"block_table[{row[i]}, {p[i, t] // page}] = {blk[i, t]} must lie in "
                              f"[0, {k_cache.shape[0]}) (a page written for sequence {i})")
         if np.unique(blk * page + p % page).size != b * s_new:
             raise ValueError("two writes land on the same cache slot (sequences share a written page)")
     for cache in (k_cache, v_cache):
         for name, a in (("k_new", k_new), ("v_new", v_new), ("pos", pos), ("table", table),
-                        ("block_table", block_table)):
+                        ("block_table", block_table), ("cache_loc", cache_loc)):
             if a is not None and np.may_share_memory(cache, a):
                 raise ValueError(f"{name} overlaps a cache")
     if np.may_share_memory(k_cache, v_cache):
         raise ValueError("k_cache and v_cache overlap")
+    sq = sqo = (0, 0, 0)
+    if q is not None:
+        check_array("q", q, 4, "(b, s_new, h_q, d)", (k_cache.dtype,))
+        if q.shape[:2] != (b, s_new) or q.shape[3] != d or (h and q.shape[2] % h):
+            raise ValueError(f"q {q.shape} must be (b, s_new, h_q, d) = ({b}, {s_new}, k * {h}, {d})")
+        if q_out is None:
+            q_out = np.empty(q.shape, dtype=q.dtype)
+        check_output("q_out", q_out, q.shape, q.dtype, "(b, s_new, h_q, d)")
+        for name, a in (("k_cache", k_cache), ("v_cache", v_cache), ("q", q)):
+            if np.may_share_memory(q_out, a):
+                raise ValueError(f"q_out overlaps {name}")
+        sq, sqo = unit_last_strides("q", q)[:3], unit_last_strides("q_out", q_out)[:3]
+    elif q_out is not None:
+        raise ValueError("q_out given without q")
     if b * s_new == 0 or h * d == 0:
-        return
+        return q_out
     kc, vc = unit_last_strides("k_cache", k_cache), unit_last_strides("v_cache", v_cache)
     kn, vn = unit_last_strides("k_new", k_new), unit_last_strides("v_new", v_new)
     status = _kernels().rope_kv_update_kernel(
         dtype_code(k_cache.dtype), k_cache.ctypes.data, kc[0], kc[1], kc[2], v_cache.ctypes.data, vc[0], vc[1], vc[2],
         k_new.ctypes.data, kn[0], kn[1], kn[2], v_new.ctypes.data, vn[0], vn[1], vn[2], pos.ctypes.data, spos,
+        None if cache_loc is None else cache_loc.ctypes.data,
+        0 if cache_loc is None else element_strides("cache_loc", cache_loc)[0],
+        None if q is None else q.ctypes.data, *sq, None if q is None else q_out.ctypes.data, *sqo,
+        0 if q is None else q.shape[2],
         cos.ctypes.data, sin.ctypes.data, dtype_code(cos.dtype), s_row, s_col, STYLES[style],
         None if block_table is None else block_table.ctypes.data, *bt_strides, page, b, s_new, h, d)
     check_status(status, "rope_kv_update_kernel")
+    return q_out

@@ -104,15 +104,26 @@ def rope_backward(x: torch.Tensor, positions: torch.Tensor, dy: torch.Tensor, **
 
 def kv_update(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
               pos: torch.Tensor, table: torch.Tensor, *, block_table: torch.Tensor | None = None,
-              style: str = "half") -> None:
+              cache_loc: torch.Tensor | None = None, q: torch.Tensor | None = None,
+              q_out: torch.Tensor | None = None, style: str = "half") -> torch.Tensor | None:
     """In place: k_new rotated at position pos[b] + t by table's rows (HF's half-split style in the
     dtype by default), v_new as it is, both appended to the caches (kernels/torch/kvcache.update).
+    With q (b, s_new, h_q, d) the queries are rotated by the same rows (TensorRT-LLM's
+    update_kv_cache_rope_fusion) into q_out (allocated when None), which is returned.
 
-    k_cache, v_cache: (b, s_max, h, d) or (num_blocks, page, h, d) with block_table (b, max_blocks);
-    k_new, v_new: (b, s_new, h, d); pos: (b,); table: (max_seq, d/2, 2) (cos, sin) pairs."""
+    k_cache, v_cache: (rows, s_max, h, d) or (num_blocks, page, h, d) with block_table (rows, max_blocks);
+    k_new, v_new: (b, s_new, h, d); pos: (b,); table: (max_seq, d/2, 2) (cos, sin) pairs;
+    cache_loc: (b,) each sequence's cache / block-table row (TensorRT-LLM; None: row b)."""
     b, s_new, h, d = k_new.shape
     p = (pos.long()[:, None] + torch.arange(s_new, device=pos.device)[None, :]).reshape(-1)  # b * s_new
     c, s = _cos_sin(p, d, table=table)
     k_rot = _rotate(k_new.reshape(b * s_new, h, d), c, s, style).reshape(k_new.shape)
-    _cache_update(k_cache, k_rot, pos, block_table=block_table)
-    _cache_update(v_cache, v_new, pos, block_table=block_table)
+    _cache_update(k_cache, k_rot, pos, block_table=block_table, cache_loc=cache_loc)
+    _cache_update(v_cache, v_new, pos, block_table=block_table, cache_loc=cache_loc)
+    if q is None:
+        return None
+    q_rot = _rotate(q.reshape(b * s_new, q.shape[2], d), c, s, style).reshape(q.shape)
+    if q_out is None:
+        return q_rot
+    q_out.copy_(q_rot)
+    return q_out

@@ -1,7 +1,9 @@
 """KV-cache append (contiguous and paged), in Triton. Bit-exact: a write is a copy.
 
-    contiguous: cache[b, pos[b] + t] = new[b, t]                          for t < s_new
-    paged:      cache[block_table[b, p // page], p % page] = new[b, t]    with p = pos[b] + t
+    contiguous: cache[r, pos[b] + t] = new[b, t]                          for t < s_new
+    paged:      cache[block_table[r, p // page], p % page] = new[b, t]    with p = pos[b] + t
+    r = cache_loc[b] (TensorRT-LLM's row indirection), or b without cache_loc
+    ragged (seq_len, seq_start): new (total, h_kv, d), new[b, t] is new[seq_start[b] + t], t < seq_len[b]
 
 Conventions (OPS.md, kvcache.update; golden refimpl/kvcache.py): pos[b] is the number of tokens
 already cached; every other slot keeps its bits. The caller guarantees the writes fit (and, for a
@@ -9,7 +11,10 @@ paged cache, that the table covers every written position and no two sequences s
 page). Both tensors are reinterpreted as same-width integers before the copy, so NaN payloads and
 signed zeros move unchanged and no float conversion can happen on any backend.
 
-One program copies one token's (h_kv, d) slab: BLOCK_H heads x BLOCK_D values, 16-byte rows.
+One program copies one token's (h_kv, d) slab: BLOCK_H heads x BLOCK_D values, 16-byte rows. Ragged
+(TensorRT-LLM's flattened tokens) launches max_len programs per sequence (new's row count unless
+given: no device sync); those past the sequence's seq_len return at once. K and V are separate calls,
+each with its own head dim (TensorRT-LLM's V_D_HEAD may differ from K's).
 """
 
 from __future__ import annotations
@@ -26,20 +31,31 @@ SLAB = 4096
 
 @triton.jit
 def _kvcache_update_kernel(
-    Cache_ptr, New_ptr, Pos_ptr, BT_ptr, s_new, h_kv, d,
+    Cache_ptr, New_ptr, Pos_ptr, BT_ptr, Loc_ptr, SeqLen_ptr, SeqStart_ptr, s_new, h_kv, d,
     stride_cb, stride_cs, stride_ch, stride_nb, stride_ns, stride_nh, stride_bt_b, stride_bt_p,
-    PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, LOC: tl.constexpr, RAGGED: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // s_new
     t = pid % s_new
+    if RAGGED:
+        if t >= tl.load(SeqLen_ptr + b):  # past the sequence's new tokens
+            return
     p = tl.load(Pos_ptr + b).to(tl.int64) + t
+    if LOC:
+        row = tl.load(Loc_ptr + b).to(tl.int64)  # the sequence's cache / block-table row
+    else:
+        row = b.to(tl.int64)
     if PAGED:
-        page = tl.load(BT_ptr + b.to(tl.int64) * stride_bt_b + (p // PAGE) * stride_bt_p)
+        page = tl.load(BT_ptr + row * stride_bt_b + (p // PAGE) * stride_bt_p)
         dst = Cache_ptr + page.to(tl.int64) * stride_cb + (p % PAGE) * stride_cs
     else:
-        dst = Cache_ptr + b.to(tl.int64) * stride_cb + p * stride_cs
-    src = New_ptr + b.to(tl.int64) * stride_nb + t.to(tl.int64) * stride_ns
+        dst = Cache_ptr + row * stride_cb + p * stride_cs
+    if RAGGED:
+        src = New_ptr + (tl.load(SeqStart_ptr + b).to(tl.int64) + t) * stride_ns  # the flattened token's row
+    else:
+        src = New_ptr + b.to(tl.int64) * stride_nb + t.to(tl.int64) * stride_ns
     offs_d = tl.arange(0, BLOCK_D)
     for h0 in range(0, h_kv, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
@@ -49,19 +65,38 @@ def _kvcache_update_kernel(
 
 
 def update(cache: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, *,
-           block_table: torch.Tensor | None = None) -> None:
+           block_table: torch.Tensor | None = None, cache_loc: torch.Tensor | None = None,
+           seq_len: torch.Tensor | None = None, seq_start: torch.Tensor | None = None,
+           max_len: int | None = None) -> None:
     """Append `new` to `cache` in place at positions pos[b] + t; call once for K and once for V.
 
-    cache: (b, s_max, h_kv, d) contiguous layout, or (num_blocks, page, h_kv, d) with block_table;
+    cache: (rows, s_max, h_kv, d) contiguous layout, or (num_blocks, page, h_kv, d) with block_table;
            last-dim stride 1, other strides arbitrary
     new: (b, s_new, h_kv, d), cache's dtype, last-dim stride 1
     pos: (b,) int32 on cache's device, tokens already cached per sequence
-    block_table: (b, max_blocks) int32 for the paged layout, any strides
+    block_table: (rows, max_blocks) int32 for the paged layout, any strides
+    cache_loc: (b,) int32 contiguous, each sequence's cache / block-table row (None: row b, rows = b);
+               distinct rows in range (not checked: that would sync the device)
+    seq_len, seq_start: (b,) int32 contiguous, both or neither: TensorRT-LLM's ragged layout, new (total,
+               h_kv, d) and sequence b's tokens new[seq_start[b] : seq_start[b] + seq_len[b]] (in range: not
+               checked); max_len >= every seq_len (default: total, no device sync)
     """
-    if not isinstance(cache, torch.Tensor) or not isinstance(new, torch.Tensor) or cache.dim() != 4 or new.dim() != 4:
-        raise ValueError("cache and new must be 4-D tensors: cache (b|num_blocks, s_max|page, h_kv, d), "
-                         "new (b, s_new, h_kv, d)")
-    b, s_new, h_kv, d = new.shape
+    ragged = seq_len is not None
+    if ragged != (seq_start is not None):
+        raise ValueError("seq_len and seq_start go together (the ragged layout), or neither")
+    if not isinstance(cache, torch.Tensor) or not isinstance(new, torch.Tensor) or cache.dim() != 4 \
+            or new.dim() != (3 if ragged else 4):
+        raise ValueError("cache and new must be tensors: cache (b|num_blocks, s_max|page, h_kv, d), "
+                         f"new {'(total, h_kv, d)' if ragged else '(b, s_new, h_kv, d)'}")
+    if ragged:
+        b = seq_len.shape[0] if isinstance(seq_len, torch.Tensor) and seq_len.dim() == 1 else -1
+        for name, a in (("seq_len", seq_len), ("seq_start", seq_start)):
+            if not isinstance(a, torch.Tensor) or tuple(a.shape) != (b,) or a.dtype != torch.int32 \
+                    or a.device != cache.device or (b > 1 and a.stride(0) != 1):
+                raise ValueError(f"{name} must be a contiguous (b,) int32 tensor on {cache.device}, like seq_len")
+        s_new, (h_kv, d) = (new.shape[0] if max_len is None else int(max_len)), new.shape[1:]
+    else:
+        b, s_new, h_kv, d = new.shape
     if cache.dtype != new.dtype or cache.element_size() not in _INT_OF_SIZE:
         raise ValueError(f"cache dtype {cache.dtype} and new dtype {new.dtype} must match (1/2/4/8-byte elements)")
     if tuple(cache.shape[2:]) != (h_kv, d):
@@ -74,12 +109,14 @@ def update(cache: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, *,
     if not isinstance(pos, torch.Tensor) or tuple(pos.shape) != (b,) or pos.dtype != torch.int32 \
             or pos.device != cache.device:
         raise ValueError(f"pos must be a ({b},) int32 tensor on {cache.device}")
-    paged = block_table is not None
+    paged, loc = block_table is not None, cache_loc is not None
+    check_cache_loc(cache_loc, b, cache.device)
     if paged:
-        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != b \
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 \
+                or (not loc and block_table.shape[0] != b) \
                 or block_table.dtype != torch.int32 or block_table.device != cache.device:
-            raise ValueError(f"block_table must be a ({b}, max_blocks) int32 tensor on {cache.device}")
-    elif cache.shape[0] != b:
+            raise ValueError(f"block_table must be a ({'rows' if loc else b}, max_blocks) int32 tensor on {cache.device}")
+    elif not loc and cache.shape[0] != b:
         raise ValueError(f"cache batch {cache.shape[0]} != new batch {b}")
     if b * s_new == 0 or h_kv * d == 0:
         return
@@ -88,8 +125,18 @@ def update(cache: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, *,
     block_d = triton.next_power_of_2(d)
     block_h = max(1, min(triton.next_power_of_2(h_kv), SLAB // block_d))
     _kvcache_update_kernel[(b * s_new,)](
-        cache_i, new_i, pos, block_table if paged else pos, s_new, h_kv, d,
-        *cache_i.stride()[:3], *new_i.stride()[:3], *(block_table.stride() if paged else (0, 0)),
-        PAGED=paged, PAGE=cache.shape[1] if paged else 1, BLOCK_H=block_h, BLOCK_D=block_d,
+        cache_i, new_i, pos, block_table if paged else pos, cache_loc if loc else pos,
+        seq_len if ragged else pos, seq_start if ragged else pos, s_new, h_kv, d,
+        *cache_i.stride()[:3], *((0, *new_i.stride()[:2]) if ragged else new_i.stride()[:3]),
+        *(block_table.stride() if paged else (0, 0)),
+        PAGED=paged, PAGE=cache.shape[1] if paged else 1, LOC=loc, RAGGED=ragged, BLOCK_H=block_h, BLOCK_D=block_d,
         num_warps=4,
     )
+
+
+def check_cache_loc(cache_loc: torch.Tensor | None, b: int, device: torch.device) -> None:
+    """ValueError unless cache_loc is None or a contiguous (b,) int32 tensor on `device`."""
+    if cache_loc is not None and (not isinstance(cache_loc, torch.Tensor) or tuple(cache_loc.shape) != (b,)
+                                  or cache_loc.dtype != torch.int32 or cache_loc.device != device
+                                  or (b > 1 and cache_loc.stride(0) != 1)):
+        raise ValueError(f"cache_loc must be a contiguous ({b},) int32 tensor on {device}")

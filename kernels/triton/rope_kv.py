@@ -1,7 +1,9 @@
 """TensorRT-LLM's RoPE-fused KV-cache write, in Triton (the helpers are rope.py's).
 
     p = pos[b] + t:   cache_k[slot(b, p)] = RoPE(k_new[b, t], p)      cache_v[slot(b, p)] = v_new[b, t]
-    slot(b, p) = (b, p) contiguous, (block_table[b, p // page], p % page) paged
+    slot(b, p) = (r, p) contiguous, (block_table[r, p // page], p % page) paged
+    r = cache_loc[b] (TensorRT-LLM's row indirection), or b without cache_loc
+    with q:           q_out[b, t] = RoPE(q[b, t], p)  (update_kv_cache_rope_fusion's q, every query head)
 
 Conventions (OPS.md, layers; golden refimpl/rope.py kv_update, refimpl/kvcache.py update): k is
 rotated over its whole head dim with half-split pairs ("interleaved as [2, D//2]" in TensorRT-LLM's
@@ -10,7 +12,9 @@ copied as it is (no conversion); every other slot keeps its bits. fp32 rotation,
 
 One program writes BLOCK_T tokens x BLOCK_H heads of one sequence, K then V: the table rows are
 read once as contiguous (cos, sin) pairs and shared by the heads; a multi-token write at an
-unaligned start follows the block table into the sequence's next page token by token.
+unaligned start follows the block table into the sequence's next page token by token. With q,
+the same program then rotates its heads' query rows of every group (q head g * h_kv + j for the
+program's kv heads j) with the same angles.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kvcache import check_cache_loc
 from .rope import STYLES, SUPPORTED_DTYPES, _blocks, _copy_rows, _pair_angles, _rope_rows, _tables, _warps
 
 
@@ -36,11 +41,14 @@ def _kv_rows(New_ptr, new_rows, Cache_ptr, cache_rows, m_rows, head_dim, offs_p,
 
 @triton.jit
 def _rope_kv_update_kernel(
-    KC_ptr, VC_ptr, KN_ptr, VN_ptr, Pos_ptr, Cos_ptr, Sin_ptr, BT_ptr, s_new, n_heads, head_dim, t_blocks,
+    KC_ptr, VC_ptr, KN_ptr, VN_ptr, Pos_ptr, Cos_ptr, Sin_ptr, BT_ptr, Loc_ptr, Q_ptr, QO_ptr, q_groups,
+    s_new, n_heads, head_dim, t_blocks,
     stride_kc_blk, stride_kc_slot, stride_kc_h, stride_vc_blk, stride_vc_slot, stride_vc_h,
     stride_kn_b, stride_kn_t, stride_kn_h, stride_vn_b, stride_vn_t, stride_vn_h,
-    stride_tab_row, stride_tab_col, stride_bt_b, stride_bt_p,
-    HALF: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, TABLE_PAIRS: tl.constexpr,
+    stride_tab_row, stride_tab_col, stride_bt_b, stride_bt_p, stride_q_b, stride_q_t, stride_q_h,
+    stride_qo_b, stride_qo_t, stride_qo_h,
+    HALF: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, LOC: tl.constexpr, ROPE_Q: tl.constexpr,
+    TABLE_PAIRS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -53,11 +61,15 @@ def _rope_kv_update_kernel(
     offs_p = tl.arange(0, BLOCK_P)
     mask_p = offs_p < head_dim // 2
     p = tl.load(Pos_ptr + b).to(tl.int64) + offs_t  # absolute positions of the new tokens
+    if LOC:
+        row = tl.load(Loc_ptr + b).to(tl.int64)  # the sequence's cache / block-table row
+    else:
+        row = b
     if PAGED:
-        blk = tl.load(BT_ptr + b * stride_bt_b + (p // PAGE) * stride_bt_p, mask=mask_t, other=0).to(tl.int64)
+        blk = tl.load(BT_ptr + row * stride_bt_b + (p // PAGE) * stride_bt_p, mask=mask_t, other=0).to(tl.int64)
         slot = p % PAGE
     else:
-        blk = b
+        blk = row
         slot = p
     cos, sin = _pair_angles(p, mask_t, offs_p, mask_p, Cos_ptr, Sin_ptr, stride_tab_row, stride_tab_col, 0.0, 0.0,
                             False, False, TABLE_PAIRS)
@@ -70,20 +82,33 @@ def _rope_kv_update_kernel(
              VC_ptr, (blk * stride_vc_blk + slot * stride_vc_slot)[:, None] + (offs_h * stride_vc_h)[None, :],
              m_rows, head_dim, offs_p, mask_p, cos, sin, HALF, ROTATE=False,
              BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_P=BLOCK_P)
+    if ROPE_Q:  # the queries of every group, at the tokens' positions p
+        for g in range(0, q_groups):
+            qh = g * n_heads + offs_h
+            _kv_rows(Q_ptr, b * stride_q_b + t64 * stride_q_t + (qh * stride_q_h)[None, :],
+                     QO_ptr, b * stride_qo_b + t64 * stride_qo_t + (qh * stride_qo_h)[None, :],
+                     m_rows, head_dim, offs_p, mask_p, cos, sin, HALF, ROTATE=True,
+                     BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_P=BLOCK_P)
 
 
 def kv_update(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
               pos: torch.Tensor, table: torch.Tensor, *, block_table: torch.Tensor | None = None,
-              style: str = "half") -> None:
+              cache_loc: torch.Tensor | None = None, q: torch.Tensor | None = None,
+              q_out: torch.Tensor | None = None, style: str = "half") -> torch.Tensor | None:
     """TensorRT-LLM's RoPE-fused KV write, in place: k_new rotated at position pos[b] + t by
     table's row, v_new copied, both appended after the first pos[b] tokens of sequence b.
 
-    k_cache, v_cache: (b, s_max, h_kv, d), or (num_blocks, page, h_kv, d) with block_table; last-dim
+    k_cache, v_cache: (rows, s_max, h_kv, d), or (num_blocks, page, h_kv, d) with block_table; last-dim
                       stride 1, other strides any
     k_new, v_new: (b, s_new, h_kv, d), the caches' dtype, last-dim stride 1
     pos: (b,) int32, tokens already cached; table: (max_seq, d/2, 2) (cos, sin) pairs (fp16 in
     TensorRT-LLM; fp32 and complex64 freqs_cis read too), rows indexed by absolute position
-    block_table: (b, max_blocks) int32 for the paged layout
+    block_table: (rows, max_blocks) int32 for the paged layout
+    cache_loc: (b,) int32 contiguous, each sequence's cache / block-table row (TensorRT-LLM's cache_loc;
+               None: row b, rows = b)
+    q: (b, s_new, h_q, d), h_q a multiple of h_kv, the caches' dtype, last-dim stride 1: rotated at
+       pos[b] + t too (TensorRT-LLM's update_kv_cache_rope_fusion) into q_out (like q; allocated when
+       None), which is returned (None without q)
     The caller guarantees that the writes fit, that pos[b] + s_new <= max_seq, and that no two
     sequences share a written page (not checked: that would sync the device).
     """
@@ -111,22 +136,43 @@ def kv_update(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
             or pos.device != k_cache.device:
         raise ValueError(f"pos must be a ({b},) int32 tensor on {k_cache.device}")
     cos_v, sin_v, s_row, s_col, pairs = _tables(None, None, table, d // 2, k_cache.device)
-    paged = block_table is not None
+    paged, loc = block_table is not None, cache_loc is not None
+    check_cache_loc(cache_loc, b, k_cache.device)
     if paged:
-        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != b \
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 \
+                or (not loc and block_table.shape[0] != b) \
                 or block_table.dtype != torch.int32 or block_table.device != k_cache.device:
-            raise ValueError(f"block_table must be a ({b}, max_blocks) int32 tensor on {k_cache.device}")
-    elif k_cache.shape[0] != b:
+            raise ValueError(f"block_table must be a ({'rows' if loc else b}, max_blocks) int32 tensor on "
+                             f"{k_cache.device}")
+    elif not loc and k_cache.shape[0] != b:
         raise ValueError(f"k_cache batch {k_cache.shape[0]} != k_new batch {b} (contiguous layout)")
+    rope_q = q is not None
+    if rope_q:
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or tuple(q.shape[:2]) != (b, s_new) \
+                or q.shape[3] != d or (h and q.shape[2] % h) or q.dtype != k_cache.dtype \
+                or q.device != k_cache.device or (d > 1 and q.stride(-1) != 1):
+            raise ValueError(f"q must be a ({b}, {s_new}, k * {h}, {d}) {k_cache.dtype} tensor on {k_cache.device} "
+                             f"with last-dim stride 1")
+        if q_out is None:
+            q_out = torch.empty_like(q)
+        if tuple(q_out.shape) != tuple(q.shape) or q_out.dtype != q.dtype or q_out.device != q.device \
+                or (d > 1 and q_out.stride(-1) != 1):
+            raise ValueError(f"q_out must be like q {tuple(q.shape)} {q.dtype}, last-dim stride 1")
+    elif q_out is not None:
+        raise ValueError("q_out given without q")
     if b * s_new == 0 or h * d == 0:
-        return
+        return q_out
     block_p = triton.next_power_of_2(d // 2)
     block_t, block_h = _blocks(s_new, h, 4 * block_p)  # K and V rows
     t_blocks = triton.cdiv(s_new, block_t)
     _rope_kv_update_kernel[(b * t_blocks, triton.cdiv(h, block_h))](
-        k_cache, v_cache, k_new, v_new, pos, cos_v, sin_v, block_table if paged else pos, s_new, h, d, t_blocks,
+        k_cache, v_cache, k_new, v_new, pos, cos_v, sin_v, block_table if paged else pos, cache_loc if loc else pos,
+        q if rope_q else k_new, q_out if rope_q else k_new, q.shape[2] // h if rope_q else 0, s_new, h, d, t_blocks,
         *k_cache.stride()[:3], *v_cache.stride()[:3], *k_new.stride()[:3], *v_new.stride()[:3], s_row, s_col,
         *(block_table.stride() if paged else (0, 0)),
-        HALF=style == "half", PAGED=paged, PAGE=k_cache.shape[1] if paged else 1, TABLE_PAIRS=pairs,
+        *(q.stride()[:3] if rope_q else (0, 0, 0)), *(q_out.stride()[:3] if rope_q else (0, 0, 0)),
+        HALF=style == "half", PAGED=paged, PAGE=k_cache.shape[1] if paged else 1, LOC=loc, ROPE_Q=rope_q,
+        TABLE_PAIRS=pairs,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_P=block_p, num_warps=_warps(block_t * block_h * 4 * block_p),
     )
+    return q_out
