@@ -191,6 +191,7 @@ def attention_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Ge
         k_head, ks = head_scales(rng, hkv, ad, -0.5, 0.5)
         v_head, vs = head_scales(rng, hkv, ad, -2.0, 2.0)
     lanes = _lane_rms(x, e)
+    g = gamma(rng, e, ae, p["gemma"])  # drawn first, as before `pads`: the other distributions' inputs unchanged
     wq, wk, wv = (unit_rows(dense(rng, h * ad, ae, real_e, hl, dist, s), lanes, s, dist)
                   for h, hl, s in ((hq, q_lanes, qs), (hkv, kv_lanes, ks), (hkv, kv_lanes, vs)))
     wo = dense(rng, ae, hq * ad, q_lanes, real_e, dist)
@@ -200,7 +201,7 @@ def attention_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Ge
         padding(rng, wo, real_e, q_lanes, rows_scale=0.0)  # W_o's padded columns; its padded rows stay zero
     out = {
         "x": dt.round_to(x, dtype),
-        "gamma": gamma(rng, e, ae, p["gemma"]),
+        "gamma": g,
         "wq": stored(p["wqkv"], wq),
         "wk": stored(p["wqkv"], wk),
         "wv": stored(p["wqkv"], wv),
