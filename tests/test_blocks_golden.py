@@ -146,7 +146,7 @@ PREFILL = [
 
 
 @pytest.mark.parametrize("reference", ["dequant", "emulated"])
-@pytest.mark.parametrize("dist", ["normal", "heads"])
+@pytest.mark.parametrize("dist", ["normal", "heads", "pads"])
 @pytest.mark.parametrize("params", PREFILL, ids=lambda p: f"{p['wqkv']}-{p['style']}")
 def test_attention_prefill_golden_is_the_literal_computation(params, dist, reference):
     case = ops.make_case("blocks.attention_prefill", "cpu", "fp32", params, dist, 3)

@@ -19,9 +19,9 @@ GPU (Hopper's sm90 path, Blackwell's sm100). Read against flash-attn-4 4.0.0b36.
   gradient. Judged against the op's `exact` reference (below). A case with both sinks and dLSE is a
   skip: FA4's LSE includes the sink, so its LSE cotangent is not the op's.
 - The LSE is FlashAttention's natural-log LSE (b, h_q, s_q); an empty row's +inf (FA2's convention)
-  is read as -inf (OPS.md). With sinks its LSE includes the sink's mass (an empty row's LSE is the
-  sink), which the op's `lse` (without the sink) is not: those cases report lse as not provided and
-  judge o.
+  is read as -inf (OPS.md) by conformance/lse.py's `empty_row_lse_to_neg_inf`, the one declared
+  conversion. With sinks its LSE includes the sink's mass (an empty row's LSE is the sink), which the
+  op's `lse` (without the sink) is not: those cases report lse as not provided and judge o.
 
 The adapter returns flash-attn-4's own tensors (no copy), so `parity bench` times its call alone.
 What it cannot express is a skip with the reason (`supports`): fp32, head dims outside 8..256 or not
@@ -54,6 +54,7 @@ from typing import Any
 
 from kernel_parity.conformance.backends import Backend, NotProvided
 from kernel_parity.conformance.backends._torch import cuda_available, to_torch, torch_available
+from kernel_parity.conformance.lse import empty_row_lse_to_neg_inf
 from kernel_parity.conformance.ops.attention_inputs import value_dim
 
 OPS = ("attention.prefill", "attention.prefill_backward")
@@ -133,15 +134,13 @@ def _call(p: dict, q: Any, k: Any, v: Any, sinks: Any) -> tuple[Any, Any]:
 
 
 def _prefill(case, inputs, out):
-    import torch
-
     p, dev = case.p, out.device
     q, k, v = (to_torch(inputs[n], dev) for n in ("q", "k", "v"))
     sinks = to_torch(inputs["sinks"], dev) if p["sink"] else None
     o, lse = _call(p, q, k, v, sinks)
     if sinks is not None:
         return {"o": o, "lse": NotProvided("flash-attn-4's LSE includes the sink's mass; the op's lse has none")}
-    return {"o": o, "lse": torch.where(lse == math.inf, -math.inf, lse)}
+    return {"o": o, "lse": empty_row_lse_to_neg_inf(lse)}
 
 
 def _prefill_backward(case, inputs, out):

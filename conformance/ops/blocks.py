@@ -123,11 +123,12 @@ def _outproj_mlp_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 # -- outputs and tolerances -------------------------------------------------------------------------
 ATTENTION_OUT = {
     "norm": Output("test", doc="RMSNorm(x) * gamma (or 1 + gamma), padding lanes zero"),
-    "q": Output("test", doc="norm @ Wq^T (+ bq), per head over a_d lanes"),
+    "q": Output("test", doc="norm @ Wq^T (+ bq), per head over a_d lanes (lanes [d, a_d) as the projection gives "
+                            "them: non-zero under `pads`)"),
     "k": Output("test", doc="norm @ Wk^T (+ bk)"),
     "v": Output("test", doc="norm @ Wv^T (+ bv)"),
     "q_rope": Output("test", doc="q rotated at its position (the first d lanes)"),
-    "k_rope": Output("test", doc="k rotated at its position"),
+    "k_rope": Output("test", doc="k rotated at its position (padding lanes kept: only the cache write clears them)"),
     "attn": Output("test", doc="attention over the cache (bottom-right causal, scale 1/sqrt(d)), per query head"),
     "k_cache": Output("test", inplace="k_cache", doc="K cache after the call: k_rope written at the new slots, "
                                                     "padding lanes cleared, every other slot untouched"),

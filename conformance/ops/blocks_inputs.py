@@ -17,7 +17,17 @@ off by far more than rounding):
   output variance, so the logits keep the size of the other distributions';
 - `tiny`: rows of scale 1e-3 (and, with several rows, an all-zero row): mean(x^2) ~ 1e-6 sits at the
   eps of the small-eps cases, and eps = 1 dominates it;
-- `rows`: row t scaled by 10^u, u ~ U(-3, 3) (the residual stream of neighbouring tokens far apart).
+- `rows`: row t scaled by 10^u, u ~ U(-3, 3) (the residual stream of neighbouring tokens far apart);
+- `pads` (attention blocks): `normal`, with values wherever the contract zeroes an output by the kernel's
+  own clearing rather than by its inputs (seed audit S6). The golden clears a cached row's lanes [d, a_d)
+  "whatever the projection gave there" (refimpl/blocks.py), so the Q/K/V weight rows and bias lanes
+  [d, a_d) of every head hold PAD_SCALE N(0, 1) (the q, k, v, q_rope, k_rope stages carry them; a cache
+  row, and the keys and values the attention reads, must not); W_o's columns of those lanes and the
+  Q/K/V columns of the padded row lanes [E, aE) hold the real weights' scale (they multiply lanes that
+  are zero in a correct kernel: the attention output's padding, the norm's). What stays zero is what
+  the contract lets a kernel assume: x, gamma, the residual, bo and the history's padding lanes (its
+  rows were written by the kernel's own clearing write), W_o's padded output rows (out's padding is
+  zero only through them).
 Positions are parameters: decode at pos around the 64-key tiles (63, 64, 65) and far out (1024).
 """
 
@@ -43,8 +53,11 @@ DISTS = {
     "blocks": "32-lane blocks of x x 10^U(-1.5, 1.5), 32-column blocks of W x 10^U(-1, 1): block scales far apart",
     "tiny": "rows of scale 1e-3 (and an all-zero row among several): eps decides the norm",
     "rows": "row t of x (and the residual) x 10^U(-3, 3): neighbouring tokens far apart",
+    "pads": "normal; Q/K/V weight rows and bias lanes [d, a_d) x 1e3, W_o's padded columns and the Q/K/V "
+            "columns [E, aE) non-zero: a cache row's padding is zero only by the kernel's clearing",
 }
-ATTN_DISTS = ("normal", "heads", "blocks", "tiny")
+PAD_SCALE = 1e3  # padding values a kernel must clear: far from anything a correct output holds there
+ATTN_DISTS = ("normal", "heads", "blocks", "tiny", "pads")
 ROW_DISTS = ("normal", "blocks", "tiny", "rows")
 
 
@@ -70,7 +83,7 @@ def rows(rng: np.random.Generator, t: int, n: int, aw: int, dist: str) -> np.nda
             x[t // 2] = 0.0
     elif dist == "rows":
         x *= 10.0 ** rng.uniform(-3.0, 3.0, (t, 1))
-    elif dist not in ("normal", "heads"):
+    elif dist not in ("normal", "heads", "pads"):
         raise ValueError(f"unknown distribution {dist!r}")
     return aligned(x, aw)
 
@@ -112,6 +125,20 @@ def unit_rows(w: np.ndarray, lanes: np.ndarray, row_scale: np.ndarray, dist: str
         return w
     norm = np.sqrt(((w * lanes[None, :]) ** 2).sum(axis=1))
     return w * np.divide(row_scale, norm, out=np.zeros_like(norm), where=norm > 0)[:, None]
+
+
+def padding(rng: np.random.Generator, w: np.ndarray, real_out: np.ndarray, real_in: np.ndarray,
+            rows_scale: float = PAD_SCALE) -> None:
+    """`pads`: fill, in place, a weight's (n_out, k) padded output rows with rows_scale N(0, 1) and its padded
+    input columns (on the real rows) with N(0, 1 / #real inputs), the real columns' scale: a column shares
+    its quantization blocks with real ones, whose precision a large value there would crush."""
+    pad_out, pad_in = real_out == 0, real_in == 0
+    if rows_scale:
+        w[pad_out] = rng.standard_normal((int(pad_out.sum()), w.shape[1])) * rows_scale
+    if pad_in.any():
+        sub = w[~pad_out]
+        sub[:, pad_in] = rng.standard_normal((sub.shape[0], int(pad_in.sum()))) / math.sqrt(max(1, int(real_in.sum())))
+        w[~pad_out] = sub
 
 
 def stored(fmt: str, w: np.ndarray) -> np.ndarray:
@@ -164,20 +191,31 @@ def attention_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Ge
         k_head, ks = head_scales(rng, hkv, ad, -0.5, 0.5)
         v_head, vs = head_scales(rng, hkv, ad, -2.0, 2.0)
     lanes = _lane_rms(x, e)
+    g = gamma(rng, e, ae, p["gemma"])  # drawn first, as before `pads`: the other distributions' inputs unchanged
+    wq, wk, wv = (unit_rows(dense(rng, h * ad, ae, real_e, hl, dist, s), lanes, s, dist)
+                  for h, hl, s in ((hq, q_lanes, qs), (hkv, kv_lanes, ks), (hkv, kv_lanes, vs)))
+    wo = dense(rng, ae, hq * ad, q_lanes, real_e, dist)
+    if dist == "pads":
+        for w, hl in ((wq, q_lanes), (wk, kv_lanes), (wv, kv_lanes)):
+            padding(rng, w, hl, real_e)
+        padding(rng, wo, real_e, q_lanes, rows_scale=0.0)  # W_o's padded columns; its padded rows stay zero
     out = {
         "x": dt.round_to(x, dtype),
-        "gamma": gamma(rng, e, ae, p["gemma"]),
-        "wq": stored(p["wqkv"], unit_rows(dense(rng, hq * ad, ae, real_e, q_lanes, dist, qs), lanes, qs, dist)),
-        "wk": stored(p["wqkv"], unit_rows(dense(rng, hkv * ad, ae, real_e, kv_lanes, dist, ks), lanes, ks, dist)),
-        "wv": stored(p["wqkv"], unit_rows(dense(rng, hkv * ad, ae, real_e, kv_lanes, dist, vs), lanes, vs, dist)),
-        "wo": stored(p["wo"], dense(rng, ae, hq * ad, q_lanes, real_e, dist)),
+        "gamma": g,
+        "wq": stored(p["wqkv"], wq),
+        "wk": stored(p["wqkv"], wk),
+        "wv": stored(p["wqkv"], wv),
+        "wo": stored(p["wo"], wo),
         "k_cache": history(rng, hkv, cap, d, ad, start, k_head),
         "v_cache": history(rng, hkv, cap, d, ad, start, v_head),
         **tables(cap, d, p["theta"]),
     }
     if p["bias"]:
         for name, lanes, s in (("bq", q_lanes, qs), ("bk", kv_lanes, ks), ("bv", kv_lanes, vs)):
-            out[name] = dt.round_to(rng.standard_normal(lanes.size) * lanes * s, "fp32")
+            b = rng.standard_normal(lanes.size) * lanes * s
+            if dist == "pads":
+                b += rng.standard_normal(lanes.size) * (1.0 - lanes) * PAD_SCALE
+            out[name] = dt.round_to(b, "fp32")
     if p["obias"]:
         out["bo"] = dt.round_to(rng.standard_normal(ae) * real_e, "fp32")
     if p["residual"]:

@@ -553,9 +553,9 @@ KP_INLINE int blocks_attention_decode_impl(const blk_params *P) {
             store(P->k + g * ad, kg, ad);
             store(P->v + g * ad, vg, ad);
             rope_row(kg, P->cos, P->sin, pos, d, (int)P->style);
+            store(P->k_rope + g * ad, kg, ad);   /* the stage keeps the projection's padding; the cache not */
             write_row(kg, P->k_cache + (g * P->cap + pos) * ad, d, ad);
             write_row(vg, P->v_cache + (g * P->cap + pos) * ad, d, ad);
-            store(P->k_rope + g * ad, kg, ad);
             /* its G query heads: q rows, RoPE */
             for (int64_t hh = 0; hh < G; hh++) {
                 const int64_t h = g * G + hh;   /* query head h reads kv head h / G */
@@ -630,13 +630,17 @@ KP_INLINE int blocks_attention_prefill_impl(const blk_params *P) {
         for (int64_t t = 0; t < T; t++) {
             const int64_t pos = P->start + t;
             for (int64_t h = 0; h < hq; h++) rope_row(qr + (t * hq + h) * ad, P->cos, P->sin, pos, d, (int)P->style);
+            for (int64_t g = 0; g < hkv; g++) rope_row(kr + (t * hkv + g) * ad, P->cos, P->sin, pos, d, (int)P->style);
+        }
+        /* the stages keep the projection's padding lanes; the cache write clears them (in kr and v too,
+         * which the attention then reads as the new keys and values) */
+        store(P->q_rope, qr, nq); store(P->k_rope, kr, nkv);
+        for (int64_t t = 0; t < T; t++)
             for (int64_t g = 0; g < hkv; g++) {
-                rope_row(kr + (t * hkv + g) * ad, P->cos, P->sin, pos, d, (int)P->style);
+                const int64_t pos = P->start + t;
                 write_row(kr + (t * hkv + g) * ad, P->k_cache + (g * P->cap + pos) * ad, d, ad);
                 write_row(v + (t * hkv + g) * ad, P->v_cache + (g * P->cap + pos) * ad, d, ad);
             }
-        }
-        store(P->q_rope, qr, nq); store(P->k_rope, kr, nkv);
         const attn_dims A = {T, hq, hkv, ad, P->cap, P->start, 1.0 / sqrt((double)d)};
         for (int64_t g = 0; g < hkv && st == KP_OK; g++)
             st = attend_group(&A, g, qr, P->k_cache, P->v_cache, kr, v, ao);
