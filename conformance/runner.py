@@ -104,7 +104,7 @@ class Prepared:
                                None if self.sample is None else self.sample.idx)
         self.out_dtypes = {k: spec.out_dtype(k, case.dtype) for k in self.shapes}
         self.pads = spec.output_pads(p) if spec.output_pads else {}
-        self.inplace = {n: o.inplace for n, o in spec.outputs.items() if o.inplace}
+        self.inplace = {n: src for n, o in spec.outputs.items() if (src := o.inplace_of(p))}
         self._check_golden_shapes()
         self.baseline_err: dict[str, float] | None = None
 

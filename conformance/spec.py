@@ -13,7 +13,8 @@ Contracts an op may declare, beyond one golden and one dtype:
 - ordered intermediates: `stages = ("norm", "proj", ...)`, outputs of a fused op in pipeline
   order; the record names the first stage that diverges from the composed golden;
 - in-place outputs: `Output(inplace="cache")` is that input as the kernel left it (every other
-  input must stay untouched);
+  input must stay untouched); `inplace` may be a function of the case's params naming the input or
+  None, for an op whose param chooses between a separate output and one written over an input;
 - gradients: `vjp(inputs64, params, cotangents) -> {grad: array}` is a float64 VJP golden; the
   cotangents (of the outputs in `cotangent_of`) are drawn from the case seed; `gradients` declares
   the gradient outputs, judged by the same layers (the noise layer with `Tol.grad_noise_k`);
@@ -46,11 +47,17 @@ class Output:
     nan_is_any: bool = False  # the golden's NaN marks "any value is right here" (an empty split's O)
     tol_dtype: str | None = None  # judge with this dtype's limits ("test": the case's) instead of the output's
     reference: str | None = None  # the reference that judges it (None: the op's main one)
-    inplace: str | None = None  # this output is the input of that name, as the kernel left it
+    # this output is the input of that name, as the kernel left it; or a function of the case's params
+    # giving that name or None (a param that chooses between a separate output and one over an input)
+    inplace: str | Callable[[dict[str, Any]], str | None] | None = None
     # exact float outputs: False when a NaN is computed by arithmetic (its payload and sign are the
     # hardware's: x86 makes 0xFFC00000, a GPU 0x7FFFFFFF), so any NaN matches a NaN of the golden
     nan_bits: bool = True
     doc: str = ""
+
+    def inplace_of(self, p: dict[str, Any]) -> str | None:
+        """The input this output is written over in a case of params p, or None (a separate buffer)."""
+        return self.inplace(p) if callable(self.inplace) else self.inplace
 
     def resolve(self, case_dtype: str) -> dt.DType:
         """The output's dtype for a plain (single-dtype) case; OpSpec.out_dtype handles sets."""

@@ -5,7 +5,7 @@ Kernel (every backend, or the --parity-backend plugins):
   mode the spec has (kv_update with and without TensorRT-LLM's cache_loc and its q rotation) (shapes small: the Triton kernels run through the interpreter on CI);
 - at position 0 RoPE is the identity: every position set to 0 gives x back, value for value;
 - the dims outside the rotary part are x's, bit for bit.
-- rope.rope_backward vs its golden; and the backward is the forward at the negated angle: each
+- rope.rope_backward vs its golden (dx separate or written over dy, `inplace`); and the backward is the forward at the negated angle: each
   backend's dx equals its own rope.rope of dy with the table's sin negated, within the op's limits
   (the pass-through dims dy's, bit for bit).
 Golden (float64):
@@ -122,8 +122,10 @@ def test_backward_is_the_forward_at_the_negated_angle(backend, case):
         table = inputs["table"].copy()
         table[..., 1] = -table[..., 1]
         fwd_in["table"] = table
-    fwd = ops.make_case("rope.rope", case.backend, case.dtype, case.p, case.dist, case.seed)
-    dx, y = runs.run(case, inputs)["dx"], runs.run(fwd, fwd_in)["y"]
+    fwd_p = {k: v for k, v in case.p.items() if k != "inplace"}  # the backward's own param
+    fwd = ops.make_case("rope.rope", case.backend, case.dtype, fwd_p, case.dist, case.seed)
+    dx = runs.run(case, {**inputs, "dy": inputs["dy"].copy()})["dx"]  # inplace=1 writes dx over its dy
+    y = runs.run(fwd, fwd_in)["y"]
     what = "compared with rope.rope of dy at the negated angle (sin negated in the table)"
     runs.assert_close(case, {"dx": dx}, {"dx": y.astype(np.float64)}, what)
     p = case.p

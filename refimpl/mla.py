@@ -260,7 +260,8 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
                      kv_cache: NDArray, block_table: NDArray, cache_lengths: NDArray, scale: float, *,
                      attn_sink: NDArray | None = None, causal: bool = True,
                      granularity: tuple[int, int, int] = (1, 128, 128),
-                     scale_ub: float = 1200.0, absolute: bool = False) -> tuple[F64, F64]:
+                     scale_ub: float = 1200.0, absolute: bool = False, q_inplace: bool = False
+                     ) -> tuple[F64, F64] | tuple[F64, F64, F64]:
     """MAX's `mla_decode_branch_fp8` (modular/modular max/kernels/src/nn/attention/gpu/mla_graph.mojo).
 
     q: (T, H, dn + d_r) ragged new tokens, dn = 128 (q_nope), d_r = 64 (q_rope)
@@ -277,6 +278,9 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
     returns: out (T, H, dv) float64, cache_after (kv_cache's shape) float64
     absolute: out's magnitudes instead of out, sqrt(sum_c a_c^2 w_nc^2) over step 4's dequantized FP8
     terms (the activation codes of the exact o_latent); cache_after is returned as it is (no model)
+    q_inplace: also return q_after (T, H, dn + d_r): q with its rope part rotated at its token's
+        position, as MAX's fused_qk_rope leaves q (in place), the nope part unchanged; with
+        `absolute`, its magnitudes (mla_fp8.rope_interleaved's model; |q| for the nope part)
 
     Order, as the kernel runs it:
     1. q_lat = bmm_fp8(q_nope, w_uk): q_nope quantized per (head, token, 128 channels)
@@ -321,8 +325,11 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
     if np.unique(new).size != T:
         raise ValueError("two new tokens map to the same cache slot")
     kg = granularity[2]
+    q_after = np.concatenate([np.abs(q[..., :dn]) if absolute else q[..., :dn],
+                              rope_interleaved(q[..., dn:], f[pos][:, None], absolute=absolute)], axis=-1)
     if T == 0:
-        return np.zeros((0, H, np.shape(w_uv)[1])), rows.reshape(np.shape(kv_cache)).copy()
+        empty = np.zeros((0, H, np.shape(w_uv)[1])), rows.reshape(np.shape(kv_cache)).copy()
+        return (*empty, q_after) if q_inplace else empty
     q_lat = bmm_fp8(q[..., :dn].transpose(1, 0, 2), w_uk,
                     np.reshape(w_uk_scale, (H, -1, -(-dn // kg))), granularity, scale_ub)  # H, T, d_c
     q_full = np.concatenate([q_lat.transpose(1, 0, 2), rope_interleaved(q[..., dn:], f[pos][:, None])], axis=-1)
@@ -339,4 +346,6 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
     o_lat = o_lat[ok]  # T, H, d_c in token order
     out = bmm_fp8(o_lat.transpose(1, 0, 2), w_uv,
                   np.reshape(w_uv_scale, (H, -1, -(-d_c // kg))), granularity, scale_ub, absolute=absolute)  # H, T, dv
+    if q_inplace:
+        return out.transpose(1, 0, 2), after.reshape(np.shape(kv_cache)), q_after
     return out.transpose(1, 0, 2), after.reshape(np.shape(kv_cache))

@@ -39,16 +39,22 @@ def as_f64(x: NDArray) -> F64:
     return fp8_decode(a) if "float8" in a.dtype.name else np.asarray(a, dtype=np.float64)
 
 
-def rope_interleaved(x: NDArray, freqs: NDArray) -> F64:
+def rope_interleaved(x: NDArray, freqs: NDArray, absolute: bool = False) -> F64:
     """RoPE on interleaved pairs with an explicit cos/sin table row per element.
 
     x: (..., r) with r even; freqs: (..., r) broadcastable, [cos_0, sin_0, cos_1, sin_1, ...]
     returns: (..., r); the product is a complex multiply, so a table with |f| != 1 (YaRN's mscale
     folded in) scales as well as rotates.
+    absolute: the error model's magnitudes instead (refimpl.rope's): each output's two products in
+    squared form, sqrt((x_r f_r)^2 + (x_i f_i)^2) and sqrt((x_r f_i)^2 + (x_i f_r)^2)
     """
     x, f = np.asarray(x, dtype=np.float64), np.asarray(freqs, dtype=np.float64)
     xr, xi, fr, fi = x[..., 0::2], x[..., 1::2], f[..., 0::2], f[..., 1::2]
     out = np.empty(np.broadcast_shapes(x.shape, f.shape))
+    if absolute:
+        out[..., 0::2] = np.hypot(xr * fr, xi * fi)
+        out[..., 1::2] = np.hypot(xr * fi, xi * fr)
+        return out
     out[..., 0::2] = xr * fr - xi * fi
     out[..., 1::2] = xr * fi + xi * fr
     return out

@@ -13,6 +13,7 @@ import pytest
 
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance import ops
+from kernel_parity.conformance.backends import Backend, Registry
 from kernel_parity.conformance.results import CaseResult, ResultsError
 from kernel_parity.conformance.runner import Runner
 from tests import example_ops as ex
@@ -92,6 +93,38 @@ def test_in_place_outputs_are_checked_and_other_inputs_must_stay_untouched(dtype
     assert shifted.verdict == "fail" and shifted.kind == "exact"
     scribbles = run(f"example.append/ex_ap_scribble/{dtype}/n=40,k=7/normal/seed=0", "AP_SCRIBBLES")
     assert scribbles.verdict == "fail" and "wrote into input(s) new" in scribbles.reason
+
+
+def _rope_bwd_kernel(over_dy: bool):
+    """Our C rope backward with dx stored over dy (returned only when the case has no inplace, so the runner
+    must find it in dy's buffer itself), or into a scratch array it drops."""
+    def run(case, inputs, out):
+        from kernel_parity.kernels.cpu import rope as k
+
+        dx = inputs["dy"] if over_dy else np.empty_like(inputs["dy"])
+        k.rope_backward(inputs["dy"], inputs["positions"], cos=inputs["cos"], sin=inputs["sin"],
+                        style=case.p["style"], rot=case.p["rot"], at=case.p["at"], out=dx)
+        return {} if case.p.get("inplace", 0) else {"dx": dx}
+    return run
+
+
+RB_OVER = Backend(name="ex_rb_over", ops={"rope.rope_backward": _rope_bwd_kernel(True)})
+RB_SCRATCH = Backend(name="ex_rb_scratch", ops={"rope.rope_backward": _rope_bwd_kernel(False)})
+_RB = ("rope.rope_backward/{}/fp32/t=7,h=3,d=64,rot=32,style=half,at=first,table=cos_sin,theta=10000,"
+       "scaling=none,maxseq=64,pos=random,start=0{}/normal/seed=0")
+
+
+def test_an_in_place_output_chosen_by_a_param_is_the_input_as_left_and_only_then_may_it_be_written():
+    def one(backend: str, inplace: str) -> CaseResult:
+        registry = Registry(extra=[f"tests.test_contracts:{n}" for n in ("RB_OVER", "RB_SCRATCH")])
+        return Runner(registry).evaluate(ops.parse_case(_RB.format(backend, inplace)))
+
+    over = one("ex_rb_over", ",inplace=1")
+    assert over.verdict == "pass", over.reason
+    not_declared = one("ex_rb_over", "")  # inplace=0: the right dx, but dy must stay untouched
+    assert not_declared.verdict == "fail" and "wrote into input(s) dy" in not_declared.reason, not_declared.reason
+    dropped = one("ex_rb_scratch", ",inplace=1")  # dy left as it was: judged as dx, it is dy, not dx
+    assert dropped.verdict == "fail", dropped.reason
 
 
 # -- gradients -----------------------------------------------------------------------------------------------

@@ -373,6 +373,28 @@ def test_fused_writes_only_the_new_rows():
     assert changed.sum() == off[-1], f"fused: {changed.sum()} rows changed, want {off[-1]}"
 
 
+def test_fused_q_inplace_rotates_q_rope_at_each_tokens_position_and_keeps_q_nope():
+    """q_inplace (MAX's fused_qk_rope leaves q rotated): q_after's rope part is q's rotated at position
+    cache_lengths[r] + t, token by token (complex multiply); the nope part is q's, value for value; the other
+    outputs are those without it; the magnitudes (absolute, the two products in squared form) are within
+    sqrt(2) of |q_after| (|u + v| <= sqrt(2) hypot(u, v)), |q_nope| exact."""
+    rng = np.random.default_rng(13)
+    kw = _fused_case(rng)
+    out, after, q_after = mla.decode_fused_fp8(**kw, q_inplace=True)
+    out0, after0 = mla.decode_fused_fp8(**kw)
+    assert np.array_equal(out, out0) and np.array_equal(after, after0, equal_nan=True), "q_inplace moved out / cache"
+    q, off, cl = kw["q"], kw["input_row_offsets"], kw["cache_lengths"]
+    want = q.copy()
+    for r in range(cl.size):
+        for t in range(off[r + 1] - off[r]):
+            want[off[r] + t, :, DN:] = _rope_complex(q[off[r] + t, :, DN:], kw["freqs_cis"][cl[r] + t][None])
+    assert np.array_equal(q_after[..., :DN], q[..., :DN]), "q_inplace: the nope part changed"
+    _close(q_after, want, "q_after vs token-by-token rotation")
+    assert not np.allclose(q_after[..., DN:], q[..., DN:]), "q_inplace: the rope part was not rotated"
+    mag = mla.decode_fused_fp8(**kw, q_inplace=True, absolute=True)[2]
+    assert np.array_equal(mag[..., :DN], np.abs(q[..., :DN])) and np.all(np.sqrt(2) * mag >= np.abs(q_after) * (1 - 1e-12))
+
+
 @pytest.mark.parametrize("sink", [None, [0.3, -1.0, 2.0, -np.inf]])
 def test_fused_equals_composition_of_pieces(sink):
     rng = np.random.default_rng(12)

@@ -100,3 +100,40 @@ def test_theta_limits_grow_with_the_largest_position():
         assert lim.atol_max_eps * d.eps == pytest.approx(2 * acc)
         table = spec.tolerance.limits("y", d, dict(p, table="cis"))
         assert table.cos_diff == pytest.approx(base.cos_diff + 2 * eps32**2)
+
+
+def test_rope_backward_in_place_equals_a_separate_dx_and_a_partial_overlap_is_refused():
+    """out=dy (C-Kernel-Engine's rope_backward_qk: dx over dy) gives a separate dx's bits, both pairings;
+    an out that overlaps dy one element over is refused before anything is written."""
+    from kernel_parity.conformance.backends.triton_prep import interpreter_ready, prepare_environment
+
+    prepare_environment()
+    import torch
+
+    from kernel_parity.kernels.cpu import rope as kc
+
+    _, pos, _, _ = _numpy_args()
+    ang = np.random.default_rng(2).uniform(0, 6.3, (MAXSEQ, ROT // 2))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    buf = np.random.default_rng(3).standard_normal(T * H * D + 1).astype(np.float32)
+    dy = buf[:-1].reshape(T, H, D)
+    for style in ("half", "interleaved"):
+        want = kc.rope_backward(dy, pos, cos=cos, sin=sin, rot=ROT, style=style)
+        got = dy.copy()
+        assert kc.rope_backward(got, pos, cos=cos, sin=sin, rot=ROT, style=style, out=got) is got
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), style
+    with pytest.raises(ValueError, match="overlaps"):
+        kc.rope_backward(dy, pos, cos=cos, sin=sin, rot=ROT, out=buf[1:].reshape(T, H, D))
+    if interpreter_ready():
+        return
+    from kernel_parity.kernels.triton import rope as kt
+
+    tdy, tpos, tcos, tsin = (torch.from_numpy(a) for a in (dy.copy(), pos, cos, sin))
+    for style in ("half", "interleaved"):
+        want = kt.rope_backward(tdy, tpos, cos=tcos, sin=tsin, rot=ROT, style=style)
+        got = tdy.clone()
+        assert kt.rope_backward(got, tpos, cos=tcos, sin=tsin, rot=ROT, style=style, out=got) is got
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), style
+    tbuf = torch.from_numpy(buf.copy())
+    with pytest.raises(ValueError, match="overlaps"):
+        kt.rope_backward(tbuf[:-1].view(T, H, D), tpos, cos=tcos, sin=tsin, rot=ROT, out=tbuf[1:].view(T, H, D))

@@ -102,6 +102,9 @@ class LigerBackend(Backend):
                         f"row (pad={p['pad']})")
             return _width_reason(p["n"], "n")
         if op == "rope.rope":
+            if p.get("inplace", 0):
+                return ("rope.rope_backward inplace=1 (dx over dy): liger's backward is reached through autograd, "
+                        "which hands back its own gradient tensor; no call writes dx into the caller's dy")
             if p["style"] != "half":
                 return "liger's RoPE rotates half pairs (i, i + rot/2) (HF's rotate_half), not interleaved pairs"
             if p["rot"] < p["d"] and p["at"] != "first":

@@ -52,8 +52,9 @@ def triton_ops(device: str) -> dict[str, Callable]:
 
         o = out.torch("out", device)
         t = {k: to_torch(v, device) for k, v in inputs.items()}
-        mla_decode_fused_fp8(*_fused_args(t), attn_sink=t.get("attn_sink"), out=o)  # writes t["kv_cache"]
-        return {"out": o, "kv_cache": t["kv_cache"]}
+        qrope = bool(case.p.get("qrope", 0))  # writes t["kv_cache"], and with qrope t["q"]'s rope part
+        mla_decode_fused_fp8(*_fused_args(t), attn_sink=t.get("attn_sink"), out=o, q_inplace=qrope)
+        return {"out": o, "kv_cache": t["kv_cache"], **({"q": t["q"]} if qrope else {})}
 
     return {"mla.decode": decode, "mla.decode_sparse": sparse, "mla.decode_fused_fp8": fused_fp8}
 
@@ -93,9 +94,10 @@ def torch_ops(device: str) -> dict[str, Callable]:
         from kernel_parity.kernels.torch import mla as k
 
         t = {n: to_torch(v, device) for n, v in inputs.items()}
-        o, cache = k.decode_fused_fp8(*_fused_args(t), attn_sink=t.get("attn_sink"), inplace=True)
+        qrope = bool(case.p.get("qrope", 0))
+        o, cache = k.decode_fused_fp8(*_fused_args(t), attn_sink=t.get("attn_sink"), inplace=True, q_inplace=qrope)
         oo = out.torch("out", device)
         oo.copy_(o)
-        return {"out": oo, "kv_cache": cache}
+        return {"out": oo, "kv_cache": cache, **({"q": t["q"]} if qrope else {})}
 
     return {"mla.decode": decode, "mla.decode_sparse": sparse, "mla.decode_fused_fp8": fused_fp8}

@@ -5,7 +5,11 @@ The table a case gives is handed to the kernel in its own layout: `cos`/`sin` (c
 (cos, sin) pairs (cs_f16), or Meta's complex64 freqs_cis (cis: the case stores its float32
 (real, imag) pairs; the adapters view them as complex, with no copy); table=theta passes theta
 and the scaling. rope.rope_backward hands the kernels dy (the cotangent) where the forward hands x:
-our Triton and C backward run the forward kernel at the negated angles. kv_update writes in place, so each adapter first copies the old caches into the
+our Triton and C backward run the forward kernel at the negated angles. With inplace=1 they are
+called with out = dy's own buffer (C-Kernel-Engine's rope_backward_qk: d_q in and out), and that buffer
+is returned as dx; the torch baseline's autograd forms dx in a fresh tensor before it is copied over
+dy, so its in-place form has no aliasing to get wrong (it is the reference behaviour, not a test of
+torch). kv_update writes in place, so each adapter first copies the old caches into the
 poisoned output buffers (harness work, outside what is judged) and lets the kernel write there;
 with q (hq > 0) each kernel also writes the rotated queries into the q_rope output buffer.
 """
@@ -77,9 +81,10 @@ def triton_ops(device: str) -> dict[str, Callable]:
     def rope_backward(case, inputs, out):
         from kernel_parity.kernels.triton import rope as k
 
-        dx = out.torch("dx", device)
-        k.rope_backward(to_torch(inputs["dy"], device), to_torch(inputs["positions"], device),
-                        **_angles_torch(case, inputs, device), **_style(case), out=dx)
+        dy = to_torch(inputs["dy"], device)
+        dx = dy if case.p.get("inplace", 0) else out.torch("dx", device)
+        k.rope_backward(dy, to_torch(inputs["positions"], device), **_angles_torch(case, inputs, device),
+                        **_style(case), out=dx)
         return {"dx": dx}
 
     return {"rope.rope": rope, "rope.kv_update": _torch_kv(device, kernel), "rope.rope_backward": rope_backward}
@@ -108,7 +113,7 @@ def cpu_ops() -> dict[str, Callable]:
     def rope_backward(case, inputs, out):
         from kernel_parity.kernels.cpu import rope as k
 
-        dx = out.numpy("dx")
+        dx = inputs["dy"] if case.p.get("inplace", 0) else out.numpy("dx")
         k.rope_backward(inputs["dy"], inputs["positions"], **_angles_numpy(case, inputs), **_style(case), out=dx)
         return {"dx": dx}
 
@@ -132,10 +137,10 @@ def torch_ops(device: str) -> dict[str, Callable]:
     def rope_backward(case, inputs, out):
         from kernel_parity.kernels.torch import rope as k
 
-        dx = out.torch("dx", device)
-        dx.copy_(k.rope_backward(to_torch(inputs["x"], device), to_torch(inputs["positions"], device),
-                                 to_torch(inputs["dy"], device), **_angles_torch(case, inputs, device),
-                                 **_style(case)))
+        dy = to_torch(inputs["dy"], device)
+        dx = dy if case.p.get("inplace", 0) else out.torch("dx", device)
+        dx.copy_(k.rope_backward(to_torch(inputs["x"], device), to_torch(inputs["positions"], device), dy,
+                                 **_angles_torch(case, inputs, device), **_style(case)))
         return {"dx": dx}
 
     return {"rope.rope": rope, "rope.kv_update": _torch_kv(device, kernel), "rope.rope_backward": rope_backward}

@@ -85,6 +85,8 @@ CLASSES = {
     "rope-angle": "the angle table misread (cos and sin swapped, a row off by one) or its frequencies built wrong",
     "rope-scope": "the rotation applied where it does not belong (V rotated too, pass-through dims rotated), or "
                   "left out where it does (q copied unrotated)",
+    "inplace-alias": "an in-place kernel (out aliasing its input) reads an element after it stored a result over it "
+                     "(a rotation pair's first output stored before the pair's input is read again)",
     "sparse-padding": "a -1 top-k index (padding) gathered instead of skipped",
     # gated MLP
     "gate-up-order": "the gate and up halves of a gated MLP swapped (up goes through the activation)",

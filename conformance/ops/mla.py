@@ -7,7 +7,10 @@
                        per-request top-k lengths): DeepSeek's sparse MLA
 - `mla.decode_fused_fp8`  Modular MAX's mla_decode_branch_fp8: RoPE and RMSNorm of the new cache
                        rows (in place: the cache after the call is an output), FP8 W_UK / W_UV
-                       block-scaled matmuls around the decode
+                       block-scaled matmuls around the decode; with `qrope` (default 0, ids
+                       unchanged) q's rope part is rotated in place too, as MAX's fused_qk_rope
+                       leaves it, and q after the call is an output (rope.rope's error model,
+                       acc_len 2); without it q must stay untouched
 
 Inputs follow FlashMLA's own test (tests/test_flash_mla_dense_decoding.py): randn / 10 clamped
 to [-1, 1], every cache row past a request's length and every unused page NaN, unused block-table
@@ -30,7 +33,7 @@ from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.ops.attention import BASELINE_TIER, attention_tolerance
 from kernel_parity.conformance.inputs import normal_quantiles, table_words
 from kernel_parity.conformance.ops.attention_inputs import lengths
-from kernel_parity.conformance.params import Int, OneOf, Schema
+from kernel_parity.conformance.params import Defaults, Int, OneOf, Schema
 from kernel_parity.conformance.spec import OpSpec, Output, Rows
 from kernel_parity.conformance.tolerance import Override, Tier
 
@@ -343,29 +346,37 @@ def _fused_inputs(p, dtype, dist, rng):
 
 
 def _fused_ref(x, p, absolute=False):
-    out, after = refimpl.mla.decode_fused_fp8(
+    got = refimpl.mla.decode_fused_fp8(
         x["q"], x["input_row_offsets"], x["freqs_cis"], x["gamma"], FUSED_EPS, x["w_uk"], x["w_uk_scale"],
         x["w_uv"], x["w_uv_scale"], x["kv_cache"], x["block_table"], x["cache_lengths"], FUSED_SCALE,
-        attn_sink=x.get("attn_sink"), absolute=absolute)
-    return {"out": out, "kv_cache": after}
+        attn_sink=x.get("attn_sink"), absolute=absolute, q_inplace=bool(p.get("qrope", 0)))
+    return dict(zip(("out", "kv_cache", "q"), got))
 
 
 def _fused_mag(x, p):
     """out's magnitude: the FP8 projection's 512 terms in squared form (refimpl/mla.py; cond 1.46-1.58 on the ci
     cases, sums of random-sign products); the cache after the call is judged against |golden| as before (left
-    out: its new rows are products and RoPE's two-term rotations)."""
-    return {"out": _fused_ref(x, p, absolute=True)["out"]}
+    out: its new rows are products and RoPE's two-term rotations). With qrope, q's rotated part has rope.rope's
+    model (each output's two products in squared form; the nope part |q|, an exact copy)."""
+    mag = _fused_ref(x, p, absolute=True)
+    del mag["kv_cache"]
+    return mag
 
 
 def _fused_shapes(p):
     cl, n = _fused_layout(p)
     blocks = sum(-(-int(L) // PAGE) for L in cl + n) + 2  # paged_latent_cache's pages plus its two spares
-    return {"out": (int(n.sum()), p["hq"], DV_HEAD), "kv_cache": (blocks, PAGE, 1, D)}
+    out = {"out": (int(n.sum()), p["hq"], DV_HEAD), "kv_cache": (blocks, PAGE, 1, D)}
+    if p.get("qrope", 0):
+        out["q"] = (int(n.sum()), p["hq"], DN + D_R)
+    return out
 
 
 def _fused_acc(p, output):
     if output == "kv_cache":
         return D_C  # the RMSNorm's sum of squares
+    if output == "q":
+        return 2  # rope.rope's: a rotated element sums two products (judged by its error model, _fused_mag)
     return D_C + p["kv"] + 2 + D  # the 512-term FP8 matmul after a softmax over the keys of 576-dim dots
 
 
@@ -414,20 +425,25 @@ DECODE_FUSED_FP8 = OpSpec(
     golden=refimpl.mla.decode_fused_fp8,
     reference=_fused_ref,
     magnitude=_fused_mag,
-    params=Schema(dict(
+    params=Defaults(dict(
         b=Int(1, 256, edges=(1, 3, 128), doc="requests"),
         new=OneOf(1, 2, "ragged", doc="new tokens per request: 1, 2 (MTP), or ragged 1, 2, 0, ..."),
         hq=Int(1, 128, edges=(16, 128), doc="query heads (one latent KV head)"),
         kv=Int(0, 1 << 17, edges=(63, 64, 65), doc="longest cached length before the step"),
         lens=LENS,
         sink=OneOf(0, 1, doc="one sink logit per query head"),
-    )),
+        qrope=OneOf(0, 1, doc="1: q's rope part rotated in place at its token's position (MAX's fused_qk_rope) and "
+                              "judged as output q; 0: q must stay untouched"),
+    ), {"qrope": 0}),
     make_inputs=_fused_inputs,
     output_shapes=_fused_shapes,
     outputs={
         "out": Output("test", doc="out = o_lat W_UV (T, h_q, 128), through MAX's FP8 activation quantization"),
         "kv_cache": Output("test", inplace="kv_cache",
                            doc="the cache after the call: the new tokens' rows RMS-normalised and roped"),
+        "q": Output("test", inplace=lambda p: "q" if p.get("qrope", 0) else None,
+                    doc="qrope=1 only: q after the call, its rope part rotated at its token's position, the nope "
+                        "part untouched"),
     },
     tolerance=replace(attention_tolerance(_fused_acc, *_FUSED_OUT), baseline=FUSED_BASELINE),
     flops=_fused_flops,
@@ -435,7 +451,7 @@ DECODE_FUSED_FP8 = OpSpec(
     dists=FUSED_DISTS,
     backends=("triton", "torch"),
     doc="MAX's mla_decode_branch_fp8: RoPE + RMSNorm of the new cache rows in place, FP8 W_UK / W_UV "
-        "block-scaled batched matmuls around the dense MLA decode.",
+        "block-scaled batched matmuls around the dense MLA decode; qrope=1: q's rope part rotated in place too.",
 )
 
 SPECS = (DECODE, DECODE_SPARSE, DECODE_FUSED_FP8)

@@ -305,14 +305,24 @@ BACKWARD_BASELINE_TIER = Tier(
     overrides=tuple(Override(_HF_16BIT, output="dx", dtype=dtype, atol_max_eps=1.5) for dtype in ("fp16", "bf16")),
 )
 
+# inplace=1 (C-Kernel-Engine's rope_backward_qk, which takes d_q as input and output): the kernel is called
+# with dx aliasing dy's buffer, and dx is judged as that buffer as the kernel left it (Output.inplace_of: dy is
+# then the one input it may write). A kernel that stores one element of a rotation pair and then reads that
+# element again for the pair's other output passes with separate buffers and reads its own result in place.
+
 ROPE_BACKWARD = OpSpec(
     name="rope.rope_backward",
     golden=ref.rope_backward,
     reference=_bwd_ref,
-    params=ROPE.params,
+    params=Defaults({**ROPE.params.params,
+                     "inplace": OneOf(0, 1, doc="1: dx written over dy's buffer (out aliases the input; "
+                                                "C-Kernel-Engine's rope_backward_qk); 0: a separate dx")},
+                    {"inplace": 0}),
     make_inputs=_bwd_inputs,
     output_shapes=lambda p: {"dx": (p["t"], p["h"], p["d"])},
-    outputs={"dx": Output("test", doc="dy's rotary part rotated by the negated angles; the other dims dy's")},
+    outputs={"dx": Output("test", inplace=lambda p: "dy" if p.get("inplace", 0) else None,
+                          doc="dy's rotary part rotated by the negated angles; the other dims dy's "
+                              "(inplace=1: dy's buffer after the call)")},
     tolerance=Tol(acc_len=_angle_len, noise_k=3.0,
                   overrides=tuple(Override(o.reason, output="dx", atol_acc=o.atol_acc, agg_acc=o.agg_acc)
                                   for o in _ANGLES),
@@ -322,7 +332,8 @@ ROPE_BACKWARD = OpSpec(
     magnitude=_bwd_mag,
     check=_check,
     diagnoses=ROPE.diagnoses,
-    doc="RoPE's VJP: dx = RoPE at the negated angles of dy (pass-through dims copied), every layout and table.",
+    doc="RoPE's VJP: dx = RoPE at the negated angles of dy (pass-through dims copied), every layout and table; "
+        "inplace=1: dx written over dy.",
 )
 
 SPECS = (ROPE, KV_UPDATE, ROPE_BACKWARD)

@@ -202,7 +202,7 @@ def decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis
                      block_table: torch.Tensor, cache_lengths: torch.Tensor, scale: float, *,
                      attn_sink: torch.Tensor | None = None, causal: bool = True,
                      granularity: tuple[int, int, int] = (1, 128, 128), scale_ub: float = 1200.0,
-                     inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     inplace: bool = False, q_inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """MAX's `mla_decode_branch_fp8`, eager, in q.dtype; arguments and order as refimpl/mla.py.
 
     q (T, H, dn + d_r), input_row_offsets (b + 1,), freqs_cis (max_seq_len, d_r), gamma (d_c,),
@@ -216,6 +216,8 @@ def decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis
        RMSNorm), rope part and q_rope rotated in float32 and rounded (DeepSeek's apply_rotary_emb).
     3. Attention of [q_lat ; q_rope] over the updated rows, as `decode` (causal: key j <= position).
     4. out = o_lat W_UV, o_lat quantized like q_nope.
+    q_inplace: q[..., dn:] is left holding its rotation (step 2's, in q.dtype), as MAX's fused_qk_rope leaves
+    q; the rotation is formed before it is written (q_nope was read in step 1).
     """
     dt = q.dtype
     off = input_row_offsets.to(q.device).long()
@@ -248,6 +250,8 @@ def decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis
     q_lat = _bmm_fp8(q[..., :dn].transpose(0, 1), w_uk, w_uk_scale, granularity, scale_ub)  # H, T, d_c
     f = freqs_cis[pos]  # T, d_r
     q_full = torch.cat([q_lat.transpose(0, 1), _rope(q[..., dn:], f[:, None])], dim=-1)  # T, H, d
+    if q_inplace:
+        q[..., dn:] = q_full[..., d_c:]
     fresh = rows[new]  # read before any write: the raw kv_a_proj output
     after[new, :d_c] = F.rms_norm(fresh[:, :d_c], (d_c,), gamma.to(dt), epsilon)
     after[new, d_c:] = _rope(fresh[:, d_c:], f)

@@ -102,7 +102,7 @@ def _mla_fused_rope_norm_kernel(
     stride_qt, stride_qh, stride_bt_b, stride_bt_p, stride_f, stride_kb, stride_ks, stride_new_t,
     stride_qf_t, stride_qf_h,
     PAGE: tl.constexpr, DN: tl.constexpr, D_C: tl.constexpr, D_R: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, Q_INPLACE: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     # The token's request: how many requests end at or before it (empty requests included).
@@ -155,8 +155,13 @@ def _mla_fused_rope_norm_kernel(
         qe = tl.load(q_row + xe[None, :], mask=mask_h, other=0.0).to(tl.float32)
         qo = tl.load(q_row + xo[None, :], mask=mask_h, other=0.0).to(tl.float32)
         qf_row = QF_ptr + t.to(tl.int64) * stride_qf_t + heads[:, None] * stride_qf_h + D_C
-        tl.store(qf_row + xe[None, :], qe * cos[None, :] - qo * sin[None, :], mask=mask_h)
-        tl.store(qf_row + xo[None, :], qe * sin[None, :] + qo * cos[None, :], mask=mask_h)
+        re = qe * cos[None, :] - qo * sin[None, :]
+        ro = qe * sin[None, :] + qo * cos[None, :]
+        tl.store(qf_row + xe[None, :], re, mask=mask_h)
+        tl.store(qf_row + xo[None, :], ro, mask=mask_h)
+        if Q_INPLACE:  # MAX's fused_qk_rope: q's rope part left rotated, rounded once to q's dtype
+            tl.store(q_row + xe[None, :], re.to(Q_ptr.dtype.element_ty), mask=mask_h)
+            tl.store(q_row + xo[None, :], ro.to(Q_ptr.dtype.element_ty), mask=mask_h)
 
 
 @triton.jit
@@ -349,8 +354,9 @@ def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs
                          w_uv: torch.Tensor, w_uv_scale: torch.Tensor, kv_cache: torch.Tensor,
                          block_table: torch.Tensor, cache_lengths: torch.Tensor, scale: float, *,
                          attn_sink: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                         max_new_tokens: int | None = None) -> torch.Tensor:
-    """MAX's mla_decode_branch_fp8; writes the new tokens' cache rows in place.
+                         max_new_tokens: int | None = None, q_inplace: bool = False) -> torch.Tensor:
+    """MAX's mla_decode_branch_fp8; writes the new tokens' cache rows in place (and, with q_inplace, q's
+    rope part: MAX's fused_qk_rope leaves q rotated).
 
     q: (T, H, dn + d_r) bf16/fp16/fp32, last-dim stride 1; dn a multiple of 128 (128), d_r = freqs_cis.shape[1]
     input_row_offsets: (b + 1,) int32, request r's tokens q[off[r]:off[r + 1]] (0 tokens allowed)
@@ -364,6 +370,8 @@ def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs
     scale: softmax scale; attn_sink: (H,) float32 or None
     out: (T, H, dv) q's dtype, last-dim stride 1
     max_new_tokens: >= every request's new-token count (None: read from the offsets, a sync on a GPU)
+    q_inplace: q[..., dn:] overwritten with its rotation at the token's position (rounded once to q's dtype;
+        the attention uses the fp32 rotation); q[..., :dn] is only read. False: q is only read
     returns: out
     """
     what = "mla_decode_fused_fp8"
@@ -439,7 +447,7 @@ def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs
         q.stride(0), q.stride(1), *block_table.stride(), freqs_cis.stride(0), stride_kb, stride_ks,
         new_rows.stride(0), q_full.stride(0), q_full.stride(1),
         PAGE=page, DN=dn, D_C=d_c, D_R=d_r, BLOCK_B=min(1024, triton.next_power_of_2(max(b, 1))),
-        BLOCK_H=min(ROPE_HEADS, triton.next_power_of_2(H)), num_warps=4,
+        BLOCK_H=min(ROPE_HEADS, triton.next_power_of_2(H)), Q_INPLACE=bool(q_inplace), num_warps=4,
     )
     _bmm_fp8(q[..., :dn], w_uk, s_uk, q_full[..., :d_c])
     cfg_m, cfg_n, warps, stages, precision = ATTEND_CONFIG

@@ -302,7 +302,9 @@ def rope(x: torch.Tensor, positions: torch.Tensor, *, cos: torch.Tensor | None =
     angles, exactly one of: cos, sin (max_seq, rot/2) | table (max_seq, rot/2, 2) pairs or complex64
         (max_seq, rot/2) freqs_cis | theta (> 0; scaling "none" or "llama3")
     style: "interleaved" or "half"; rot: even rotary dims <= d (default d); at: "first" or "last"
-    out: (t, h, d) x's dtype, last-dim stride 1, not overlapping x; allocated when None
+    out: (t, h, d) x's dtype, last-dim stride 1; allocated when None. It may be x itself (in place, the
+        backward's dx over dy): a program loads each row's elements before it stores them and no two
+        programs share a row; an out that overlaps x otherwise is refused
     returns: out
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
@@ -345,6 +347,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, *, cos: torch.Tensor | None =
         raise ValueError(f"out must be a {tuple(x.shape)} {x.dtype} tensor on {x.device}")
     elif d > 1 and out.stride(2) != 1:
         raise ValueError(f"out must have last-dim stride 1, got strides {tuple(out.stride())}")
+    elif (out.data_ptr() != x.data_ptr() or out.stride() != x.stride()) and _overlap(out, x):
+        raise ValueError("out overlaps x without being x itself; pass out=x for in place, or a separate tensor")
     if t == 0 or h == 0:
         return out
     at_last = at == "last"
@@ -365,8 +369,20 @@ def rope(x: torch.Tensor, positions: torch.Tensor, *, cos: torch.Tensor | None =
     return out
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte spans of a and b intersect (a conservative test: spans, not elements)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    def span(u):
+        last = sum((n - 1) * st for n, st in zip(u.shape, u.stride())) * u.element_size()
+        return u.data_ptr(), u.data_ptr() + last + u.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def rope_backward(dy: torch.Tensor, positions: torch.Tensor, **kw) -> torch.Tensor:
     """dx = RoPE of the cotangent dy (t, h, d) at the negated angles: the forward kernel with CONJ
     (sin negated in registers); the pass-through dims are dy's bits. Arguments as `rope`'s (cos / sin
-    | table | theta, style, rot, at, out). Returns out."""
+    | table | theta, style, rot, at, out); out=dy writes dx over dy (C-Kernel-Engine's rope_backward_qk).
+    Returns out."""
     return rope(dy, positions, conj=True, **kw)
