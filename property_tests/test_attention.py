@@ -58,7 +58,7 @@ SMALL = {
     "attention.decode": dict(b=(1, 3), sq=(1, 4), kv=(0, 64), **HEADS, **ALIAS, **MASKS),
     "attention.decode_paged": dict(b=(1, 3), sq=(1, 4), kv=(0, 80), **HEADS, **ALIAS, **MASKS),
     "attention.decode_split": dict(b=(1, 3), sq=(1, 4), kv=(0, 64), splits=(1, 9), **HEADS, **ALIAS, **PARTS,
-                                   **MASKS),
+                                   page=[0, 0, 16, 64], **MASKS),
     "attention.chunked_prefill": dict(b=(1, 4), sq=(1, 20), hist=(0, 40), hq=(1, 4), hkv=[1, 2], d=[16, 32, 64],
                                       page=[0, 16, 64], **MASKS),
 }
@@ -229,9 +229,12 @@ def test_golden_split_independent_of_splits_and_equal_to_decode(case, other):
     x = {k: (v.astype(np.float64) if v.dtype.kind not in "iu" else v) for k, v in runs.inputs_of(case).items()}
     kw = dict(causal=case.p["causal"], window=(case.p["wl"], case.p["wr"]), softcap=float(case.p["cap"]),
               sinks=x.get("sinks"))
-    o1, l1, *_ = ref.decode_split(x["q"], x["k_cache"], x["v_cache"], x["seqlens"], case.p["splits"], **kw)
-    o2, l2, *_ = ref.decode_split(x["q"], x["k_cache"], x["v_cache"], x["seqlens"], other, **kw)
-    o3, l3, _ = ref.decode(x["q"], x["k_cache"], x["v_cache"], x["seqlens"], **kw)
+    bt = x.get("block_table")  # page > 0: the split golden reads pages, plain decode their gathered cache
+    o1, l1, *_ = ref.decode_split(x["q"], x["k_cache"], x["v_cache"], x["seqlens"], case.p["splits"], block_table=bt,
+                                  **kw)
+    o2, l2, *_ = ref.decode_split(x["q"], x["k_cache"], x["v_cache"], x["seqlens"], other, block_table=bt, **kw)
+    kc, vc = (x[n] if bt is None else ref.gather_pages(x[n], bt) for n in ("k_cache", "v_cache"))
+    o3, l3, _ = ref.decode(x["q"], kc, vc, x["seqlens"], **kw)
     for got, what in ((o2, "O with other splits"), (o3, "O of plain decode")):
         _close(got, o1, what)
     for got, what in ((l2, "LSE with other splits"), (l3, "LSE of plain decode")):
@@ -248,7 +251,8 @@ def test_golden_split_independent_of_partition(case):
     got = {}
     for part, blk, n in _partitions(p):
         bounds = x["split_bounds"] if part == "bounds" else None
-        got[part] = ref.decode_split(x["q"], x["k_cache"], v, x["seqlens"], n, block=blk or None, bounds=bounds, **kw)
+        got[part] = ref.decode_split(x["q"], x["k_cache"], v, x["seqlens"], n, block=blk or None, bounds=bounds,
+                                     block_table=x.get("block_table"), **kw)
     for part in ("block", "bounds"):
         _close(got[part][0], got["equal"][0], f"O with part={part}")
         _close(got[part][1], got["equal"][1], f"LSE with part={part}")

@@ -1,5 +1,5 @@
 """Golden attention: prefill, varlen, decode (contiguous and paged), split-KV decode (three
-partitions) and chunked prefill over a cache that holds history, float64.
+partitions, contiguous or paged) and chunked prefill over a cache that holds history, float64.
 
     s_ij = scale * q_i . k_j                        scale default 1/sqrt(d)
     s_ij = cap * tanh(s_ij / cap)                   optional logit softcap (Gemma-2), before the mask
@@ -347,12 +347,18 @@ def split_bounds(seqlens: NDArray, splits: int, *, block: int | None = None,
 def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArray, splits: int, *,
                  causal: str = "bottom_right", window: tuple[int, int] = (-1, -1), sinks: NDArray | None = None,
                  scale: float | None = None, softcap: float = 0.0, head_map: str = "grouped",
-                 block: int | None = None, bounds: NDArray | None = None,
+                 block: int | None = None, bounds: NDArray | None = None, block_table: NDArray | None = None,
                  absolute: bool = False) -> tuple[F64, F64, F64, F64, F64]:
-    """Flash decoding: per-split partial states over a contiguous cache, merged with `lse_combine`.
+    """Flash decoding: per-split partial states over a contiguous or paged cache, merged with `lse_combine`.
 
     q, k_cache, v_cache, seqlens: as `decode`; splits: number of key ranges; block / bounds: the
     partition (`split_bounds`: equal counts by default, fixed blocks, or explicit boundaries)
+    block_table: (b, max_blocks) int, or None (contiguous caches); with it k_cache, v_cache are pages
+        (num_blocks, page, h_kv, d | d_v) and token t of sequence b is cache[block_table[b, t // page], t % page]
+        (`gather_pages`), whatever split t falls in: the partition is over logical token positions, so a
+        split may start or end inside a page (TensorRT-LLM's 256-key blocks over pages of 16 / 64 are
+        page-aligned; equal counts and explicit boundaries in general are not). The same math as the
+        contiguous cache the pages gather into.
     returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q), lse_sink (b, h_q, s_q),
              o_parts (splits, b, s_q, h_q, d_v) (NaN for an empty split: any value is right there),
              lse_parts (splits, b, h_q, s_q) (-inf for an empty split).
@@ -366,6 +372,8 @@ def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArra
     """
     q = np.asarray(q, dtype=np.float64)
     b, s_q, h_q, d = q.shape
+    if block_table is not None:
+        k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
     s_max = np.shape(k_cache)[1]
     L = np.asarray(seqlens, dtype=np.int64)
     keep = mask(s_q, s_max, np.full(b, s_q), L, causal, window)  # b, s_q, s_max

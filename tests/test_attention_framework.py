@@ -207,3 +207,39 @@ def test_ci_covers_a_paged_write_from_mid_page_into_the_next_page():
 def test_triton_prefill_kernels_skip_head_dims_past_256():
     case = ops.parse_case(PREFILL.format(b="triton").replace("d=16,", "d=288,dv=256,"))
     assert "head dims <= 256" in Registry().get("triton").supports(case)
+
+
+def test_decode_split_page_defaults_to_the_contiguous_cache_and_rejects_other_sizes(capsys):
+    base = ("attention.decode_split/torch/fp32/b=2,sq=1,kv=5,hq=4,hkv=2,d=64,lens=full,splits=2,{page}"
+            "causal=bottom_right,wl=-1,wr=-1,cap=0,sink=0/normal/seed=0")
+    plain = base.format(page="")
+    assert ops.parse_case(base.format(page="page=0,")).id == plain and "page" not in ops.parse_case(plain).p
+    assert ops.parse_case(base.format(page="page=16,")).p["page"] == 16
+    assert main(["repro", base.format(page="page=32,")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "page" in err[0] and "0, 16, 64" in err[0]
+    chunked = ops.parse_case("attention.chunked_prefill/torch/fp32/b=1,sq=2,hist=3,hq=2,hkv=1,d=16,lens=full,"
+                             "page=0,causal=bottom_right,wl=-1,wr=-1,cap=0,sink=0/normal/seed=0")
+    assert chunked.p["page"] == 0 and ",page=0," in chunked.id  # decode_split's default is its own
+
+
+def test_ci_covers_paged_splits_of_fixed_256_key_blocks_and_splits_that_start_inside_a_page():
+    from kernel_parity.conformance import suites
+    from kernel_parity.conformance.runner import Prepared
+    from kernel_parity.refimpl.attention import split_bounds
+
+    trt, inside = [], []
+    for case in suites.cases("ci"):
+        if case.op != "attention.decode_split" or "page" not in case.p or case.backend != "triton":
+            continue
+        page = case.p["page"]
+        if case.p.get("blk") == 256:
+            trt.append(page)
+        x = Prepared(ops.get(case.op), case).inputs
+        start, end = split_bounds(x["seqlens"], case.p["splits"], block=case.p.get("blk") or None,
+                                  bounds=x.get("split_bounds"))
+        # a split that starts inside a page and runs past that page's end: its keys span two pages
+        if ((start % page != 0) & (end > (start // page + 1) * page)).any():
+            inside.append(case.id)
+    assert sorted(set(trt)) == [16, 64], "ci has no 256-key split blocks over pages of 16 and of 64"
+    assert inside, "no ci decode_split case has a split starting inside a page and crossing the next page boundary"

@@ -29,12 +29,14 @@ def _values(case, t: dict[str, Any], keys: str = "k_cache"):
 
 
 def _part(case, t: dict[str, Any]) -> dict[str, Any]:
-    """decode_split's partition keywords: none (equal counts), block=blk, or bounds=split_bounds."""
+    """decode_split's partition keywords: none (equal counts), block=blk, or bounds=split_bounds; and
+    block_table with a paged cache (page > 0)."""
+    kw = {"block_table": t["block_table"]} if "block_table" in t else {}
     if case.p.get("part") == "block":
-        return {"block": case.p["blk"]}
+        return {**kw, "block": case.p["blk"]}
     if case.p.get("part") == "bounds":
-        return {"bounds": t["split_bounds"]}
-    return {}
+        return {**kw, "bounds": t["split_bounds"]}
+    return kw
 
 
 def _torch_args(case, inputs, device):

@@ -54,6 +54,8 @@ CLASSES = {
     "read-past-end": "a key or element read at or past the sequence's length",
     "dropped-tail": "the last (partial) tile, page, split or block not processed",
     "paged-write": "a paged write to the wrong page or slot",
+    "paged-read": "a paged read through the wrong block-table row, or a key's page taken from another position "
+                  "(the split's start) instead of its own",
     "cache-loc": "a sequence's cache / block-table row taken as its batch index b (TensorRT-LLM's cache_loc ignored)",
     "ragged": "a ragged (flattened) batch's new tokens read from the wrong rows (seq_start ignored: the padded "
               "layout assumed) or one past a sequence's seq_len (TensorRT-LLM's seq_len / seq_start)",

@@ -9,7 +9,8 @@ scale, window or LSE-base bug rather than numeric error).
 Parameters added after an op's first cases have defaults (`Defaults`): a case that leaves them at
 their default has the id it always had. `dv` (value head dim, 0: d) on every op but
 chunked_prefill; `vk` (V is the first d_v dims of K's rows, one buffer) on the decode ops; `part`
-and `blk` (the split-KV partition: equal counts, fixed blocks, explicit boundaries) on decode_split.
+and `blk` (the split-KV partition: equal counts, fixed blocks, explicit boundaries) and `page` (0: the
+contiguous cache; 16 / 64: shuffled pages through a block table, as decode_paged's) on decode_split.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ PART = dict(part=OneOf("equal", "block", "bounds",
                            "explicit per-request boundaries (input split_bounds)"),
             blk=Int(0, 1 << 17, edges=(16, 64, 256), doc="keys per split with part=block (0 otherwise)"))
 NEW_DEFAULTS = {"dv": 0, "vk": 0, "part": "equal", "blk": 0}
+# decode_split over a paged cache (TensorRT-LLM's paged generate: 256-key split blocks over pages):
+# the partition is over token positions, so a split may start or end inside a page. Its default is
+# decode_split's own: chunked_prefill's `page` (0, 16, 64) has none, and always appears in its ids.
+SPLIT_PAGE = dict(page=OneOf(0, 16, 64, doc="0 (default): contiguous cache; else tokens per page, through a "
+                                            "block table (shuffled pages, as decode_paged's)"))
+SPLIT_PAGE_DEFAULT = {"page": 0}
 MASKING = dict(
     causal=OneOf("none", "bottom_right", "top_left", doc="causal mask alignment"),
     wl=Int(-1, 1 << 20, doc="window left, inclusive; -1 unbounded"),
@@ -53,8 +60,9 @@ MASKING = dict(
 LENS = OneOf("full", "ragged", doc="sequence lengths: all at the maximum, or ragged with 0 and 1")
 
 
-def _schema(**params) -> Defaults:
-    return Defaults(params, {k: v for k, v in NEW_DEFAULTS.items() if k in params})
+def _schema(defaults: dict[str, Any] | None = None, /, **params) -> Defaults:
+    """The op's parameters; those of NEW_DEFAULTS it has, and `defaults`, may be left out of a case."""
+    return Defaults(params, {**{k: v for k, v in NEW_DEFAULTS.items() if k in params}, **(defaults or {})})
 
 
 def _check(p: dict[str, Any]) -> str | None:
@@ -131,7 +139,7 @@ def _decode_ref(x, p, absolute=False):
 
 
 def _split_ref(x, p, absolute=False):
-    part = dict(block=p.get("blk") or None, bounds=x.get("split_bounds"))
+    part = dict(block=p.get("blk") or None, bounds=x.get("split_bounds"), block_table=x.get("block_table"))
     o, lse, _, o_parts, lse_parts = ref.decode_split(x["q"], x["k_cache"], values(x, p), x["seqlens"], p["splits"],
                                                      sinks=x.get("sinks"), absolute=absolute, **part, **golden_kw(p))
     return {"o": o, "lse": _lse_out(lse, p), "o_parts": o_parts, "lse_parts": _lse_out(lse_parts, p)}
@@ -350,7 +358,8 @@ DECODE_PAGED = OpSpec(
 DECODE_SPLIT = OpSpec(
     name="attention.decode_split", golden=ref.decode_split, reference=_split_ref,
     magnitude=_magnitude(_split_ref),
-    params=_schema(**_DECODE_PARAMS, splits=Int(1, 128, edges=(2, 3, 8, 16)), **PART, **_DECODE_MASK),
+    params=_schema(SPLIT_PAGE_DEFAULT, **_DECODE_PARAMS, splits=Int(1, 128, edges=(2, 3, 8, 16)), **PART,
+                   **SPLIT_PAGE, **_DECODE_MASK),
     make_inputs=_decode_inputs,
     output_shapes=lambda p: {**_decode_shapes(p),
                              "o_parts": (p["splits"], p["b"], p["sq"], p["hq"], value_dim(p)),
@@ -362,7 +371,8 @@ DECODE_SPLIT = OpSpec(
     tolerance=_tol(_PARTS_SCALE), dists=DISTS, check=_check, diagnoses=DIAGNOSES,
     backends=("triton", "torch"),
     doc="Flash decoding: per-split partial (O, LSE) over key ranges (equal counts, fixed blocks or explicit "
-        "boundaries), merged by lse_combine; a request with one split skips the merge.",
+        "boundaries), merged by lse_combine; a request with one split skips the merge. The cache is contiguous "
+        "or (page=16 / 64) paged through a block table, split boundaries free to fall inside a page.",
 )
 
 

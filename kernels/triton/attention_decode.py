@@ -22,7 +22,9 @@ kernels.triton.combine.lse_combine over rows flattened as (b, s_q, h_q); the sin
 after the merge (`_decode_finish_kernel`: O *= 1 / (1 + exp(S_h - LSE))). `decode` and
 `decode_paged` split on their own when b * h_kv programs cannot fill the GPU. `decode_split` also
 takes fixed blocks or explicit boundaries (kernels.triton.attention_split: a request with one
-split skips the merge, its stage-1 program writes O and LSE).
+split skips the merge, its stage-1 program writes O and LSE), and a paged cache (TensorRT-LLM's
+paged generate, 256-key blocks over pages): PAGED and SPLIT together, every key looked up through
+its own page t // PAGE, so a split may start or end inside a page.
 
 d_v may differ from d, and V may be a view of K's first d_v dims (one buffer, K's row stride);
 decode takes head dims up to 576 (FlashMLA's 576 / 512 as plain attention; the padded 1024-wide
@@ -392,9 +394,9 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  out: torch.Tensor | None = None, out_lse: torch.Tensor | None = None,
                  out_o_parts: torch.Tensor | None = None, out_lse_parts: torch.Tensor | None = None,
                  config: tuple[int, int, int] | None = None, block: int | None = None,
-                 bounds: torch.Tensor | None = None,
+                 bounds: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flash decoding over a contiguous cache: per-split partial states, merged by lse_combine.
+    """Flash decoding over a contiguous or paged cache: per-split partial states, merged by lse_combine.
 
     q, k_cache, v_cache, seqlens and the keywords: as `decode`; num_splits >= 1 (may exceed L_b:
     the extra splits are empty)
@@ -409,10 +411,13 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out_lse_parts: (num_splits, b, h_q, s_q) float32, -inf for an empty split; allocated as a
                  (num_splits, b, s_q, h_q) buffer viewed in that shape so that the combine reads
                  it without a copy (a caller's buffer in another order costs one small copy)
+    block_table: (b, max_blocks) int32, or None; with it k_cache, v_cache are pages (num_blocks, page,
+                 h_kv, d | d_v) as in `decode_paged` (TensorRT-LLM's paged generate). Every key is looked up
+                 through its own page, t // page, so a split may start or end inside a page.
     returns: (out, out_lse, o_parts, lse_parts); the sink enters after the merge, LSE excludes it
     """
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits={num_splits!r} must be an int >= 1")
-    return _decode(q, k_cache, v_cache, seqlens, None, num_splits, True, scale=scale, causal=causal,
+    return _decode(q, k_cache, v_cache, seqlens, block_table, num_splits, True, scale=scale, causal=causal,
                    window=window, softcap=softcap, sinks=sinks, out=out, out_lse=out_lse,
                    out_o_parts=out_o_parts, out_lse_parts=out_lse_parts, config=config, block=block, bounds=bounds)
