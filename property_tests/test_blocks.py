@@ -122,7 +122,12 @@ def test_triton_mlp(parity, backend, case):
 
 
 # -- invariants ------------------------------------------------------------------------------------------
-LAST_TOKEN = dict(t=(1, 6), start=(0, 70), **{**ATTN, "e": (8, 64)})
+# `pads` left out: the invariant compares kernel with kernel without the error model (runs.assert_close), and
+# `pads` puts 1e3-scale weights in the padded lanes the q / k / v stages keep, where an element of ~6 is a
+# cancellation of ~1e3 terms and two accumulation orders (prefill's GEMM, decode's GEMV) differ by 1.45 x
+# rtol |value| (torch, fp32: e 8, d 6, dpad 26); the gate judges `pads` against the golden with the model.
+LAST_TOKEN = dict(t=(1, 6), start=(0, 70), **{**ATTN, "e": (8, 64)},
+                  dists=tuple(d for d in ops.get("blocks.attention_prefill").dists if d != "pads"))
 
 
 @pytest.mark.parity_backends("cpu", "torch")
