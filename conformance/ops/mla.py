@@ -33,6 +33,7 @@ from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.ops.attention import BASELINE_TIER, attention_tolerance
 from kernel_parity.conformance.inputs import normal_quantiles, table_words
 from kernel_parity.conformance.ops.attention_inputs import lengths
+from kernel_parity.conformance.ops.mla_schedule import SPECS as SCHEDULE_SPECS  # mla.schedule
 from kernel_parity.conformance.params import Defaults, Int, OneOf, Schema
 from kernel_parity.conformance.spec import OpSpec, Output, Rows
 from kernel_parity.conformance.tolerance import Override, Tier
@@ -454,4 +455,4 @@ DECODE_FUSED_FP8 = OpSpec(
         "block-scaled batched matmuls around the dense MLA decode; qrope=1: q's rope part rotated in place too.",
 )
 
-SPECS = (DECODE, DECODE_SPARSE, DECODE_FUSED_FP8)
+SPECS = (DECODE, DECODE_SPARSE, DECODE_FUSED_FP8, *SCHEDULE_SPECS)
