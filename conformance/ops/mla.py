@@ -11,6 +11,8 @@
                        unchanged) q's rope part is rotated in place too, as MAX's fused_qk_rope
                        leaves it, and q after the call is an output (rope.rope's error model,
                        acc_len 2); without it q must stay untouched
+- `mla.schedule`       FlashMLA's split scheduler (get_mla_metadata), bit-exact int32 rows:
+                       conformance/ops/mla_schedule.py, registered here
 
 Inputs follow FlashMLA's own test (tests/test_flash_mla_dense_decoding.py): randn / 10 clamped
 to [-1, 1], every cache row past a request's length and every unused page NaN, unused block-table
