@@ -16,7 +16,8 @@
 
 Inputs follow FlashMLA's own test (tests/test_flash_mla_dense_decoding.py): randn / 10 clamped
 to [-1, 1], every cache row past a request's length and every unused page NaN, unused block-table
-entries 2147480000 (a kernel that reads them fails structurally or crashes). Tolerances are the
+entries 2147480000 (a kernel that reads them fails structurally or crashes); the older
+tests/test_flash_mla.py draws plain randn (`large`) and varlen lengths (`lens=varlen`). Tolerances are the
 attention family's (conformance/ops/attention.py): production bf16 O at FlashMLA's cos_diff < 1e-5.
 """
 
