@@ -27,6 +27,7 @@ def make() -> CpuBackend:
     return CpuBackend(
         name="cpu",
         device="cpu",
+        dtypes=("fp32", "fp16", "bf16", "int32"),  # int32: mla.schedule (integer in, integer out)
         ops=collect("cpu_ops"),
         claims=collect("cpu_claims"),
         support=collect("cpu_supports"),

@@ -4,12 +4,14 @@
           mla_sparse.py (top-k decode)
 - cpu:    kernels/cpu/mla.c (dense decode; each cache row read once per request for all query rows)
 - torch:  kernels/torch/mla.py (eager, logits and probabilities in the test dtype)
+- mla.schedule (FlashMLA's get_mla_metadata): conformance/backends/mla_schedule.py, merged here
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from kernel_parity.conformance.backends import mla_schedule as _schedule
 from kernel_parity.conformance.backends._torch import to_torch
 from kernel_parity.conformance.ops.mla import DV, FUSED_EPS, FUSED_SCALE, SCALES
 
@@ -56,7 +58,8 @@ def triton_ops(device: str) -> dict[str, Callable]:
         mla_decode_fused_fp8(*_fused_args(t), attn_sink=t.get("attn_sink"), out=o, q_inplace=qrope)
         return {"out": o, "kv_cache": t["kv_cache"], **({"q": t["q"]} if qrope else {})}
 
-    return {"mla.decode": decode, "mla.decode_sparse": sparse, "mla.decode_fused_fp8": fused_fp8}
+    return {"mla.decode": decode, "mla.decode_sparse": sparse, "mla.decode_fused_fp8": fused_fp8,
+            **_schedule.triton_ops(device)}
 
 
 def cpu_ops() -> dict[str, Callable]:
@@ -69,7 +72,7 @@ def cpu_ops() -> dict[str, Callable]:
                    d_v=DV, causal=bool(p["causal"]), out=o, out_lse=lse)
         return {"o": o, "lse": lse}
 
-    return {"mla.decode": decode}
+    return {"mla.decode": decode, **_schedule.cpu_ops()}
 
 
 def torch_ops(device: str) -> dict[str, Callable]:
@@ -100,4 +103,5 @@ def torch_ops(device: str) -> dict[str, Callable]:
         oo.copy_(o)
         return {"out": oo, "kv_cache": cache, **({"q": t["q"]} if qrope else {})}
 
-    return {"mla.decode": decode, "mla.decode_sparse": sparse, "mla.decode_fused_fp8": fused_fp8}
+    return {"mla.decode": decode, "mla.decode_sparse": sparse, "mla.decode_fused_fp8": fused_fp8,
+            **_schedule.torch_ops(device)}

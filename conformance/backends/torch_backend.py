@@ -27,6 +27,7 @@ def make() -> TorchBackend:
     return TorchBackend(
         name="torch",
         device=device,
+        dtypes=("fp32", "fp16", "bf16", "int32"),  # int32: mla.schedule (integer in, integer out)
         ops=ops,
         timed={op: autograd_timed(ops[op], "eager torch's backward alone: its forward ran once, untimed "
                                            "(autograd.grad, retain_graph)") for op in AUTOGRAD_TIMED if op in ops},

@@ -30,6 +30,7 @@ def make() -> TritonBackend:
     return TritonBackend(
         name="triton",
         device=device,
+        dtypes=("fp32", "fp16", "bf16", "int32"),  # int32: mla.schedule (integer in, integer out)
         ops=collect("triton_ops", device),
         claims=collect("triton_claims"),
         support=collect("triton_supports"),

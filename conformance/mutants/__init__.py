@@ -90,6 +90,9 @@ CLASSES = {
     "inplace-alias": "an in-place kernel (out aliasing its input) reads an element after it stored a result over it "
                      "(a rotation pair's first output stored before the pair's input is read again)",
     "sparse-padding": "a -1 top-k index (padding) gathered instead of skipped",
+    "scheduler": "a split scheduler's cost model or greedy wrong (FlashMLA's get_mla_metadata: the fixed cost per "
+                 "piece or the payload floor dropped, a piece that fits exactly split, a split count or row "
+                 "index off by one)",
     # gated MLP
     "gate-up-order": "the gate and up halves of a gated MLP swapped (up goes through the activation)",
     "activation": "an activation's formula wrong: a sigmoid that overflows or drops a term, GELU's tanh and erf forms swapped",

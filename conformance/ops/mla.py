@@ -11,10 +11,13 @@
                        unchanged) q's rope part is rotated in place too, as MAX's fused_qk_rope
                        leaves it, and q after the call is an output (rope.rope's error model,
                        acc_len 2); without it q must stay untouched
+- `mla.schedule`       FlashMLA's split scheduler (get_mla_metadata), bit-exact int32 rows:
+                       conformance/ops/mla_schedule.py, registered here
 
 Inputs follow FlashMLA's own test (tests/test_flash_mla_dense_decoding.py): randn / 10 clamped
 to [-1, 1], every cache row past a request's length and every unused page NaN, unused block-table
-entries 2147480000 (a kernel that reads them fails structurally or crashes). Tolerances are the
+entries 2147480000 (a kernel that reads them fails structurally or crashes); the older
+tests/test_flash_mla.py draws plain randn (`large`) and varlen lengths (`lens=varlen`). Tolerances are the
 attention family's (conformance/ops/attention.py): production bf16 O at FlashMLA's cos_diff < 1e-5.
 """
 
@@ -33,6 +36,7 @@ from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.ops.attention import BASELINE_TIER, attention_tolerance
 from kernel_parity.conformance.inputs import normal_quantiles, table_words
 from kernel_parity.conformance.ops.attention_inputs import lengths
+from kernel_parity.conformance.ops.mla_schedule import SPECS as SCHEDULE_SPECS  # mla.schedule
 from kernel_parity.conformance.params import Defaults, Int, OneOf, Schema
 from kernel_parity.conformance.spec import OpSpec, Output, Rows
 from kernel_parity.conformance.tolerance import Override, Tier
@@ -52,6 +56,8 @@ HEADS = dict(
     hq=Int(1, 128, edges=(16, 32, 64, 128), doc="query heads (one latent KV head)"),
 )
 LENS = OneOf("full", "ragged", doc="requests at the longest length, or ragged (0, 1, ... among them)")
+DECODE_LENS = OneOf("full", "ragged", "varlen", "bench",
+                    doc="full, ragged, or FlashMLA's: varlen (its test, max(N(kv, kv / 2), s_q)), bench (kv + 2 i)")
 
 
 def _draw(rng: np.random.Generator, shape: tuple, dist: str, out: np.ndarray | None = None) -> np.ndarray:
@@ -119,6 +125,14 @@ def paged_latent_cache(rng: np.random.Generator, seqlens: np.ndarray, dist: str,
 
 
 def _decode_lens(p: dict[str, Any]) -> np.ndarray:
+    """(b,) int32 cache lengths, a function of the params. mla.decode's `lens` adds FlashMLA's two:
+    varlen (its test: max(normalvariate(kv, kv / 2), s_q) truncated, from a generator seeded by
+    (b, kv, s_q)) and bench (its benchmark: kv + 2 i)."""
+    if p["lens"] == "varlen":
+        x = np.random.default_rng([p["b"], p["kv"], p["sq"]]).normal(p["kv"], p["kv"] / 2, p["b"])
+        return np.maximum(x, p["sq"]).astype(np.int32)
+    if p["lens"] == "bench":
+        return (p["kv"] + 2 * np.arange(p["b"])).astype(np.int32)
     return lengths(p["b"], p["kv"], p["lens"])
 
 
@@ -218,13 +232,14 @@ DECODE = OpSpec(
     golden=refimpl.mla.decode,
     reference=_decode_ref,
     magnitude=_decode_mag,
-    params=Schema(dict(HEADS, kv=Int(0, 1 << 17, edges=(64, 65, 4096, 8192, 16384), doc="longest cached length"),
-                       lens=LENS, causal=OneOf(0, 1, doc="bottom-right causal mask (sq = 2)"),
+    params=Schema(dict(HEADS, kv=Int(0, 1 << 17, edges=(64, 65, 4096, 8192, 16384),
+                               doc="longest cached length (varlen: the mean; bench: the first)"),
+                       lens=DECODE_LENS, causal=OneOf(0, 1, doc="bottom-right causal mask (sq = 2)"),
                        scale=OneOf("head", "model", doc="576^-0.5 (FlashMLA's tests) or DeepSeek-V3's 0.1352"))),
     make_inputs=_decode_inputs,
     output_shapes=_shapes,
     outputs=OUT,
-    tolerance=attention_tolerance(lambda p, o: p["kv"] + D),
+    tolerance=attention_tolerance(lambda p, o: int(_decode_lens(p).max()) + D),  # full / ragged: kv + D
     dtypes=("bf16", "fp16", "fp32"),
     dists=DISTS,
     check=_check,
@@ -454,4 +469,4 @@ DECODE_FUSED_FP8 = OpSpec(
         "block-scaled batched matmuls around the dense MLA decode; qrope=1: q's rope part rotated in place too.",
 )
 
-SPECS = (DECODE, DECODE_SPARSE, DECODE_FUSED_FP8)
+SPECS = (DECODE, DECODE_SPARSE, DECODE_FUSED_FP8, *SCHEDULE_SPECS)

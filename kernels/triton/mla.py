@@ -310,6 +310,8 @@ def mla_schedule(seqlens: Sequence[int] | torch.Tensor, num_parts: int, page: in
     (no fixed cost per piece, no piece spanning requests): every request's pages are cut into
     pieces of at most ceil(total_pages / num_parts) pages, so about num_parts programs of equal
     work cover the batch whatever the spread of lengths; no request gets more than MAX_SPLITS pieces.
+    It is not FlashMLA's get_mla_metadata (fixed cost per piece, pieces spanning requests, 8-int rows):
+    that one is kernels/triton/mla_schedule.py, gated as the op mla.schedule.
 
     seqlens: (b,) host lengths (a list, or a CPU tensor: the scheduler must not synchronise on a GPU one)
     returns: (b, n + 1) int32 on `device`, page-aligned boundaries (`mla_splits`)
