@@ -3,16 +3,16 @@
  *   attention:  norm = RMSNorm(x) g;  q|k|v = norm W^T (+ b);  RoPE(q, k) at s + t;  cache[g, s + t] = k|v
  *               (lanes [d, a_d) cleared);  attn = softmax(q k^T / sqrt(d)) v over slots j <= s + t;
  *               out = attn W_o^T (+ b_o) (+ residual)
- *   mlp:        norm = RMSNorm(x) g;  h = norm W1^T (+ b1) (gate | up, aI rows each);  act = silu(gate) up over
- *               the I real lanes (lanes [I, aI) cleared);  down = act W2^T (+ b2);  out = x + down
+ *   mlp:        norm = RMSNorm(x) g;  h = norm W1^T (+ b1) (gate | up, aI rows each: w_up at w1 + aI aE, the
+ *               seed's aligned_intermediate_dim aI = I + ipad);  act = silu(gate) up over the I real lanes (lanes
+ *               [I, aI) cleared);  down = act W2^T (+ b2);  out = x + down
  *   outproj_mlp: proj = attn W_o^T (+ b_o) (flat, or fp32 per head summed);  h1 = proj + residual;  the mlp on h1
  *
  * Conventions (OPS.md, layers; golden refimpl/blocks.py): rows aligned to aE = E + pad lanes (statistics
  * over E, padding zero in and out), heads aligned to a_d = d + pad lanes (dot products over a_d, scale
  * 1/sqrt(d), a cached row's padding cleared when written), head-major caches (h_kv, cap, a_d), query head h
  * reads kv head h / (h_q / h_kv) (= h * h_kv / h_q), RoPE pairs (i, i + d/2) or (2i, 2i + 1) from cos/sin
- * tables (max_seq, d/2), W1's first aI rows the gate (w_up at w1 + aI aE: the seed's aligned_intermediate_dim,
- * aI = I + ipad, the padded lanes never read past h). Every array is C-contiguous.
+ * tables (max_seq, d/2), W1's first I rows the gate. Every array is C-contiguous.
  *
  * Projections: a weight row in fp32, or GGML blocks (quant.h). Quantized weights take the activation row
  * rounded to fp32 and quantized by ggml's reference quantizer of their vec_dot type (Q8_0 for
