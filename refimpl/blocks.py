@@ -13,8 +13,8 @@ attention_prefill (T tokens at positions s .. s + T - 1; attention_decode is T =
                            causal bottom_right: query t sees slots j <= s + t, scale 1/sqrt(d))
     out        = attn (T, h_q a_d) @ Wo^T (+ bo) (+ residual)                   (T, aE)
 mlp:
-    norm = rms_norm(x, gamma, eps);  h = norm @ W1^T (2I, gate first);  act = silu(gate) * up
-    down = act @ W2^T;  out = x + down
+    norm = rms_norm(x, gamma, eps);  h = norm @ W1^T (+ b1) (2aI, gate first);  act = silu(gate) * up (I real
+    lanes of each aI-lane half, act's lanes [I, aI) cleared);  down = act @ W2^T (+ b2);  out = x + down
 outproj_mlp (prefill): proj = attn @ Wo^T (+ bo);  h1 = proj + residual;  then the mlp on h1:
     norm = rms_norm(h1); h; act; down;  out = h1 + down
 
@@ -42,8 +42,8 @@ Backward (OPS.md, backward; the seed's whole-layer backward): `mlp_backward` and
 inputs, for the cotangent `dout` of its output, composed of the family VJP goldens (gemm.gemm_nt_backward,
 mlp.swiglu_backward, norm.rms_norm_backward, rope.rope_backward, attention_grad.prefill_backward) in
 reverse pipeline order, every intermediate gradient returned as a stage:
-    mlp:        dact = dout W2;  dh = (dgate, dup) of SwiGLU;  dnorm = dh W1;  dx = RMSNorm's dx + dout;
-                dgamma, dw1 = dh^T norm, dw2 = dout^T act
+    mlp:        dact = dout W2 (padding lanes zero);  dh = (dgate, dup) of SwiGLU;  dnorm = dh W1;
+                dx = RMSNorm's dx + dout;  dgamma, dw1 = dh^T norm, dw2 = dout^T act, db1 = sum dh, db2 = sum dout
     attention:  dattn = dout W_o;  (dq_rope, dk_rope, dv) of the causal attention over history + chunk
                 (the history a constant: only the new keys' gradients);  dq, dk = RoPE^T;
                 dnorm = dq Wq + dk Wk + dv Wv;  dx, dgamma of RMSNorm;  dW = dY^T X and db = sum dY per
@@ -212,38 +212,70 @@ def attention_decode(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: Wei
     return {k: v if k in ("k_cache", "v_cache") else v[0] for k, v in res.items()}
 
 
-def mlp(x: NDArray, gamma: NDArray, eps: float, w1: Weight, w2: Weight, *, n: int, gemma: bool = False,
-        reference: str = "dequant", absolute: bool = False) -> dict[str, F64]:
-    """RMSNorm2 -> fused gate/up projection -> SwiGLU -> down projection -> + residual (x).
+def mlp(x: NDArray, gamma: NDArray, eps: float, w1: Weight, w2: Weight, *, n: int, b1: NDArray | None = None,
+        b2: NDArray | None = None, inter: int | None = None, gemma: bool = False, reference: str = "dequant",
+        absolute: bool = False) -> dict[str, F64]:
+    """RMSNorm2 -> fused gate/up projection (+ b1) -> SwiGLU -> down projection (+ b2) -> + residual (x).
 
     x: (T, aE) float, lanes [n, aE) zero;  gamma: (aE,)
-    w1: Weight (2I, aE), rows [0, I) the gate, [I, 2I) the up projection;  w2: Weight (aE, I)
-    returns: {"norm": (T, aE), "h": (T, 2I), "act": (T, I), "down": (T, aE), "out": (T, aE) = x + down}
+    w1: Weight (2aI, aE), rows [0, aI) the gate, [aI, 2aI) the up projection (the seed's w_up at w1 + aI aE);
+    w2: Weight (aE, aI);  b1: (2aI,) (b_gate | b_up) or None;  b2: (aE,) (b_down) or None
+    inter: the real intermediate width I <= aI (the seed's intermediate_dim; aI its aligned_intermediate_dim),
+    None: I = aI. Lanes [I, aI) of each half are padding: h carries them as the projection gives them (W1's
+    padded rows and b1's lanes there need not be zero), act's are cleared (zero whatever h holds), so W2's
+    padded columns multiply zeros: a kernel that reads w_up at w1 + I aE, or lets the padding into act and
+    the down projection, is off.
+    returns: {"norm": (T, aE), "h": (T, 2aI), "act": (T, aI), "down": (T, aE), "out": (T, aE) = x + down}
     absolute: the error model's magnitudes instead (module docstring), "norm" left out (|norm|): h =
-    sqrt(norm^2 @ (W1^2)^T); act = sqrt((act^2 + L_h ((silu'(g) up M_g)^2 + (silu(g) M_up)^2)) / (1 + 2 L_h));
-    down: W2's on the blended act; out = sqrt(x^2 + (down^2 + L M_down^2) / (1 + L)). Measured (ci suite,
-    cpu): cond <= 1.9 on every output and distribution.
+    sqrt(norm^2 @ (W1^2)^T + b1^2); act = sqrt((act^2 + L_h ((silu'(g) up M_g)^2 + (silu(g) M_up)^2)) / (1 + 2 L_h))
+    (0 on the padding); down: W2's on the blended act, + b2^2; out = sqrt(x^2 + (down^2 + L M_down^2) / (1 + L)).
+    Measured (ci suite, cpu): cond <= 1.9 on every output and distribution.
     """
     if absolute:
-        _, mags = _mlp_pass(np.asarray(x, dtype=np.float64), None, gamma, eps, w1, w2, n=n, gemma=gemma,
-                            reference=reference)
+        _, mags = _mlp_pass(np.asarray(x, dtype=np.float64), None, gamma, eps, w1, w2, n=n, b1=b1, b2=b2, inter=inter,
+                            gemma=gemma, reference=reference)
         return {k: np.sqrt(m.sq, out=m.sq) for k, m in mags.items() if k != "norm"}
     x = np.asarray(x, dtype=np.float64)
     nrm = norm.rms_norm(x, gamma, eps, n=n, gemma=gemma)["y"]
-    h = project(nrm, w1, None, reference)
-    act = mlp_ref.swiglu(*mlp_ref.split(h))
-    down = project(act, w2, None, reference)
+    h = project(nrm, w1, b1, reference)
+    ai = h.shape[-1] // 2
+    act = _lanes(mlp_ref.swiglu(*_gate_up(h, inter)), ai)
+    down = project(act, w2, b2, reference)
     return {"norm": nrm, "h": h, "act": act, "down": down, "out": x + down}
 
 
+def _gate_up(h: F64, inter: int | None) -> tuple[F64, F64]:
+    """(gate, up): the real lanes of a fused projection h (..., 2aI), [0, I) and [aI, aI + I) (I = inter or aI)."""
+    ai = np.shape(h)[-1] // 2
+    i = ai if inter is None else inter
+    if not 1 <= i <= ai:
+        raise ValueError(f"inter={inter} must be in [1, aI = {ai}] (h has 2aI = {2 * ai} lanes)")
+    return h[..., :i], h[..., ai:ai + i]
+
+
+def _lanes(a: F64, aw: int) -> F64:
+    """(..., I) in (..., aw) with lanes [I, aw) zero (a itself when I = aw)."""
+    if a.shape[-1] == aw:
+        return a
+    out = np.zeros(a.shape[:-1] + (aw,))
+    out[..., :a.shape[-1]] = a
+    return out
+
+
+def _halves(gate: F64, up: F64, ai: int) -> F64:
+    """(gate | up) of I lanes each in the aligned layout (..., 2aI), padding lanes zero."""
+    return np.concatenate([_lanes(gate, ai), _lanes(up, ai)], axis=-1)
+
+
 def outproj_mlp(attn: NDArray, residual: NDArray, wo: Weight, gamma: NDArray, eps: float, w1: Weight, w2: Weight,
-                *, n: int, bo: NDArray | None = None, gemma: bool = False,
-                reference: str = "dequant", absolute: bool = False) -> dict[str, F64]:
+                *, n: int, bo: NDArray | None = None, b1: NDArray | None = None, b2: NDArray | None = None,
+                inter: int | None = None, gemma: bool = False, reference: str = "dequant",
+                absolute: bool = False) -> dict[str, F64]:
     """Output projection + residual, then the MLP block on the sum (the seed's outproj_mlp_prefill).
 
     attn: (T, h_q a_d) float, the attention output (head-major lanes, padding zero)
     residual: (T, aE);  wo: Weight (aE, h_q a_d) flat, or "f32_heads" (h_q, aE, a_d);  bo: (aE,) or None
-    gamma, eps, w1, w2, n, gemma: the MLP's (`mlp`)
+    gamma, eps, w1, w2, n, b1, b2, inter, gemma: the MLP's (`mlp`; b1 / b2 the seed's outproj_mlp biases)
     returns: {"proj": (T, aE), "h1": (T, aE) = proj + residual, "norm", "h", "act", "down", "out" = h1 + down}
     absolute: the error model's magnitudes instead (module docstring), every output: proj = sqrt(attn^2 @
     (W_o^2)^T + bo^2) (attn as stored); h1 = sqrt((proj^2 + L M_proj^2) / (1 + L) + residual^2); norm: |norm|
@@ -254,11 +286,13 @@ def outproj_mlp(attn: NDArray, residual: NDArray, wo: Weight, gamma: NDArray, ep
         proj, pm = _project_mag(a, _exact(a), wo, bo, reference)
         r = np.asarray(residual, dtype=np.float64)
         h1m = _Mag(_blend(proj, pm, 1.0) + r * r, pm.n + 1.0)
-        _, mags = _mlp_pass(proj + r, h1m, gamma, eps, w1, w2, n=n, gemma=gemma, reference=reference)
+        _, mags = _mlp_pass(proj + r, h1m, gamma, eps, w1, w2, n=n, b1=b1, b2=b2, inter=inter, gemma=gemma,
+                            reference=reference)
         return {k: np.sqrt(m.sq, out=m.sq) for k, m in {"proj": pm, "h1": h1m, **mags}.items()}
     proj = project(np.asarray(attn, dtype=np.float64), wo, bo, reference)
     h1 = proj + np.asarray(residual, dtype=np.float64)
-    return {"proj": proj, "h1": h1, **mlp(h1, gamma, eps, w1, w2, n=n, gemma=gemma, reference=reference)}
+    return {"proj": proj, "h1": h1, **mlp(h1, gamma, eps, w1, w2, n=n, b1=b1, b2=b2, inter=inter, gemma=gemma,
+                                          reference=reference)}
 
 
 # -- backward ---------------------------------------------------------------------------------------------
@@ -271,33 +305,45 @@ def dense(w: Weight, k: int) -> F64:
 
 
 def mlp_backward(x: NDArray, gamma: NDArray, eps: float, w1: Weight, w2: Weight, dout: NDArray, *, n: int,
+                 b1: NDArray | None = None, b2: NDArray | None = None, inter: int | None = None,
                  gemma: bool = False, absolute: bool = False) -> dict[str, F64]:
     """VJP of `mlp` (the dequantized weights: L1) for the cotangent dout of its output.
 
-    x: (T, aE), lanes [n, aE) zero;  gamma: (aE,);  w1: Weight (2I, aE) gate rows first;  w2: Weight (aE, I)
-    dout: (T, aE) the cotangent of out = x + down
-    returns: {"dact": (T, I), "dh": (T, 2I) (dgate | dup), "dnorm": (T, aE), "dx": (T, aE),
-              "dgamma": (aE,), "dw1": (2I, aE), "dw2": (aE, I)}
+    x: (T, aE), lanes [n, aE) zero;  gamma: (aE,);  w1: Weight (2aI, aE) gate rows first;  w2: Weight (aE, aI)
+    b1: (2aI,), b2: (aE,) or None;  inter: the real I (`mlp`);  dout: (T, aE) the cotangent of out = x + down
+    returns: {"dact": (T, aI), "dh": (T, 2aI) (dgate | dup), "dnorm": (T, aE), "dx": (T, aE),
+              "dgamma": (aE,), "dw1": (2aI, aE), "dw2": (aE, aI)}, with "db1" = sum_t dh (2aI,) (the seed's
+              d_b1: d_b_gate | d_b_up) and "db2" = sum_t dout (aE,) (d_b2, d_b_down) for the biases given.
+              act's padding lanes are cleared by the forward: dact, dh, dw1's and db1's padded rows and dw2's
+              padded columns are zero
     absolute: the error model's magnitudes instead (module docstring), every output: dact = sqrt(dout^2 @
     W2^2); dgate, dup: products of the blended dact, up, silu'(g) (silu''(g) for g's route), silu(g);
     dnorm = W1's on the blended dh; dx = sqrt(rstd^2 (g^2 c + xhat^2 sum_k xhat_k^2 g_k^2 c_k / n^2) +
     dout^2), c the blended dnorm^2; dgamma = sqrt(sum_t c xhat^2); dw1 = sqrt(c'^T @ norm^2), c' dh blended
-    (its L, norm's n); dw2 = sqrt(dout^2^T @ the blended act). Measured (ci suite, cpu): cond <= 1.65 on
-    `normal`, <= 2.2 on every distribution
+    (its L, norm's n); dw2 = sqrt(dout^2^T @ the blended act); db1 = sqrt(sum_t c'), db2 = sqrt(sum_t dout^2).
+    Measured (ci suite, cpu): cond <= 1.65 on `normal`, <= 2.2 on every distribution
     """
     if absolute:
         return _mlp_backward_mag(np.asarray(x, dtype=np.float64), gamma, eps, w1, w2,
-                                 np.asarray(dout, dtype=np.float64), n=n, gemma=gemma)
+                                 np.asarray(dout, dtype=np.float64), n=n, b1=b1, b2=b2, inter=inter, gemma=gemma)
     x, dout = np.asarray(x, dtype=np.float64), np.asarray(dout, dtype=np.float64)
-    fwd = mlp(x, gamma, eps, w1, w2, n=n, gemma=gemma)
-    i = fwd["act"].shape[-1]
-    g2 = gemm.gemm_nt_backward(fwd["act"], dense(w2, i), dout)  # down = act W2^T
-    sw = mlp_ref.swiglu_backward(*mlp_ref.split(fwd["h"]), g2["da"])
-    dh = np.concatenate([sw["dgate"], sw["dup"]], axis=-1)  # T, 2I: gate first, as h
-    g1 = gemm.gemm_nt_backward(fwd["norm"], dense(w1, x.shape[-1]), dh)  # h = norm W1^T
+    fwd = mlp(x, gamma, eps, w1, w2, n=n, b1=b1, b2=b2, inter=inter, gemma=gemma)
+    ai = fwd["act"].shape[-1]
+    gate, up = _gate_up(fwd["h"], inter)
+    i = gate.shape[-1]
+    g2 = gemm.gemm_nt_backward(fwd["act"], dense(w2, ai), dout, bias=b2 is not None)  # down = act W2^T (+ b2)
+    dact = _lanes(g2["da"][:, :i], ai)  # act's padding lanes are cleared: no gradient reaches them
+    sw = mlp_ref.swiglu_backward(gate, up, dact[:, :i])
+    dh = _halves(sw["dgate"], sw["dup"], ai)  # T, 2aI: gate first, as h
+    g1 = gemm.gemm_nt_backward(fwd["norm"], dense(w1, x.shape[-1]), dh, bias=b1 is not None)  # h = norm W1^T (+ b1)
     nb = norm.rms_norm_backward(x, gamma, g1["da"], eps, n=n, gemma=gemma)
-    return {"dact": g2["da"], "dh": dh, "dnorm": g1["da"], "dx": nb["dx"] + dout, "dgamma": nb["dw"],
-            "dw1": g1["dw"], "dw2": g2["dw"]}
+    out = {"dact": dact, "dh": dh, "dnorm": g1["da"], "dx": nb["dx"] + dout, "dgamma": nb["dw"],
+           "dw1": g1["dw"], "dw2": g2["dw"]}
+    if b1 is not None:
+        out["db1"] = g1["db"]
+    if b2 is not None:
+        out["db2"] = g2["db"]
+    return out
 
 
 def attention_prefill_backward(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: Weight, wv: Weight,
@@ -549,16 +595,19 @@ def _attention_pass(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: Weig
     return val, mag, at
 
 
-def _mlp_pass(x: F64, xm: _Mag | None, gamma: NDArray, eps: float, w1: Weight, w2: Weight, *, n: int, gemma: bool,
+def _mlp_pass(x: F64, xm: _Mag | None, gamma: NDArray, eps: float, w1: Weight, w2: Weight, *, n: int,
+              b1: NDArray | None, b2: NDArray | None, inter: int | None, gemma: bool,
               reference: str) -> tuple[dict[str, F64], dict[str, _Mag]]:
     """`mlp`'s stages and their magnitudes; xm: x's when x is computed (outproj_mlp's h1), None as stored."""
     nrm, nm = _rms_mag(x, xm, gamma, eps, n, gemma)
-    h, hm = _project_mag(nrm, nm, w1, None, reference)
-    (gate, up), (g2, u2) = mlp_ref.split(h), mlp_ref.split(hm.sq)
+    h, hm = _project_mag(nrm, nm, w1, b1, reference)
+    ai = h.shape[-1] // 2
+    (gate, up), (g2, u2) = _gate_up(h, inter), _gate_up(hm.sq, inter)
     sg, dg = mlp_ref.silu(gate), mlp_ref.silu_grad(gate)
-    act = sg * up
-    am = _Mag((act * act + hm.n * (np.square(dg * up) * g2 + sg * sg * u2)) / (1.0 + 2.0 * hm.n), hm.n + 1.0)
-    down, dm = _project_mag(act, am, w2, None, reference)
+    act = _lanes(sg * up, ai)
+    am = _Mag(_lanes((np.square(sg * up) + hm.n * (np.square(dg * up) * g2 + sg * sg * u2)) / (1.0 + 2.0 * hm.n), ai),
+              hm.n + 1.0)
+    down, dm = _project_mag(act, am, w2, b2, reference)
     xs = x * x if xm is None else _blend(x, xm, 1.0)
     val = {"norm": nrm, "h": h, "act": act, "down": down, "out": x + down}
     return val, {"norm": nm, "h": hm, "act": am, "down": dm, "out": _Mag(xs + _blend(down, dm, 1.0), dm.n + 1.0)}
@@ -570,26 +619,32 @@ def _weight_grad_sq(dy: F64, m: _Mag, a2: F64, own: float) -> F64:
 
 
 def _mlp_backward_mag(x: F64, gamma: NDArray, eps: float, w1: Weight, w2: Weight, dout: F64, *, n: int,
-                      gemma: bool) -> dict[str, F64]:
-    val, mag = _mlp_pass(x, None, gamma, eps, w1, w2, n=n, gemma=gemma, reference="dequant")
-    t, ae, i = x.shape[0], x.shape[-1], val["act"].shape[-1]
+                      b1: NDArray | None, b2: NDArray | None, inter: int | None, gemma: bool) -> dict[str, F64]:
+    val, mag = _mlp_pass(x, None, gamma, eps, w1, w2, n=n, b1=b1, b2=b2, inter=inter, gemma=gemma,
+                         reference="dequant")
+    t, ae, ai = x.shape[0], x.shape[-1], val["act"].shape[-1]
+    (gate, up), (g2, u2), lh = _gate_up(val["h"], inter), _gate_up(mag["h"].sq, inter), mag["h"].n
+    i = gate.shape[-1]
     d2 = dout * dout
-    dact, sq = _back(dout, d2, dense(w2, i))  # dout W2: stored factors
-    dam = _Mag(sq, float(ae))
-    (gate, up), (g2, u2), lh = mlp_ref.split(val["h"]), mlp_ref.split(mag["h"].sq), mag["h"].n
+    dact, sq = _back(dout, d2, dense(w2, ai))  # dout W2: stored factors
+    dact, dam = dact[:, :i], _Mag(sq[:, :i], float(ae))  # the real lanes (the padding's gradient is zero)
     sg, s1 = mlp_ref.silu(gate), mlp_ref.silu_grad(gate)
     s2 = mlp_ref.sigmoid_grad(gate) * (2.0 + gate * (mlp_ref.sigmoid(-gate) - mlp_ref.sigmoid(gate)))  # silu''
     dgate, dup = dact * up * s1, dact * sg
     dgs = (dgate * dgate + dam.n * dam.sq * np.square(up * s1)
            + lh * (u2 * np.square(dact * s1) + g2 * np.square(dact * up * s2))) / (1.0 + dam.n + 2.0 * lh)
     dus = (dup * dup + dam.n * dam.sq * sg * sg + lh * g2 * np.square(dact * s1)) / (1.0 + dam.n + lh)
-    dh, dhm = np.concatenate([dgate, dup], axis=-1), _Mag(np.concatenate([dgs, dus], axis=-1), 1.0 + max(dam.n, lh))
+    dh, dhm = _halves(dgate, dup, ai), _Mag(_halves(dgs, dus, ai), 1.0 + max(dam.n, lh))
     dnorm, sq = _back(dh, _blend(dh, dhm, 2.0 * i), dense(w1, ae))
     dnm = _Mag(sq, 2.0 * i + dhm.n)
     dx, dg = _rms_backward_mag(x, gamma, eps, n, gemma, dnorm, dnm, t)
-    out = {"dact": dam.sq, "dh": dhm.sq, "dnorm": dnm.sq, "dx": dx + d2, "dgamma": dg,
+    out = {"dact": _lanes(dam.sq, ai), "dh": dhm.sq, "dnorm": dnm.sq, "dx": dx + d2, "dgamma": dg,
            "dw1": _weight_grad_sq(dh, dhm, np.square(val["norm"]), float(t + n)),
            "dw2": d2.T @ _blend(val["act"], mag["act"], float(t))}
+    if b1 is not None:
+        out["db1"] = np.sum(_blend(dh, dhm, float(t)), axis=0)
+    if b2 is not None:
+        out["db2"] = np.sum(d2, axis=0)
     return {k: np.sqrt(v, out=v) for k, v in out.items()}  # in place: dW is (N, K)
 
 

@@ -31,7 +31,7 @@ ATTENTION_GRAD_OF = {"dattn": "attn", "dq_rope": "q_rope", "dk_rope": "k_rope", 
                      "dnorm": "norm"}
 # final gradient -> the input it differentiates
 INPUT_OF = {"dx": "x", "dgamma": "gamma", "dw1": "w1", "dw2": "w2", "dwq": "wq", "dwk": "wk", "dwv": "wv", "dwo": "wo",
-            "dbq": "bq", "dbk": "bk", "dbv": "bv", "dbo": "bo", "dr": "r"}
+            "dbq": "bq", "dbk": "bk", "dbv": "bv", "dbo": "bo", "dr": "r", "db1": "b1", "db2": "b2"}
 ATTENTION_STAGES = ("norm", "q", "k", "v", "q_rope", "k_rope", "attn", "out")
 BIASES = (("bq", "bq"), ("bk", "bk"), ("bv", "bv"), ("bo", "bo"), ("r", "residual"))
 
@@ -52,16 +52,20 @@ def _attention_args(case, t: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     return args, kw
 
 
+def _mlp_kw(p: dict[str, Any], t: dict[str, Any]) -> dict[str, Any]:
+    """The MLP's keywords: n, the biases b1, b2 (or None), the real intermediate width I (w1 has 2aI rows)."""
+    return dict(n=p["e"], b1=t.get("b1"), b2=t.get("b2"), inter=p["i"], gemma=bool(p["gemma"]))
+
+
 def _mlp_args(case, t: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     p = case.p
-    return ((t["x"], t["gamma"], float(p["eps"]), (p["w1"], t["w1"]), (p["w2"], t["w2"])),
-            dict(n=p["e"], gemma=bool(p["gemma"])))
+    return ((t["x"], t["gamma"], float(p["eps"]), (p["w1"], t["w1"]), (p["w2"], t["w2"])), _mlp_kw(p, t))
 
 
 def _outproj_mlp_args(case, t: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     p = case.p
     return ((t["attn"], t["residual"], (_wo_fmt(p), t["wo"]), t["gamma"], float(p["eps"]), (p["w1"], t["w1"]),
-             (p["w2"], t["w2"])), dict(n=p["e"], bo=t.get("bo"), gemma=bool(p["gemma"])))
+             (p["w2"], t["w2"])), dict(bo=t.get("bo"), **_mlp_kw(p, t)))
 
 
 def _torch_results(out: Any, device: str, res: dict[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,9 @@ verified stage by stage.
                               attention over slots 0 .. pos -> output projection (+ bias, + residual)
 - `blocks.attention_prefill`  T tokens from `start` over a cache holding `start` tokens of history
                               (causal bottom-right over history + chunk), the same stages
-- `blocks.mlp`                RMSNorm2 -> fused gate/up projection -> SwiGLU -> down projection -> + x
+- `blocks.mlp`                RMSNorm2 -> fused gate/up projection (+ b1) -> SwiGLU -> down projection (+ b2)
+                              -> + x; `bias` (seed audit S2), `ipad`: gate and up halves of aI = i + ipad
+                              lanes, the padding carried by h, cleared in act (S3)
 - `blocks.outproj_mlp`        attention output -> output projection (flat, or fp32 per head) +
                               residual -> the MLP block (the seed's mega_fused_outproj_mlp_prefill)
 
@@ -37,10 +39,10 @@ from kernel_parity.conformance.ops.blocks_grad import GRAD_SPECS
 from kernel_parity.conformance.ops.blocks_inputs import (ATTN_DISTS, DISTS, ROW_DISTS, WFMTS, attention_inputs,
                                                          mlp_inputs, outproj_mlp_inputs)
 from kernel_parity.conformance.ops.blocks_params import (ATTENTION_DIAGNOSES, ATTN, DECODE_PARAMS, GEMMA_DIAGNOSES,
-                                                         HEADS, MLP, MLP_PARAMS, MODEL, PREFILL_PARAMS, ad, ae,
-                                                         attention_kw, check_attention, check_mlp, check_outproj_mlp,
-                                                         weights_of)
-from kernel_parity.conformance.params import OneOf, Schema
+                                                         HEADS, MLP, MLP_DEFAULTS, MLP_PARAMS, MODEL, PREFILL_PARAMS,
+                                                         ad, ae, ai, attention_kw, check_attention, check_mlp,
+                                                         check_outproj_mlp, mlp_kw, weights_of)
+from kernel_parity.conformance.params import Defaults, OneOf, Schema
 from kernel_parity.conformance.spec import OpSpec, Output
 from kernel_parity.conformance.tolerance import Override, Tol
 
@@ -58,8 +60,8 @@ def _attention_ref(reference: str, decode: bool):
 
 def _mlp_ref(reference: str):
     def reference_fn(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
-        return ref.mlp(x["x"], x["gamma"], float(p["eps"]), *weights_of(x, p, "w1", "w2"), n=p["e"],
-                       gemma=bool(p["gemma"]), reference=reference)
+        return ref.mlp(x["x"], x["gamma"], float(p["eps"]), *weights_of(x, p, "w1", "w2"), **mlp_kw(x, p),
+                       reference=reference)
 
     return reference_fn
 
@@ -68,7 +70,7 @@ def _outproj_mlp_ref(reference: str):
     def reference_fn(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
         (wo,) = weights_of(x, p, "wo")
         return ref.outproj_mlp(x["attn"], x["residual"], wo, x["gamma"], float(p["eps"]), *weights_of(x, p, "w1", "w2"),
-                               n=p["e"], bo=x.get("bo"), gemma=bool(p["gemma"]), reference=reference)
+                               bo=x.get("bo"), **mlp_kw(x, p), reference=reference)
 
     return reference_fn
 
@@ -91,14 +93,13 @@ def _attention_mag(decode: bool):
 
 
 def _mlp_mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
-    return ref.mlp(x["x"], x["gamma"], float(p["eps"]), *weights_of(x, p, "w1", "w2"), n=p["e"],
-                   gemma=bool(p["gemma"]), absolute=True)
+    return ref.mlp(x["x"], x["gamma"], float(p["eps"]), *weights_of(x, p, "w1", "w2"), **mlp_kw(x, p), absolute=True)
 
 
 def _outproj_mlp_mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
     (wo,) = weights_of(x, p, "wo")
     return ref.outproj_mlp(x["attn"], x["residual"], wo, x["gamma"], float(p["eps"]), *weights_of(x, p, "w1", "w2"),
-                           n=p["e"], bo=x.get("bo"), gemma=bool(p["gemma"]), absolute=True)
+                           bo=x.get("bo"), **mlp_kw(x, p), absolute=True)
 
 
 # -- shapes -------------------------------------------------------------------------------------
@@ -111,7 +112,7 @@ def _attention_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def _mlp_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    t, e, i = p["t"], ae(p), p["i"]
+    t, e, i = p["t"], ae(p), ai(p)
     return {"norm": (t, e), "h": (t, 2 * i), "act": (t, i), "down": (t, e), "out": (t, e)}
 
 
@@ -137,9 +138,10 @@ ATTENTION_OUT = {
 }
 MLP_OUT = {
     "norm": Output("test", doc="RMSNorm2(x), padding lanes zero"),
-    "h": Output("test", doc="norm @ W1^T: gate (first I) and up (last I)"),
-    "act": Output("test", doc="silu(gate) * up"),
-    "down": Output("test", doc="act @ W2^T"),
+    "h": Output("test", doc="norm @ W1^T (+ b1): gate (first aI) and up (last aI), padding lanes [I, aI) of each as "
+                            "the projection gives them"),
+    "act": Output("test", doc="silu(gate) * up over the I real lanes, padding lanes [I, aI) cleared (zero)"),
+    "down": Output("test", doc="act @ W2^T (+ b2)"),
     "out": Output("test", doc="x + down"),
 }
 OUTPROJ_MLP_OUT = {
@@ -172,7 +174,7 @@ def _mlp_acc(p: dict[str, Any], output: str) -> int:
     if output in ("h1", "norm"):
         return n
     n += ae(p)
-    return n if output in ("h", "act") else n + p["i"]
+    return n if output in ("h", "act") else n + ai(p)
 
 
 # An output after a projection sums K products of either sign: the error model (`magnitude`) judges each
@@ -269,12 +271,12 @@ OUTPROJ_MLP = OpSpec(
     reference=_outproj_mlp_ref("dequant"),
     reference_name="dequant",
     references={"emulated": _outproj_mlp_ref("emulated")},
-    params=Schema(dict(t=MLP_PARAMS.params["t"], **MODEL,
-                       hq=HEADS["hq"], d=HEADS["d"], dpad=HEADS["dpad"],
-                       wo=OneOf(*WFMTS, doc="W_o format"),
-                       wo_layout=OneOf("flat", "head_major",
-                                       doc="W_o (aE, h_q a_d), or the seed's fp32 per-head Wo[h][aE][a_d]"),
-                       obias=ATTN["obias"], **MLP)),
+    params=Defaults(dict(t=MLP_PARAMS.params["t"], **MODEL,
+                         hq=HEADS["hq"], d=HEADS["d"], dpad=HEADS["dpad"],
+                         wo=OneOf(*WFMTS, doc="W_o format"),
+                         wo_layout=OneOf("flat", "head_major",
+                                         doc="W_o (aE, h_q a_d), or the seed's fp32 per-head Wo[h][aE][a_d]"),
+                         obias=ATTN["obias"], **MLP), MLP_DEFAULTS),
     make_inputs=outproj_mlp_inputs,
     output_shapes=_outproj_mlp_shapes,
     outputs=OUTPROJ_MLP_OUT,

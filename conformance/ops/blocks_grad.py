@@ -33,8 +33,8 @@ import kernel_parity.refimpl.norm as norm_ref
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.ops.blocks_inputs import ATTN_DISTS, DISTS, ROW_DISTS, attention_inputs, mlp_inputs
 from kernel_parity.conformance.ops.blocks_params import (ATTENTION_DIAGNOSES, GEMMA_DIAGNOSES, MLP_PARAMS,
-                                                         PREFILL_PARAMS, ad, ae, attention_kw, check_attention,
-                                                         check_mlp, weights_of)
+                                                         PREFILL_PARAMS, ad, ae, ai, attention_kw, check_attention,
+                                                         check_mlp, mlp_kw, weights_of)
 from kernel_parity.conformance.spec import OpSpec, Output
 from kernel_parity.conformance.tolerance import Override, Tol
 
@@ -64,30 +64,31 @@ def f32_block(p: dict[str, Any], *names: str) -> bool:
 def _mlp_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
     x = mlp_inputs(p, dtype, dist, rng)
     x64 = {k: (v if v.dtype == np.uint8 else v.astype(np.float64)) for k, v in x.items()}
-    fwd = ref.mlp(x64["x"], x64["gamma"], float(p["eps"]), *weights_of(x64, p, "w1", "w2"), n=p["e"],
-                  gemma=bool(p["gemma"]))
+    fwd = ref.mlp(x64["x"], x64["gamma"], float(p["eps"]), *weights_of(x64, p, "w1", "w2"), **mlp_kw(x64, p))
     saved = _fp32({"norm": fwd["norm"], "rstd": _rstd(x64, p, x64["x"]), "h": fwd["h"], "act": fwd["act"]})
     return {**x, **saved, "dout": _cotangent(rng, p["t"], p, dtype)}
 
 
 def _mlp_ref(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
-    g = ref.mlp_backward(x["x"], x["gamma"], float(p["eps"]), *weights_of(x, p, "w1", "w2"), x["dout"], n=p["e"],
-                         gemma=bool(p["gemma"]))
+    g = ref.mlp_backward(x["x"], x["gamma"], float(p["eps"]), *weights_of(x, p, "w1", "w2"), x["dout"],
+                         **mlp_kw(x, p))
     return {k: g[k] for k in mlp_grad_shapes(p)}
 
 
 def _mlp_mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
     """The error model (refimpl.blocks.mlp_backward, `absolute`), the outputs the case has."""
-    g = ref.mlp_backward(x["x"], x["gamma"], float(p["eps"]), *weights_of(x, p, "w1", "w2"), x["dout"], n=p["e"],
-                         gemma=bool(p["gemma"]), absolute=True)
+    g = ref.mlp_backward(x["x"], x["gamma"], float(p["eps"]), *weights_of(x, p, "w1", "w2"), x["dout"],
+                         **mlp_kw(x, p), absolute=True)
     return {k: g[k] for k in mlp_grad_shapes(p)}
 
 
 def mlp_grad_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    t, e, i = p["t"], ae(p), p["i"]
+    t, e, i = p["t"], ae(p), ai(p)
     shapes = {"dact": (t, i), "dh": (t, 2 * i), "dnorm": (t, e), "dx": (t, e)}
     if f32_block(p, "w1", "w2"):
         shapes.update(dgamma=(e,), dw1=(2 * i, e), dw2=(e, i))
+        if p.get("bias", 0):
+            shapes.update(db1=(2 * i,), db2=(e,))
     return shapes
 
 
@@ -96,9 +97,10 @@ def _mlp_acc(p: dict[str, Any], output: str) -> int:
     uses (a kernel may recompute them, as eager autograd does: the norm over n, W1 over aE, W2 over I):
     dact sums over aE (dout W2), dh is elementwise from dact and h, dnorm sums over 2I (dh W1), dx over the
     norm's n lanes; dw2, dw1 and dgamma over the T rows."""
-    t, e, i = p["t"], ae(p), p["i"]
+    t, e, i = p["t"], ae(p), ai(p)
     h = p["e"] + e  # h = RMSNorm(x) W1^T
-    n = {"dact": e, "dh": e + h, "dw2": t + h + i, "dw1": t + e + h, "dnorm": e + h + 2 * i}
+    n = {"dact": e, "dh": e + h, "dw2": t + h + i, "dw1": t + e + h, "dnorm": e + h + 2 * i, "db2": t,
+         "db1": t + e + h}
     if output in n:
         return n[output]
     return n["dnorm"] + (p["e"] if output == "dx" else t)
@@ -112,6 +114,8 @@ MLP_OUT = {
     "dgamma": Output("test", doc="sum over rows of dnorm x rstd (float32 weights), padding lanes zero"),
     "dw1": Output("test", doc="dh^T @ norm (float32 W1)"),
     "dw2": Output("test", doc="dout^T @ act (float32 W2)"),
+    "db1": Output("test", doc="sum over rows of dh: the seed's d_b1 = (d_b_gate | d_b_up) (float32 weights, `bias`)"),
+    "db2": Output("test", doc="sum over rows of dout: the seed's d_b2 = d_b_down (float32 weights, `bias`)"),
 }
 
 

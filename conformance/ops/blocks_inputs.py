@@ -225,18 +225,48 @@ def attention_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Ge
 
 
 def mlp_weights(p: dict[str, Any], rng: np.random.Generator, dist: str, ae: int) -> dict[str, np.ndarray]:
-    """w1 (2I, aE) gate rows then up rows, w2 (aE, I), in their storage formats."""
-    i = p["i"]
+    """w1 (2aI, aE) gate rows then up rows, w2 (aE, aI), in their storage formats (aI = I + ipad).
+
+    ipad > 0 (seed audit S3): lanes [I, aI) of each half are padding the contract lets a kernel ignore
+    (refimpl.blocks.mlp: act's padding is cleared), so they hold what only ignoring them neutralises: W1's
+    padded rows PAD_SCALE N(0, 1) (h carries them; an act or a down projection that lets them in is off by
+    orders of magnitude), W1's columns [E, aE) and W2's padded columns the real weights' scale (they multiply
+    lanes a correct kernel holds at zero: the norm's padding, act's; W2's share quantization blocks with
+    real columns). W2's padded output rows stay zero (out's padding is zero only through them)."""
+    i, ai = p["i"], p["i"] + p.get("ipad", 0)
     real_e = (np.arange(ae) < p["e"]).astype(np.float64)
-    ones = np.ones(2 * i)
-    return {"w1": stored(p["w1"], dense(rng, 2 * i, ae, real_e, ones, dist)),
-            "w2": stored(p["w2"], dense(rng, ae, i, np.ones(i), real_e, dist))}
+    if ai == i:
+        ones = np.ones(2 * i)
+        return {"w1": stored(p["w1"], dense(rng, 2 * i, ae, real_e, ones, dist)),
+                "w2": stored(p["w2"], dense(rng, ae, i, np.ones(i), real_e, dist))}
+    real_i = (np.arange(ai) < i).astype(np.float64)
+    halves = np.tile(real_i, 2)
+    w1, w2 = dense(rng, 2 * ai, ae, real_e, halves, dist), dense(rng, ae, ai, real_i, real_e, dist)
+    padding(rng, w1, halves, real_e)
+    padding(rng, w2, real_e, real_i, rows_scale=0.0)
+    return {"w1": stored(p["w1"], w1), "w2": stored(p["w2"], w2)}
+
+
+BIAS_SCALE = 2.0  # MLP biases: per lane N(0, 4), as large as the products they are added to, or larger
+
+
+def mlp_biases(p: dict[str, Any], rng: np.random.Generator, ae: int) -> dict[str, np.ndarray]:
+    """`bias` (seed audit S2): b1 (2aI,) = b_gate | b_up and b2 (aE,) = b_down, BIAS_SCALE N(0, 1) per lane
+    (gate and up lanes different: a bias dropped, doubled or added to the other half is off by the products'
+    size); b1's padded lanes PAD_SCALE N(0, 1) (h carries them, act ignores them), b2's zero."""
+    if not p.get("bias", 0):
+        return {}
+    i, ai = p["i"], p["i"] + p.get("ipad", 0)
+    real_i = np.tile((np.arange(ai) < i).astype(np.float64), 2)
+    b1 = rng.standard_normal(2 * ai) * BIAS_SCALE * real_i + rng.standard_normal(2 * ai) * (1.0 - real_i) * PAD_SCALE
+    b2 = rng.standard_normal(ae) * BIAS_SCALE * (np.arange(ae) < p["e"])
+    return {"b1": dt.round_to(b1, "fp32"), "b2": dt.round_to(b2, "fp32")}
 
 
 def mlp_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
     ae = p["e"] + p["epad"]
     return {"x": dt.round_to(rows(rng, p["t"], p["e"], ae, dist), dtype), "gamma": gamma(rng, p["e"], ae, p["gemma"]),
-            **mlp_weights(p, rng, dist, ae)}
+            **mlp_weights(p, rng, dist, ae), **mlp_biases(p, rng, ae)}
 
 
 def outproj_mlp_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -256,4 +286,5 @@ def outproj_mlp_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.
         out["bo"] = dt.round_to(rng.standard_normal(ae) * real_e, "fp32")
     out["gamma"] = gamma(rng, e, ae, p["gemma"])
     out.update(mlp_weights(p, rng, dist, ae))
+    out.update(mlp_biases(p, rng, ae))
     return out

@@ -11,7 +11,7 @@ import numpy as np
 
 import kernel_parity.refimpl.blocks as ref
 from kernel_parity.conformance.ops.blocks_inputs import EPS, MLP_WFMTS, THETAS, WFMTS, block_of
-from kernel_parity.conformance.params import Int, OneOf, Schema
+from kernel_parity.conformance.params import Defaults, Int, OneOf, Schema
 from kernel_parity.conformance.spec import Diagnosis
 
 MODEL = dict(
@@ -42,7 +42,16 @@ MLP = dict(
     w2=OneOf(*MLP_WFMTS, doc="down weight format (aE, I)"),
     eps=OneOf(*EPS, doc="RMSNorm epsilon"),
     gemma=OneOf(0, 1, doc="RMSNorm weight applied as (1 + gamma)"),
+    bias=OneOf(0, 1, doc="MLP biases b1 (2aI: b_gate | b_up) and b2 (aE: b_down), the seed's (seed audit S2)"),
+    ipad=Int(0, 4096, edges=(0, 8, 32), doc="padding lanes of each of the gate and up halves: aI = i + ipad (the "
+                                             "seed's aligned_intermediate_dim; W1's padded rows non-zero, S3)"),
 )
+MLP_DEFAULTS = {"bias": 0, "ipad": 0}  # older cases keep their ids and inputs
+
+
+def ai(p: dict[str, Any]) -> int:
+    """The aligned intermediate width aI = I + ipad."""
+    return p["i"] + p.get("ipad", 0)
 
 
 def ae(p: dict[str, Any]) -> int:
@@ -83,7 +92,13 @@ def check_attention(p: dict[str, Any]) -> str | None:
 
 
 def check_mlp(p: dict[str, Any]) -> str | None:
-    return check_k("w1", p["w1"], ae(p), "aE = e + epad") or check_k("w2", p["w2"], p["i"], "i")
+    return check_k("w1", p["w1"], ae(p), "aE = e + epad") or check_k("w2", p["w2"], ai(p), "aI = i + ipad")
+
+
+def mlp_kw(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, Any]:
+    """The MLP's keyword arguments of the goldens: n, the biases given, the real I when padded, gemma."""
+    return dict(n=p["e"], b1=x.get("b1"), b2=x.get("b2"), inter=p["i"] if p.get("ipad", 0) else None,
+                gemma=bool(p["gemma"]))
 
 
 def check_outproj_mlp(p: dict[str, Any]) -> str | None:
@@ -119,4 +134,4 @@ PREFILL_PARAMS = Schema(dict(MODEL, **HEADS, t=Int(1, 1 << 16, edges=(1, 2, 7, 6
                              **ATTN))
 DECODE_PARAMS = Schema(dict(MODEL, **HEADS, pos=Int(0, 1 << 20, edges=(0, 1, 63, 64, 65, 1024),
                                                   doc="the token's position (slots 0 .. pos attended)"), **ATTN))
-MLP_PARAMS = Schema(dict(t=Int(1, 1 << 16, edges=(1, 2, 7), doc="tokens"), **MODEL, **MLP))
+MLP_PARAMS = Defaults(dict(t=Int(1, 1 << 16, edges=(1, 2, 7), doc="tokens"), **MODEL, **MLP), MLP_DEFAULTS)

@@ -3,8 +3,9 @@
  *   attention:  norm = RMSNorm(x) g;  q|k|v = norm W^T (+ b);  RoPE(q, k) at s + t;  cache[g, s + t] = k|v
  *               (lanes [d, a_d) cleared);  attn = softmax(q k^T / sqrt(d)) v over slots j <= s + t;
  *               out = attn W_o^T (+ b_o) (+ residual)
- *   mlp:        norm = RMSNorm(x) g;  h = norm W1^T (gate | up);  act = silu(gate) up;  down = act W2^T;
- *               out = x + down
+ *   mlp:        norm = RMSNorm(x) g;  h = norm W1^T (+ b1) (gate | up, aI rows each: w_up at w1 + aI aE, the
+ *               seed's aligned_intermediate_dim aI = I + ipad);  act = silu(gate) up over the I real lanes (lanes
+ *               [I, aI) cleared);  down = act W2^T (+ b2);  out = x + down
  *   outproj_mlp: proj = attn W_o^T (+ b_o) (flat, or fp32 per head summed);  h1 = proj + residual;  the mlp on h1
  *
  * Conventions (OPS.md, layers; golden refimpl/blocks.py): rows aligned to aE = E + pad lanes (statistics
@@ -69,6 +70,8 @@ typedef struct {                   /* mirrored by kernels/cpu/blocks.py (_Params
     const float *cos, *sin;        /* (max_seq, d / 2) */
     float *norm, *q, *k, *v, *q_rope, *k_rope, *attn, *out;   /* stage outputs (or NULL where unused) */
     float *proj, *h1, *h, *act, *down;
+    const float *b1, *b2;          /* the MLP's biases (2 aI,) = b_gate | b_up and (ae,) = b_down, or NULL */
+    int64_t ipad;                  /* the MLP's padding lanes per half: aI = inter + ipad */
 } blk_params;
 
 /* ---- weights and activations ----------------------------------------------------------------------- */
@@ -659,30 +662,31 @@ KP_INLINE int blocks_attention_prefill_impl(const blk_params *P) {
 
 KP_MULTIVERSION(blocks_attention_prefill, (const blk_params *P), (P))
 
-/* norm -> h -> act -> down -> out = x + down, over T rows of x (double). */
+/* norm -> h (+ b1) -> act -> down (+ b2) -> out = x + down, over T rows of x (double). h and act rows are
+ * aI = I + ipad lanes per half; act's lanes [I, aI) stay zero (cleared), so W2's padded columns add nothing. */
 KP_INLINE int mlp_rows(const blk_params *P, const double *x) {
-    const int64_t T = P->t, ae = P->ae, I = P->inter;
+    const int64_t T = P->t, ae = P->ae, I = P->inter, aI = P->inter + P->ipad;
     const int qa = (int)P->quant_acts;
     wfmt f1, f2;
     int st = wfmt_of(P->w1_type, ae, qa, &f1);
-    if (st == KP_OK) st = wfmt_of(P->w2_type, I, qa, &f2);
+    if (st == KP_OK) st = wfmt_of(P->w2_type, aI, qa, &f2);
     if (st != KP_OK) return st;
-    double *buf = alloc_zero(sizeof(double) * (size_t)(T * ae + 3 * T * I + T * ae));
+    double *buf = alloc_zero(sizeof(double) * (size_t)(T * ae + 3 * T * aI + T * ae));
     if (!buf) return KP_ERR_NOMEM;
-    double *nrm = buf, *h = nrm + T * ae, *act = h + 2 * T * I, *down = act + T * I;
+    double *nrm = buf, *h = nrm + T * ae, *act = h + 2 * T * aI, *down = act + T * aI;
     for (int64_t t = 0; t < T; t++) rmsnorm_row(x + t * ae, P->gamma, P->e, ae, P->eps, (int)P->gemma, nrm + t * ae);
     store(P->norm, nrm, T * ae);
-    st = project_all(&f1, P->w1, NULL, nrm, T, 2 * I, h);
+    st = project_all(&f1, P->w1, P->b1, nrm, T, 2 * aI, h);
     if (st == KP_OK) {
-        store(P->h, h, 2 * T * I);
+        store(P->h, h, 2 * T * aI);
         for (int64_t t = 0; t < T; t++)
             for (int64_t i = 0; i < I; i++) {
-                const double gate = h[t * 2 * I + i], up = h[t * 2 * I + I + i];   /* gate first */
+                const double gate = h[t * 2 * aI + i], up = h[t * 2 * aI + aI + i];   /* gate first, up at aI */
                 const double e = exp(-fabs(gate)), sig = gate >= 0 ? 1.0 / (1.0 + e) : e / (1.0 + e);
-                act[t * I + i] = gate * sig * up;
+                act[t * aI + i] = gate * sig * up;
             }
-        store(P->act, act, T * I);
-        st = project_all(&f2, P->w2, NULL, act, T, ae, down);
+        store(P->act, act, T * aI);
+        st = project_all(&f2, P->w2, P->b2, act, T, ae, down);
     }
     if (st == KP_OK) {
         store(P->down, down, T * ae);

@@ -3,7 +3,7 @@ attention block in one pass, and the prefill attention, MLP and outproj + MLP bl
 
     attention_decode / attention_prefill:  norm -> q, k, v (+ bias) -> RoPE -> cache write -> attention
                                            -> W_o (+ bias) (+ residual)
-    mlp:          norm -> h = norm W1^T (gate | up) -> act = silu(gate) up -> down -> out = x + down
+    mlp:          norm -> h = norm W1^T (+ b1) (gate | up) -> act = silu(gate) up -> down (+ b2) -> out = x + down
     outproj_mlp:  proj = attn W_o^T (+ bias) -> h1 = proj + residual -> the mlp on h1
 
 Arrays (all float32 and C-contiguous unless said; no copy is made):
@@ -11,8 +11,10 @@ x: (aE,) decode, (T, aE) prefill / mlp;  attn (outproj_mlp): (T, h_q a_d);  resi
 gamma: (aE,);  eps: RMSNorm epsilon;  n: the real embed dim E (lanes [n, aE) are padding, zero)
 a weight: (fmt, array): "f32" (N, K) float32, or a GGML format (`WEIGHT_FORMATS`) (N, K / block * nbytes)
     uint8 rows of blocks; wq (h_q a_d, aE), wk, wv (h_kv a_d, aE), wo (aE, h_q a_d) or ("f32_heads",
-    (h_q, aE, a_d)) for outproj_mlp, w1 (2I, aE) gate rows first, w2 (aE, I)
-bq (h_q a_d,), bk, bv (h_kv a_d,), bo (aE,): or None
+    (h_q, aE, a_d)) for outproj_mlp, w1 (2aI, aE) gate rows first (up at row aI), w2 (aE, aI)
+bq (h_q a_d,), bk, bv (h_kv a_d,), bo (aE,), b1 (2aI,) (b_gate | b_up), b2 (aE,) (b_down): or None
+inter: the MLP's real intermediate width I <= aI (None: aI); lanes [I, aI) of each half are padding: h
+    carries them as projected, act's are cleared
 k_cache, v_cache: (h_kv, cap, a_d), written in place at slots start .. start + T - 1 (decode: pos)
 cos, sin: (max_seq, d / 2);  style: "half" or "interleaved";  gemma: RMSNorm weight (1 + gamma)
 out: a dict of preallocated stage outputs (any subset; the rest are allocated)
@@ -47,9 +49,12 @@ _ARRAYS = ("x", "gamma", "wq", "wk", "wv", "wo", "w1", "w2", "bq", "bk", "bv", "
 _lib: ctypes.CDLL | None = None
 
 
+_MLP_FIELDS = (("b1", _PTR), ("b2", _PTR), ("ipad", _I64))  # the MLP's biases and padding (appended)
+
+
 class _Params(ctypes.Structure):
     """blocks.c's blk_params, field for field."""
-    _fields_ = [*((n, _I64) for n in _INTS), ("eps", _F64), *((n, _PTR) for n in _ARRAYS)]
+    _fields_ = [*((n, _I64) for n in _INTS), ("eps", _F64), *((n, _PTR) for n in _ARRAYS), *_MLP_FIELDS]
 
 
 def _kernels() -> ctypes.CDLL:
@@ -214,37 +219,49 @@ def attention_prefill(x: np.ndarray, gamma: np.ndarray, eps: float, wq, wk, wv, 
                       gemma=gemma, quantize_activations=quantize_activations, out=out, decode=False)
 
 
-def _mlp_fields(x: np.ndarray, gamma, eps, w1, w2, n, gemma, quantize_activations) -> tuple[dict, dict]:
-    t, ae = x.shape
-    eps = _norm_args(gamma, eps, n, ae)
+def mlp_width(w1: Any, inter: Any) -> tuple[int, int]:
+    """(I, aI) of a (format, array) w1 of 2aI rows (gate, then up) and the real width `inter` (None: aI)."""
     if not isinstance(w1, tuple) or len(w1) != 2 or not isinstance(w1[1], np.ndarray) or w1[1].ndim != 2 \
             or w1[1].shape[0] % 2:
-        raise ValueError(f"w1 must be a (format, array) pair of 2I rows (gate, then up), got "
+        raise ValueError(f"w1 must be a (format, array) pair of 2aI rows (gate, then up), got "
                          f"{getattr(w1[1], 'shape', None) if isinstance(w1, tuple) and len(w1) == 2 else type(w1).__name__}")
-    inter = w1[1].shape[0] // 2
-    w1_type, _ = _weight("w1", w1, 2 * inter, ae)
-    w2_type, _ = _weight("w2", w2, ae, inter)
-    fields = dict(t=t, e=n, ae=ae, inter=inter, gemma=bool(gemma), quant_acts=bool(quantize_activations),
+    ai = w1[1].shape[0] // 2
+    i = ai if inter is None else inter
+    if not isinstance(i, (int, np.integer)) or not 1 <= i <= ai:
+        raise ValueError(f"inter (the real intermediate width I) must be an int in [1, aI = {ai}], got {inter!r}")
+    return int(i), ai
+
+
+def _mlp_fields(x: np.ndarray, gamma, eps, w1, w2, n, gemma, quantize_activations, b1=None, b2=None,
+                inter=None) -> tuple[dict, dict]:
+    t, ae = x.shape
+    eps = _norm_args(gamma, eps, n, ae)
+    i, ai = mlp_width(w1, inter)
+    w1_type, _ = _weight("w1", w1, 2 * ai, ae)
+    w2_type, _ = _weight("w2", w2, ae, ai)
+    fields = dict(t=t, e=n, ae=ae, inter=i, ipad=ai - i, gemma=bool(gemma), quant_acts=bool(quantize_activations),
                   w1_type=w1_type, w2_type=w2_type, eps=eps)
-    return fields, dict(gamma=gamma, w1=w1[1], w2=w2[1])
+    return fields, dict(gamma=gamma, w1=w1[1], w2=w2[1], b1=_optional("b1", b1, (2 * ai,)),
+                        b2=_optional("b2", b2, (ae,)))
 
 
-def mlp(x: np.ndarray, gamma: np.ndarray, eps: float, w1, w2, *, n: int, gemma: bool = False,
-        quantize_activations: bool = True, out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """x (T, aE) -> {"norm", "h" (T, 2I), "act" (T, I), "down", "out" = x + down}."""
+def mlp(x: np.ndarray, gamma: np.ndarray, eps: float, w1, w2, *, n: int, b1=None, b2=None, inter: int | None = None,
+        gemma: bool = False, quantize_activations: bool = True,
+        out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """x (T, aE) -> {"norm", "h" (T, 2aI), "act" (T, aI), "down", "out" = x + down}."""
     if not isinstance(x, np.ndarray) or x.ndim != 2:
         raise ValueError(f"x must be a float32 array (T, aE), got {getattr(x, 'shape', type(x).__name__)}")
     _array("x", x, x.shape)
-    fields, arrays = _mlp_fields(x, gamma, eps, w1, w2, n, gemma, quantize_activations)
-    t, ae, i = x.shape[0], x.shape[1], fields["inter"]
+    fields, arrays = _mlp_fields(x, gamma, eps, w1, w2, n, gemma, quantize_activations, b1, b2, inter)
+    t, ae, i = x.shape[0], x.shape[1], fields["inter"] + fields["ipad"]
     res = _outputs(out, {"norm": (t, ae), "h": (t, 2 * i), "act": (t, i), "down": (t, ae), "out": (t, ae)})
     _run("blocks_mlp", fields, dict(x=x, **arrays, **res))
     return res
 
 
 def outproj_mlp(attn: np.ndarray, residual: np.ndarray, wo, gamma: np.ndarray, eps: float, w1, w2, *, n: int,
-                bo: np.ndarray | None = None, gemma: bool = False, quantize_activations: bool = True,
-                out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+                bo: np.ndarray | None = None, b1=None, b2=None, inter: int | None = None, gemma: bool = False,
+                quantize_activations: bool = True, out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """attn (T, h_q a_d), residual (T, aE) -> {"proj", "h1" = proj + residual, "norm", "h", "act", "down", "out"}."""
     if not isinstance(residual, np.ndarray) or residual.ndim != 2:
         raise ValueError(f"residual must be a float32 array (T, aE), got {getattr(residual, 'shape', None)}")
@@ -254,7 +271,7 @@ def outproj_mlp(attn: np.ndarray, residual: np.ndarray, wo, gamma: np.ndarray, e
         raise ValueError(f"attn must be a float32 array (T = {t}, h_q a_d), got {getattr(attn, 'shape', None)}")
     _array("attn", attn, attn.shape)
     k = attn.shape[1]
-    fields, arrays = _mlp_fields(residual, gamma, eps, w1, w2, n, gemma, quantize_activations)
+    fields, arrays = _mlp_fields(residual, gamma, eps, w1, w2, n, gemma, quantize_activations, b1, b2, inter)
     if isinstance(wo, tuple) and len(wo) == 2 and wo[0] == "f32_heads":
         a = wo[1]
         if not isinstance(a, np.ndarray) or a.ndim != 3 or a.shape[1] != ae or a.shape[0] * a.shape[2] != k:
@@ -265,7 +282,7 @@ def outproj_mlp(attn: np.ndarray, residual: np.ndarray, wo, gamma: np.ndarray, e
     else:
         wo_type, _ = _weight("wo", wo, ae, k)
         hq, ad, heads = 1, k, 0
-    i = fields["inter"]
+    i = fields["inter"] + fields["ipad"]
     res = _outputs(out, {"proj": (t, ae), "h1": (t, ae), "norm": (t, ae), "h": (t, 2 * i), "act": (t, i),
                          "down": (t, ae), "out": (t, ae)})
     fields.update(hq=hq, ad=ad, wo_type=wo_type, wo_heads=heads)

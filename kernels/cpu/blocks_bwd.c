@@ -1,11 +1,11 @@
 /* blocks_bwd.c — the whole-layer backward of C-Kernel-Engine's fused blocks on the CPU, fp32: one C stage
  * kernel per forward stage, run in reverse order (the seed's backward set).
  *
- *   mlp:        out = x + down,  down = act W2^T,  act = silu(gate) up,  (gate | up) = h = norm W1^T,
- *               norm = RMSNorm(x) g
- *     bwd_fc2       dact = dout W2,                   dW2 = dout^T act
- *     bwd_swiglu    dgate = dact up silu'(gate),      dup = dact silu(gate)
- *     bwd_fc1       dnorm = dh W1,                    dW1 = dh^T norm
+ *   mlp:        out = x + down,  down = act W2^T (+ b2),  act = silu(gate) up,  (gate | up) = h = norm W1^T (+ b1),
+ *               norm = RMSNorm(x) g;  h and act rows of aI = I + ipad lanes per half, act's padding cleared
+ *     bwd_fc2       dact = dout W2 (lanes [I, aI) zero),  dW2 = dout^T act,  d_b2 = sum_t dout
+ *     bwd_swiglu    dgate = dact up silu'(gate),      dup = dact silu(gate)  (padding lanes zero)
+ *     bwd_fc1       dnorm = dh W1,                    dW1 = dh^T norm,  d_b1 = sum_t dh
  *     bwd_rmsnorm   dx = rstd (g dnorm - x rstd^2 mean(x g dnorm)),  dgamma = sum_t dnorm x rstd
  *     bwd_residual  dx += dout
  *   attention (prefill, T tokens from `start` over a cache with history; the history is a constant):
@@ -47,6 +47,8 @@ typedef struct {                   /* mirrored by kernels/cpu/blocks_bwd.py (_Pa
     const float *norm, *rstd, *q_rope, *k_rope, *v, *attn, *h, *act;   /* saved activations */
     float *dattn, *dq_rope, *dk_rope, *dv, *dq, *dk, *dnorm, *dact, *dh;   /* stage gradients */
     float *dx, *dgamma, *dwq, *dwk, *dwv, *dwo, *dw1, *dw2, *dbq, *dbk, *dbv, *dbo, *dr;   /* or NULL */
+    float *db1, *db2;              /* the MLP's bias gradients (2 aI,), (ae,), or NULL */
+    int64_t ipad;                  /* the MLP's padding lanes per half: aI = inter + ipad */
 } bwd_params;
 
 /* ---- residual, RMSNorm, SwiGLU, RoPE ------------------------------------------------------------------ */
@@ -75,16 +77,19 @@ static void bwd_rmsnorm(const float *x, const float *gamma, const float *rstd, c
     }
 }
 
-/* SwiGLU of the gate-first h (t, 2I): dgate = dact up silu'(gate), dup = dact silu(gate);
- * silu'(g) = s (1 + g (1 - s)), s = sigmoid(g) from exp(-|g|) (no overflow). */
-static void bwd_swiglu(const float *h, const float *dact, int64_t t, int64_t inter, float *dh) {
-    for (int64_t r = 0; r < t; r++)
+/* SwiGLU of the gate-first h (t, 2 ai), I = inter real lanes per half: dgate = dact up silu'(gate),
+ * dup = dact silu(gate); silu'(g) = s (1 + g (1 - s)), s = sigmoid(g) from exp(-|g|) (no overflow); the
+ * padding lanes [I, ai) of dh zero (act's were cleared: no gradient reaches them). */
+static void bwd_swiglu(const float *h, const float *dact, int64_t t, int64_t inter, int64_t ai, float *dh) {
+    for (int64_t r = 0; r < t; r++) {
         for (int64_t i = 0; i < inter; i++) {
-            const float g = h[r * 2 * inter + i], u = h[r * 2 * inter + inter + i], da = dact[r * inter + i];
+            const float g = h[r * 2 * ai + i], u = h[r * 2 * ai + ai + i], da = dact[r * ai + i];
             const float e = expf(-fabsf(g)), s = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-            dh[r * 2 * inter + i] = da * u * (s * (1.0f + g * (1.0f - s)));
-            dh[r * 2 * inter + inter + i] = da * (g * s);
+            dh[r * 2 * ai + i] = da * u * (s * (1.0f + g * (1.0f - s)));
+            dh[r * 2 * ai + ai + i] = da * (g * s);
         }
+        for (int64_t i = inter; i < ai; i++) dh[r * 2 * ai + i] = dh[r * 2 * ai + ai + i] = 0.0f;
+    }
 }
 
 /* RoPE's transpose on the first d lanes of `rows` head rows of ad lanes at position pos: each pair (a, b)
@@ -198,11 +203,13 @@ static int bwd_attention(const bwd_params *P) {
 /* ---- the whole layers -------------------------------------------------------------------------------------- */
 
 KP_INLINE int blocks_mlp_backward_impl(const bwd_params *P) {
-    const int64_t T = P->t, ae = P->ae, I = P->inter;
-    int st = bwd_linear((int)P->w2_type, P->w2, P->act, P->dout, T, ae, I, P->dact, 0, P->dw2, NULL);   /* fc2 */
+    const int64_t T = P->t, ae = P->ae, I = P->inter, aI = P->inter + P->ipad;
+    int st = bwd_linear((int)P->w2_type, P->w2, P->act, P->dout, T, ae, aI, P->dact, 0, P->dw2, P->db2);   /* fc2 */
     if (st != KP_OK) return st;
-    bwd_swiglu(P->h, P->dact, T, I, P->dh);
-    st = bwd_linear((int)P->w1_type, P->w1, P->norm, P->dh, T, 2 * I, ae, P->dnorm, 0, P->dw1, NULL);   /* fc1 */
+    for (int64_t t = 0; t < T; t++)   /* act's padding lanes were cleared: their gradient is zero */
+        for (int64_t i = I; i < aI; i++) P->dact[t * aI + i] = 0.0f;
+    bwd_swiglu(P->h, P->dact, T, I, aI, P->dh);
+    st = bwd_linear((int)P->w1_type, P->w1, P->norm, P->dh, T, 2 * aI, ae, P->dnorm, 0, P->dw1, P->db1);   /* fc1 */
     if (st != KP_OK) return st;
     bwd_rmsnorm(P->x, P->gamma, P->rstd, P->dnorm, T, P->e, ae, (int)P->gemma, P->dx, P->dgamma);
     bwd_residual(P->dx, P->dout, T * ae, 0);

@@ -2,7 +2,7 @@
 kernels, fp32, run in reverse pipeline order.
 
     mlp_backward:       dact = dout W2 -> dh (SwiGLU) -> dnorm = dh W1 -> dx (RMSNorm) + dout;
-                        dgamma, dW1 = dh^T norm, dW2 = dout^T act
+                        dgamma, dW1 = dh^T norm, dW2 = dout^T act, db1 = sum dh, db2 = sum dout
     attention_prefill_backward:  dattn = dout W_o -> (dq_rope, dk_rope, dv) of the causal GQA attention over
                         history + chunk -> dq, dk (RoPE^T) -> dnorm = dq Wq + dk Wk + dv Wv -> dx (RMSNorm);
                         dgamma, dW, db of every projection, dr = dout
@@ -10,12 +10,12 @@ kernels, fp32, run in reverse pipeline order.
 Arrays (all float32 and C-contiguous unless said; no copy is made): the forward's (kernels/cpu/blocks.py's
 names and shapes: x (T, aE), gamma, the weights as (fmt, array) pairs, the biases, the caches holding the
 history (h_kv, cap, a_d), cos / sin) plus the forward's saved activations
-    mlp: norm (T, aE), rstd (T,), h (T, 2I), act (T, I)
+    mlp: norm (T, aE), rstd (T,), h (T, 2aI), act (T, aI) (lanes [I, aI) of each half padding: `inter`)
     attention: norm (T, aE), rstd (T,), q_rope (T, h_q, a_d), k_rope, v (T, h_kv, a_d), attn (T, h_q, a_d)
 and the cotangent dout (T, aE).
 out: preallocated gradients (any subset; the rest are allocated): the stage gradients (mlp: dact, dh,
 dnorm; attention: dattn, dq_rope, dk_rope, dv, dq, dk, dnorm) and dx always; with `weight_grads` (every
-weight float32) also dgamma and the weight gradients (mlp: dw1, dw2; attention: dwq, dwk, dwv, dwo, and
+weight float32) also dgamma and the weight gradients (mlp: dw1, dw2, db1, db2 for b1, b2; attention: dwq, dwk, dwv, dwo, and
 dbq, dbk, dbv, dbo for the biases given, dr with a residual).
 returns: {name: array} of those.
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kernel_parity.kernels.cpu.blocks import STYLES, _array, _norm_args, _optional, _weight
+from kernel_parity.kernels.cpu.blocks import STYLES, _array, _norm_args, _optional, _weight, mlp_width
 from kernel_parity.kernels.cpu.loader import check_status, load
 
 __all__ = ["attention_prefill_backward", "mlp_backward"]
@@ -41,9 +41,12 @@ _ARRAYS = ("x", "gamma", "dout", "wq", "wk", "wv", "wo", "w1", "w2", "k_cache", 
 _lib: ctypes.CDLL | None = None
 
 
+_MLP_FIELDS = (("db1", _PTR), ("db2", _PTR), ("ipad", _I64))  # the MLP's bias gradients and padding (appended)
+
+
 class _Params(ctypes.Structure):
     """blocks_bwd.c's bwd_params, field for field."""
-    _fields_ = [*((n, _I64) for n in _INTS), ("eps", _F64), *((n, _PTR) for n in _ARRAYS)]
+    _fields_ = [*((n, _I64) for n in _INTS), ("eps", _F64), *((n, _PTR) for n in _ARRAYS), *_MLP_FIELDS]
 
 
 def _kernels() -> ctypes.CDLL:
@@ -78,17 +81,16 @@ def _run(entry: str, fields: dict[str, Any], arrays: dict[str, np.ndarray | None
 
 
 def mlp_backward(x: np.ndarray, gamma: np.ndarray, eps: float, w1, w2, dout: np.ndarray, *, norm: np.ndarray,
-                 rstd: np.ndarray, h: np.ndarray, act: np.ndarray, n: int, gemma: bool = False,
-                 weight_grads: bool = True, out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """The MLP block's backward for dout (T, aE); returns the gradients (module docstring)."""
+                 rstd: np.ndarray, h: np.ndarray, act: np.ndarray, n: int, b1=None, b2=None,
+                 inter: int | None = None, gemma: bool = False, weight_grads: bool = True,
+                 out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """The MLP block's backward for dout (T, aE); returns the gradients (module docstring). b1, b2: the forward's
+    biases (or None; h carries them): with `weight_grads`, their gradients db1, db2 are returned."""
     if not isinstance(x, np.ndarray) or x.ndim != 2:
         raise ValueError(f"x must be a float32 array (T, aE), got {getattr(x, 'shape', type(x).__name__)}")
     t, ae = _array("x", x, x.shape).shape
     eps = _norm_args(gamma, eps, n, ae)
-    if not isinstance(w1, tuple) or len(w1) != 2 or not isinstance(w1[1], np.ndarray) or w1[1].ndim != 2 \
-            or w1[1].shape[0] % 2:
-        raise ValueError("w1 must be a (format, array) pair of 2I rows (gate, then up)")
-    i = w1[1].shape[0] // 2
+    real, i = mlp_width(w1, inter)
     w1_type, _ = _weight("w1", w1, 2 * i, ae)
     w2_type, _ = _weight("w2", w2, ae, i)
     if weight_grads and (w1_type or w2_type):
@@ -97,10 +99,13 @@ def mlp_backward(x: np.ndarray, gamma: np.ndarray, eps: float, w1, w2, dout: np.
                            ("h", h, (t, 2 * i)), ("act", act, (t, i))):
         _array(name, a, shape)
     shapes = {"dact": (t, i), "dh": (t, 2 * i), "dnorm": (t, ae), "dx": (t, ae)}
+    biases = {"db1": _optional("b1", b1, (2 * i,)), "db2": _optional("b2", b2, (ae,))}
     if weight_grads:
         shapes.update(dgamma=(ae,), dw1=(2 * i, ae), dw2=(ae, i))
+        shapes.update({k: b.shape for k, b in biases.items() if b is not None})
     res = _outputs(out, shapes)
-    fields = dict(t=t, e=n, ae=ae, inter=i, gemma=bool(gemma), w1_type=w1_type, w2_type=w2_type, eps=eps)
+    fields = dict(t=t, e=n, ae=ae, inter=real, ipad=i - real, gemma=bool(gemma), w1_type=w1_type, w2_type=w2_type,
+                  eps=eps)
     _run("blocks_mlp_backward", fields, dict(x=x, gamma=gamma, dout=dout, w1=w1[1], w2=w2[1], norm=norm, rstd=rstd,
                                              h=h, act=act, **res))
     return res

@@ -2,7 +2,8 @@
 same-precision baseline).
 
     norm -> q, k, v (+ bias) -> RoPE -> cache write -> attention -> W_o (+ bias) (+ residual)
-    norm -> gate/up -> silu(gate) * up -> down -> + x;   outproj: attn @ W_o (+ bias) + residual, then the MLP
+    norm -> gate/up (+ b1) -> silu(gate) * up -> down (+ b2) -> + x;   outproj: attn @ W_o (+ bias) + residual,
+    then the MLP (w1's halves aI rows each, I of them real: act's lanes [I, aI) zero, W2 read over [0, I))
 
 What a PyTorch model runs without fused kernels: every weight dequantized to the activations' dtype
 (kernels/torch/gemm.py), every stage a separate torch op rounding to that dtype, no activation
@@ -107,19 +108,32 @@ def attention_decode(x: torch.Tensor, *args, residual: torch.Tensor | None = Non
 
 
 def mlp(x: torch.Tensor, gamma: torch.Tensor, eps: float, w1: Weight, w2: Weight, *, n: int,
+        b1: torch.Tensor | None = None, b2: torch.Tensor | None = None, inter: int | None = None,
         gemma: bool = False) -> dict[str, torch.Tensor]:
-    """x (T, aE) -> {"norm", "h" (T, 2I), "act" (T, I), "down", "out" = x + down}; w1's gate half first."""
+    """x (T, aE) -> {"norm", "h" (T, 2aI), "act" (T, aI), "down", "out" = x + down}; w1's gate half first (aI rows),
+    I = inter real lanes of each half (None: aI): act's lanes [I, aI) zero, the down projection over [0, I)."""
     nrm = rms_norm(x, gamma, eps, n, gemma)
-    h = project(nrm, w1)
-    i = h.shape[-1] // 2
-    act = torch.nn.functional.silu(h[:, :i]) * h[:, i:]
-    down = project(act, w2)
+    h = project(nrm, w1, b1)
+    ai = h.shape[-1] // 2
+    i = ai if inter is None else inter
+    if i == ai:
+        act = torch.nn.functional.silu(h[:, :i]) * h[:, i:]
+        down = project(act, w2, b2)
+    else:  # the padding never enters act or the down projection (W2 dequantized, its real columns)
+        real = torch.nn.functional.silu(h[:, :i]) * h[:, ai:ai + i]
+        act = torch.cat([real, real.new_zeros((real.shape[0], ai - i))], dim=-1)
+        fmt, data = w2
+        w = data if fmt == "f32" else tgemm.dequantize_weight(fmt, {"w": data}, x.dtype, ai)
+        down = act[:, :i] @ w[:, :i].to(x.dtype).T
+        if b2 is not None:
+            down = down + b2.to(x.dtype)
     return {"norm": nrm, "h": h, "act": act, "down": down, "out": x + down}
 
 
 def outproj_mlp(attn: torch.Tensor, residual: torch.Tensor, wo: Weight, gamma: torch.Tensor, eps: float, w1: Weight,
-                w2: Weight, *, n: int, bo: torch.Tensor | None = None, gemma: bool = False) -> dict[str, torch.Tensor]:
+                w2: Weight, *, n: int, bo: torch.Tensor | None = None, b1: torch.Tensor | None = None,
+                b2: torch.Tensor | None = None, inter: int | None = None, gemma: bool = False) -> dict[str, torch.Tensor]:
     """attn (T, h_q a_d) -> {"proj", "h1" = proj + residual, then `mlp` on h1}."""
     proj = project(attn, wo, bo)
     h1 = proj + residual
-    return {"proj": proj, "h1": h1, **mlp(h1, gamma, eps, w1, w2, n=n, gemma=gemma)}
+    return {"proj": proj, "h1": h1, **mlp(h1, gamma, eps, w1, w2, n=n, b1=b1, b2=b2, inter=inter, gemma=gemma)}

@@ -3,7 +3,8 @@
     attention: norm (norm.rms_norm) -> q, k, v (+ bias) (gemm.gemm_nt / _linear_f32_kernel) -> RoPE
                (rope.rope) -> cache write (_cache_write_kernel) -> attention (attention_decode.decode,
                attention_chunked.chunked_prefill) -> W_o (+ bias) -> + residual (_add_kernel)
-    mlp:       norm -> h = norm W1^T -> act = silu(gate) up (mlp.swiglu_fused) -> down -> out = x + down
+    mlp:       norm -> h = norm W1^T (+ b1) -> act = silu(gate) up (mlp.swiglu_fused; mlp.swiglu over the I real
+               lanes of aI-lane halves, act's padding zeroed) -> down (+ b2) -> out = x + down
     outproj_mlp: proj = attn W_o^T (+ bias) (flat, or fp32 per head) -> h1 = proj + residual -> the mlp on h1
 
 Conventions as refimpl/blocks.py (OPS.md, layers): aligned rows (RMSNorm over the n real lanes),
@@ -181,27 +182,36 @@ def attention_decode(x: torch.Tensor, *args, residual: torch.Tensor | None = Non
     return {k: v[0] for k, v in res.items()}
 
 
-def mlp(x: torch.Tensor, gamma: torch.Tensor, eps: float, w1: Weight, w2: Weight, *, n: int, gemma: bool = False,
+def mlp(x: torch.Tensor, gamma: torch.Tensor, eps: float, w1: Weight, w2: Weight, *, n: int,
+        b1: torch.Tensor | None = None, b2: torch.Tensor | None = None, inter: int | None = None, gemma: bool = False,
         out: dict | None = None) -> dict[str, torch.Tensor]:
-    """x (T, aE) -> {"norm", "h" (T, 2I), "act" (T, I), "down", "out" = x + down}; w1's gate rows first."""
+    """x (T, aE) -> {"norm", "h" (T, 2aI), "act" (T, aI), "down", "out" = x + down}; w1's gate rows first (aI each),
+    I = inter real lanes per half (None: aI), act's lanes [I, aI) zero."""
     t, ae = x.shape
-    i = w1[1].shape[0] // 2
-    o = _outputs(out, {"norm": (t, ae), "h": (t, 2 * i), "act": (t, i), "down": (t, ae), "out": (t, ae)}, x)
+    ai = w1[1].shape[0] // 2
+    i = ai if inter is None else inter
+    o = _outputs(out, {"norm": (t, ae), "h": (t, 2 * ai), "act": (t, ai), "down": (t, ae), "out": (t, ae)}, x)
     tnorm.rms_norm(x, gamma, eps, n=n, gemma=gemma, out=o["norm"])
-    linear(o["norm"], w1, None, o["h"])
-    tmlp.swiglu_fused(o["h"], out=o["act"])
-    linear(o["act"], w2, None, o["down"])
+    linear(o["norm"], w1, b1, o["h"])
+    if i == ai:
+        tmlp.swiglu_fused(o["h"], out=o["act"])
+    else:  # the I real lanes of each half; act's padding cleared, so W2's padded columns add nothing
+        tmlp.swiglu(o["h"][:, :i], o["h"][:, ai:ai + i], out=o["act"][:, :i])
+        o["act"][:, i:].zero_()
+    linear(o["act"], w2, b2, o["down"])
     add(x, o["down"], o["out"])
     return o
 
 
 def outproj_mlp(attn: torch.Tensor, residual: torch.Tensor, wo: Weight, gamma: torch.Tensor, eps: float, w1: Weight,
-                w2: Weight, *, n: int, bo: torch.Tensor | None = None, gemma: bool = False,
+                w2: Weight, *, n: int, bo: torch.Tensor | None = None, b1: torch.Tensor | None = None,
+                b2: torch.Tensor | None = None, inter: int | None = None, gemma: bool = False,
                 out: dict | None = None) -> dict[str, torch.Tensor]:
     """attn (T, h_q a_d), residual (T, aE) -> {"proj", "h1" = proj + residual, then `mlp` on h1}."""
     t, ae = residual.shape
     o = _outputs(out, {"proj": (t, ae), "h1": (t, ae)}, residual)
     linear(attn, wo, bo, o["proj"])
     add(o["proj"], residual, o["h1"])
-    rest = mlp(o["h1"], gamma, eps, w1, w2, n=n, gemma=gemma, out={k: v for k, v in o.items() if k not in ("proj", "h1")})
+    rest = mlp(o["h1"], gamma, eps, w1, w2, n=n, b1=b1, b2=b2, inter=inter, gemma=gemma,
+               out={k: v for k, v in o.items() if k not in ("proj", "h1")})
     return {"proj": o["proj"], "h1": o["h1"], **rest}

@@ -2,7 +2,9 @@
 
     mlp:        dact = dout W2 (gemm_bwd) -> dh = SwiGLU's (dgate | dup) (mlp.glu_backward_fused) -> dnorm = dh W1
                 (gemm_bwd) -> dx, dgamma (norm_backward.rms_norm_backward) -> dx += dout (blocks.add);
-                dW2 = dout^T act, dW1 = dh^T norm (gemm_bwd.matmul)
+                dW2 = dout^T act, dW1 = dh^T norm (gemm_bwd.matmul), db2 = sum dout, db1 = sum dh (gemm_bwd.colsum);
+                aI-lane halves with I real lanes: dact's and dh's padding zeroed, SwiGLU's backward
+                (mlp.glu_backward) over the real lanes
     attention:  dattn = dout W_o, dW_o, d_bo (gemm_bwd) -> dq_rope, dk, dv over history + chunk
                 (attention_bwd.prefill_backward, bottom-right causal, from the saved O and LSE) -> the new
                 keys' rows, lanes [d, a_d) zero -> dq, dk (rope.rope_backward) -> dnorm = dq Wq + dk Wk + dv Wv,
@@ -60,18 +62,28 @@ def _norm_backward(x, gamma, rstd, dnorm, n, gemma, o) -> None:
 
 
 def mlp_backward(x: torch.Tensor, gamma: torch.Tensor, eps: float, w1: Weight, w2: Weight, dout: torch.Tensor, *,
-                 norm: torch.Tensor, rstd: torch.Tensor, h: torch.Tensor, act: torch.Tensor, n: int,
-                 gemma: bool = False, weight_grads: bool = True, out: dict | None = None) -> dict[str, torch.Tensor]:
-    """The MLP block's backward (module docstring); eps is the forward's (the saved rstd carries it)."""
+                 norm: torch.Tensor, rstd: torch.Tensor, h: torch.Tensor, act: torch.Tensor, n: int, b1=None,
+                 b2=None, inter: int | None = None, gemma: bool = False, weight_grads: bool = True,
+                 out: dict | None = None) -> dict[str, torch.Tensor]:
+    """The MLP block's backward (module docstring); eps is the forward's (the saved rstd carries it). b1, b2: the
+    forward's biases or None (h carries them): their gradients db1, db2 with `weight_grads`."""
     t, ae = x.shape
-    i = h.shape[1] // 2
-    shapes = {"dact": (t, i), "dh": (t, 2 * i), "dnorm": (t, ae), "dx": (t, ae)}
+    ai = h.shape[1] // 2
+    i = ai if inter is None else inter
+    shapes = {"dact": (t, ai), "dh": (t, 2 * ai), "dnorm": (t, ae), "dx": (t, ae)}
     if weight_grads:
-        shapes.update(dgamma=(ae,), dw1=(2 * i, ae), dw2=(ae, i))
+        shapes.update(dgamma=(ae,), dw1=(2 * ai, ae), dw2=(ae, ai))
+        shapes.update({f"d{k}": tuple(b.shape) for k, b in (("b1", b1), ("b2", b2)) if b is not None})
     o = _outputs(out, shapes, x)
-    _linear_backward(w2, act, dout, o["dact"], o.get("dw2"), None)
-    tmlp.glu_backward_fused("swiglu", h, o["dact"], out=o["dh"])
-    _linear_backward(w1, norm, o["dh"], o["dnorm"], o.get("dw1"), None)
+    _linear_backward(w2, act, dout, o["dact"], o.get("dw2"), o.get("db2"))
+    if i == ai:
+        tmlp.glu_backward_fused("swiglu", h, o["dact"], out=o["dh"])
+    else:  # act's padding lanes were cleared: no gradient reaches them or h's
+        o["dact"][:, i:].zero_()
+        o["dh"].zero_()
+        tmlp.glu_backward("swiglu", h[:, :i], h[:, ai:ai + i], o["dact"][:, :i], out_dgate=o["dh"][:, :i],
+                          out_dup=o["dh"][:, ai:ai + i])
+    _linear_backward(w1, norm, o["dh"], o["dnorm"], o.get("dw1"), o.get("db1"))
     _norm_backward(x, gamma, rstd, o["dnorm"], n, gemma, o)
     add(o["dx"], dout, o["dx"])  # the residual: out = x + down
     return o
