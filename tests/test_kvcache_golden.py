@@ -153,13 +153,12 @@ def test_ragged_golden_is_the_per_sequence_loop(extra):
     assert zero_seen == 10
 
 
-def test_ragged_and_dv_keep_the_older_ids_and_are_kvcache_only():
-    default = ops.make_case("kvcache.update", "cpu", "fp32", {**SEPARATING, "tokens": "fixed", "dv": 0}, "normal", 0)
-    assert "tokens" not in default.id and "dv" not in default.id
-    with pytest.raises(UsageError, match="tokens='padded' is not one of fixed, ragged"):
-        ops.make_case("kvcache.update", "cpu", "fp32", {**RAGGED, "layout": "contiguous", "tokens": "padded"}, "normal", 0)
-    with pytest.raises(UsageError, match="no parameter 'tokens'"):
-        ops.make_case("rope.kv_update", "cpu", "fp32", {**RAGGED, "layout": "contiguous"}, "normal", 0)
+def test_ragged_and_dv_keep_the_older_ids_on_both_writes():
+    for op in ("kvcache.update", "rope.kv_update"):  # rope.kv_update takes them too (S13)
+        default = ops.make_case(op, "cpu", "fp32", {**SEPARATING, "d": 64, "tokens": "fixed", "dv": 0}, "normal", 0)
+        assert "tokens" not in default.id and "dv" not in default.id
+        with pytest.raises(UsageError, match="tokens='padded' is not one of fixed, ragged"):
+            ops.make_case(op, "cpu", "fp32", {**RAGGED, "layout": "contiguous", "tokens": "padded"}, "normal", 0)
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -184,3 +183,4 @@ def test_cpu_kernel_rejects_a_bad_ragged_layout_before_writing(kw, match):
     kvcache.update(cache, new, np.array([1, 4], dtype=np.int32), seq_len=np.array([2, 3], dtype=np.int32),
                    seq_start=np.array([0, 2], dtype=np.int32))  # the good layout writes
     assert np.array_equal(cache[1, 4:7], new[2:5]) and np.array_equal(cache[0, 1:3], new[:2])
+

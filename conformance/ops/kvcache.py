@@ -19,7 +19,7 @@ takes TensorRT-LLM's flattened layout: k_new (total, hkv, d) holds every sequenc
 to back, seq_len (b,) int32 of them each, drawn in [1, snew] with one sequence (at random) of 0 when
 b >= 2, and seq_start (b,) int32 their exclusive cumsum; pos[b] in [0, smax - seq_len[b]]. `dv` > 0
 (default 0: d) gives V its own head dim (TensorRT-LLM's V_D_HEAD != Q_D_HEAD): v_cache (..., dv) and
-v_new (..., dv), either layout. Both are kvcache.update's only (rope.kv_update keeps one d and snew).
+v_new (..., dv), either layout. rope.kv_update takes both too (k rotated, v copied).
 """
 
 from __future__ import annotations
