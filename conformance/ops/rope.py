@@ -257,7 +257,8 @@ def _kv_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
-_KV_SHARED = ("b", "snew", "hkv", "d", "smax", "layout", "rows", "tokens", "dv")  # kvcache.update's params this op takes
+# kvcache.update's params this op takes
+_KV_SHARED = ("b", "snew", "hkv", "d", "smax", "layout", "rows", "tokens", "dv")
 
 KV_UPDATE = OpSpec(
     name="rope.kv_update",
