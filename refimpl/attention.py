@@ -23,7 +23,7 @@ Conventions (OPS.md, attention; research/attention-semantics.md):
 - Fully masked row: O = 0, LSE = -inf (lse_sink = S_h with a finite sink).
 - Keys at or past a sequence's length are never read into the result: the caches hold NaN
   there, and the golden zeroes them before any product.
-- cache_loc (decode, decode_paged, chunked_prefill; TensorRT-LLM): sequence b's cache row, or its
+- cache_loc (decode, decode_paged, decode_split, chunked_prefill; TensorRT-LLM): sequence b's cache row, or its
   block-table row, is cache_loc[b], not b; the caches / table may hold more rows than the batch.
 - d_v may differ from d (DeepSeek's 192 / 128); V may be the first d_v dims of K's own rows
   (FlashMLA's 576 / 512): a layout of the caller's buffers, the same values for the golden.
@@ -359,7 +359,7 @@ def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArra
                  causal: str = "bottom_right", window: tuple[int, int] = (-1, -1), sinks: NDArray | None = None,
                  scale: float | None = None, softcap: float = 0.0, head_map: str = "grouped",
                  block: int | None = None, bounds: NDArray | None = None, block_table: NDArray | None = None,
-                 absolute: bool = False) -> tuple[F64, F64, F64, F64, F64]:
+                 cache_loc: NDArray | None = None, absolute: bool = False) -> tuple[F64, F64, F64, F64, F64]:
     """Flash decoding: per-split partial states over a contiguous or paged cache, merged with `lse_combine`.
 
     q, k_cache, v_cache, seqlens: as `decode`; splits: number of key ranges; block / bounds: the
@@ -370,6 +370,8 @@ def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArra
         split may start or end inside a page (TensorRT-LLM's 256-key blocks over pages of 16 / 64 are
         page-aligned; equal counts and explicit boundaries in general are not). The same math as the
         contiguous cache the pages gather into.
+    cache_loc: (b,) int, or None: sequence b reads cache row / block-table row cache_loc[b] (TensorRT-LLM's
+        generate path, as `decode`); None: row b
     returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q), lse_sink (b, h_q, s_q),
              o_parts (splits, b, s_q, h_q, d_v) (NaN for an empty split: any value is right there),
              lse_parts (splits, b, h_q, s_q) (-inf for an empty split).
@@ -383,6 +385,11 @@ def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArra
     """
     q = np.asarray(q, dtype=np.float64)
     b, s_q, h_q, d = q.shape
+    if cache_loc is not None and block_table is not None:
+        block_table = np.asarray(block_table)[np.asarray(cache_loc, dtype=np.int64)]  # b, max_blocks
+    elif cache_loc is not None:
+        loc = np.asarray(cache_loc, dtype=np.int64)
+        k_cache, v_cache = np.asarray(k_cache)[loc], np.asarray(v_cache)[loc]  # b, s_max, h_kv, d | d_v
     if block_table is not None:
         k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
     s_max = np.shape(k_cache)[1]

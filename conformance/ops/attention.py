@@ -12,10 +12,10 @@ chunked_prefill; `vk` (V is the first d_v dims of K's rows, one buffer) on the d
 and `blk` (the split-KV partition: equal counts, fixed blocks, explicit boundaries) and `page` (0: the
 contiguous cache; 16 / 64: shuffled pages through a block table, as decode_paged's) on decode_split.
 
-`rows` (default 0: none) on decode, decode_paged and chunked_prefill adds TensorRT-LLM's cache_loc:
-the contiguous cache (or the block table) gets `rows` >= b rows and sequence b's cache (or table row)
-moves to row cache_loc[b], drawn as kvcache.update's (injective, cache_loc[b] != b where possible)
-after every other input; the rows no sequence maps to hold NaN (contiguous) or point at an extra
+`rows` (default 0: none) on decode, decode_paged, decode_split and chunked_prefill adds TensorRT-LLM's
+cache_loc: the contiguous cache (or the block table) gets `rows` >= b rows and sequence b's cache (or
+table row) moves to row cache_loc[b], drawn as kvcache.update's (injective, cache_loc[b] != b where
+possible) after every other input; the rows no sequence maps to hold NaN (contiguous) or point at an extra
 all-NaN page (paged), so a kernel that reads row b reads poison or another sequence's keys.
 """
 
@@ -182,7 +182,8 @@ def _decode_ref(x, p, absolute=False):
 
 
 def _split_ref(x, p, absolute=False):
-    part = dict(block=p.get("blk") or None, bounds=x.get("split_bounds"), block_table=x.get("block_table"))
+    part = dict(block=p.get("blk") or None, bounds=x.get("split_bounds"), block_table=x.get("block_table"),
+                cache_loc=x.get("cache_loc"))
     o, lse, _, o_parts, lse_parts = ref.decode_split(x["q"], x["k_cache"], values(x, p), x["seqlens"], p["splits"],
                                                      sinks=x.get("sinks"), absolute=absolute, **part, **golden_kw(p))
     return {"o": o, "lse": _lse_out(lse, p), "o_parts": o_parts, "lse_parts": _lse_out(lse_parts, p)}
@@ -405,8 +406,8 @@ DECODE_SPLIT = OpSpec(
     name="attention.decode_split", golden=ref.decode_split, reference=_split_ref,
     magnitude=_magnitude(_split_ref),
     params=_schema(SPLIT_PAGE_DEFAULT, **_DECODE_PARAMS, splits=Int(1, 128, edges=(2, 3, 8, 16)), **PART,
-                   **SPLIT_PAGE, **_DECODE_MASK),
-    make_inputs=_decode_inputs,
+                   **SPLIT_PAGE, **ROWS, **_DECODE_MASK),
+    make_inputs=_with_rows(_decode_inputs),
     output_shapes=lambda p: {**_decode_shapes(p),
                              "o_parts": (p["splits"], p["b"], p["sq"], p["hq"], value_dim(p)),
                              "lse_parts": (p["splits"], p["b"], p["hq"], p["sq"])},

@@ -130,7 +130,8 @@ def decode_paged(q, k_cache, v_cache, block_table, seqlens, *, cache_loc: torch.
 
 def decode_split(q, k_cache, v_cache, seqlens, num_splits: int, *, causal: str = "bottom_right",
                  window: tuple[int, int] = (-1, -1), sinks: torch.Tensor | None = None, block: int | None = None,
-                 bounds: torch.Tensor | None = None, block_table: torch.Tensor | None = None, **kw):
+                 bounds: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                 cache_loc: torch.Tensor | None = None, **kw):
     """Per-split partials (fp32) and their merge; returns (o, lse, o_parts, lse_parts).
 
     Split s of sequence b covers keys [s C_b, min((s + 1) C_b, L_b)), C_b = ceil(L_b / num_splits);
@@ -138,10 +139,15 @@ def decode_split(q, k_cache, v_cache, seqlens, num_splits: int, *, causal: str =
     [bounds[b, s], bounds[b, s + 1]) cut to [0, L_b) (refimpl.attention.split_bounds).
     With `block_table` (b, max_blocks) the caches are pages (num_blocks, page, h_kv, d), gathered
     into each sequence's logical cache first (token t: page block_table[b, t // page], slot t % page).
+    With cache_loc (b,) sequence b reads cache row / block-table row cache_loc[b] (TensorRT-LLM).
     o_parts (splits, b, s_q, h_q, d_v) fp32, lse_parts (splits, b, h_q, s_q) fp32.
     """
     from kernel_parity.kernels.torch.combine import lse_combine
 
+    if cache_loc is not None and block_table is not None:
+        block_table = block_table[cache_loc.long()]
+    elif cache_loc is not None:
+        k_cache, v_cache = k_cache[cache_loc.long()], v_cache[cache_loc.long()]
     if block_table is not None:
         k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
     b, s_q = q.shape[:2]

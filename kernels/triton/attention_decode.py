@@ -416,6 +416,7 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  out_o_parts: torch.Tensor | None = None, out_lse_parts: torch.Tensor | None = None,
                  config: tuple[int, int, int] | None = None, block: int | None = None,
                  bounds: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                 cache_loc: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flash decoding over a contiguous or paged cache: per-split partial states, merged by lse_combine.
 
@@ -435,10 +436,12 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     block_table: (b, max_blocks) int32, or None; with it k_cache, v_cache are pages (num_blocks, page,
                  h_kv, d | d_v) as in `decode_paged` (TensorRT-LLM's paged generate). Every key is looked up
                  through its own page, t // page, so a split may start or end inside a page.
+    cache_loc: (b,) int32, or None: sequence b reads cache row / block-table row cache_loc[b] (TensorRT-LLM)
     returns: (out, out_lse, o_parts, lse_parts); the sink enters after the merge, LSE excludes it
     """
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits={num_splits!r} must be an int >= 1")
     return _decode(q, k_cache, v_cache, seqlens, block_table, num_splits, True, scale=scale, causal=causal,
                    window=window, softcap=softcap, sinks=sinks, out=out, out_lse=out_lse,
-                   out_o_parts=out_o_parts, out_lse_parts=out_lse_parts, config=config, block=block, bounds=bounds)
+                   out_o_parts=out_o_parts, out_lse_parts=out_lse_parts, config=config, block=block, bounds=bounds,
+                   cache_loc=cache_loc)
