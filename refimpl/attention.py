@@ -23,6 +23,8 @@ Conventions (OPS.md, attention; research/attention-semantics.md):
 - Fully masked row: O = 0, LSE = -inf (lse_sink = S_h with a finite sink).
 - Keys at or past a sequence's length are never read into the result: the caches hold NaN
   there, and the golden zeroes them before any product.
+- cache_loc (decode, decode_paged, decode_split, chunked_prefill; TensorRT-LLM): sequence b's cache row, or its
+  block-table row, is cache_loc[b], not b; the caches / table may hold more rows than the batch.
 - d_v may differ from d (DeepSeek's 192 / 128); V may be the first d_v dims of K's own rows
   (FlashMLA's 576 / 512): a layout of the caller's buffers, the same values for the golden.
 
@@ -280,13 +282,18 @@ def _unpack(x: NDArray, cu: I64, ok: NDArray) -> F64:
 
 
 def decode(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArray, *,
-           causal: str = "bottom_right", **kw) -> tuple[F64, F64, F64]:
+           causal: str = "bottom_right", cache_loc: NDArray | None = None, **kw) -> tuple[F64, F64, F64]:
     """Decode over a contiguous cache: the s_q queries are the last s_q tokens of each sequence.
 
     q: (b, s_q, h_q, d); k_cache: (b, s_max, h_kv, d); v_cache: (b, s_max, h_kv, d_v)
     seqlens: (b,) cached tokens per sequence (0 allowed); slots >= seqlens[b] are never read
+    cache_loc: (b,) int, or None: sequence b reads cache row cache_loc[b] (TensorRT-LLM's `cache_loc`;
+        the caches then have rows >= b rows, those no sequence maps to never read); None: row b
     returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q), lse_sink (b, h_q, s_q)
     """
+    if cache_loc is not None:
+        loc = np.asarray(cache_loc, dtype=np.int64)
+        k_cache, v_cache = np.asarray(k_cache)[loc], np.asarray(v_cache)[loc]  # b, s_max, h_kv, d | d_v
     return attention(q, k_cache, v_cache, k_lens=seqlens, causal=causal, **kw)
 
 
@@ -301,14 +308,18 @@ def gather_pages(cache: NDArray, block_table: NDArray) -> F64:
     return g.reshape(bt.shape[0], bt.shape[1] * cache.shape[1], *cache.shape[2:])
 
 
-def decode_paged(q: NDArray, k_cache: NDArray, v_cache: NDArray, block_table: NDArray, seqlens: NDArray,
-                 **kw) -> tuple[F64, F64, F64]:
+def decode_paged(q: NDArray, k_cache: NDArray, v_cache: NDArray, block_table: NDArray, seqlens: NDArray, *,
+                 cache_loc: NDArray | None = None, **kw) -> tuple[F64, F64, F64]:
     """Decode over a paged cache (FlashMLA / vLLM layout).
 
     q: (b, s_q, h_q, d); k_cache: (num_blocks, page, h_kv, d); v_cache: (num_blocks, page, h_kv, d_v)
-    block_table: (b, max_blocks) int32; seqlens: (b,) int32
+    block_table: (b, max_blocks) int32, or (rows, max_blocks) with cache_loc; seqlens: (b,) int32
+    cache_loc: (b,) int, or None: sequence b reads its pages through block-table row cache_loc[b]
+        (TensorRT-LLM's page_table[cache_loc[b]]); None: row b
     returns: as `decode`
     """
+    if cache_loc is not None:
+        block_table = np.asarray(block_table)[np.asarray(cache_loc, dtype=np.int64)]  # b, max_blocks
     return decode(q, gather_pages(k_cache, block_table), gather_pages(v_cache, block_table), seqlens, **kw)
 
 
@@ -348,7 +359,7 @@ def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArra
                  causal: str = "bottom_right", window: tuple[int, int] = (-1, -1), sinks: NDArray | None = None,
                  scale: float | None = None, softcap: float = 0.0, head_map: str = "grouped",
                  block: int | None = None, bounds: NDArray | None = None, block_table: NDArray | None = None,
-                 absolute: bool = False) -> tuple[F64, F64, F64, F64, F64]:
+                 cache_loc: NDArray | None = None, absolute: bool = False) -> tuple[F64, F64, F64, F64, F64]:
     """Flash decoding: per-split partial states over a contiguous or paged cache, merged with `lse_combine`.
 
     q, k_cache, v_cache, seqlens: as `decode`; splits: number of key ranges; block / bounds: the
@@ -359,6 +370,8 @@ def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArra
         split may start or end inside a page (TensorRT-LLM's 256-key blocks over pages of 16 / 64 are
         page-aligned; equal counts and explicit boundaries in general are not). The same math as the
         contiguous cache the pages gather into.
+    cache_loc: (b,) int, or None: sequence b reads cache row / block-table row cache_loc[b] (TensorRT-LLM's
+        generate path, as `decode`); None: row b
     returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q), lse_sink (b, h_q, s_q),
              o_parts (splits, b, s_q, h_q, d_v) (NaN for an empty split: any value is right there),
              lse_parts (splits, b, h_q, s_q) (-inf for an empty split).
@@ -372,6 +385,11 @@ def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, seqlens: NDArra
     """
     q = np.asarray(q, dtype=np.float64)
     b, s_q, h_q, d = q.shape
+    if cache_loc is not None and block_table is not None:
+        block_table = np.asarray(block_table)[np.asarray(cache_loc, dtype=np.int64)]  # b, max_blocks
+    elif cache_loc is not None:
+        loc = np.asarray(cache_loc, dtype=np.int64)
+        k_cache, v_cache = np.asarray(k_cache)[loc], np.asarray(v_cache)[loc]  # b, s_max, h_kv, d | d_v
     if block_table is not None:
         k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
     s_max = np.shape(k_cache)[1]
@@ -439,7 +457,7 @@ def _split_magnitudes(w2: F64, v2: F64, m: F64, lse_p: F64, sinks: NDArray | Non
 
 def chunked_prefill(q: NDArray, k_cache: NDArray, v_cache: NDArray, cu_seqlens_q: NDArray, hist: NDArray,
                     block_table: NDArray | None = None, *, causal: str = "bottom_right",
-                    **kw) -> tuple[F64, F64, F64]:
+                    cache_loc: NDArray | None = None, **kw) -> tuple[F64, F64, F64]:
     """Chunked prefill: packed query chunks over a cache that already holds each sequence's history.
 
     q: (total_q, h_q, d) packed chunks; sequence b's queries are rows cu_seqlens_q[b]:cu_seqlens_q[b + 1]
@@ -447,6 +465,8 @@ def chunked_prefill(q: NDArray, k_cache: NDArray, v_cache: NDArray, cu_seqlens_q
         through block_table (b, max_blocks); each holds hist_b + L_q,b keys of sequence b (its history,
         then the chunk's own keys); slots past them are never read
     cu_seqlens_q: (b + 1,) int from 0; hist: (b,) int, tokens before the chunk (0: no history)
+    cache_loc: (b,) int, or None: sequence b reads cache row / block-table row cache_loc[b]
+        (TensorRT-LLM's `cache_loc`, as `decode`); None: row b
     returns: o (total_q, h_q, d_v), lse (h_q, total_q), lse_sink (h_q, total_q)
     Query i of sequence b sits at absolute position hist_b + i: bottom_right (the default) keeps keys
     j <= hist_b + i, the alignment of `mask` with L_k = hist_b + L_q; windows use the same diagonal.
@@ -455,6 +475,12 @@ def chunked_prefill(q: NDArray, k_cache: NDArray, v_cache: NDArray, cu_seqlens_q
     cq = np.asarray(cu_seqlens_q, dtype=np.int64)
     lq = np.diff(cq)
     lk = np.asarray(hist, dtype=np.int64) + lq
+    if cache_loc is not None:
+        loc = np.asarray(cache_loc, dtype=np.int64)
+        if block_table is not None:
+            block_table = np.asarray(block_table)[loc]  # b, max_blocks
+        else:
+            k_cache, v_cache = np.asarray(k_cache)[loc], np.asarray(v_cache)[loc]  # b, s_max, h_kv, d | d_v
     if block_table is not None:
         k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
     q_ok = np.arange(int(max(lq.max(initial=0), 1)))[None, :] < lq[:, None]  # b, s_q

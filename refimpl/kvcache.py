@@ -77,3 +77,42 @@ def update(cache: NDArray, new: NDArray, pos: NDArray, *, block_table: NDArray |
         bt = np.asarray(block_table, dtype=np.int64)
         out[bt[ri, p // page], p % page] = new
     return out
+
+
+def metadata(seq_len: NDArray, input_pos: NDArray, cache_loc: NDArray, *, graph: int = 0) -> tuple[NDArray, ...]:
+    """TensorRT-LLM's host metadata step (prepare_fused_mha_metadata with SequenceInfo's sanitising):
+    the per-sequence arrays the attention and cache ops take, from the zero-padded batch buffers.
+
+        b = 1 + the last i with seq_len[i] > 0   (0 when there is none): trailing zeros are padding
+        m = graph if graph else b                 (CUDA graphs run the batch padded to a captured size)
+        seq_len_out[i] = seq_len[i], input_pos_out[i] = input_pos[i], cache_loc_out[i] = cache_loc[i]   i < b
+        seq_start[i] = sum_{j < i} seq_len_out[j]                                   the exclusive cumsum
+        padding rows b <= i < m: seq_len 0, input_pos and cache_loc those of row b - 1 (0 when b = 0)
+
+    seq_len, input_pos, cache_loc: (max_batch,) int buffers; entries past b are stale (never read)
+    graph: the captured batch size (>= b), or 0 (no padding)
+    returns: seq_len_out, input_pos_out, cache_loc_out, seq_start, each (m,) int32
+
+    Conventions: a zero-length sequence before the last non-empty one is a sequence (its seq_start
+    repeats the next one's); TensorRT-LLM counts sequences as sum(seq_len > 0) and asserts that the
+    rest of the buffer is zero, which drops the last sequence of such a batch (the count is one short)
+    and trips its assertion. Padding rows write nothing (seq_len 0) and repeat the last real
+    sequence's cache row and position, TensorRT-LLM's own suggested padding (SequenceInfo's TODO:
+    a kernel that ignores seq_len then repeats a real sequence's write instead of polluting another
+    sequence's cache); stale buffer values never reach the outputs.
+    """
+    n = np.asarray(seq_len, dtype=np.int64)
+    nz = np.flatnonzero(n > 0)
+    b = int(nz[-1]) + 1 if nz.size else 0
+    m = graph if graph else b
+    if m < b:
+        raise ValueError(f"graph={graph} is smaller than the batch's {b} sequences")
+    if b == 0:  # nothing to run: m padding rows of zeros
+        length = pos = loc = np.zeros(m, dtype=np.int64)
+    else:
+        src = np.minimum(np.arange(m), b - 1)  # padding rows read the last real row
+        length = np.where(np.arange(m) < b, n[src], 0)
+        pos = np.asarray(input_pos, dtype=np.int64)[src]
+        loc = np.asarray(cache_loc, dtype=np.int64)[src]
+    start = np.cumsum(length) - length  # the exclusive cumsum
+    return tuple(a.astype(np.int32) for a in (length, pos, loc, start))

@@ -142,12 +142,17 @@ def rope_backward(dy: NDArray, cos: NDArray, sin: NDArray, positions: NDArray, *
 
 def kv_update(k_cache: NDArray, v_cache: NDArray, k_new: NDArray, v_new: NDArray, pos: NDArray, cos: NDArray,
               sin: NDArray, *, block_table: NDArray | None = None, cache_loc: NDArray | None = None,
-              q: NDArray | None = None, style: str = "half", absolute: bool = False) -> tuple[F64, ...]:
+              q: NDArray | None = None, seq_len: NDArray | None = None, seq_start: NDArray | None = None,
+              style: str = "half", absolute: bool = False) -> tuple[F64, ...]:
     """TensorRT-LLM's RoPE-fused KV-cache write: k rotated at position pos[b] + t, then both written
     into the kvcache family's cache (contiguous, or paged through block_table); v unrotated.
 
-    k_cache, v_cache: (rows, s_max, h_kv, d) or (num_blocks, page, h_kv, d) with block_table (rows, max_blocks)
-    k_new, v_new: (b, s_new, h_kv, d); pos: (b,) tokens already cached per sequence
+    k_cache, v_cache: (rows, s_max, h_kv, d | d_v) or (num_blocks, page, h_kv, d | d_v) with block_table
+        (rows, max_blocks); V's head dim d_v may differ from K's d (TensorRT-LLM's V_D_HEAD; v is only copied)
+    k_new, v_new: (b, s_new, h_kv, d | d_v); pos: (b,) tokens already cached per sequence
+    seq_len, seq_start: (b,) int, both or neither: TensorRT-LLM's ragged layout (refimpl/kvcache.py):
+        k_new, v_new (total, h_kv, d | d_v), sequence b's tokens rows seq_start[b] .. + seq_len[b] - 1
+        (0: nothing written), token t of them rotated at pos[b] + t; q, if given, is (total, h_q, d) alike
     cos, sin: (max_seq, d/2) tables (rows indexed by absolute position)
     cache_loc: (b,) the cache / block-table row of sequence b (TensorRT-LLM's cache_loc; None: row b)
     q: (b, s_new, h_q, d), h_q a multiple of h_kv, or None: TensorRT-LLM's update_kv_cache_rope_fusion
@@ -160,20 +165,30 @@ def kv_update(k_cache: NDArray, v_cache: NDArray, k_new: NDArray, v_new: NDArray
     from kernel_parity.refimpl import kvcache
 
     k_new = np.asarray(k_new, dtype=np.float64)
-    b, s_new, h, d = k_new.shape
-    p = (np.asarray(pos, dtype=np.int64)[:, None] + np.arange(s_new)[None, :]).reshape(-1)  # b * s_new
-    k_rot = rope(k_new.reshape(b * s_new, h, d), cos, sin, p, style=style, rot=d,
-                 absolute=absolute).reshape(k_new.shape)
+    if (seq_len is None) != (seq_start is None):
+        raise ValueError("seq_len and seq_start go together (the ragged layout), or neither")
+    h, d = k_new.shape[-2:]
+    if seq_len is not None:  # each flattened row's position: its sequence's pos plus its index within it
+        n = np.asarray(seq_len, dtype=np.int64)  # b
+        bi = np.repeat(np.arange(n.size), n)  # the sequence of each written token
+        t = np.arange(bi.size) - np.repeat(np.cumsum(n) - n, n)
+        p = np.zeros(k_new.shape[0], dtype=np.int64)  # rows no sequence owns are never written
+        p[np.asarray(seq_start, dtype=np.int64)[bi] + t] = np.asarray(pos, dtype=np.int64)[bi] + t
+    else:
+        b, s_new = k_new.shape[:2]
+        p = (np.asarray(pos, dtype=np.int64)[:, None] + np.arange(s_new)[None, :]).reshape(-1)  # b * s_new
+    k_rot = rope(k_new.reshape(-1, h, d), cos, sin, p, style=style, rot=d, absolute=absolute).reshape(k_new.shape)
     k_cache, v_cache, v_new = (np.asarray(a, dtype=np.float64) for a in (k_cache, v_cache, v_new))
     if absolute:
         k_cache, v_cache, v_new = np.abs(k_cache), np.abs(v_cache), np.abs(v_new)
-    kc = kvcache.update(k_cache, k_rot, pos, block_table=block_table, cache_loc=cache_loc)
-    vc = kvcache.update(v_cache, v_new, pos, block_table=block_table, cache_loc=cache_loc)
+    kw = dict(block_table=block_table, cache_loc=cache_loc, seq_len=seq_len, seq_start=seq_start)
+    kc = kvcache.update(k_cache, k_rot, pos, **kw)
+    vc = kvcache.update(v_cache, v_new, pos, **kw)
     if q is None:
         return kc, vc
     q = np.asarray(q, dtype=np.float64)
-    if q.shape[:2] != (b, s_new) or q.shape[3] != d or q.shape[2] % max(h, 1):
-        raise ValueError(f"q {q.shape} must be (b, s_new, h_q, d) = ({b}, {s_new}, k * {h}, {d})")
-    q_rope = rope(q.reshape(b * s_new, q.shape[2], d), cos, sin, p, style=style, rot=d,
+    if q.shape[:-2] != k_new.shape[:-2] or q.shape[-1] != d or q.shape[-2] % max(h, 1):
+        raise ValueError(f"q {q.shape} must be k_new's {k_new.shape} with h_q = k * {h} heads")
+    q_rope = rope(q.reshape(-1, q.shape[-2], d), cos, sin, p, style=style, rot=d,
                   absolute=absolute).reshape(q.shape)
     return kc, vc, q_rope

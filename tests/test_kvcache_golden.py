@@ -153,13 +153,12 @@ def test_ragged_golden_is_the_per_sequence_loop(extra):
     assert zero_seen == 10
 
 
-def test_ragged_and_dv_keep_the_older_ids_and_are_kvcache_only():
-    default = ops.make_case("kvcache.update", "cpu", "fp32", {**SEPARATING, "tokens": "fixed", "dv": 0}, "normal", 0)
-    assert "tokens" not in default.id and "dv" not in default.id
-    with pytest.raises(UsageError, match="tokens='padded' is not one of fixed, ragged"):
-        ops.make_case("kvcache.update", "cpu", "fp32", {**RAGGED, "layout": "contiguous", "tokens": "padded"}, "normal", 0)
-    with pytest.raises(UsageError, match="no parameter 'tokens'"):
-        ops.make_case("rope.kv_update", "cpu", "fp32", {**RAGGED, "layout": "contiguous"}, "normal", 0)
+def test_ragged_and_dv_keep_the_older_ids_on_both_writes():
+    for op in ("kvcache.update", "rope.kv_update"):  # rope.kv_update takes them too (S13)
+        default = ops.make_case(op, "cpu", "fp32", {**SEPARATING, "d": 64, "tokens": "fixed", "dv": 0}, "normal", 0)
+        assert "tokens" not in default.id and "dv" not in default.id
+        with pytest.raises(UsageError, match="tokens='padded' is not one of fixed, ragged"):
+            ops.make_case(op, "cpu", "fp32", {**RAGGED, "layout": "contiguous", "tokens": "padded"}, "normal", 0)
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -184,3 +183,40 @@ def test_cpu_kernel_rejects_a_bad_ragged_layout_before_writing(kw, match):
     kvcache.update(cache, new, np.array([1, 4], dtype=np.int32), seq_len=np.array([2, 3], dtype=np.int32),
                    seq_start=np.array([0, 2], dtype=np.int32))  # the good layout writes
     assert np.array_equal(cache[1, 4:7], new[2:5]) and np.array_equal(cache[0, 1:3], new[:2])
+
+
+def test_metadata_golden_by_hand():
+    """TensorRT-LLM's prepare_fused_mha_metadata: exclusive cumsum, a zero-length sequence inside the batch,
+    CUDA-graph padding rows inert (seq_len 0, the last real row's position and cache row), stale values dropped."""
+    n, pos, loc = [np.array(a, dtype=np.int32) for a in ([3, 0, 2, 0, 0], [5, 6, 7, 99, 98], [2, 0, 1, 77, 76])]
+    got = ref.metadata(n, pos, loc, graph=4)
+    want = ([3, 0, 2, 0], [5, 6, 7, 7], [2, 0, 1, 1], [0, 3, 3, 5])
+    assert all(np.array_equal(g, w) and g.dtype == np.int32 for g, w in zip(got, want))
+    got = ref.metadata(n, pos, loc)  # no graph: the b = 3 real rows
+    assert [a.tolist() for a in got] == [[3, 0, 2], [5, 6, 7], [2, 0, 1], [0, 3, 3]]
+    # TensorRT-LLM's count, sum(seq_len > 0) = 2, would drop the third sequence of this batch
+    assert int((n > 0).sum()) == 2 and got[0].size == 3
+    with pytest.raises(ValueError, match="graph=2"):
+        ref.metadata(n, pos, loc, graph=2)
+
+
+@pytest.mark.parametrize("graph", [0, 16])
+def test_metadata_kernels_are_the_golden(graph):
+    from kernel_parity.kernels.cpu import kvcache as ck
+
+    spec = ops.get("kvcache.metadata")
+    for seed in range(20):
+        p = spec.params.validate(spec.name, dict(b=7, maxb=16, graph=graph, snew=1 + seed % 5, smax=50))
+        x = spec.make_inputs(p, "fp32", "normal", np.random.default_rng(seed))
+        want = ref.metadata(x["seq_len"], x["input_pos"], x["cache_loc"], graph=graph)
+        got = ck.metadata(x["seq_len"], x["input_pos"], x["cache_loc"], graph=graph)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want)), seed
+        assert (want[1] < 10**6).all() and (want[2] < 10**6).all()  # no stale value reaches the outputs
+
+
+def test_metadata_params_are_checked():
+    base = dict(b=5, maxb=8, graph=0, snew=4, smax=30)
+    with pytest.raises(UsageError, match=r"graph=3 .* b=5 .*expected graph=0 or graph >= b"):
+        ops.make_case("kvcache.metadata", "cpu", "fp32", {**base, "graph": 3}, "normal", 0)
+    with pytest.raises(UsageError, match=r"maxb=8 .*graph=9"):
+        ops.make_case("kvcache.metadata", "cpu", "fp32", {**base, "graph": 9}, "normal", 0)

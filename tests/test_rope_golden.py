@@ -178,6 +178,60 @@ def test_kv_update_spec_rejects_q_heads_not_a_multiple_of_kv_heads():
     assert why is not None and "hq=5" in why and "multiple of hkv=2" in why
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+def test_kv_update_ragged_is_each_sequence_written_alone(layout):
+    """TensorRT-LLM's flattened tokens (seq_len / seq_start, one sequence of 0) and V's own head dim: the
+    same caches as writing each sequence's tokens as a batch of one, at its own pos[b] + t."""
+    from kernel_parity.conformance import ops
+
+    spec = ops.get("rope.kv_update")
+    p = spec.params.validate(spec.name, dict(b=4, snew=6, hkv=2, d=16, smax=40, layout=layout, rows=5,
+                                             tokens="ragged", dv=12))
+    x = spec.make_inputs(p, "fp32", "normal", np.random.default_rng(3))
+    n, first = x["seq_len"], x["seq_start"]
+    assert (n == 0).sum() == 1 and np.array_equal(first, np.cumsum(n) - n) and x["k_new"].shape[0] == n.sum()
+    assert x["v_new"].shape[-1] == 12 and x["v_cache"].shape[-1] == 12
+    cos, sin = x["table"][..., 0], x["table"][..., 1]
+    kw = dict(block_table=x.get("block_table"))
+    kc, vc = ref.kv_update(x["k_cache"], x["v_cache"], x["k_new"], x["v_new"], x["pos"], cos, sin,
+                           cache_loc=x["cache_loc"], seq_len=n, seq_start=first, **kw)
+    kc1, vc1 = x["k_cache"].astype(np.float64), x["v_cache"].astype(np.float64)
+    for i in range(4):  # one sequence at a time, the fixed layout (b = 1)
+        rows = slice(first[i], first[i] + n[i])
+        kc1, vc1 = ref.kv_update(kc1, vc1, x["k_new"][None, rows], x["v_new"][None, rows], x["pos"][i:i + 1], cos,
+                                 sin, cache_loc=x["cache_loc"][i:i + 1], **kw)
+    assert np.array_equal(kc, kc1) and np.array_equal(vc, vc1)
+    assert not np.array_equal(kc, x["k_cache"])  # written (and rotated: d of k, 12 of v)
+
+
+def test_kv_update_spec_ragged_defaults_and_refuses_q():
+    from kernel_parity.conformance import ops
+    from kernel_parity.conformance.errors import UsageError
+
+    p = dict(b=2, snew=3, hkv=2, d=16, smax=20, layout="contiguous")
+    assert "tokens" not in ops.make_case("rope.kv_update", "cpu", "fp32", {**p, "tokens": "fixed", "dv": 0},
+                                         "normal", 0).id
+    with pytest.raises(UsageError, match=r"hq=4 with tokens=ragged.*expected hq=0 with tokens=ragged"):
+        ops.make_case("rope.kv_update", "cpu", "fp32", {**p, "hq": 4, "tokens": "ragged"}, "normal", 0)
+
+
+def test_cpu_kv_update_rejects_ragged_rows_outside_new():
+    from kernel_parity.kernels.cpu import rope as k
+
+    rng = np.random.default_rng(2)
+    cache = rng.standard_normal((2, 8, 1, 16)).astype(np.float32)
+    new = rng.standard_normal((5, 1, 16)).astype(np.float32)
+    table = np.zeros((8, 8, 2), np.float16)
+    before = cache.copy()
+    with pytest.raises(ValueError, match=r"sequence 1's tokens new\[3 : 6\] must lie in k_new's 5 rows"):
+        k.kv_update(cache, cache.copy(), new, new.copy(), np.array([0, 2], np.int32), table,
+                    seq_len=np.array([3, 3], np.int32), seq_start=np.array([0, 3], np.int32))
+    with pytest.raises(ValueError, match="go together"):
+        k.kv_update(cache, cache.copy(), new, new.copy(), np.array([0, 2], np.int32), table,
+                    seq_len=np.array([3, 2], np.int32))
+    assert np.array_equal(cache, before)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(rot=3), "even"), (dict(rot=66), "d=64"), (dict(at="middle"), "first, last"),
     (dict(style="neox"), "interleaved, half"),

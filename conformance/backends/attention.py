@@ -3,7 +3,8 @@
 Every backend receives the same keyword arguments (scale left to the kernel's 1/sqrt(d)
 default, causal, window, softcap, sinks) and writes into the poisoned output buffers. A case with
 vk=1 has one cache input, k_cache; V is handed to the kernel as a view of its first d_v dims (the
-same memory, K's row stride), never as a copy.
+same memory, K's row stride), never as a copy. A case with `rows` > 0 hands the decode and chunked
+kernels its cache_loc (each sequence's cache / block-table row, TensorRT-LLM's indirection).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ TRITON_MAX_D = {"attention.prefill": 256, "attention.varlen": 256, "attention.ch
 def _kw(case, sinks) -> dict[str, Any]:
     p = case.p
     return dict(causal=p["causal"], window=(p["wl"], p["wr"]), softcap=float(p["cap"]), sinks=sinks)
+
+
+def _loc(t: dict[str, Any]) -> dict[str, Any]:
+    """cache_loc=... for a case with `rows` > 0, else nothing (the kernels' calls stay as before)."""
+    return {"cache_loc": t["cache_loc"]} if "cache_loc" in t else {}
 
 
 def _values(case, t: dict[str, Any], keys: str = "k_cache"):
@@ -42,7 +48,7 @@ def _part(case, t: dict[str, Any]) -> dict[str, Any]:
 def _torch_args(case, inputs, device):
     """Positional tensor arguments of the op (in the kernels' order) and the keyword arguments."""
     t = {k: to_torch(v, device) for k, v in inputs.items()}
-    kw = _kw(case, t.get("sinks"))
+    kw = {**_kw(case, t.get("sinks")), **_loc(t)}
     if case.op in ("attention.prefill",):
         return (t["q"], t["k"], t["v"]), kw
     if case.op == "attention.varlen":
@@ -108,7 +114,7 @@ def cpu_ops() -> dict[str, Callable]:
     def run(case, inputs, out):
         from kernel_parity.kernels.cpu import attention as k
 
-        kw = _kw(case, inputs.get("sinks"))
+        kw = {**_kw(case, inputs.get("sinks")), **_loc(inputs)}
         o, lse = out.numpy("o"), out.numpy("lse")
         x = inputs
         if case.op == "attention.prefill":

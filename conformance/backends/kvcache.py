@@ -1,4 +1,5 @@
-"""Adapters binding the KV-cache write kernels of each built-in backend to `kvcache.update`.
+"""Adapters binding the KV-cache write kernels of each built-in backend to `kvcache.update`, and the C and
+torch host metadata step to `kvcache.metadata` (TensorRT-LLM's prepare_fused_mha_metadata).
 
 The kernels write in place, so each adapter first copies the old cache into the poisoned output
 buffer (harness work, outside what is judged) and lets the kernel append K and V there. A case
@@ -12,6 +13,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from kernel_parity.conformance.backends._torch import to_torch
+
+META_OUTPUTS = ("seq_len", "input_pos", "cache_loc", "seq_start")  # kvcache.metadata's, in the kernels' order
 
 
 def _torch_run(device: str, kernel: Callable[[], Any]) -> Callable:
@@ -47,7 +50,16 @@ def torch_ops(device: str) -> dict[str, Callable]:
 
         return update
 
-    return {"kvcache.update": _torch_run(device, kernel)}
+    def metadata(case, inputs, out):
+        from kernel_parity.kernels.torch.kvcache import metadata as meta
+
+        res = meta(*(to_torch(inputs[k], device) for k in ("seq_len", "input_pos", "cache_loc")), graph=case.p["graph"])
+        bufs = {n: out.torch(n, device) for n in META_OUTPUTS}
+        for n, r in zip(META_OUTPUTS, res):
+            bufs[n].copy_(r)
+        return bufs
+
+    return {"kvcache.update": _torch_run(device, kernel), "kvcache.metadata": metadata}
 
 
 def cpu_ops() -> dict[str, Callable]:
@@ -63,4 +75,13 @@ def cpu_ops() -> dict[str, Callable]:
             res[name] = buf
         return res
 
-    return {"kvcache.update": run}
+    def metadata(case, inputs, out):
+        from kernel_parity.kernels.cpu.kvcache import metadata as meta
+
+        res = meta(inputs["seq_len"], inputs["input_pos"], inputs["cache_loc"], graph=case.p["graph"])
+        bufs = {n: out.numpy(n) for n in META_OUTPUTS}
+        for n, r in zip(META_OUTPUTS, res):
+            bufs[n][...] = r
+        return bufs
+
+    return {"kvcache.update": run, "kvcache.metadata": metadata}

@@ -11,7 +11,8 @@ is returned as dx; the torch baseline's autograd forms dx in a fresh tensor befo
 dy, so its in-place form has no aliasing to get wrong (it is the reference behaviour, not a test of
 torch). kv_update writes in place, so each adapter first copies the old caches into the
 poisoned output buffers (harness work, outside what is judged) and lets the kernel write there;
-with q (hq > 0) each kernel also writes the rotated queries into the q_rope output buffer.
+with q (hq > 0) each kernel also writes the rotated queries into the q_rope output buffer; a ragged
+case (tokens=ragged) hands the kernels its seq_len / seq_start.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _torch_kv(device: str, kernel: Callable[[], Any]) -> Callable:
         q = t.get("q")
         qo = None if q is None else out.torch("q_rope", device)
         kernel()(kc, vc, t["k_new"], t["v_new"], t["pos"], t["table"], block_table=t.get("block_table"),
-                 cache_loc=t.get("cache_loc"), q=q, q_out=qo)
+                 cache_loc=t.get("cache_loc"), q=q, q_out=qo, **{k: t[k] for k in ("seq_len", "seq_start") if k in t})
         return {"k_cache": kc, "v_cache": vc, **({} if q is None else {"q_rope": qo})}
 
     return run
@@ -107,7 +108,8 @@ def cpu_ops() -> dict[str, Callable]:
         q = inputs.get("q")
         qo = None if q is None else out.numpy("q_rope")
         k.kv_update(kc, vc, inputs["k_new"], inputs["v_new"], inputs["pos"], inputs["table"],
-                    block_table=inputs.get("block_table"), cache_loc=inputs.get("cache_loc"), q=q, q_out=qo)
+                    block_table=inputs.get("block_table"), cache_loc=inputs.get("cache_loc"), q=q, q_out=qo,
+                    seq_len=inputs.get("seq_len"), seq_start=inputs.get("seq_start"))
         return {"k_cache": kc, "v_cache": vc, **({} if q is None else {"q_rope": qo})}
 
     def rope_backward(case, inputs, out):

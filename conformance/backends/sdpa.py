@@ -84,6 +84,8 @@ class SdpaBackend(Backend):
             return "SDPA returns no LSE, so its backward takes no LSE cotangent (dlse)"
         if p["hq"] != p["hkv"] and not self.gqa:
             return f"{self.kind} SDPA has no GQA (enable_gqa) on this torch"
+        if p.get("rows", 0):
+            return "SDPA has no cache_loc input (TensorRT-LLM's cache-row indirection, rows > 0)"
         if case.op == "attention.decode" and p["lens"] != "full":
             return "SDPA has no per-sequence cache lengths: a mask still reads the NaN-poisoned slots past seqlen"
         mask = _mask_kind(case)

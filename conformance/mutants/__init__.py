@@ -59,6 +59,9 @@ CLASSES = {
     "cache-loc": "a sequence's cache / block-table row taken as its batch index b (TensorRT-LLM's cache_loc ignored)",
     "ragged": "a ragged (flattened) batch's new tokens read from the wrong rows (seq_start ignored: the padded "
               "layout assumed) or one past a sequence's seq_len (TensorRT-LLM's seq_len / seq_start)",
+    "metadata": "host metadata from the batch buffers wrong (TensorRT-LLM's prepare_fused_mha_metadata): seq_start an "
+                "inclusive cumsum, sequences counted as the non-zero lengths, CUDA-graph padding rows carrying stale "
+                "or non-zero values",
     "low-precision-accumulation": "a sum accumulated in the storage dtype instead of fp32",
     "truncated-constant": "a constant (ln 2, log2 e) with too few digits",
     "masked-row": "a fully masked row returns NaN or a uniform average instead of 0",

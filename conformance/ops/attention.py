@@ -11,6 +11,12 @@ their default has the id it always had. `dv` (value head dim, 0: d) on every op 
 chunked_prefill; `vk` (V is the first d_v dims of K's rows, one buffer) on the decode ops; `part`
 and `blk` (the split-KV partition: equal counts, fixed blocks, explicit boundaries) and `page` (0: the
 contiguous cache; 16 / 64: shuffled pages through a block table, as decode_paged's) on decode_split.
+
+`rows` (default 0: none) on decode, decode_paged, decode_split and chunked_prefill adds TensorRT-LLM's
+cache_loc: the contiguous cache (or the block table) gets `rows` >= b rows and sequence b's cache (or
+table row) moves to row cache_loc[b], drawn as kvcache.update's (injective, cache_loc[b] != b where
+possible) after every other input; the rows no sequence maps to hold NaN (contiguous) or point at an extra
+all-NaN page (paged), so a kernel that reads row b reads poison or another sequence's keys.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from kernel_parity.conformance.ops.attention_inputs import (CACHE_SLACK, DISTS, 
                                                            contiguous_cache, cu_seqlens, golden_kw, lengths,
                                                            paged_cache, qkv, sinks, split_bounds, value_dim, values,
                                                            varlen_lens)
+from kernel_parity.conformance.ops.kvcache import cache_loc
 from kernel_parity.conformance.params import Defaults, Int, OneOf
 from kernel_parity.conformance.spec import Diagnosis, OpSpec, Output
 from kernel_parity.conformance.tolerance import Override, Tier, Tol
@@ -43,7 +50,9 @@ PART = dict(part=OneOf("equal", "block", "bounds",
                        doc="split-KV partition: equal key counts (default), fixed blocks of blk keys, "
                            "explicit per-request boundaries (input split_bounds)"),
             blk=Int(0, 1 << 17, edges=(16, 64, 256), doc="keys per split with part=block (0 otherwise)"))
-NEW_DEFAULTS = {"dv": 0, "vk": 0, "part": "equal", "blk": 0}
+ROWS = dict(rows=Int(0, 4096, edges=(0,), doc="cache / block-table rows addressed through cache_loc "
+                                                "(TensorRT-LLM); 0: none, sequence b reads row b"))
+NEW_DEFAULTS = {"dv": 0, "vk": 0, "part": "equal", "blk": 0, "rows": 0}
 # decode_split over a paged cache (TensorRT-LLM's paged generate: 256-key split blocks over pages):
 # the partition is over token positions, so a split may start or end inside a page. Its default is
 # decode_split's own: chunked_prefill's `page` (0, 16, 64) has none, and always appears in its ids.
@@ -77,6 +86,9 @@ def _check(p: dict[str, Any]) -> str | None:
         return f"blk={blk} with part={part}: blk > 0 is the block size of part=block, and 0 otherwise"
     if part == "block" and p["splits"] * blk < p["kv"]:
         return f"splits={p['splits']} blocks of blk={blk} keys do not cover kv={p['kv']}"
+    if p.get("rows", 0) and p["rows"] < p["b"]:
+        return (f"rows={p['rows']} cache rows cannot give b={p['b']} sequences a row each "
+                f"(expected rows=0, no cache_loc, or rows >= b)")
     return None
 
 
@@ -85,6 +97,37 @@ def _lse_out(lse: np.ndarray, p: dict[str, Any]) -> np.ndarray:
 
 
 # -- input builders ---------------------------------------------------------------------------
+def _cache_rows(x: dict[str, np.ndarray], p: dict[str, Any], rng: np.random.Generator) -> None:
+    """With rows > 0: move sequence b's cache (or block-table row) to row cache_loc[b] (module docstring)."""
+    loc = cache_loc(p, rng)
+    x["cache_loc"] = loc
+    if "block_table" in x:
+        trap = x["k_cache"].shape[0]  # one more page, all NaN, for the rows no sequence maps to
+        for name in ("k_cache", "v_cache"):
+            if name in x:
+                x[name] = np.concatenate([x[name], np.full((1,) + x[name].shape[1:], np.nan, x[name].dtype)])
+        table = np.full((p["rows"], x["block_table"].shape[1]), trap, dtype=np.int32)
+        table[loc] = x["block_table"]
+        x["block_table"] = table
+        return
+    for name in ("k_cache", "v_cache"):
+        if name in x:
+            cache = np.full((p["rows"],) + x[name].shape[1:], np.nan, x[name].dtype)
+            cache[loc] = x[name]
+            x[name] = cache
+
+
+def _with_rows(build):
+    """An input builder whose cases with rows > 0 read their caches through cache_loc; the other
+    draws come first, so they are the same as the case without rows."""
+    def make(p, dtype, dist, rng):
+        x = build(p, dtype, dist, rng)
+        if p.get("rows", 0):
+            _cache_rows(x, p, rng)
+        return x
+    return make
+
+
 def _prefill_inputs(p, dtype, dist, rng):
     q, k, v = qkv(rng, dist, (p["b"], p["sq"], p["hq"], p["d"]), (p["b"], p["sk"], p["hkv"], p["d"]),
                   (p["b"], p["sk"], p["hkv"], value_dim(p)))
@@ -134,12 +177,13 @@ def _decode_ref(x, p, absolute=False):
     fn = ref.decode_paged if "page" in p else ref.decode
     extra = (x["block_table"],) if "page" in p else ()
     o, lse, _ = fn(x["q"], x["k_cache"], values(x, p), *extra, x["seqlens"], sinks=x.get("sinks"), absolute=absolute,
-                   **golden_kw(p))
+                   cache_loc=x.get("cache_loc"), **golden_kw(p))
     return {"o": o, "lse": _lse_out(lse, p)}
 
 
 def _split_ref(x, p, absolute=False):
-    part = dict(block=p.get("blk") or None, bounds=x.get("split_bounds"), block_table=x.get("block_table"))
+    part = dict(block=p.get("blk") or None, bounds=x.get("split_bounds"), block_table=x.get("block_table"),
+                cache_loc=x.get("cache_loc"))
     o, lse, _, o_parts, lse_parts = ref.decode_split(x["q"], x["k_cache"], values(x, p), x["seqlens"], p["splits"],
                                                      sinks=x.get("sinks"), absolute=absolute, **part, **golden_kw(p))
     return {"o": o, "lse": _lse_out(lse, p), "o_parts": o_parts, "lse_parts": _lse_out(lse_parts, p)}
@@ -147,7 +191,8 @@ def _split_ref(x, p, absolute=False):
 
 def _chunked_ref(x, p, absolute=False):
     o, lse, _ = ref.chunked_prefill(x["q"], x["k_cache"], x["v_cache"], x["cu_seqlens_q"], x["hist"],
-                                    x.get("block_table"), sinks=x.get("sinks"), absolute=absolute, **golden_kw(p))
+                                    x.get("block_table"), sinks=x.get("sinks"), absolute=absolute,
+                                    cache_loc=x.get("cache_loc"), **golden_kw(p))
     return {"o": o, "lse": _lse_out(lse, p)}
 
 
@@ -340,27 +385,29 @@ def _decode_shapes(p):
 DECODE = OpSpec(
     name="attention.decode", golden=ref.decode, reference=_decode_ref,
     magnitude=_magnitude(_decode_ref),
-    params=_schema(**_DECODE_PARAMS, **_DECODE_MASK), make_inputs=_decode_inputs,
+    params=_schema(**_DECODE_PARAMS, **ROWS, **_DECODE_MASK), make_inputs=_with_rows(_decode_inputs),
     output_shapes=_decode_shapes, outputs=OUT, tolerance=_tol(), dists=DISTS, check=_check,
     diagnoses=DIAGNOSES,
-    doc="Decode of s_q new tokens over a contiguous cache (b, s_max, h_kv, d) with per-sequence lengths.",
+    doc="Decode of s_q new tokens over a contiguous cache (b, s_max, h_kv, d) with per-sequence lengths "
+        "(cache row cache_loc[b] when rows > 0).",
 )
 
 DECODE_PAGED = OpSpec(
     name="attention.decode_paged", golden=ref.decode_paged, reference=_decode_ref,
     magnitude=_magnitude(_decode_ref),
-    params=_schema(**_DECODE_PARAMS, page=OneOf(16, 64, doc="tokens per page"), **_DECODE_MASK),
-    make_inputs=_decode_inputs, output_shapes=_decode_shapes, outputs=OUT, tolerance=_tol(), dists=DISTS,
+    params=_schema(**_DECODE_PARAMS, page=OneOf(16, 64, doc="tokens per page"), **ROWS, **_DECODE_MASK),
+    make_inputs=_with_rows(_decode_inputs), output_shapes=_decode_shapes, outputs=OUT, tolerance=_tol(), dists=DISTS,
     check=_check, diagnoses=DIAGNOSES,
-    doc="Decode over a paged cache (num_blocks, page, h_kv, d) through a block table (shuffled pages).",
+    doc="Decode over a paged cache (num_blocks, page, h_kv, d) through a block table (shuffled pages; "
+        "table row cache_loc[b] when rows > 0).",
 )
 
 DECODE_SPLIT = OpSpec(
     name="attention.decode_split", golden=ref.decode_split, reference=_split_ref,
     magnitude=_magnitude(_split_ref),
     params=_schema(SPLIT_PAGE_DEFAULT, **_DECODE_PARAMS, splits=Int(1, 128, edges=(2, 3, 8, 16)), **PART,
-                   **SPLIT_PAGE, **_DECODE_MASK),
-    make_inputs=_decode_inputs,
+                   **SPLIT_PAGE, **ROWS, **_DECODE_MASK),
+    make_inputs=_with_rows(_decode_inputs),
     output_shapes=lambda p: {**_decode_shapes(p),
                              "o_parts": (p["splits"], p["b"], p["sq"], p["hq"], value_dim(p)),
                              "lse_parts": (p["splits"], p["b"], p["hq"], p["sq"])},
@@ -387,12 +434,13 @@ CHUNKED_PREFILL = OpSpec(
     params=_schema(b=Int(1, 64), sq=Int(1, 1 << 16, doc="longest chunk (queries of a sequence)"),
                    hist=Int(0, 1 << 17, edges=(16, 64), doc="longest history (tokens cached before the chunk)"),
                    **HEADS, lens=LENS, page=OneOf(0, 16, 64, doc="0: contiguous cache; else tokens per page"),
+                   **ROWS,
                    **dict(MASKING, causal=OneOf("bottom_right", "none",
                                                 doc="bottom_right: query i of sequence b sees keys j <= hist_b + i"))),
-    make_inputs=chunked_inputs, output_shapes=_chunked_shapes, outputs=OUT, tolerance=_tol(), dists=DISTS,
+    make_inputs=_with_rows(chunked_inputs), output_shapes=_chunked_shapes, outputs=OUT, tolerance=_tol(), dists=DISTS,
     check=_check, diagnoses=DIAGNOSES, backends=("triton", "cpu", "torch"),
     doc="Chunked prefill: packed chunks (cu_seqlens_q) over a contiguous or paged cache holding each "
-        "sequence's history (hist) and the chunk's keys; LSE (h_q, total_q).",
+        "sequence's history (hist) and the chunk's keys (row cache_loc[b] when rows > 0); LSE (h_q, total_q).",
 )
 
 # The backward ops (OPS.md "backward"): each derived from its forward op (attention_grad.py).

@@ -1,4 +1,5 @@
-"""Op spec of the KV-cache write: `kvcache.update` (contiguous or paged; bit-exact).
+"""Op specs of the KV-cache family: the write `kvcache.update` (contiguous or paged; bit-exact) and
+TensorRT-LLM's host metadata step `kvcache.metadata` (exact integers; see its section below).
 
 The cache starts with random old contents (every slot is a value, so an unwritten slot, a
 write to the wrong position, or a write through the wrong page shows as a bit difference); the
@@ -19,7 +20,7 @@ takes TensorRT-LLM's flattened layout: k_new (total, hkv, d) holds every sequenc
 to back, seq_len (b,) int32 of them each, drawn in [1, snew] with one sequence (at random) of 0 when
 b >= 2, and seq_start (b,) int32 their exclusive cumsum; pos[b] in [0, smax - seq_len[b]]. `dv` > 0
 (default 0: d) gives V its own head dim (TensorRT-LLM's V_D_HEAD != Q_D_HEAD): v_cache (..., dv) and
-v_new (..., dv), either layout. Both are kvcache.update's only (rope.kv_update keeps one d and snew).
+v_new (..., dv), either layout. rope.kv_update takes both too (k rotated, v copied).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 import kernel_parity.refimpl.kvcache as ref
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.inputs import draw
-from kernel_parity.conformance.params import Defaults, Int, OneOf
+from kernel_parity.conformance.params import Defaults, Int, OneOf, Schema
 from kernel_parity.conformance.spec import OpSpec, Output
 from kernel_parity.conformance.tolerance import Tol
 
@@ -176,4 +177,63 @@ UPDATE = OpSpec(
         "when rows > 0; ragged seq_len / seq_start and V's own head dim dv optional); bit-exact.",
 )
 
-SPECS = (UPDATE,)
+
+# -- kvcache.metadata ------------------------------------------------------------------------------
+# TensorRT-LLM's prepare_fused_mha_metadata (refimpl/kvcache.py `metadata`): the batch buffers hold
+# maxb rows, b of them real; seq_len's real rows are in [1, snew] (snew = 1: a generate batch, all 1)
+# with one interior 0 (a zero-length sequence before the last, when b >= 3), its rows past b zero (the
+# padding TensorRT-LLM's sanitiser relies on); input_pos and cache_loc hold stale values past b, 10^6
+# and more (a kernel that copies them shows). `graph` > 0 pads the outputs to a captured CUDA-graph
+# batch size. Output shapes: (graph or b,), a function of the params.
+def _meta_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    b, maxb = p["b"], p["maxb"]
+    n = np.zeros(maxb, dtype=np.int64)
+    n[:b] = rng.integers(1, p["snew"] + 1, b)
+    if b >= 3 and p["snew"] > 1:
+        n[rng.integers(0, b - 1)] = 0  # a zero-length sequence that is not the last
+    pos = rng.integers(10**6, 2 * 10**6, maxb)  # stale past b
+    pos[:b] = rng.integers(0, p["smax"] - n[:b] + 1)
+    loc = rng.integers(10**6, 2 * 10**6, maxb)
+    loc[:b] = rng.permutation(maxb)[:b]  # distinct cache rows
+    return {"seq_len": n.astype(np.int32), "input_pos": pos.astype(np.int32), "cache_loc": loc.astype(np.int32)}
+
+
+def _meta_ref(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+    out = ref.metadata(x["seq_len"], x["input_pos"], x["cache_loc"], graph=p["graph"])
+    return dict(zip(META_OUTPUTS, out))
+
+
+def _meta_check(p: dict[str, Any]) -> str | None:
+    if p["maxb"] < max(p["b"], p["graph"]):
+        return (f"maxb={p['maxb']} buffer rows cannot hold b={p['b']} sequences or graph={p['graph']} "
+                f"(expected maxb >= both)")
+    if p["graph"] and p["graph"] < p["b"]:
+        return f"graph={p['graph']} is a captured batch smaller than b={p['b']} (expected graph=0 or graph >= b)"
+    if p["snew"] > p["smax"]:
+        return f"snew={p['snew']} new tokens do not fit a cache of smax={p['smax']}"
+    return None
+
+
+META_OUTPUTS = ("seq_len", "input_pos", "cache_loc", "seq_start")
+
+METADATA = OpSpec(
+    name="kvcache.metadata", golden=ref.metadata, reference=_meta_ref,
+    params=Schema(dict(b=Int(1, 4096, doc="real sequences (the last one non-empty)"),
+                       maxb=Int(1, 4096, doc="rows of the batch buffers (TensorRT-LLM's max_batch_size)"),
+                       graph=Int(0, 4096, edges=(0,), doc="captured CUDA-graph batch size the outputs are padded "
+                                 "to (>= b); 0: none"),
+                       snew=Int(1, 1 << 14, edges=(1,), doc="most new tokens of a sequence (1: a generate batch)"),
+                       smax=Int(1, 1 << 17, doc="cache capacity (input_pos + seq_len <= smax)"))),
+    make_inputs=_meta_inputs,
+    output_shapes=lambda p: {k: (p["graph"] or p["b"],) for k in META_OUTPUTS},
+    outputs={"seq_len": Output("int32", exact=True, doc="real rows' seq_len, 0 on padding rows"),
+             "input_pos": Output("int32", exact=True, doc="real rows' input_pos, the last real row's on padding"),
+             "cache_loc": Output("int32", exact=True, doc="real rows' cache_loc, the last real row's on padding"),
+             "seq_start": Output("int32", exact=True, doc="exclusive cumsum of seq_len")},
+    tolerance=Tol(noise_k=None), dtypes=("fp32",), dists={"normal": "seq_len, input_pos, cache_loc as above"},
+    check=_meta_check, baseline=None, backends=("cpu", "torch"),
+    doc="TensorRT-LLM's host metadata: sequences from zero-padded buffers, seq_start the exclusive cumsum, "
+        "CUDA-graph padding rows inert; exact integers.",
+)
+
+SPECS = (UPDATE, METADATA)

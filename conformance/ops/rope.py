@@ -24,7 +24,11 @@ update_kv_cache_rope_fusion, which rotates q in the same pass and writes it out)
 q (b, snew, hq, d), hq a multiple of hkv, and outputs q_rope: q rotated at its token's position
 pos[b] + t (never its cache slot), judged as k_cache's rotated rows are: rope.rope's error model
 (acc_len 2) and baseline tier, without rope.rope's override for kernels that compute their own angles
-(table=theta), since the fp16 table is given.
+(table=theta), since the fp16 table is given. `tokens` = "ragged" and `dv` are kvcache.update's
+(defaults "fixed" and 0, ids unchanged): TensorRT-LLM's flattened new tokens (total, hkv, d) with
+seq_len / seq_start (zero-length sequences included), token t of sequence b rotated at pos[b] + t, and
+V's own head dim (v is only copied, so dv need not be even). q_rope's shape would depend on the drawn
+seq_len, so `hq` > 0 with `tokens` = "ragged" is refused (exit 2).
 """
 
 from __future__ import annotations
@@ -199,8 +203,8 @@ ROPE = OpSpec(
 # -- rope.kv_update ------------------------------------------------------------------------------
 def _kv_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
     out = kv.UPDATE.make_inputs(p, dtype, "normal", rng)
-    if dist == "heads":
-        scale = 10.0 ** rng.uniform(-3.0, 3.0, (1, 1, p["hkv"], 1))
+    if dist == "heads":  # one scale per kv head; (hkv, 1) broadcasts over (b, snew, ...) and ragged (total, ...)
+        scale = 10.0 ** rng.uniform(-3.0, 3.0, (p["hkv"], 1))
         out["k_new"] = dt.round_to(out["k_new"].astype(np.float64) * scale, dtype)
     elif dist != "normal":
         raise ValueError(f"unknown distribution {dist!r}")
@@ -217,7 +221,8 @@ def _kv_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generato
 def _kv_golden(x: dict[str, np.ndarray], absolute: bool) -> tuple[np.ndarray, ...]:
     return ref.kv_update(x["k_cache"], x["v_cache"], x["k_new"], x["v_new"], x["pos"], x["table"][..., 0],
                          x["table"][..., 1], block_table=x.get("block_table"), cache_loc=x.get("cache_loc"),
-                         q=x.get("q"), style="half", absolute=absolute)
+                         q=x.get("q"), seq_len=x.get("seq_len"), seq_start=x.get("seq_start"), style="half",
+                         absolute=absolute)
 
 
 def _kv_ref(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -239,6 +244,9 @@ def _kv_check(p: dict[str, Any]) -> str | None:
         return f"d={p['d']} must be even (rotary pairs)"
     if p.get("hq", 0) % p["hkv"]:
         return f"hq={p['hq']} query heads must be a multiple of hkv={p['hkv']} (expected hq=0, no q, or k * hkv)"
+    if p.get("hq", 0) and p.get("tokens", "fixed") == "ragged":
+        return (f"hq={p['hq']} with tokens=ragged: q_rope's shape would depend on the drawn seq_len "
+                f"(expected hq=0 with tokens=ragged)")
     return kv.UPDATE.check(p)
 
 
@@ -249,7 +257,8 @@ def _kv_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
-_KV_SHARED = ("b", "snew", "hkv", "d", "smax", "layout", "rows")  # kvcache.update's params this op takes
+# kvcache.update's params this op takes
+_KV_SHARED = ("b", "snew", "hkv", "d", "smax", "layout", "rows", "tokens", "dv")
 
 KV_UPDATE = OpSpec(
     name="rope.kv_update",
@@ -258,7 +267,7 @@ KV_UPDATE = OpSpec(
     params=Defaults({**{k: v for k, v in kv.UPDATE.params.params.items() if k in _KV_SHARED},
                      "hq": Int(0, 256, edges=(0,), doc="query heads rotated and output as q_rope (TensorRT-LLM's "
                                "update_kv_cache_rope_fusion); a multiple of hkv; 0: no q")},
-                    {"rows": 0, "hq": 0}),
+                    {"rows": 0, "hq": 0, "tokens": "fixed", "dv": 0}),
     make_inputs=_kv_inputs,
     output_shapes=_kv_shapes,
     outputs={"k_cache": Output("test", doc="K cache after the write: new rows rotated at pos[b] + t, old rows untouched"),
@@ -269,7 +278,7 @@ KV_UPDATE = OpSpec(
     magnitude=_kv_mag,
     check=_kv_check,
     doc="TensorRT-LLM's RoPE-fused KV write: k rotated (half pairs, fp16 [smax, d/2, 2] table), v copied; "
-        "with hq > 0 q rotated too and output (q_rope).",
+        "with hq > 0 q rotated too and output (q_rope); ragged flattened tokens and V's own head dim optional.",
 )
 
 SPECS = (ROPE, KV_UPDATE)

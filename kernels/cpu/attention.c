@@ -8,6 +8,7 @@
  *
  * Conventions (OPS.md, attention; refimpl/attention.py): q (b, s_q, h_q, d); keys and values
  * (b, s_k, h_kv, d) per sequence, or pages (num_blocks, page, h_kv, d) through block_table;
+ * with cache_loc (TensorRT-LLM), sequence b's cache row / block-table row is cache_loc[b];
  * o (b, s_q, h_q, d_v); lse (b, h_q, s_q) fp32, excluding the sink. Strides are in elements, any
  * value except the last axis (1). Query head h reads kv head h / (h_q / h_kv). Alignment is per
  * sequence: diag = i + L - s_q (bottom_right, and the window's diagonal without causal) or i
@@ -60,6 +61,7 @@ typedef struct {                /* mirrored by kernels/cpu/attention.py (_Params
     const void *v; int64_t stride_v_b, stride_v_s, stride_v_h;
     const int32_t *block_table; int64_t stride_bt_b, stride_bt_p, page;   /* page 0: not paged */
     const int32_t *seqlens; int64_t stride_sl;                    /* NULL: every sequence s_k */
+    const int32_t *cache_loc; int64_t stride_cl;                  /* NULL: sequence b reads row b */
     const float *sinks; int64_t stride_sinks;                     /* NULL: no sink */
     void *o; int64_t stride_o_b, stride_o_s, stride_o_h;
     float *lse; int64_t stride_lse_b, stride_lse_h, stride_lse_s;
@@ -171,13 +173,15 @@ KP_INLINE void pv_rows(const float *p, const void *const *v, int64_t ja, int64_t
         }
 }
 
-/* Token rows (bytes, kv head 0) of keys j0 .. j0 + n - 1 of sequence bi. */
+/* Token rows (bytes, kv head 0) of keys j0 .. j0 + n - 1 of sequence bi, whose cache row (or
+ * block-table row) is cache_loc[bi] (TensorRT-LLM), else bi. */
 KP_INLINE void key_rows(const attn_params *p, int64_t bi, int64_t j0, int64_t n, const char **kr,
                         const char **vr, int64_t size) {
+    const int64_t row = p->cache_loc ? p->cache_loc[bi * p->stride_cl] : bi;
     for (int64_t jj = 0; jj < n; jj++) {
-        int64_t t = j0 + jj, blk = bi, slot = t;
+        int64_t t = j0 + jj, blk = row, slot = t;
         if (p->page) {
-            blk = p->block_table[bi * p->stride_bt_b + t / p->page * p->stride_bt_p];
+            blk = p->block_table[row * p->stride_bt_b + t / p->page * p->stride_bt_p];
             slot = t % p->page;
         }
         kr[jj] = (const char *)p->k + (blk * p->stride_k_b + slot * p->stride_k_s) * size;

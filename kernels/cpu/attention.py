@@ -12,6 +12,8 @@ k_cache, v_cache (decode): (b, s_max, h_kv, d | d_v); seqlens: (b,) int32 in [0,
 k_cache, v_cache (decode_paged): (num_blocks, page, h_kv, d | d_v); block_table: (b, max_blocks)
     int32, token t of sequence i at cache[block_table[i, t // page], t % page]; seqlens (b,) int32 in
     [0, max_blocks * page]
+cache_loc (decode, decode_paged, chunked_prefill): (b,) int32 or None; sequence i reads cache row (or
+    block-table row) cache_loc[i] instead of i (TensorRT-LLM), the cache / table having any rows
 sinks: (h_q,) float32 sink logits (scaled domain) or None
 returns (o, lse): o (b, s_q, h_q, d_v) in q's dtype, lse (b, h_q, s_q) float32, natural log,
     excluding the sink; `out` / `out_lse` are used when given (o: last-axis stride 1).
@@ -57,7 +59,8 @@ class _Params(ctypes.Structure):
     _fields_ = [("dtype", _I64),
                 *[f for n in "qkv" for f in ((n, _PTR), *((f"stride_{n}_{x}", _I64) for x in "bsh"))],
                 ("block_table", _PTR), ("stride_bt_b", _I64), ("stride_bt_p", _I64), ("page", _I64),
-                ("seqlens", _PTR), ("stride_sl", _I64), ("sinks", _PTR), ("stride_sinks", _I64),
+                ("seqlens", _PTR), ("stride_sl", _I64), ("cache_loc", _PTR), ("stride_cl", _I64),
+                ("sinks", _PTR), ("stride_sinks", _I64),
                 ("o", _PTR), *((f"stride_o_{x}", _I64) for x in "bsh"),
                 ("lse", _PTR), *((f"stride_lse_{x}", _I64) for x in "bhs"),
                 *[(n, _I64) for n in ("b", "s_q", "s_k", "h_q", "h_kv", "d", "d_v", "causal", "left",
@@ -108,8 +111,18 @@ def _check_lengths(name: str, a: object, b: int, capacity: int) -> None:
                          f"max {a.max()}")
 
 
+def _check_cache_loc(cache_loc: object, b: int, rows: int, what: str) -> None:
+    """cache_loc (b,) int32 with every entry a row of the cache / block table (`rows` of them)."""
+    check_array("cache_loc", cache_loc, 1, "(b,)", (_I32,))
+    if cache_loc.shape[0] != b:
+        raise ValueError(f"cache_loc must have shape ({b},), got {cache_loc.shape}")
+    if b and (cache_loc.min() < 0 or cache_loc.max() >= rows):
+        raise ValueError(f"cache_loc must lie in [0, {rows}) ({what} rows), got min {cache_loc.min()} "
+                         f"max {cache_loc.max()}")
+
+
 def _launch(q, k, v, *, seqlens, block_table, page, scale, causal, window, softcap, sinks, out,
-            out_lse, threads) -> tuple[np.ndarray, np.ndarray]:
+            out_lse, threads, cache_loc=None) -> tuple[np.ndarray, np.ndarray]:
     b, s_q, h_q, d = q.shape
     d_v = v.shape[3]
     if causal not in CAUSAL:
@@ -135,7 +148,7 @@ def _launch(q, k, v, *, seqlens, block_table, page, scale, causal, window, softc
     if out_lse is None:
         out_lse = np.empty((b, h_q, s_q), dtype=np.float32)
     check_output("out_lse", out_lse, (b, h_q, s_q), _F32, "(b, h_q, s_q)")
-    inputs = [a for a in (q, k, v, seqlens, block_table, sinks) if a is not None]
+    inputs = [a for a in (q, k, v, seqlens, block_table, sinks, cache_loc) if a is not None]
     for name, a, others in (("out", out, inputs), ("out_lse", out_lse, [*inputs, out])):
         if any(np.may_share_memory(a, x) for x in others):
             raise ValueError(f"{name} overlaps an input or the other output")
@@ -155,6 +168,8 @@ def _launch(q, k, v, *, seqlens, block_table, page, scale, causal, window, softc
     p.stride_lse_b, p.stride_lse_h, p.stride_lse_s = element_strides("out_lse", out_lse)
     if seqlens is not None:
         p.seqlens, (p.stride_sl,) = seqlens.ctypes.data, element_strides("seqlens", seqlens)
+    if cache_loc is not None:
+        p.cache_loc, (p.stride_cl,) = cache_loc.ctypes.data, element_strides("cache_loc", cache_loc)
     if block_table is not None:
         p.block_table = block_table.ctypes.data
         p.stride_bt_b, p.stride_bt_p = element_strides("block_table", block_table)
@@ -180,49 +195,60 @@ def prefill(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float | None 
 def decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, seqlens: np.ndarray, *,
            scale: float | None = None, causal: str = "bottom_right", window: tuple[int, int] = (-1, -1),
            softcap: float = 0.0, sinks: np.ndarray | None = None, out: np.ndarray | None = None,
-           out_lse: np.ndarray | None = None, threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """The s_q queries are the last s_q tokens of each sequence; the cache is (b, s_max, h_kv, d)."""
+           out_lse: np.ndarray | None = None, threads: int = 1,
+           cache_loc: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The s_q queries are the last s_q tokens of each sequence; the cache is (b, s_max, h_kv, d), or
+    (rows, s_max, h_kv, d) read at row cache_loc[i] for sequence i."""
     _check_qkv(q, k_cache, v_cache, "k_cache", "v_cache", "(b, s_max, h_kv, {})")
-    if k_cache.shape[0] != q.shape[0]:
+    if cache_loc is not None:
+        _check_cache_loc(cache_loc, q.shape[0], k_cache.shape[0], "k_cache")
+    elif k_cache.shape[0] != q.shape[0]:
         raise ValueError(f"k_cache batch {k_cache.shape[0]} must equal q's b = {q.shape[0]}")
     _check_lengths("seqlens", seqlens, q.shape[0], k_cache.shape[1])
     return _launch(q, k_cache, v_cache, seqlens=seqlens, block_table=None, page=0, scale=scale,
                    causal=causal, window=window, softcap=softcap, sinks=sinks, out=out,
-                   out_lse=out_lse, threads=threads)
+                   out_lse=out_lse, threads=threads, cache_loc=cache_loc)
 
 
 def decode_paged(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray,
                  seqlens: np.ndarray, *, scale: float | None = None, causal: str = "bottom_right",
                  window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                  sinks: np.ndarray | None = None, out: np.ndarray | None = None,
-                 out_lse: np.ndarray | None = None, threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """Decode over pages (num_blocks, page, h_kv, d) through block_table (b, max_blocks) int32."""
+                 out_lse: np.ndarray | None = None, threads: int = 1,
+                 cache_loc: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Decode over pages (num_blocks, page, h_kv, d) through block_table (b, max_blocks) int32, or
+    (rows, max_blocks) read at row cache_loc[i] for sequence i."""
     _check_qkv(q, k_cache, v_cache, "k_cache", "v_cache", "(num_blocks, page, h_kv, {})")
     check_array("block_table", block_table, 2, "(b, max_blocks)", (_I32,))
     b = q.shape[0]
     num_blocks, page = k_cache.shape[:2]
-    if block_table.shape[0] != b:
+    if cache_loc is not None:
+        _check_cache_loc(cache_loc, b, block_table.shape[0], "block_table")
+    elif block_table.shape[0] != b:
         raise ValueError(f"block_table must have shape (b, max_blocks) with b = {b}, got {block_table.shape}")
     if page < 1:
         raise ValueError(f"k_cache page size must be >= 1, got shape {k_cache.shape}")
     _check_lengths("seqlens", seqlens, b, block_table.shape[1] * page)
+    rows = block_table if cache_loc is None else block_table[cache_loc]  # each sequence's own table row
     used = np.arange(block_table.shape[1])[None, :] < -(-seqlens.astype(np.int64)[:, None] // page)
-    bad = used & ((block_table < 0) | (block_table >= num_blocks))  # only pages a sequence reads
+    bad = used & ((rows < 0) | (rows >= num_blocks))  # only pages a sequence reads
     if bad.any():
         i, j = (int(x[0]) for x in np.nonzero(bad))
-        raise ValueError(f"block_table[{i}, {j}] = {block_table[i, j]} must lie in [0, {num_blocks}) "
+        raise ValueError(f"block_table[{i}, {j}] = {rows[i, j]} must lie in [0, {num_blocks}) "
                          f"(k_cache has {num_blocks} blocks; sequence {i} uses {int(used[i].sum())} pages)")
     return _launch(q, k_cache, v_cache, seqlens=seqlens, block_table=block_table, page=page,
                    scale=scale, causal=causal, window=window, softcap=softcap, sinks=sinks, out=out,
-                   out_lse=out_lse, threads=threads)
+                   out_lse=out_lse, threads=threads, cache_loc=cache_loc)
 
 
 def chunked_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, cu_seqlens_q: np.ndarray,
                     hist: np.ndarray, block_table: np.ndarray | None = None, *, scale: float | None = None,
                     causal: str = "bottom_right", window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     sinks: np.ndarray | None = None, out: np.ndarray | None = None,
-                    out_lse: np.ndarray | None = None, threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """Packed chunks q (total_q, h_q, d) over caches holding each sequence's history and chunk keys."""
+                    out_lse: np.ndarray | None = None, threads: int = 1,
+                    cache_loc: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Packed chunks q (total_q, h_q, d) over caches holding each sequence's history and chunk keys
+    (at cache row / block-table row cache_loc[i] for sequence i when cache_loc is given)."""
     check_array("q", q, 3, "(total_q, h_q, d)", tuple(DTYPE_CODES))
     check_array("cu_seqlens_q", cu_seqlens_q, 1, "(b + 1,)", (_I32,))
     b = cu_seqlens_q.shape[0] - 1
@@ -241,13 +267,22 @@ def chunked_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, cu_
         out_lse = np.empty((h_q, total_q), dtype=np.float32)
     check_output("out_lse", out_lse, (h_q, total_q), _F32, "(h_q, total_q)")
     kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, sinks=sinks, threads=threads)
+    if cache_loc is not None:
+        _check_cache_loc(cache_loc, b, (k_cache if block_table is None else block_table).shape[0],
+                         "k_cache" if block_table is None else "block_table")
     for i in range(b):  # one kernel call per sequence, on views: the C kernel takes no cu_seqlens
         c0, c1 = int(cu[i]), int(cu[i + 1])
         if c1 == c0:
             continue  # no queries: nothing to write
         lens = (hist[i:i + 1] + (c1 - c0)).astype(np.int32)
         o, lse, qi = out[None, c0:c1], out_lse[None, :, c0:c1], q[None, c0:c1]
-        if block_table is None:
+        if cache_loc is not None:  # the kernel follows cache_loc itself: the whole cache / table
+            loc = cache_loc[i:i + 1]
+            if block_table is None:
+                decode(qi, k_cache, v_cache, lens, **kw, out=o, out_lse=lse, cache_loc=loc)
+            else:
+                decode_paged(qi, k_cache, v_cache, block_table, lens, **kw, out=o, out_lse=lse, cache_loc=loc)
+        elif block_table is None:
             decode(qi, k_cache[i:i + 1], v_cache[i:i + 1], lens, **kw, out=o, out_lse=lse)
         else:
             decode_paged(qi, k_cache, v_cache, block_table[i:i + 1], lens, **kw, out=o, out_lse=lse)

@@ -46,3 +46,25 @@ KP_EXPORT int kvcache_update_kernel(int64_t itemsize, void *CACHE_ptr, int64_t s
     }
     return KP_OK;
 }
+
+/* TensorRT-LLM's host metadata (prepare_fused_mha_metadata): b = 1 + the last i with seq_len[i] > 0
+ * (trailing zeros are the buffers' padding); rows i < b copied, rows b <= i < m (CUDA-graph padding)
+ * seq_len 0 with row b - 1's input_pos and cache_loc (0 when b = 0); seq_start the exclusive cumsum.
+ * Buffers (max_batch,) int32, outputs (m,) int32; the wrapper checks m >= b before the call. */
+KP_EXPORT int kvcache_metadata_kernel(const int32_t *SEQLEN_ptr, const int32_t *POS_ptr, const int32_t *LOC_ptr,
+                                      int64_t max_batch, int32_t *OUT_len, int32_t *OUT_pos, int32_t *OUT_loc,
+                                      int32_t *OUT_start, int64_t m) {
+    int64_t b = 0;
+    for (int64_t i = 0; i < max_batch; i++)
+        if (SEQLEN_ptr[i] > 0) b = i + 1;
+    int64_t total = 0;
+    for (int64_t i = 0; i < m; i++) {
+        const int64_t src = i < b ? i : b - 1;      /* padding rows repeat the last real row */
+        OUT_len[i] = i < b ? SEQLEN_ptr[i] : 0;
+        OUT_pos[i] = b ? POS_ptr[src] : 0;
+        OUT_loc[i] = b ? LOC_ptr[src] : 0;
+        OUT_start[i] = (int32_t)total;             /* exclusive: the tokens before row i */
+        total += OUT_len[i];
+    }
+    return KP_OK;
+}

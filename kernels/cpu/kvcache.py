@@ -18,6 +18,11 @@ Conventions (OPS.md, kvcache.update; refimpl/kvcache.py): every other slot keeps
 writes must fit (0 <= pos, pos + s_new <= s_max or max_blocks * page; the written pages' table
 entries in [0, num_blocks)) and no two may land on the same slot: ValueError otherwise, before
 anything is written. Last-axis stride 1 for cache and new, other strides any; no copy is made.
+
+metadata: TensorRT-LLM's host metadata step (prepare_fused_mha_metadata; refimpl/kvcache.py): from
+      the zero-padded (max_batch,) int32 buffers seq_len, input_pos, cache_loc, the (m,) int32 arrays
+      seq_len, input_pos, cache_loc, seq_start of the b real sequences (b = 1 + the last non-zero
+      seq_len), padded to m = graph (a captured CUDA-graph batch, >= b) with inert rows.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import numpy as np
 from kernel_parity.kernels.cpu.loader import (check_array, check_status, element_strides, load,
                                               unit_last_strides)
 
-__all__ = ["update", "cache_rows"]
+__all__ = ["update", "cache_rows", "metadata"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _I32 = np.dtype(np.int32)
@@ -43,6 +48,8 @@ def _kernels() -> ctypes.CDLL:
         lib.kvcache_update_kernel.argtypes = [_I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64,
                                               _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
                                               _I64, _I64]
+        lib.kvcache_metadata_kernel.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64]
+        lib.kvcache_metadata_kernel.restype = ctypes.c_int
         lib.kvcache_update_kernel.restype = ctypes.c_int
         _lib = lib
     return _lib
@@ -149,3 +156,22 @@ def cache_rows(cache_loc: np.ndarray | None, b: int, n_rows: int) -> np.ndarray:
     if np.unique(cache_loc).size != b:
         raise ValueError("cache_loc maps two sequences to the same cache row")
     return cache_loc.astype(np.int64)
+
+
+def metadata(seq_len: np.ndarray, input_pos: np.ndarray, cache_loc: np.ndarray, *,
+             graph: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(seq_len, input_pos, cache_loc, seq_start), each (m,) int32: m = graph, or b when graph is 0."""
+    for name, a in (("seq_len", seq_len), ("input_pos", input_pos), ("cache_loc", cache_loc)):
+        check_array(name, a, 1, "(max_batch,)", (_I32,))
+        if a.shape != seq_len.shape or (a.size > 1 and not a.flags.c_contiguous):
+            raise ValueError(f"{name} must be a contiguous ({seq_len.shape[0]},) int32 buffer like seq_len")
+    nz = np.flatnonzero(seq_len > 0)
+    b = int(nz[-1]) + 1 if nz.size else 0
+    if graph < 0 or (graph and graph < b):
+        raise ValueError(f"graph={graph} must be 0 (no padding) or a captured batch size >= the {b} sequences")
+    m = graph or b
+    outs = tuple(np.empty(m, dtype=np.int32) for _ in range(4))
+    status = _kernels().kvcache_metadata_kernel(seq_len.ctypes.data, input_pos.ctypes.data, cache_loc.ctypes.data,
+                                                seq_len.shape[0], *(o.ctypes.data for o in outs), m)
+    check_status(status, "kvcache_metadata_kernel")
+    return outs

@@ -27,6 +27,8 @@
  * kv update: for sequence i and new token t, p = pos[i] + t; K's row is rotated into the cache slot
  * (contiguous: cache[r, p]; paged: cache[block_table[r, p / page], p % page], r = cache_loc[i] or i
  * without cache_loc) and V's row copied as bits. The wrapper checks that the writes fit and that no two land on one slot.
+ * Ragged (SEQLEN_ptr, SEQSTART_ptr; TensorRT-LLM's flattened tokens): sequence i's token t < seq_len[i] is
+ * row seq_start[i] + t of k_new / v_new / q (their batch strides 0); V's head dim dv may differ from d.
  */
 #include <stdlib.h>
 
@@ -168,34 +170,37 @@ KP_INLINE int kv_rows(char *KC_ptr, int64_t stride_kc_blk, int64_t stride_kc_slo
                       const char *KN_ptr, int64_t stride_kn_b, int64_t stride_kn_t, int64_t stride_kn_h,
                       const char *VN_ptr, int64_t stride_vn_b, int64_t stride_vn_t, int64_t stride_vn_h,
                       const int32_t *POS_ptr, int64_t stride_pos,
-                      const int32_t *LOC_ptr, int64_t stride_loc, const char *Q_ptr, int64_t stride_q_b,
+                      const int32_t *LOC_ptr, int64_t stride_loc, const int32_t *SEQLEN_ptr,
+                      const int32_t *SEQSTART_ptr, const char *Q_ptr, int64_t stride_q_b,
                       int64_t stride_q_t, int64_t stride_q_h, char *QO_ptr, int64_t stride_qo_b,
                       int64_t stride_qo_t, int64_t stride_qo_h, int64_t hq, const void *COS_ptr, const void *SIN_ptr,
                       int tab_dt, int64_t stride_tab_row, int64_t stride_tab_col, int style, const int32_t *BT_ptr,
                       int64_t stride_bt_b, int64_t stride_bt_p, int64_t page, int64_t b, int64_t s_new,
-                      int64_t h, int64_t d, int dt) {
+                      int64_t h, int64_t d, int64_t dv, int dt) {
     const int64_t size = kp_itemsize(dt), half = d / 2;
     float *buf = malloc((size_t)(2 * half) * sizeof(float));
     if (!buf) return KP_ERR_NOMEM;
     float *c = buf, *s = buf + half;
     for (int64_t i = 0; i < b; i++) {
         const int64_t r = LOC_ptr ? (int64_t)LOC_ptr[i * stride_loc] : i;   /* the sequence's cache row */
-        for (int64_t t = 0; t < s_new; t++) {
-            int64_t p = (int64_t)POS_ptr[i * stride_pos] + t, blk = r, slot = p;
+        const int64_t n = SEQLEN_ptr ? (int64_t)SEQLEN_ptr[i] : s_new;       /* its new tokens */
+        const int64_t first = SEQSTART_ptr ? (int64_t)SEQSTART_ptr[i] : 0;  /* ragged: its first row of new */
+        for (int64_t t = 0; t < n; t++) {
+            int64_t p = (int64_t)POS_ptr[i * stride_pos] + t, blk = r, slot = p, row = first + t;
             if (BT_ptr) {
                 blk = BT_ptr[r * stride_bt_b + p / page * stride_bt_p];
                 slot = p % page;
             }
             angle_row(c, s, half, p, COS_ptr, SIN_ptr, tab_dt, stride_tab_row, stride_tab_col, NULL);
-            kv_row(KN_ptr + (i * stride_kn_b + t * stride_kn_t) * size, stride_kn_h,
+            kv_row(KN_ptr + (i * stride_kn_b + row * stride_kn_t) * size, stride_kn_h,
                    KC_ptr + (blk * stride_kc_blk + slot * stride_kc_slot) * size, stride_kc_h, c, s, h, d, style, dt,
                    1);
-            kv_row(VN_ptr + (i * stride_vn_b + t * stride_vn_t) * size, stride_vn_h,
-                   VC_ptr + (blk * stride_vc_blk + slot * stride_vc_slot) * size, stride_vc_h, c, s, h, d, style, dt,
+            kv_row(VN_ptr + (i * stride_vn_b + row * stride_vn_t) * size, stride_vn_h,
+                   VC_ptr + (blk * stride_vc_blk + slot * stride_vc_slot) * size, stride_vc_h, c, s, h, dv, style, dt,
                    0);
             if (Q_ptr)   /* TensorRT-LLM's q rotation: every query head at the token's position p */
-                kv_row(Q_ptr + (i * stride_q_b + t * stride_q_t) * size, stride_q_h,
-                       QO_ptr + (i * stride_qo_b + t * stride_qo_t) * size, stride_qo_h, c, s, hq, d, style, dt, 1);
+                kv_row(Q_ptr + (i * stride_q_b + row * stride_q_t) * size, stride_q_h,
+                       QO_ptr + (i * stride_qo_b + row * stride_qo_t) * size, stride_qo_h, c, s, hq, d, style, dt, 1);
         }
     }
     free(buf);
@@ -208,20 +213,23 @@ KP_INLINE int rope_kv_update_kernel_impl(int dtype, void *KC_ptr, int64_t stride
                                          int64_t stride_kn_b, int64_t stride_kn_t, int64_t stride_kn_h,
                                          const void *VN_ptr, int64_t stride_vn_b, int64_t stride_vn_t,
                                          int64_t stride_vn_h, const int32_t *POS_ptr, int64_t stride_pos,
-                                         const int32_t *LOC_ptr, int64_t stride_loc,
-                                         const void *Q_ptr, int64_t stride_q_b, int64_t stride_q_t,
-                                         int64_t stride_q_h, void *QO_ptr, int64_t stride_qo_b, int64_t stride_qo_t,
+                                         const int32_t *LOC_ptr, int64_t stride_loc, const int32_t *SEQLEN_ptr,
+                                         const int32_t *SEQSTART_ptr, const void *Q_ptr, int64_t stride_q_b,
+                                         int64_t stride_q_t, int64_t stride_q_h, void *QO_ptr, int64_t stride_qo_b, int64_t stride_qo_t,
                                          int64_t stride_qo_h, int64_t hq,
                                          const void *COS_ptr, const void *SIN_ptr, int tab_dt,
                                          int64_t stride_tab_row, int64_t stride_tab_col, int style,
                                          const int32_t *BT_ptr, int64_t stride_bt_b, int64_t stride_bt_p,
-                                         int64_t page, int64_t b, int64_t s_new, int64_t h, int64_t d) {
+                                         int64_t page, int64_t b, int64_t s_new, int64_t h, int64_t d,
+                                         int64_t dv) {
 #define KV_ROWS(DT) kv_rows(KC_ptr, stride_kc_blk, stride_kc_slot, stride_kc_h, VC_ptr, stride_vc_blk, stride_vc_slot, \
                             stride_vc_h, KN_ptr, stride_kn_b, stride_kn_t, stride_kn_h, VN_ptr, stride_vn_b,         \
-                            stride_vn_t, stride_vn_h, POS_ptr, stride_pos, LOC_ptr, stride_loc, Q_ptr, stride_q_b,   \
+                            stride_vn_t, stride_vn_h, POS_ptr, stride_pos, LOC_ptr, stride_loc, SEQLEN_ptr,          \
+                            SEQSTART_ptr, Q_ptr, stride_q_b,                                                         \
                             stride_q_t, stride_q_h, QO_ptr, stride_qo_b, stride_qo_t, stride_qo_h, hq,               \
                             COS_ptr, SIN_ptr,                                                                        \
-                            tab_dt, stride_tab_row, stride_tab_col, style, BT_ptr, stride_bt_b, stride_bt_p, page, b, s_new, h, d, DT)
+                            tab_dt, stride_tab_row, stride_tab_col, style, BT_ptr, stride_bt_b, stride_bt_p, page, b,  \
+                            s_new, h, d, dv, DT)
     switch (dtype) {
     case KP_F32: return KV_ROWS(KP_F32);
     case KP_F16: return KV_ROWS(KP_F16);
@@ -237,14 +245,16 @@ KP_MULTIVERSION(rope_kv_update_kernel,
                  const void *KN_ptr, int64_t stride_kn_b, int64_t stride_kn_t, int64_t stride_kn_h,
                  const void *VN_ptr, int64_t stride_vn_b, int64_t stride_vn_t, int64_t stride_vn_h,
                  const int32_t *POS_ptr, int64_t stride_pos, const int32_t *LOC_ptr, int64_t stride_loc,
-                 const void *Q_ptr, int64_t stride_q_b, int64_t stride_q_t, int64_t stride_q_h, void *QO_ptr,
+                 const int32_t *SEQLEN_ptr, const int32_t *SEQSTART_ptr, const void *Q_ptr, int64_t stride_q_b,
+                 int64_t stride_q_t, int64_t stride_q_h, void *QO_ptr,
                  int64_t stride_qo_b, int64_t stride_qo_t, int64_t stride_qo_h, int64_t hq,
                  const void *COS_ptr, const void *SIN_ptr, int tab_dt,
                  int64_t stride_tab_row, int64_t stride_tab_col, int style, const int32_t *BT_ptr,
                  int64_t stride_bt_b, int64_t stride_bt_p, int64_t page, int64_t b, int64_t s_new, int64_t h,
-                 int64_t d),
+                 int64_t d, int64_t dv),
                 (dtype, KC_ptr, stride_kc_blk, stride_kc_slot, stride_kc_h, VC_ptr, stride_vc_blk, stride_vc_slot,
                  stride_vc_h, KN_ptr, stride_kn_b, stride_kn_t, stride_kn_h, VN_ptr, stride_vn_b, stride_vn_t,
-                 stride_vn_h, POS_ptr, stride_pos, LOC_ptr, stride_loc, Q_ptr, stride_q_b, stride_q_t, stride_q_h,
+                 stride_vn_h, POS_ptr, stride_pos, LOC_ptr, stride_loc, SEQLEN_ptr, SEQSTART_ptr, Q_ptr, stride_q_b,
+                 stride_q_t, stride_q_h,
                  QO_ptr, stride_qo_b, stride_qo_t, stride_qo_h, hq, COS_ptr, SIN_ptr, tab_dt, stride_tab_row,
-                 stride_tab_col, style, BT_ptr, stride_bt_b, stride_bt_p, page, b, s_new, h, d))
+                 stride_tab_col, style, BT_ptr, stride_bt_b, stride_bt_p, page, b, s_new, h, d, dv))

@@ -19,6 +19,9 @@ kv_update: TensorRT-LLM's fused write, in place: k_new rotated at position pos[i
       int32 rows, checked) or row i without cache_loc (rows = b). With q (b, s_new, h_q, d), h_q a
       multiple of h, the queries are rotated too, each token at its position pos[i] + t (TensorRT-LLM's
       update_kv_cache_rope_fusion), into q_out (like q; allocated when None), which is returned.
+      seq_len, seq_start (b,) int32, both or neither: TensorRT-LLM's ragged layout, k_new / v_new / q
+      (total, h, d | dv) and sequence i's tokens rows seq_start[i] : seq_start[i] + seq_len[i] (checked
+      to lie inside them). v_new / v_cache may have their own head dim dv (copied, never rotated).
       Writes must fit, table rows cover every position, written pages lie in the cache and no two
       writes share a slot: ValueError before anything is written.
 
@@ -53,8 +56,10 @@ def _kernels() -> ctypes.CDLL:
                                     _I64, _DBL, _INT, _INT, _INT, _I64, _I64, _I64, _I64, _I64]
         lib.rope_kv_update_kernel.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64,
                                               _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64,
+                                              _PTR, _PTR,
                                               _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR,
-                                              _INT, _I64, _I64, _INT, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64]
+                                              _INT, _I64, _I64, _INT, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+                                              _I64]
         for fn in (lib.rope_kernel, lib.rope_kv_update_kernel):
             fn.restype = ctypes.c_int
         _lib = lib
@@ -167,27 +172,51 @@ def _rope(x: np.ndarray, positions: np.ndarray, cos, sin, table, theta, scaling:
 
 def kv_update(k_cache: np.ndarray, v_cache: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, pos: np.ndarray,
               table: np.ndarray, *, block_table: np.ndarray | None = None, cache_loc: np.ndarray | None = None,
-              q: np.ndarray | None = None, q_out: np.ndarray | None = None,
-              style: str = "half") -> np.ndarray | None:
+              q: np.ndarray | None = None, q_out: np.ndarray | None = None, seq_len: np.ndarray | None = None,
+              seq_start: np.ndarray | None = None, style: str = "half") -> np.ndarray | None:
     """The RoPE-fused KV write, in place (module docstring); with q, returns q_out (q rotated)."""
+    ragged = seq_len is not None
+    if ragged != (seq_start is not None):
+        raise ValueError("seq_len and seq_start go together (the ragged layout), or neither")
+    new_layout = "(total, h, d)" if ragged else "(b, s_new, h, d)"
     check_array("k_cache", k_cache, 4, "(b | num_blocks, s_max | page, h, d)", tuple(DTYPE_CODES))
     for name, a in (("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
-        check_array(name, a, 4, "(b, s_new, h, d)" if "new" in name else "like k_cache", (k_cache.dtype,))
+        check_array(name, a, 3 if ragged and "new" in name else 4, new_layout if "new" in name else "like k_cache",
+                    (k_cache.dtype,))
     for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not a.flags.writeable:
             raise ValueError(f"{name} must be writeable")
-    b, s_new, h, d = k_new.shape
-    if v_new.shape != k_new.shape:
-        raise ValueError(f"v_new {v_new.shape} must match k_new {k_new.shape}")
-    if v_cache.shape != k_cache.shape or k_cache.shape[2:] != (h, d):
-        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must be alike, with (h, d) = {(h, d)}")
+    h, d = k_new.shape[-2:]
+    dv = v_new.shape[-1]
+    if ragged:
+        check_array("seq_len", seq_len, 1, "(b,)", (_I32,))
+        b = seq_len.shape[0]
+        check_array("seq_start", seq_start, 1, "(b,)", (_I32,))
+        if seq_start.shape != (b,):
+            raise ValueError(f"seq_start must have shape (b,) = ({b},) like seq_len, got {seq_start.shape}")
+        if b > 1 and not (seq_len.flags.c_contiguous and seq_start.flags.c_contiguous):
+            raise ValueError("seq_len and seq_start must be contiguous (the kernel reads them as int32 runs)")
+        n, first = seq_len.astype(np.int64), seq_start.astype(np.int64)
+        if b and (n.min() < 0 or first.min() < 0 or (first + n).max() > k_new.shape[0]):
+            i = int(np.flatnonzero((n < 0) | (first < 0) | (first + n > k_new.shape[0]))[0])
+            raise ValueError(f"sequence {i}'s tokens new[{first[i]} : {first[i] + n[i]}] must lie in k_new's "
+                             f"{k_new.shape[0]} rows (seq_len and seq_start >= 0)")
+        s_new = int(n.max()) if b else 0
+    else:
+        b, s_new = k_new.shape[:2]
+        n = np.full(b, s_new, dtype=np.int64)
+    if v_new.shape[:-1] != k_new.shape[:-1]:
+        raise ValueError(f"v_new {v_new.shape} must match k_new {k_new.shape} except the last axis (dv)")
+    if v_cache.shape[:-1] != k_cache.shape[:-1] or k_cache.shape[2:] != (h, d) or v_cache.shape[3] != dv:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must be alike, with (h, d) = {(h, d)} "
+                         f"and v's head dim {dv}")
     if d % 2:
         raise ValueError(f"head dim d={d} must be even (rotary pairs)")
     if style not in STYLES:
         raise ValueError(f"style={style!r} must be one of {', '.join(STYLES)}")
     cos, sin, s_row, s_col, max_seq = _table(None, None, table, d // 2)
     spos = _check_positions(pos, b, None, "pos")
-    end = pos.astype(np.int64) + s_new  # b
+    end = pos.astype(np.int64) + n  # b
     page = k_cache.shape[1]
     if block_table is None:
         if cache_loc is None and k_cache.shape[0] != b:
@@ -201,29 +230,31 @@ def kv_update(k_cache: np.ndarray, v_cache: np.ndarray, k_new: np.ndarray, v_new
     row = cache_rows(cache_loc, b, k_cache.shape[0] if block_table is None else block_table.shape[0])  # b
     if b and end.max() > min(capacity, max_seq):
         i = int(end.argmax())
-        raise ValueError(f"writes do not fit: pos[{i}] + s_new = {end[i]} > capacity {capacity} "
-                         f"or the table's max_seq {max_seq}")
-    if block_table is not None and b * s_new:
-        p = pos.astype(np.int64)[:, None] + np.arange(s_new)[None, :]  # b, s_new
-        blk = block_table[row[:, None], p // page]
+        raise ValueError(f"writes do not fit: pos[{i}] + {'seq_len' if ragged else 's_new'} = {end[i]} > capacity "
+                         f"{capacity} or the table's max_seq {max_seq}")
+    if block_table is not None and int(n.sum()):
+        bi = np.repeat(np.arange(b), n)  # the sequence of each written token
+        p = pos.astype(np.int64)[bi] + np.arange(bi.size) - np.repeat(np.cumsum(n) - n, n)
+        blk = block_table[row[bi], p // page]
         if blk.min() < 0 or blk.max() >= k_cache.shape[0]:
-            i, t = (int(v[0]) for v in np.nonzero((blk < 0) | (blk >= k_cache.shape[0])))
-            raise ValueError(f"block_table[{row[i]}, {p[i, t] // page}] = {blk[i, t]} must lie in "
-                             f"[0, {k_cache.shape[0]}) (a page written for sequence {i})")
-        if np.unique(blk * page + p % page).size != b * s_new:
+            j = int(np.flatnonzero((blk < 0) | (blk >= k_cache.shape[0]))[0])
+            raise ValueError(f"block_table[{row[bi[j]]}, {p[j] // page}] = {blk[j]} must lie in "
+                             f"[0, {k_cache.shape[0]}) (a page written for sequence {bi[j]})")
+        if np.unique(blk * page + p % page).size != bi.size:
             raise ValueError("two writes land on the same cache slot (sequences share a written page)")
     for cache in (k_cache, v_cache):
         for name, a in (("k_new", k_new), ("v_new", v_new), ("pos", pos), ("table", table),
-                        ("block_table", block_table), ("cache_loc", cache_loc)):
+                        ("block_table", block_table), ("cache_loc", cache_loc), ("seq_len", seq_len),
+                        ("seq_start", seq_start)):
             if a is not None and np.may_share_memory(cache, a):
                 raise ValueError(f"{name} overlaps a cache")
     if np.may_share_memory(k_cache, v_cache):
         raise ValueError("k_cache and v_cache overlap")
     sq = sqo = (0, 0, 0)
     if q is not None:
-        check_array("q", q, 4, "(b, s_new, h_q, d)", (k_cache.dtype,))
-        if q.shape[:2] != (b, s_new) or q.shape[3] != d or (h and q.shape[2] % h):
-            raise ValueError(f"q {q.shape} must be (b, s_new, h_q, d) = ({b}, {s_new}, k * {h}, {d})")
+        check_array("q", q, k_new.ndim, "(total, h_q, d)" if ragged else "(b, s_new, h_q, d)", (k_cache.dtype,))
+        if q.shape[:-2] != k_new.shape[:-2] or q.shape[-1] != d or (h and q.shape[-2] % h):
+            raise ValueError(f"q {q.shape} must be k_new's {k_new.shape} with k * {h} query heads")
         if q_out is None:
             q_out = np.empty(q.shape, dtype=q.dtype)
         check_output("q_out", q_out, q.shape, q.dtype, "(b, s_new, h_q, d)")
@@ -231,20 +262,25 @@ def kv_update(k_cache: np.ndarray, v_cache: np.ndarray, k_new: np.ndarray, v_new
             if np.may_share_memory(q_out, a):
                 raise ValueError(f"q_out overlaps {name}")
         sq, sqo = unit_last_strides("q", q)[:3], unit_last_strides("q_out", q_out)[:3]
+        if ragged:  # one row per token: no batch stride
+            sq, sqo = (0, *sq[:2]), (0, *sqo[:2])
     elif q_out is not None:
         raise ValueError("q_out given without q")
     if b * s_new == 0 or h * d == 0:
         return q_out
     kc, vc = unit_last_strides("k_cache", k_cache), unit_last_strides("v_cache", v_cache)
     kn, vn = unit_last_strides("k_new", k_new), unit_last_strides("v_new", v_new)
+    if ragged:  # one row of new per token: no batch stride
+        kn, vn = (0, *kn), (0, *vn)
     status = _kernels().rope_kv_update_kernel(
         dtype_code(k_cache.dtype), k_cache.ctypes.data, kc[0], kc[1], kc[2], v_cache.ctypes.data, vc[0], vc[1], vc[2],
         k_new.ctypes.data, kn[0], kn[1], kn[2], v_new.ctypes.data, vn[0], vn[1], vn[2], pos.ctypes.data, spos,
         None if cache_loc is None else cache_loc.ctypes.data,
         0 if cache_loc is None else element_strides("cache_loc", cache_loc)[0],
+        None if seq_len is None else seq_len.ctypes.data, None if seq_start is None else seq_start.ctypes.data,
         None if q is None else q.ctypes.data, *sq, None if q is None else q_out.ctypes.data, *sqo,
         0 if q is None else q.shape[2],
         cos.ctypes.data, sin.ctypes.data, dtype_code(cos.dtype), s_row, s_col, STYLES[style],
-        None if block_table is None else block_table.ctypes.data, *bt_strides, page, b, s_new, h, d)
+        None if block_table is None else block_table.ctypes.data, *bt_strides, page, b, s_new, h, d, dv)
     check_status(status, "rope_kv_update_kernel")
     return q_out

@@ -12,7 +12,8 @@ head h // (h_q // h_kv), sinks add exp(S_h) to the denominator only (the returne
 them), fully masked rows give O = 0 and LSE = -inf, keys at or past a sequence's length are
 zeroed before any product (caches hold NaN there). V may have its own head dim d_v, or be a view
 of K's first d_v dims (one cache buffer). chunked_prefill places each sequence's queries after its
-history in the cache (bottom_right over history + chunk).
+history in the cache (bottom_right over history + chunk). With cache_loc (decode, decode_paged,
+chunked_prefill; TensorRT-LLM) sequence b's cache row, or block-table row, is cache_loc[b].
 """
 
 from __future__ import annotations
@@ -104,8 +105,12 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw) -> tuple[torch.Tensor, tor
     return o[q_ok], lse.transpose(1, 2)[q_ok].T
 
 
-def decode(q, k_cache, v_cache, seqlens, *, causal: str = "bottom_right", **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (b, s_q, h_q, d), caches (b, s_max, h_kv, d), seqlens (b,) -> o, lse (b, h_q, s_q)."""
+def decode(q, k_cache, v_cache, seqlens, *, causal: str = "bottom_right", cache_loc: torch.Tensor | None = None,
+           **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (b, s_q, h_q, d), caches (b, s_max, h_kv, d) (or (rows, ...) read at row cache_loc[b]),
+    seqlens (b,) -> o, lse (b, h_q, s_q)."""
+    if cache_loc is not None:
+        k_cache, v_cache = k_cache[cache_loc.long()], v_cache[cache_loc.long()]
     return attention(q, k_cache, v_cache, k_lens=seqlens, causal=causal, **kw)
 
 
@@ -115,13 +120,18 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
     return g.reshape(block_table.shape[0], -1, *cache.shape[2:])
 
 
-def decode_paged(q, k_cache, v_cache, block_table, seqlens, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_paged(q, k_cache, v_cache, block_table, seqlens, *, cache_loc: torch.Tensor | None = None,
+                 **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `decode` over pages through block_table (b, max_blocks), or its rows cache_loc[b]."""
+    if cache_loc is not None:
+        block_table = block_table[cache_loc.long()]
     return decode(q, gather_pages(k_cache, block_table), gather_pages(v_cache, block_table), seqlens, **kw)
 
 
 def decode_split(q, k_cache, v_cache, seqlens, num_splits: int, *, causal: str = "bottom_right",
                  window: tuple[int, int] = (-1, -1), sinks: torch.Tensor | None = None, block: int | None = None,
-                 bounds: torch.Tensor | None = None, block_table: torch.Tensor | None = None, **kw):
+                 bounds: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                 cache_loc: torch.Tensor | None = None, **kw):
     """Per-split partials (fp32) and their merge; returns (o, lse, o_parts, lse_parts).
 
     Split s of sequence b covers keys [s C_b, min((s + 1) C_b, L_b)), C_b = ceil(L_b / num_splits);
@@ -129,10 +139,15 @@ def decode_split(q, k_cache, v_cache, seqlens, num_splits: int, *, causal: str =
     [bounds[b, s], bounds[b, s + 1]) cut to [0, L_b) (refimpl.attention.split_bounds).
     With `block_table` (b, max_blocks) the caches are pages (num_blocks, page, h_kv, d), gathered
     into each sequence's logical cache first (token t: page block_table[b, t // page], slot t % page).
+    With cache_loc (b,) sequence b reads cache row / block-table row cache_loc[b] (TensorRT-LLM).
     o_parts (splits, b, s_q, h_q, d_v) fp32, lse_parts (splits, b, h_q, s_q) fp32.
     """
     from kernel_parity.kernels.torch.combine import lse_combine
 
+    if cache_loc is not None and block_table is not None:
+        block_table = block_table[cache_loc.long()]
+    elif cache_loc is not None:
+        k_cache, v_cache = k_cache[cache_loc.long()], v_cache[cache_loc.long()]
     if block_table is not None:
         k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
     b, s_q = q.shape[:2]
@@ -169,13 +184,17 @@ def decode_split(q, k_cache, v_cache, seqlens, num_splits: int, *, causal: str =
 
 
 def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, hist, block_table=None, *, causal: str = "bottom_right",
-                    **kw) -> tuple[torch.Tensor, torch.Tensor]:
+                    cache_loc: torch.Tensor | None = None, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed chunks q (total_q, h_q, d) over caches holding hist_b + L_q,b keys per sequence
     (contiguous (b, s_max, h_kv, d), or pages through block_table) -> o (total_q, h_q, d_v), lse (h_q, total_q).
     Query i of sequence b is at position hist_b + i (bottom_right: keys j <= hist_b + i)."""
     cq = cu_seqlens_q.long()
     lq = cq[1:] - cq[:-1]
     lk = hist.to(q.device).long() + lq
+    if cache_loc is not None and block_table is not None:
+        block_table = block_table[cache_loc.long()]
+    elif cache_loc is not None:
+        k_cache, v_cache = k_cache[cache_loc.long()], v_cache[cache_loc.long()]
     if block_table is not None:
         k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
     qi = torch.arange(max(int(lq.max()), 1), device=q.device)[None, :]

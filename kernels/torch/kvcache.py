@@ -37,3 +37,22 @@ def update(cache: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, *, block_t
     else:
         page = cache.shape[1]
         cache[block_table.to(cache.device).long()[bi, p // page], p % page] = new
+
+
+def metadata(seq_len: torch.Tensor, input_pos: torch.Tensor, cache_loc: torch.Tensor, *,
+             graph: int = 0) -> tuple[torch.Tensor, ...]:
+    """TensorRT-LLM's prepare_fused_mha_metadata on (max_batch,) buffers -> (seq_len, input_pos, cache_loc,
+    seq_start), each (m,) int32: b = 1 + the last non-zero seq_len, m = graph or b, padding rows seq_len 0
+    with the last real row's input_pos and cache_loc, seq_start the exclusive cumsum (refimpl/kvcache.py)."""
+    nz = torch.nonzero(seq_len > 0)
+    b = int(nz[-1]) + 1 if nz.numel() else 0
+    m = graph or b
+    if m < b:
+        raise ValueError(f"graph={graph} is smaller than the batch's {b} sequences")
+    if b == 0:
+        z = torch.zeros(m, dtype=torch.int32, device=seq_len.device)
+        return z, z.clone(), z.clone(), z.clone()
+    src = torch.clamp(torch.arange(m, device=seq_len.device), max=b - 1)
+    length = torch.where(torch.arange(m, device=seq_len.device) < b, seq_len[src], 0).to(torch.int32)
+    start = (torch.cumsum(length, 0) - length).to(torch.int32)
+    return length, input_pos[src].to(torch.int32), cache_loc[src].to(torch.int32), start

@@ -105,7 +105,8 @@ def rope_backward(x: torch.Tensor, positions: torch.Tensor, dy: torch.Tensor, **
 def kv_update(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
               pos: torch.Tensor, table: torch.Tensor, *, block_table: torch.Tensor | None = None,
               cache_loc: torch.Tensor | None = None, q: torch.Tensor | None = None,
-              q_out: torch.Tensor | None = None, style: str = "half") -> torch.Tensor | None:
+              q_out: torch.Tensor | None = None, style: str = "half", seq_len: torch.Tensor | None = None,
+              seq_start: torch.Tensor | None = None) -> torch.Tensor | None:
     """In place: k_new rotated at position pos[b] + t by table's rows (HF's half-split style in the
     dtype by default), v_new as it is, both appended to the caches (kernels/torch/kvcache.update).
     With q (b, s_new, h_q, d) the queries are rotated by the same rows (TensorRT-LLM's
@@ -113,16 +114,27 @@ def kv_update(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
 
     k_cache, v_cache: (rows, s_max, h, d) or (num_blocks, page, h, d) with block_table (rows, max_blocks);
     k_new, v_new: (b, s_new, h, d); pos: (b,); table: (max_seq, d/2, 2) (cos, sin) pairs;
-    cache_loc: (b,) each sequence's cache / block-table row (TensorRT-LLM; None: row b)."""
-    b, s_new, h, d = k_new.shape
-    p = (pos.long()[:, None] + torch.arange(s_new, device=pos.device)[None, :]).reshape(-1)  # b * s_new
+    cache_loc: (b,) each sequence's cache / block-table row (TensorRT-LLM; None: row b).
+    Ragged (TensorRT-LLM's flattened tokens): k_new, v_new, q (total, h, d | dv) with seq_len, seq_start (b,);
+    v's head dim dv may differ from k's (v is only copied)."""
+    h, d = k_new.shape[-2:]
+    if seq_len is not None:  # each flattened row's position: pos of its sequence plus its index in it
+        n = seq_len.to(pos.device).long()
+        bi = torch.repeat_interleave(torch.arange(n.numel(), device=pos.device), n)
+        t = torch.arange(bi.numel(), device=pos.device) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+        p = torch.zeros(k_new.shape[0], dtype=torch.long, device=pos.device)
+        p[seq_start.to(pos.device).long()[bi] + t] = pos.long()[bi] + t
+    else:
+        b, s_new = k_new.shape[:2]
+        p = (pos.long()[:, None] + torch.arange(s_new, device=pos.device)[None, :]).reshape(-1)  # b * s_new
     c, s = _cos_sin(p, d, table=table)
-    k_rot = _rotate(k_new.reshape(b * s_new, h, d), c, s, style).reshape(k_new.shape)
-    _cache_update(k_cache, k_rot, pos, block_table=block_table, cache_loc=cache_loc)
-    _cache_update(v_cache, v_new, pos, block_table=block_table, cache_loc=cache_loc)
+    k_rot = _rotate(k_new.reshape(-1, h, d), c, s, style).reshape(k_new.shape)
+    rag = dict(seq_len=seq_len, seq_start=seq_start) if seq_len is not None else {}
+    _cache_update(k_cache, k_rot, pos, block_table=block_table, cache_loc=cache_loc, **rag)
+    _cache_update(v_cache, v_new, pos, block_table=block_table, cache_loc=cache_loc, **rag)
     if q is None:
         return None
-    q_rot = _rotate(q.reshape(b * s_new, q.shape[2], d), c, s, style).reshape(q.shape)
+    q_rot = _rotate(q.reshape(-1, q.shape[-2], d), c, s, style).reshape(q.shape)
     if q_out is None:
         return q_rot
     q_out.copy_(q_rot)

@@ -107,14 +107,14 @@ def _chunk_tiles(
 
 @triton.jit
 def _attention_chunked_kernel(
-    Q_ptr, K_ptr, V_ptr, O_ptr, Lse_ptr, Sinks_ptr, CuQ_ptr, Hist_ptr, BT_ptr,
+    Q_ptr, K_ptr, V_ptr, O_ptr, Lse_ptr, Sinks_ptr, CuQ_ptr, Hist_ptr, BT_ptr, Loc_ptr,
     n_m_blocks, group, d, d_v, qk_scale, softcap_out, left, right,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt_b, stride_bt_p, stride_ot, stride_oh, stride_lh, stride_lt,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_LOC: tl.constexpr,
 ):
     # Query blocks vary fastest (heaviest, last, first), then heads; grid axis 1 is the sequence.
     pid = tl.program_id(0)
@@ -129,13 +129,16 @@ def _attention_chunked_kernel(
     m0 = pid_m * BLOCK_M
     if m0 >= L_q:
         return
+    row = b  # the sequence's cache row / block-table row: cache_loc[b] (TensorRT-LLM), else b
+    if HAS_LOC:
+        row = tl.load(Loc_ptr + b)
     if PAGED:
         K_base = K_ptr + kv_head.to(tl.int64) * stride_kh
         V_base = V_ptr + kv_head.to(tl.int64) * stride_vh
-        bt_row = BT_ptr + b.to(tl.int64) * stride_bt_b
+        bt_row = BT_ptr + row.to(tl.int64) * stride_bt_b
     else:
-        K_base = K_ptr + b.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-        V_base = V_ptr + b.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+        K_base = K_ptr + row.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+        V_base = V_ptr + row.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
         bt_row = BT_ptr
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -192,8 +195,8 @@ def chunked_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     hist: torch.Tensor, max_seqlen_q: int, *, block_table: torch.Tensor | None = None,
                     scale: float | None = None, causal: str = "bottom_right", window: tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, sinks: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                    out_lse: torch.Tensor | None = None,
-                    config: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    out_lse: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None,
+                    cache_loc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked prefill: packed query chunks attend to each sequence's cached history and own keys.
 
     q: (total_q, h_q, d); sequence b's queries are rows cu_seqlens_q[b]:cu_seqlens_q[b + 1]
@@ -206,6 +209,8 @@ def chunked_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     causal: "bottom_right" (query i sees keys j <= hist_b + i) or "none"; window, softcap, sinks,
         scale: as kernels.triton.attention.prefill
     out: (total_q, h_q, d_v) q's dtype, last-dim stride 1; out_lse: (h_q, total_q) float32
+    cache_loc: (b,) int32, or None: sequence b reads cache row / block-table row cache_loc[b] (TensorRT-LLM;
+        the cache / table may then hold any number of rows); None: row b
     returns: (out, out_lse); LSE natural log, excluding the sink; empty chunks write nothing
     """
     if causal not in CAUSAL:
@@ -219,10 +224,15 @@ def chunked_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _check_index(cu_seqlens_q, "cu_seqlens_q", (b + 1,), q.device)
     _check_index(hist, "hist", (b,), q.device)
     paged = block_table is not None
+    if cache_loc is not None:
+        _check_index(cache_loc, "cache_loc", (b,), q.device)
+        rows = block_table.shape[0] if paged and isinstance(block_table, torch.Tensor) else k_cache.shape[0]
+        if b and (int(cache_loc.min()) < 0 or int(cache_loc.max()) >= rows):
+            raise ValueError(f"cache_loc must lie in [0, {rows}) (the {'block table' if paged else 'cache'}'s rows)")
     if paged:
-        _check_index(block_table, "block_table", (b, None), q.device)
+        _check_index(block_table, "block_table", (b if cache_loc is None else None, None), q.device)
         page = k_cache.shape[1]
-    elif k_cache.shape[0] != b:
+    elif k_cache.shape[0] != b and cache_loc is None:
         raise ValueError(f"contiguous cache batch {k_cache.shape[0]} != {b} sequences (cu_seqlens_q)")
     if max_seqlen_q < 0:
         raise ValueError(f"max_seqlen_q={max_seqlen_q} must be >= 0")
@@ -251,7 +261,7 @@ def chunked_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     softcap = float(softcap)
     _attention_chunked_kernel[(n_m * h_q, b)](
         q, k_cache, v_cache, out, out_lse, sinks if sinks is not None else out_lse, cu_seqlens_q, hist,
-        block_table if paged else hist,
+        block_table if paged else hist, cache_loc if cache_loc is not None else hist,
         n_m, h_q // k_cache.shape[2], d, d_v, scale / softcap if softcap else scale * 1.4426950408889634,
         softcap * 1.4426950408889634, left, right,
         *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
@@ -259,7 +269,7 @@ def chunked_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=softcap > 0, HAS_SINK=sinks is not None,
         PAGED=paged, PAGE=page if paged else 1, EVEN_D=block_d == d and block_dv == d_v,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_LOC=cache_loc is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out, out_lse

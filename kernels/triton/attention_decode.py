@@ -67,7 +67,7 @@ MAX_BLOCK_M = 64
 
 @triton.jit
 def _attention_decode_kernel(
-    Q_ptr, K_ptr, V_ptr, O_ptr, Lse_ptr, Sinks_ptr, Seqlens_ptr, BT_ptr, Out_ptr, OutLse_ptr, Bounds_ptr,
+    Q_ptr, K_ptr, V_ptr, O_ptr, Lse_ptr, Sinks_ptr, Seqlens_ptr, BT_ptr, Out_ptr, OutLse_ptr, Bounds_ptr, Loc_ptr,
     s_q, h_kv, group, d, d_v, n_splits, block, qk_scale, softcap_out, left, right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt_b, stride_bt_p, stride_o_split, stride_ob, stride_os, stride_oh,
@@ -77,6 +77,7 @@ def _attention_decode_kernel(
     HAS_SINK: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PART: tl.constexpr, SINK_DIRECT: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_LOC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // h_kv
@@ -118,13 +119,16 @@ def _attention_decode_kernel(
     if HAS_RIGHT:
         hi = tl.minimum(hi, (tl.minimum(pid_m * BLOCK_M + BLOCK_M, n_rows) - 1) // group + diag_off + right + 1)
 
+    row = b  # the sequence's cache row / block-table row: cache_loc[b] (TensorRT-LLM), else b
+    if HAS_LOC:
+        row = tl.load(Loc_ptr + b)
     if PAGED:
         K_base = K_ptr + kv_head.to(tl.int64) * stride_kh
         V_base = V_ptr + kv_head.to(tl.int64) * stride_vh
-        bt_row = BT_ptr + b.to(tl.int64) * stride_bt_b
+        bt_row = BT_ptr + row.to(tl.int64) * stride_bt_b
     else:
-        K_base = K_ptr + b.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-        V_base = V_ptr + b.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+        K_base = K_ptr + row.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+        V_base = V_ptr + row.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # fp32 accumulator of sum_j p_ij v_j
@@ -227,7 +231,8 @@ def _flat_rows(t: torch.Tensor, *tail: int) -> torch.Tensor | None:
 
 
 def _decode(q, k_cache, v_cache, seqlens, block_table, num_splits, split_api, *, scale, causal, window, softcap,
-            sinks, out, out_lse, out_o_parts=None, out_lse_parts=None, config=None, block=None, bounds=None):
+            sinks, out, out_lse, out_o_parts=None, out_lse_parts=None, config=None, block=None, bounds=None,
+            cache_loc=None):
     """Checks, allocation and launches shared by the three entry points."""
     left, right = _check_common(q, k_cache, v_cache, causal, window, softcap, sinks, h_axis=2, scale=scale,
                                 max_head_dim=MAX_DECODE_HEAD_DIM)
@@ -241,15 +246,24 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, num_splits, split_api, *,
             or seqlens.device != q.device:
         raise ValueError(f"seqlens must be a ({b},) int32 tensor on {q.device}")
     paged = block_table is not None
+    rows = (block_table.shape[0] if paged and isinstance(block_table, torch.Tensor) else k_cache.shape[0]) \
+        if cache_loc is not None else b  # rows of the table / cache: any number, addressed through cache_loc
+    if cache_loc is not None:
+        if not isinstance(cache_loc, torch.Tensor) or tuple(cache_loc.shape) != (b,) or cache_loc.dtype != torch.int32 \
+                or cache_loc.device != q.device:
+            raise ValueError(f"cache_loc must be a ({b},) int32 tensor on {q.device}")
+        if b and (int(cache_loc.min()) < 0 or int(cache_loc.max()) >= rows):
+            raise ValueError(f"cache_loc must lie in [0, {rows}) (the {'block table' if paged else 'cache'}'s rows)")
     if paged:
-        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != b \
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != rows \
                 or block_table.dtype != torch.int32 or block_table.device != q.device:
-            raise ValueError(f"block_table must be a ({b}, max_blocks) int32 tensor on {q.device}")
+            raise ValueError(f"block_table must be a ({b}, max_blocks) int32 tensor on {q.device} "
+                             f"(any rows with cache_loc)")
         page, max_keys = k_cache.shape[1], block_table.shape[1] * k_cache.shape[1]
         if page < 1:
             raise ValueError(f"page size {page} must be >= 1")
     else:
-        if k_cache.shape[0] != b:
+        if k_cache.shape[0] != rows:
             raise ValueError(f"cache batch {k_cache.shape[0]} != q batch {b}")
         page, max_keys = 1, k_cache.shape[1]
     if out is None:
@@ -290,6 +304,7 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, num_splits, split_api, *,
     _attention_decode_kernel[(b * h_kv, n_m, splits if split else 1)](
         q, k_cache, v_cache, dst_o, dst_l, sinks if sinks is not None else dst_l, seqlens,
         block_table if paged else seqlens, out, out_lse, bounds if bounds is not None else seqlens,
+        cache_loc if cache_loc is not None else seqlens,
         s_q, h_kv, group, d, d_v, splits, block or 0, scale / softcap if softcap else scale * 1.4426950408889634,
         softcap * 1.4426950408889634, left, right,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
@@ -300,6 +315,7 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, num_splits, split_api, *,
         EVEN_D=block_d == d and block_dv == d_v, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_DV=block_dv, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PART=part, SINK_DIRECT=sinks is not None and part != 0, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+        HAS_LOC=cache_loc is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split and part:
@@ -352,7 +368,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlen
            scale: float | None = None, causal: str = "bottom_right", window: tuple[int, int] = (-1, -1),
            softcap: float = 0.0, sinks: torch.Tensor | None = None, out: torch.Tensor | None = None,
            out_lse: torch.Tensor | None = None, num_splits: int | None = None,
-           config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           config: tuple[int, int, int] | None = None,
+           cache_loc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode over a contiguous cache; the s_q queries are the last s_q tokens of each sequence.
 
     q: (b, s_q, h_q, d), 1 <= s_q <= 16; k_cache: (b, s_max, h_kv, d); v_cache: (b, s_max, h_kv, d_v)
@@ -362,10 +379,13 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlen
     out: (b, s_q, h_q, d_v) q's dtype, last-dim stride 1; out_lse: (b, h_q, s_q) float32
     num_splits: split-KV ways (None: enough to fill the GPU, 1 on CPU); config: (BLOCK_N,
                 num_warps, num_stages), for tuning only
+    cache_loc: (b,) int32 on q's device, or None: sequence b reads cache row cache_loc[b] (TensorRT-LLM;
+               the caches may then hold any number of rows); None: row b
     returns: (out, out_lse); LSE natural log, excluding the sink
     """
     o, lse, _, _ = _decode(q, k_cache, v_cache, seqlens, None, num_splits, False, scale=scale, causal=causal,
-                           window=window, softcap=softcap, sinks=sinks, out=out, out_lse=out_lse, config=config)
+                           window=window, softcap=softcap, sinks=sinks, out=out, out_lse=out_lse, config=config,
+                           cache_loc=cache_loc)
     return o, lse
 
 
@@ -373,18 +393,19 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  seqlens: torch.Tensor, *, scale: float | None = None, causal: str = "bottom_right",
                  window: tuple[int, int] = (-1, -1), softcap: float = 0.0, sinks: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, out_lse: torch.Tensor | None = None,
-                 num_splits: int | None = None,
-                 config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_splits: int | None = None, config: tuple[int, int, int] | None = None,
+                 cache_loc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode over a paged cache: token t of sequence b is cache[block_table[b, t // page], t % page].
 
     q: (b, s_q, h_q, d); k_cache: (num_blocks, page, h_kv, d); v_cache: (num_blocks, page, h_kv, d_v)
     block_table: (b, max_blocks) int32, any strides; entries past a sequence's last page are never
                  read (the caller guarantees max_blocks * page >= seqlens[b])
-    seqlens, the keywords and returns: as `decode`
+    seqlens, the keywords and returns: as `decode`; with cache_loc, sequence b reads block-table row
+                 cache_loc[b] (TensorRT-LLM's page_table[cache_loc[b]]) of a table with any number of rows
     """
     o, lse, _, _ = _decode(q, k_cache, v_cache, seqlens, block_table, num_splits, False, scale=scale,
                            causal=causal, window=window, softcap=softcap, sinks=sinks, out=out, out_lse=out_lse,
-                           config=config)
+                           config=config, cache_loc=cache_loc)
     return o, lse
 
 
@@ -395,6 +416,7 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  out_o_parts: torch.Tensor | None = None, out_lse_parts: torch.Tensor | None = None,
                  config: tuple[int, int, int] | None = None, block: int | None = None,
                  bounds: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                 cache_loc: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flash decoding over a contiguous or paged cache: per-split partial states, merged by lse_combine.
 
@@ -414,10 +436,12 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     block_table: (b, max_blocks) int32, or None; with it k_cache, v_cache are pages (num_blocks, page,
                  h_kv, d | d_v) as in `decode_paged` (TensorRT-LLM's paged generate). Every key is looked up
                  through its own page, t // page, so a split may start or end inside a page.
+    cache_loc: (b,) int32, or None: sequence b reads cache row / block-table row cache_loc[b] (TensorRT-LLM)
     returns: (out, out_lse, o_parts, lse_parts); the sink enters after the merge, LSE excludes it
     """
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits={num_splits!r} must be an int >= 1")
     return _decode(q, k_cache, v_cache, seqlens, block_table, num_splits, True, scale=scale, causal=causal,
                    window=window, softcap=softcap, sinks=sinks, out=out, out_lse=out_lse,
-                   out_o_parts=out_o_parts, out_lse_parts=out_lse_parts, config=config, block=block, bounds=bounds)
+                   out_o_parts=out_o_parts, out_lse_parts=out_lse_parts, config=config, block=block, bounds=bounds,
+                   cache_loc=cache_loc)
