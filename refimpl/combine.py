@@ -51,7 +51,7 @@ def lse_combine(o_parts: NDArray, lse_parts: NDArray, absolute: bool = False) ->
     lse = logsumexp(lse_parts, axis=0)  # ...; -inf where every split is empty
     any_live = ~np.isneginf(lse)
     lse_safe = np.where(any_live, lse, 0.0)
-    w = np.where(live, np.exp(np.where(live, lse_parts, 0.0) - lse_safe), 0.0)  # n, ...
+    w = np.exp(np.where(live, lse_parts - lse_safe, -np.inf))  # n, ...; an empty split's exp(-inf) = 0
     o_live = np.where(live[..., None], o_parts, 0.0)  # an empty split's O may be NaN
     if not absolute:
         return np.sum(w[..., None] * o_live, axis=0), lse
@@ -106,7 +106,7 @@ def lse_combine_backward(o_parts: NDArray, lse_parts: NDArray, do: NDArray, dlse
     o, lse = lse_combine(o_parts, lse_parts)
     live = ~np.isneginf(lse_parts)
     lse_safe = np.where(np.isneginf(lse), 0.0, lse)
-    w = np.where(live, np.exp(np.where(live, lse_parts, 0.0) - lse_safe), 0.0)  # n, ...
+    w = np.exp(np.where(live, lse_parts - lse_safe, -np.inf))  # n, ...; an empty split's exp(-inf) = 0
     do = np.asarray(do, dtype=np.float64)
     o_live = np.where(live[..., None], o_parts, 0.0)
     dl = 0.0 if dlse is None else np.asarray(dlse, dtype=np.float64)

@@ -21,6 +21,13 @@ Conventions (OPS.md, layers; research/seed-systems.md "what the gate must also k
   the values it holds (its rounded storage values): the golden rotates exactly by them.
 Everything is float64; the golden never rounds an intermediate.
 
+Long contexts (positions up to 2^20): the golden's angles p w_i stay float64. A kernel that builds them
+(no table) forms p w_i in fp32, as HF's `inv_freq @ position_ids`, liger and Meta's fp32 freqs_cis do:
+off by ~eps32 p w_i (0 for w_0 = 1 and an integer p < 2^24; ~0.05 rad at p = 2^20, i = 1), the contract
+its judge carries as an error term (conformance/ops/rope.py `_angle_len`), not a rounding of the golden's.
+A given table holds its angles: a kernel reads row p, and is judged by the values there at any p.
+`tables(..., rows=positions)` builds only the rows a few tokens at 2^20 need.
+
 Backward (`rope_backward`, OPS.md "backward"): RoPE is linear and each pair's rotation is
 orthogonal, so the VJP is the transposed rotation, RoPE at the negated angle (cos kept, sin
 negated) applied to the cotangent dy:
@@ -70,9 +77,14 @@ def inv_freq(rot: int, theta: float, scaling: str = "none") -> F64:
     return f
 
 
-def tables(max_seq: int, rot: int, theta: float, scaling: str = "none") -> tuple[F64, F64]:
-    """(cos, sin) tables [max_seq, rot/2] of the angles p w_i, float64."""
-    ang = np.arange(max_seq, dtype=np.float64)[:, None] * inv_freq(rot, theta, scaling)[None, :]  # p, i
+def tables(max_seq: int, rot: int, theta: float, scaling: str = "none", rows: NDArray | None = None
+           ) -> tuple[F64, F64]:
+    """(cos, sin) tables [max_seq, rot/2] of the angles p w_i, float64; with `rows` (int positions < max_seq)
+    only those rows, [len(rows), rot/2] (a long context's few tokens without its 2^20-row table)."""
+    p = np.arange(max_seq) if rows is None else np.asarray(rows, dtype=np.int64)
+    if p.size and (p.min() < 0 or p.max() >= max_seq):
+        raise ValueError(f"rows must be positions in [0, {max_seq}), got {p.min()} .. {p.max()}")
+    ang = p.astype(np.float64)[:, None] * inv_freq(rot, theta, scaling)[None, :]  # p, i
     return np.cos(ang), np.sin(ang)
 
 

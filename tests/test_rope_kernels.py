@@ -82,19 +82,20 @@ def test_triton_rope_rejects_bad_input():
 
 
 def test_theta_limits_grow_with_the_largest_position():
-    """table=theta: rtol, the scale-aware atol and cos_diff / nmse grow with eps32 x (maxseq - 1)
-    (the fp32 angle's error); a given table keeps the dtype's aggregate limits."""
+    """table=theta: rtol, the scale-aware atol and cos_diff / nmse grow with eps32 x p_max w_1, the largest
+    rounded fp32 angle (w_0 = 1 keeps the first exact); a given table keeps the dtype's aggregate limits."""
     from kernel_parity.conformance import dtypes as dt
     from kernel_parity.conformance import ops
     from kernel_parity.conformance.tolerance import DTYPE_DEFAULTS
+    from kernel_parity.refimpl.rope import inv_freq
 
     spec = ops.get("rope.rope")
     eps32 = dt.get("fp32").eps
-    p = dict(table="theta", maxseq=4097)
+    p = dict(table="theta", maxseq=4097, pos="random", start=0, t=7, rot=64, theta=10000, scaling="none")
     for dtype in ("fp32", "fp16", "bf16"):
         base, d = DTYPE_DEFAULTS[dtype], dt.get(dtype)
         lim = spec.tolerance.limits("y", d, p)
-        acc = eps32 * 4096
+        acc = eps32 * 4096 * inv_freq(64, 10000.0)[1]
         assert lim.rtol == pytest.approx(base.rtol + acc)
         assert lim.cos_diff == pytest.approx(base.cos_diff + acc**2) and lim.nmse == pytest.approx(base.nmse + 2 * acc**2)
         assert lim.atol_max_eps * d.eps == pytest.approx(2 * acc)

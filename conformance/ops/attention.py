@@ -17,6 +17,8 @@ cache_loc: the contiguous cache (or the block table) gets `rows` >= b rows and s
 table row) moves to row cache_loc[b], drawn as kvcache.update's (injective, cache_loc[b] != b where
 possible) after every other input; the rows no sequence maps to hold NaN (contiguous) or point at an extra
 all-NaN page (paged), so a kernel that reads row b reads poison or another sequence's keys.
+
+The forward ops also take the extreme logits (attention_inputs.EXTREME, seed-audit S21); the backward ops not.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import numpy as np
 
 import kernel_parity.refimpl.attention as ref
 from kernel_parity.conformance import dtypes as dt
-from kernel_parity.conformance.ops.attention_inputs import (CACHE_SLACK, DISTS, chunk_lengths, chunked_inputs,
-                                                           contiguous_cache, cu_seqlens, golden_kw, lengths,
+from kernel_parity.conformance.ops.attention_inputs import (CACHE_SLACK, DISTS, EXTREME, chunk_lengths,
+                                                           chunked_inputs, contiguous_cache, cu_seqlens, golden_kw, lengths,
                                                            paged_cache, qkv, sinks, split_bounds, value_dim, values,
                                                            varlen_lens)
 from kernel_parity.conformance.ops.kvcache import cache_loc
@@ -67,6 +69,7 @@ MASKING = dict(
     sink=OneOf(0, 1, doc="one sink logit per query head"),
 )
 LENS = OneOf("full", "ragged", doc="sequence lengths: all at the maximum, or ragged with 0 and 1")
+FWD_DISTS = {**DISTS, **EXTREME}  # the forward ops'; the backward ops take DISTS (attention_grad.py)
 
 
 def _schema(defaults: dict[str, Any] | None = None, /, **params) -> Defaults:
@@ -130,14 +133,14 @@ def _with_rows(build):
 
 def _prefill_inputs(p, dtype, dist, rng):
     q, k, v = qkv(rng, dist, (p["b"], p["sq"], p["hq"], p["d"]), (p["b"], p["sk"], p["hkv"], p["d"]),
-                  (p["b"], p["sk"], p["hkv"], value_dim(p)))
+                  (p["b"], p["sk"], p["hkv"], value_dim(p)), dtype)
     return {"q": dt.round_to(q, dtype), "k": dt.round_to(k, dtype), "v": dt.round_to(v, dtype), **sinks(rng, p)}
 
 
 def _varlen_inputs(p, dtype, dist, rng):
     lq, lk = varlen_lens(p)
     q, k, v = qkv(rng, dist, (int(lq.sum()), p["hq"], p["d"]), (int(lk.sum()), p["hkv"], p["d"]),
-                  (int(lk.sum()), p["hkv"], value_dim(p)))
+                  (int(lk.sum()), p["hkv"], value_dim(p)), dtype)
     return {"q": dt.round_to(q, dtype), "k": dt.round_to(k, dtype), "v": dt.round_to(v, dtype),
             "cu_seqlens_q": cu_seqlens(lq), "cu_seqlens_k": cu_seqlens(lk), **sinks(rng, p)}
 
@@ -146,7 +149,7 @@ def _decode_inputs(p, dtype, dist, rng):
     L = lengths(p["b"], p["kv"], p["lens"])
     s_max = p["kv"] + CACHE_SLACK
     q, k, v = qkv(rng, dist, (p["b"], p["sq"], p["hq"], p["d"]), (p["b"], s_max, p["hkv"], p["d"]),
-                  (p["b"], s_max, p["hkv"], value_dim(p)))
+                  (p["b"], s_max, p["hkv"], value_dim(p)), dtype)
     out = {"q": dt.round_to(q, dtype), "seqlens": L, **sinks(rng, p)}
     if "page" in p:
         out["k_cache"], out["v_cache"], out["block_table"] = paged_cache(rng, k, v, L, p["page"], dtype)
@@ -357,7 +360,7 @@ PREFILL = OpSpec(
     params=_schema(b=Int(1, 64), sq=Int(1, 1 << 16), sk=Int(1, 1 << 16), **HEADS, **DV, **MASKING),
     make_inputs=_prefill_inputs,
     output_shapes=lambda p: {"o": (p["b"], p["sq"], p["hq"], value_dim(p)), "lse": (p["b"], p["hq"], p["sq"])},
-    outputs=OUT, tolerance=_tol(), dists=DISTS, check=_check, diagnoses=DIAGNOSES, flops=lambda p: prefill_flops(p),
+    outputs=OUT, tolerance=_tol(), dists=FWD_DISTS, check=_check, diagnoses=DIAGNOSES, flops=lambda p: prefill_flops(p),
     doc="Dense batched attention (b, s, h, d) with GQA, causal alignment, window, softcap, sinks, d_v != d.",
 )
 
@@ -368,7 +371,7 @@ VARLEN = OpSpec(
     make_inputs=_varlen_inputs,
     output_shapes=lambda p: {"o": (int(varlen_lens(p)[0].sum()), p["hq"], value_dim(p)),
                              "lse": (p["hq"], int(varlen_lens(p)[0].sum()))},
-    outputs=OUT, tolerance=_tol(), dists=DISTS, check=_check, diagnoses=DIAGNOSES,
+    outputs=OUT, tolerance=_tol(), dists=FWD_DISTS, check=_check, diagnoses=DIAGNOSES,
     backends=("triton", "torch"),
     doc="Packed variable-length attention with cu_seqlens (per-sequence alignment); LSE (h_q, total_q).",
 )
@@ -386,7 +389,7 @@ DECODE = OpSpec(
     name="attention.decode", golden=ref.decode, reference=_decode_ref,
     magnitude=_magnitude(_decode_ref),
     params=_schema(**_DECODE_PARAMS, **ROWS, **_DECODE_MASK), make_inputs=_with_rows(_decode_inputs),
-    output_shapes=_decode_shapes, outputs=OUT, tolerance=_tol(), dists=DISTS, check=_check,
+    output_shapes=_decode_shapes, outputs=OUT, tolerance=_tol(), dists=FWD_DISTS, check=_check,
     diagnoses=DIAGNOSES,
     doc="Decode of s_q new tokens over a contiguous cache (b, s_max, h_kv, d) with per-sequence lengths "
         "(cache row cache_loc[b] when rows > 0).",
@@ -396,7 +399,7 @@ DECODE_PAGED = OpSpec(
     name="attention.decode_paged", golden=ref.decode_paged, reference=_decode_ref,
     magnitude=_magnitude(_decode_ref),
     params=_schema(**_DECODE_PARAMS, page=OneOf(16, 64, doc="tokens per page"), **ROWS, **_DECODE_MASK),
-    make_inputs=_with_rows(_decode_inputs), output_shapes=_decode_shapes, outputs=OUT, tolerance=_tol(), dists=DISTS,
+    make_inputs=_with_rows(_decode_inputs), output_shapes=_decode_shapes, outputs=OUT, tolerance=_tol(), dists=FWD_DISTS,
     check=_check, diagnoses=DIAGNOSES,
     doc="Decode over a paged cache (num_blocks, page, h_kv, d) through a block table (shuffled pages; "
         "table row cache_loc[b] when rows > 0).",
@@ -415,7 +418,7 @@ DECODE_SPLIT = OpSpec(
              "o_parts": Output("fp32", nan_is_any=True, tol_dtype="test",
                                doc="per-split normalised O (any value for an empty split)"),
              "lse_parts": Output("fp32", doc="per-split LSE, -inf for an empty split")},
-    tolerance=_tol(_PARTS_SCALE), dists=DISTS, check=_check, diagnoses=DIAGNOSES,
+    tolerance=_tol(_PARTS_SCALE), dists=FWD_DISTS, check=_check, diagnoses=DIAGNOSES,
     backends=("triton", "torch"),
     doc="Flash decoding: per-split partial (O, LSE) over key ranges (equal counts, fixed blocks or explicit "
         "boundaries), merged by lse_combine; a request with one split skips the merge. The cache is contiguous "
@@ -437,7 +440,7 @@ CHUNKED_PREFILL = OpSpec(
                    **ROWS,
                    **dict(MASKING, causal=OneOf("bottom_right", "none",
                                                 doc="bottom_right: query i of sequence b sees keys j <= hist_b + i"))),
-    make_inputs=_with_rows(chunked_inputs), output_shapes=_chunked_shapes, outputs=OUT, tolerance=_tol(), dists=DISTS,
+    make_inputs=_with_rows(chunked_inputs), output_shapes=_chunked_shapes, outputs=OUT, tolerance=_tol(), dists=FWD_DISTS,
     check=_check, diagnoses=DIAGNOSES, backends=("triton", "cpu", "torch"),
     doc="Chunked prefill: packed chunks (cu_seqlens_q) over a contiguous or paged cache holding each "
         "sequence's history (hist) and the chunk's keys (row cache_loc[b] when rows > 0); LSE (h_q, total_q).",

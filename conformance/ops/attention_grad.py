@@ -34,7 +34,7 @@ import numpy as np
 import kernel_parity.refimpl.attention as ref
 import kernel_parity.refimpl.attention_grad as grad
 from kernel_parity.conformance import dtypes as dt
-from kernel_parity.conformance.ops.attention_inputs import golden_kw, value_dim, varlen_lens
+from kernel_parity.conformance.ops.attention_inputs import DISTS, golden_kw, value_dim, varlen_lens
 from kernel_parity.conformance.params import Defaults, OneOf
 from kernel_parity.conformance.spec import Diagnosis, OpSpec, Output
 from kernel_parity.conformance.tolerance import Override, Tier, Tol
@@ -208,7 +208,7 @@ def _schema(forward: OpSpec) -> Defaults:
 
 def backward_specs(prefill: OpSpec, varlen: OpSpec, diagnoses: tuple[Diagnosis, ...]) -> tuple[OpSpec, OpSpec]:
     """attention.prefill_backward and attention.varlen_backward, derived from their forward specs."""
-    dists = {**prefill.dists, "scales": SCALES}
+    dists = {**DISTS, "scales": SCALES}  # not the forward's extreme logits (attention_inputs.EXTREME)
     common = dict(outputs=OUTPUTS, tolerance=tolerance(), dists=dists, check=prefill.check, diagnoses=diagnoses,
                   backends=("triton", "cpu", "torch"))
 

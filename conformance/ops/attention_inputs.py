@@ -23,14 +23,34 @@ DISTS = {
     "large": "q ~ N(0, 16): peaked softmax (logits ~ N(0, 16)); saturates a softcap",
     "outlier": "N(0, 1) with 1% of k and v entries x 20: one key dominates, accumulation errors show",
 }
+# Extreme logits (seed-audit S21), the forward ops only (their own dict: the backward ops and the property
+# tests keep DISTS). Each is exact in every dtype: q is 0 but for its last dim and k's last dim takes a few
+# significant bits, so every logit is one exact product times the scale, identical wherever keys tie, and
+# the float64 golden and an fp32 kernel see the same softmax (a spread of O(1) on logits of 1e4 would be
+# rounded away by any fp32 kernel: that is the fp32 logit's own error, not the kernel's).
+EXTREME = {
+    "huge_logits": "q = (0, .., 0, +-Q), the sign per query row; k's last dim a level 2^e (1 + f/8), e < E, "
+                   "f < 8, distinct and increasing along each sequence's keys (a random subset of the 8 E levels): "
+                   "logits up to ~1e12 (bf16 / fp32: Q = 2^20, E = 24) or ~1e4 (fp16: Q = 2^4, E = 12, "
+                   "q.k < 65504), neighbours 1/16 apart: a causal row's masked keys outrank its own (+Q), or every "
+                   "logit is negative (-Q, the max the row's first key); v ~ N(0, 1)",
+    "neg_uniform": "q = (0, .., 0, -C / scale), k's last dim 1: every logit of a query row is exactly -C, "
+                   "C = 2^U(7, 10) per row (exp underflows in fp32 unless the max is subtracted); O is the mean "
+                   "of the visible values, LSE = -C + ln n; v ~ N(0, 1)",
+}
+HUGE_Q = {"fp16": (2.0 ** 4, 12)}  # (Q, octaves E) per dtype; other dtypes (2^20, 24)
 CACHE_SLACK = 16  # extra poisoned slots past the longest sequence in a contiguous cache
 
 
-def qkv(rng: np.random.Generator, dist: str, q_shape: tuple, k_shape: tuple, v_shape: tuple) -> tuple:
-    """float64 q, k, v of the named distribution."""
+def qkv(rng: np.random.Generator, dist: str, q_shape: tuple, k_shape: tuple, v_shape: tuple,
+        dtype: str | None = None) -> tuple:
+    """float64 q, k, v of the named distribution (EXTREME's need the test dtype and take scale 1/sqrt(d))."""
     kind = "uniform" if dist == "uniform" else "normal"
     q, k, v = draw(rng, q_shape, kind), draw(rng, k_shape, kind), draw(rng, v_shape, kind)
-    if dist == "large":
+    if dist in EXTREME:
+        q = extreme_q(rng, dist, q_shape, dtype, q_shape[-1] ** -0.5)
+        k[..., -1] = extreme_keys(rng, dist, k_shape[:-1], dtype)
+    elif dist == "large":
         q = q * 4.0
     elif dist == "outlier":
         for t in (k, v):
@@ -38,6 +58,41 @@ def qkv(rng: np.random.Generator, dist: str, q_shape: tuple, k_shape: tuple, v_s
     elif dist not in ("normal", "uniform"):
         raise ValueError(f"unknown distribution {dist!r}")
     return q, k, v
+
+
+def huge_levels(rng: np.random.Generator, shape: tuple, dtype: str, axis: int = -2) -> np.ndarray:
+    """huge_logits' key levels 2^e (1 + f/8), e < E, f < 8, exact in every float dtype (4 significant bits),
+    increasing along `axis` of `shape` (the keys): a random subset of the 8 E levels in order per position of
+    the other axes, or all of them in order, repeated, past 8 E keys (ties from there on)."""
+    n_lvl = 8 * HUGE_Q.get(dtype, (0, 24))[1]
+    axis = axis % len(shape)
+    n = shape[axis]
+    if n >= n_lvl:
+        lvl = np.arange(n) % n_lvl
+        lvl = np.broadcast_to(lvl.reshape([-1 if i == axis else 1 for i in range(len(shape))]), shape)
+    else:
+        draws = list(shape)
+        draws[axis] = n_lvl
+        pick = np.argsort(rng.random(draws), axis=axis)  # a shuffle of the levels per position of the other axes
+        lvl = np.sort(np.take(pick, np.arange(n), axis=axis), axis=axis)
+    return np.ldexp(1.0 + (lvl % 8) / 8.0, lvl // 8)
+
+
+def extreme_q(rng: np.random.Generator, dist: str, shape: tuple, dtype: str | None, scale: float) -> np.ndarray:
+    """The query of an EXTREME distribution: 0 but for the last dim (float64, before rounding)."""
+    if dtype is None:
+        raise ValueError(f"distribution {dist!r} needs the test dtype")
+    q = np.zeros(shape)
+    if dist == "huge_logits":
+        q[..., -1] = np.where(rng.random(shape[:-1]) < 0.5, -1.0, 1.0) * HUGE_Q.get(dtype, (2.0 ** 20,))[0]
+    else:  # neg_uniform: every logit of the row scale q.k = -C
+        q[..., -1] = -np.exp2(rng.uniform(7.0, 10.0, shape[:-1])) / scale
+    return q
+
+
+def extreme_keys(rng: np.random.Generator, dist: str, shape: tuple, dtype: str | None) -> np.ndarray:
+    """The last dim of the keys (shape (..., s, h): keys along axis -2) of an EXTREME distribution."""
+    return np.ones(shape) if dist == "neg_uniform" else huge_levels(rng, shape, dtype)
 
 
 def sinks(rng: np.random.Generator, p: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -157,7 +212,7 @@ def chunked_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Gene
     s_max = p["hist"] + p["sq"] + CACHE_SLACK
     b, h_kv = p["b"], p["hkv"]
     q, k, v = qkv(rng, dist, (int(lq.sum()), p["hq"], p["d"]), (b, s_max, h_kv, p["d"]),
-                  (b, s_max, h_kv, value_dim(p)))
+                  (b, s_max, h_kv, value_dim(p)), dtype)
     out = {"q": dt.round_to(q, dtype), "cu_seqlens_q": cu_seqlens(lq), "hist": hist, **sinks(rng, p)}
     if p["page"]:
         out["k_cache"], out["v_cache"], out["block_table"] = paged_cache(rng, k, v, L, p["page"], dtype)

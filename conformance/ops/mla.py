@@ -19,6 +19,8 @@ to [-1, 1], every cache row past a request's length and every unused page NaN, u
 entries 2147480000 (a kernel that reads them fails structurally or crashes); the older
 tests/test_flash_mla.py draws plain randn (`large`) and varlen lengths (`lens=varlen`). Tolerances are the
 attention family's (conformance/ops/attention.py): production bf16 O at FlashMLA's cos_diff < 1e-5.
+mla.decode also takes the family's extreme logits (attention_inputs.EXTREME: `huge_logits`, `neg_uniform`),
+carried by q's and each cache row's last rope dim (575, never a value).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import kernel_parity.refimpl.quant  # noqa: F401  (refimpl.quant below)
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.ops.attention import BASELINE_TIER, attention_tolerance
 from kernel_parity.conformance.inputs import normal_quantiles, table_words
-from kernel_parity.conformance.ops.attention_inputs import lengths
+from kernel_parity.conformance.ops.attention_inputs import EXTREME, extreme_keys, extreme_q, lengths
 from kernel_parity.conformance.ops.mla_schedule import SPECS as SCHEDULE_SPECS  # mla.schedule
 from kernel_parity.conformance.params import Defaults, Int, OneOf, Schema
 from kernel_parity.conformance.spec import OpSpec, Output, Rows
@@ -138,9 +140,24 @@ def _decode_lens(p: dict[str, Any]) -> np.ndarray:
 
 def _decode_inputs(p, dtype, dist, rng):
     seqlens = _decode_lens(p)
+    if dist in EXTREME:
+        return _extreme_inputs(p, dtype, dist, rng, seqlens)
     cache, table = paged_latent_cache(rng, seqlens, dist, dtype)
     q = dt.round_to(_draw(rng, (p["b"], p["sq"], p["hq"], D), dist), dtype)
     return {"q": q, "kv_cache": cache, "block_table": table, "seqlens": seqlens}
+
+
+def _extreme_inputs(p, dtype, dist, rng, seqlens):
+    """The attention family's extreme logits (attention_inputs.EXTREME) on FlashMLA's layout: the cache drawn as
+    `normal`, then each live row's last rope dim (575, never a value) is its key level; q is 0 but for dim 575."""
+    cache, table = paged_latent_cache(rng, seqlens, "normal", dtype)
+    n = int(seqlens.max(initial=0))
+    col = extreme_keys(rng, dist, (p["b"], n, 1), dtype)[..., 0]  # b, n: each request's keys
+    live = np.arange(n)[None, :] < seqlens[:, None]
+    req, tok = np.nonzero(live)
+    cache[table[req, tok // PAGE], tok % PAGE, 0, D - 1] = dt.round_to(col[req, tok], dtype)
+    q = extreme_q(rng, dist, (p["b"], p["sq"], p["hq"], D), dtype, SCALES[p["scale"]])
+    return {"q": dt.round_to(q, dtype), "kv_cache": cache, "block_table": table, "seqlens": seqlens}
 
 
 def _decode_ref(x, p, absolute=False):
@@ -241,7 +258,7 @@ DECODE = OpSpec(
     outputs=OUT,
     tolerance=attention_tolerance(lambda p, o: int(_decode_lens(p).max()) + D),  # full / ragged: kv + D
     dtypes=("bf16", "fp16", "fp32"),
-    dists=DISTS,
+    dists={**DISTS, **EXTREME},
     check=_check,
     storage_inputs=frozenset({"kv_cache"}),  # refimpl.mla.decode widens the rows it gathers
     rows=REQUESTS,

@@ -13,8 +13,10 @@ one of the layouts engines use, given as an input:
             theta     no table: the kernel builds the angles from `theta` (and Llama-3's scaling)
 
 A given table is built in float64 from theta (and scaling), rounded to its storage dtype; the golden
-rotates by the rounded values it holds. With `theta` the golden's angles are exact: the kernel's
-own fp32 angle p w_i is off by ~eps32 p, so the limits grow with the largest position (acc_len).
+rotates by the rounded values it holds, at any position (acc_len 2; positions up to 2^20). With `theta`
+the golden's angles are exact (float64, only the tokens' rows): the contract is the peers' fp32 angle
+p w_i (HF, liger), off by ~eps32 p w_i, so the limits grow with the largest rounded angle p_max w_1
+(`_angle_len`; w_0 = 1 keeps the first angle exact).
 
 `rope.kv_update`: k_new rotated (half-split pairs, fp16 interleaved table, position pos[b] + t)
 and v_new unrotated, written into the kvcache family's contiguous or paged caches; with `rows` > 0,
@@ -33,6 +35,7 @@ seq_len, so `hq` > 0 with `tokens` = "ragged" is refused (exit 2).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -91,13 +94,17 @@ def table_inputs(p: dict[str, Any], rot: int) -> dict[str, np.ndarray]:
     return {"table": pairs.astype(np.float16 if p["table"] == "cs_f16" else np.float32)}
 
 
-def cos_sin_of(x: dict[str, np.ndarray], p: dict[str, Any], rot: int) -> tuple[np.ndarray, np.ndarray]:
-    """(cos, sin) float64 [maxseq, rot/2] the golden rotates by: the table's stored values."""
+def cos_sin_of(x: dict[str, np.ndarray], p: dict[str, Any],
+               rot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(cos, sin, positions) the golden rotates by: the given table's stored values [maxseq, rot/2] and the
+    tokens' positions; with table=theta the exact angles of the tokens' positions alone [t, rot/2] and rows
+    0 .. t - 1 (a context of 2^20 positions costs its few tokens, not a 2^20-row table)."""
     if "cos" in x:
-        return x["cos"], x["sin"]
+        return x["cos"], x["sin"], x["positions"]
     if "table" in x:
-        return x["table"][..., 0], x["table"][..., 1]
-    return ref.tables(p["maxseq"], rot, float(p["theta"]), p["scaling"])
+        return x["table"][..., 0], x["table"][..., 1], x["positions"]
+    pos = np.asarray(x["positions"])
+    return (*ref.tables(p["maxseq"], rot, float(p["theta"]), p["scaling"], rows=pos), np.arange(pos.size))
 
 
 def _inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -110,8 +117,8 @@ def _inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) 
 
 
 def _ref(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
-    cos, sin = cos_sin_of(x, p, p["rot"])
-    return {"y": ref.rope(x["x"], cos, sin, x["positions"], style=p["style"], rot=p["rot"], at=p["at"])}
+    cos, sin, pos = cos_sin_of(x, p, p["rot"])
+    return {"y": ref.rope(x["x"], cos, sin, pos, style=p["style"], rot=p["rot"], at=p["at"])}
 
 
 # The error model (conformance/tolerance.py): a rotated element a cos - b sin (a sin + b cos) is a sum of two
@@ -119,17 +126,22 @@ def _ref(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
 # they cancel; a pass-through element is an exact copy, |x| (refimpl.rope, `absolute`). A pair's two
 # magnitudes have the pair's norm, as its two outputs do: cond 1.02-1.38 on the ci cases (all backends).
 def _mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
-    cos, sin = cos_sin_of(x, p, p["rot"])
-    return {"y": ref.rope(x["x"], cos, sin, x["positions"], style=p["style"], rot=p["rot"], at=p["at"],
+    cos, sin, pos = cos_sin_of(x, p, p["rot"])
+    return {"y": ref.rope(x["x"], cos, sin, pos, style=p["style"], rot=p["rot"], at=p["at"],
                           absolute=True)}
 
 
 def _angle_len(p: dict[str, Any], output: str) -> int:
-    """The rotation of a pair sums two products; a kernel that builds its angles (table=theta)
-    adds ~eps32 x the angle p w_0 = p to every element: sqrt(acc_len) = the largest position."""
-    if p.get("table", "cs_f16") == "theta":
-        return max(2, (p["maxseq"] - 1) ** 2)
-    return 2
+    """The rotation of a pair sums two products: 2. A kernel that builds its angles (table=theta) in fp32, as
+    HF's, liger's and ours do, adds ~eps32 x the angle p w_i (x its partner) to a rotated element. w_0 = 1, so
+    the first pair's angle p is exact (an integer below 2^24) and the largest rounded angle is p_max w_1:
+    sqrt(acc_len) = p_max w_1, p_max the largest position the case can draw (start + t - 1 with pos=offset,
+    else maxseq - 1). A given table is read, not computed: 2 at any position."""
+    if p.get("table", "cs_f16") != "theta":
+        return 2
+    p_max = p["start"] + p["t"] - 1 if p["pos"] == "offset" else p["maxseq"] - 1
+    w = ref.inv_freq(p["rot"], float(p["theta"]), p["scaling"])
+    return max(2, math.ceil((p_max * float(w[1])) ** 2)) if w.size > 1 else 2
 
 
 # table=theta: a kernel's fp32 angle p w_i is off by up to ~4 eps32 x p w_i (torch's fp32 inv_freq, measured
@@ -140,7 +152,7 @@ def _angle_len(p: dict[str, Any], output: str) -> int:
 # cancellation). With a table (acc_len 2) its atol, ~2.8 eps32 max|y|, was the cancellation of the two
 # fp32 products, which the model now judges element by element; an override cannot tell the tables apart.
 _ANGLES = (Override("a rotated element is off by ~|x| eps32 x its angle when the kernel computes the angle p w "
-                    "in fp32 (table=theta: acc_len is the largest position squared, sqrt of it the angle); so is "
+                    "in fp32 (table=theta: acc_len is the largest rounded angle p_max w_1, squared); so is "
                     "every element, so cos_diff / nmse grow by (eps32 x that angle)^2 too (measured: an exact-cos "
                     "kernel on fp32 angles reaches cos_diff 1.5e-10 at positions < 20000, 150x the fp32 default)",
                     output="y", atol_acc=2.0, agg_acc=1.0),)
@@ -295,14 +307,14 @@ def _bwd_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generat
 
 
 def _bwd_ref(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
-    cos, sin = cos_sin_of(x, p, p["rot"])
-    return {"dx": ref.rope_backward(x["dy"], cos, sin, x["positions"], style=p["style"], rot=p["rot"], at=p["at"])}
+    cos, sin, pos = cos_sin_of(x, p, p["rot"])
+    return {"dx": ref.rope_backward(x["dy"], cos, sin, pos, style=p["style"], rot=p["rot"], at=p["at"])}
 
 
 def _bwd_mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
     """The error model of dx (refimpl.rope.rope_backward, `absolute`), as the forward's."""
-    cos, sin = cos_sin_of(x, p, p["rot"])
-    return {"dx": ref.rope_backward(x["dy"], cos, sin, x["positions"], style=p["style"], rot=p["rot"], at=p["at"],
+    cos, sin, pos = cos_sin_of(x, p, p["rot"])
+    return {"dx": ref.rope_backward(x["dy"], cos, sin, pos, style=p["style"], rot=p["rot"], at=p["at"],
                                     absolute=True)}
 
 

@@ -71,8 +71,12 @@ def exp_diff(x, m, ACCURATE: tl.constexpr):
     """
     if not ACCURATE:
         return tl.exp2((x - m) * LOG2E)
-    lo = m + EXP_FLOOR
-    x = tl.where(x < lo, lo, x)  # a select, not tl.maximum, so that NaN is kept
+    # exp(x - m) underflows fp32 to 0 below the floor (and at x = -inf): x is set to m there (a select, not
+    # tl.maximum, so that NaN is kept), which keeps the error terms finite, and the result to 0. The test is on
+    # x - m, not x < m + EXP_FLOOR: once ulp(m) > 256 (|m| >= 2^31, logits near 1e12) m + EXP_FLOOR is m itself,
+    # and every x < m would weigh exp(0) = 1.
+    below = x - m < EXP_FLOOR
+    x = tl.where(below, m, x)
     neg_m = -m
     t_hi = x + neg_m
     x_virt = t_hi - neg_m
@@ -80,7 +84,7 @@ def exp_diff(x, m, ACCURATE: tl.constexpr):
     u_hi = t_hi * LOG2E
     u_lo = tl.fma(t_hi, LOG2E, -u_hi) + (t_hi * LOG2E_LO + t_lo * LOG2E)
     p = tl.exp2(u_hi)
-    return tl.fma(p, u_lo * LN2, p)
+    return tl.where(below, 0.0, tl.fma(p, u_lo * LN2, p))
 
 
 @triton.jit
