@@ -2,7 +2,9 @@
 
 - `mla.decode`         dense decode over a paged latent cache [blocks, 64, 1, 576]: one KV head,
                        values = the first 512 dims of the key rows, explicit scale, s_q in {1, 2}
-                       (causal bottom-right for s_q = 2); O [b, s_q, h_q, 512], LSE [b, h_q, s_q]
+                       (causal bottom-right for s_q = 2); O [b, s_q, h_q, 512], LSE [b, h_q, s_q];
+                       `hkv` (default 1, ids unchanged): FlashMLA's [blocks, 64, h_kv, 576] cache,
+                       query head h on kv head h // (h_q / h_kv), each kv head's rows drawn apart
 - `mla.decode_sparse`  each query row attends to a top-k list of cache slots (-1 padding,
                        per-request top-k lengths): DeepSeek's sparse MLA
 - `mla.decode_fused_fp8`  Modular MAX's mla_decode_branch_fp8: RoPE and RMSNorm of the new cache
@@ -79,22 +81,22 @@ def _value_table(dist: str, dtype: str) -> np.ndarray:
 
 
 def paged_latent_cache(rng: np.random.Generator, seqlens: np.ndarray, dist: str, dtype: str,
-                       extra_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(kv_cache (num_blocks, 64, 1, 576), block_table (b, max_blocks) int32): shuffled pages, NaN in
+                       extra_rows: int = 0, hkv: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(kv_cache (num_blocks, 64, hkv, 576), block_table (b, max_blocks) int32): shuffled pages, NaN in
     every slot not holding a live token (the tail of each last page, two spare pages), unused table
-    entries TABLE_POISON."""
+    entries TABLE_POISON. A token's hkv latent rows are independent draws (hkv = 1: the draws of before)."""
     b = seqlens.shape[0]
     used = [-(-int(n) // PAGE) for n in seqlens]
     max_blocks = max(1, max(used, default=1))
     n_blocks = sum(used) + 2
     perm = rng.permutation(n_blocks)
-    cache = np.empty((n_blocks, PAGE, 1, D), dtype=dt.get(dtype).np)  # every page written below: 2.4 GB once
+    cache = np.empty((n_blocks, PAGE, hkv, D), dtype=dt.get(dtype).np)  # every page written below: 2.4 GB once
     cache[perm[sum(used):]] = np.nan  # the spare pages
     table = np.full((b, max_blocks), TABLE_POISON, dtype=np.int32)
     # one request's values and pages at a time, in buffers reused across requests: at 16K tokens x 128
     # requests the cache is 1.2G values, and fresh per-request arrays were most of its time
-    values = np.empty(max_blocks * PAGE * D)
-    rows = np.empty((max_blocks * PAGE, D), dtype=cache.dtype)
+    values = np.empty(max_blocks * PAGE * hkv * D)
+    rows = np.empty((max_blocks * PAGE, hkv * D), dtype=cache.dtype)
     # the quantile table where its 65536 levels are finer than most of the dtype's (16-bit caches, the
     # models suite's); fp32 caches keep draws of full precision
     quick = _value_table(dist, dtype) if dist in ("normal", "large") and dtype in ("bf16", "fp16") else None
@@ -107,14 +109,14 @@ def paged_latent_cache(rng: np.random.Generator, seqlens: np.ndarray, dist: str,
         if quick is not None:  # the distribution's quantiles, rounded once: indexed by raw random bits,
             for j, page in enumerate(phys):  # straight into each page (the same draws as one call)
                 m = min(PAGE, n - j * PAGE)
-                np.take(quick, table_words(rng, m * D), out=cache[page, :m, 0].reshape(-1), mode="clip")  # unbuffered
+                np.take(quick, table_words(rng, m * hkv * D), out=cache[page, :m].reshape(-1), mode="clip")
                 cache[page, m:] = np.nan
             continue
-        x = _draw(rng, (n, D), dist, out=values[:n * D].reshape(n, D))
+        x = _draw(rng, (n, hkv * D), dist, out=values[:n * hkv * D].reshape(n, hkv * D))
         with np.errstate(over="ignore"):  # dt.round_to's rounding, into the page buffer
             rows[:n] = x
         rows[n:k * PAGE] = np.nan
-        cache[phys, :, 0] = rows[:k * PAGE].reshape(k, PAGE, D)
+        cache[phys] = rows[:k * PAGE].reshape(k, PAGE, hkv, D)
     return cache, table
 
 
@@ -124,7 +126,7 @@ def _decode_lens(p: dict[str, Any]) -> np.ndarray:
 
 def _decode_inputs(p, dtype, dist, rng):
     seqlens = _decode_lens(p)
-    cache, table = paged_latent_cache(rng, seqlens, dist, dtype)
+    cache, table = paged_latent_cache(rng, seqlens, dist, dtype, hkv=p.get("hkv", 1))
     q = dt.round_to(_draw(rng, (p["b"], p["sq"], p["hq"], D), dist), dtype)
     return {"q": q, "kv_cache": cache, "block_table": table, "seqlens": seqlens}
 
@@ -182,6 +184,8 @@ def _sparse_mag(x, p):
 def _check(p: dict[str, Any]) -> str | None:
     if p.get("causal") and p["sq"] == 1:
         return "causal=1 needs sq=2 (with one new token the mask is empty; use causal=0)"
+    if p["hq"] % p.get("hkv", 1):
+        return f"hq={p['hq']} must be a multiple of hkv={p['hkv']} (query head h reads kv head h // (hq / hkv))"
     return None
 
 
@@ -218,9 +222,13 @@ DECODE = OpSpec(
     golden=refimpl.mla.decode,
     reference=_decode_ref,
     magnitude=_decode_mag,
-    params=Schema(dict(HEADS, kv=Int(0, 1 << 17, edges=(64, 65, 4096, 8192, 16384), doc="longest cached length"),
-                       lens=LENS, causal=OneOf(0, 1, doc="bottom-right causal mask (sq = 2)"),
-                       scale=OneOf("head", "model", doc="576^-0.5 (FlashMLA's tests) or DeepSeek-V3's 0.1352"))),
+    params=Defaults(dict(
+        HEADS, kv=Int(0, 1 << 17, edges=(64, 65, 4096, 8192, 16384), doc="longest cached length"),
+        lens=LENS, causal=OneOf(0, 1, doc="bottom-right causal mask (sq = 2)"),
+        scale=OneOf("head", "model", doc="576^-0.5 (FlashMLA's tests) or DeepSeek-V3's 0.1352"),
+        hkv=Int(1, 128, edges=(1, 2, 4), doc="latent KV heads (FlashMLA's h_kv; hq % hkv == 0, query head h reads "
+                                             "kv head h // (hq / hkv)); 1: DeepSeek's MQA, ids unchanged")),
+        {"hkv": 1}),
     make_inputs=_decode_inputs,
     output_shapes=_shapes,
     outputs=OUT,
@@ -231,7 +239,8 @@ DECODE = OpSpec(
     storage_inputs=frozenset({"kv_cache"}),  # refimpl.mla.decode widens the rows it gathers
     rows=REQUESTS,
     flops=_decode_flops,
-    doc="FlashMLA dense decode: paged latent cache (64-token pages, 576 dims, V = first 512), one KV head.",
+    doc="FlashMLA dense decode: paged latent cache (64-token pages, 576 dims, V = first 512), one KV head "
+        "(hkv > 1: FlashMLA's h_kv latent heads, query head h on kv head h // (hq / hkv)).",
 )
 
 DECODE_SPARSE = OpSpec(

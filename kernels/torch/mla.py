@@ -35,9 +35,16 @@ __all__ = ["decode", "decode_sparse", "decode_fused_fp8"]
 
 # --------------------------------------------------------------------------- shared pieces
 
-def _rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Cache (num_blocks, page, [1,] d) as (num_blocks * page, d) rows, and the page size."""
+def _rows(kv_cache: torch.Tensor, heads: bool = False) -> tuple[torch.Tensor, int]:
+    """Cache (num_blocks, page, [1,] d) as (num_blocks * page, d) rows, and the page size; `heads`: a
+    cache (num_blocks, page, h_kv, d) as (num_blocks * page, h_kv, d) rows."""
     kv = kv_cache
+    if heads:
+        if kv.ndim == 3:
+            kv = kv[:, :, None]
+        if kv.ndim != 4:
+            raise ValueError(f"kv_cache must be (num_blocks, page, h_kv, d), got shape {tuple(kv_cache.shape)}")
+        return kv.reshape(-1, *kv.shape[2:]), kv.shape[1]
     if kv.ndim == 4:
         if kv.shape[2] != 1:
             raise ValueError(f"MLA caches have one KV head, got kv_cache shape {tuple(kv.shape)}")
@@ -109,19 +116,33 @@ def _gather(rows: torch.Tensor, slot: torch.Tensor, read: torch.Tensor) -> torch
 
 def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seqlens: torch.Tensor,
            scale: float, d_v: int = 512, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (b, s_q, h_q, d), kv_cache (num_blocks, page, 1, d), block_table (b, max_blocks),
-    seqlens (b,) -> o (b, s_q, h_q, d_v) in q.dtype, lse (b, h_q, s_q) float32."""
-    rows, page = _rows(kv_cache)
-    b, s_q, _, d = q.shape
-    if rows.shape[1] != d or not 0 < d_v <= d:
-        raise ValueError(f"q dim {d}, cache dim {rows.shape[1]} and d_v {d_v} disagree")
+    """q (b, s_q, h_q, d), kv_cache (num_blocks, page, h_kv, d), block_table (b, max_blocks),
+    seqlens (b,) -> o (b, s_q, h_q, d_v) in q.dtype, lse (b, h_q, s_q) float32. Query head h reads
+    kv head h // (h_q / h_kv): each kv head's rows are gathered once for its group of query heads."""
+    rows, page = _rows(kv_cache, heads=True)
+    b, s_q, h_q, d = q.shape
+    h_kv = rows.shape[1]
+    if rows.shape[2] != d or not 0 < d_v <= d:
+        raise ValueError(f"q dim {d}, cache dim {rows.shape[2]} and d_v {d_v} disagree")
+    if h_q % h_kv:
+        raise ValueError(f"h_q = {h_q} query heads must be a multiple of the cache's h_kv = {h_kv} kv heads")
+    g = h_q // h_kv
     L = seqlens.to(q.device).long().reshape(b)
     if (L < 0).any():
         raise ValueError(f"seqlens must be >= 0, got {int(L.min())}")
     s_k = max(int(L.max()) if b else 0, 1)
     slot, valid = _slots(block_table, L, page, s_k, rows.shape[0])
     keep = _decode_keep(L, s_q, s_k, causal, valid)
-    return _attend(q, _gather(rows, slot, keep.any(dim=1)), keep, scale, d_v)
+    kv = _gather(rows, slot, keep.any(dim=1)[..., None])  # b, s_k, h_kv, d
+    # (request, kv head) pairs as the batch: kv head k's g query heads (`order`'s k-th g) over its rows
+    order = torch.arange(h_q, device=q.device).view(h_kv, g).flatten()
+    qg = q[:, :, order].reshape(b, s_q, h_kv, g, d).transpose(1, 2).reshape(b * h_kv, s_q, g, d)
+    kvg = kv.transpose(1, 2).reshape(b * h_kv, s_k, d)
+    og, lg = _attend(qg, kvg, keep.repeat_interleave(h_kv, 0), scale, d_v)
+    o, lse = q.new_empty(b, s_q, h_q, d_v), lg.new_empty(b, h_q, s_q)
+    o[:, :, order] = og.reshape(b, h_kv, s_q, g, d_v).transpose(1, 2).reshape(b, s_q, h_q, d_v)
+    lse[:, order] = lg.reshape(b, h_q, s_q)
+    return o, lse
 
 
 def decode_sparse(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,

@@ -1,0 +1,89 @@
+"""Issue 32, FlashMLA S20: mla.decode with h_kv > 1 latent KV heads (FlashMLA's k_cache
+[num_blocks, page, h_kv, 576], query head h on kv head h // (h_q / h_kv)).
+
+The golden is checked against itself on each kv head's slice of the cache (h_kv = 1 there, the form of
+before); the C kernel bit for bit the same way (a row's arithmetic depends only on its own data, see
+mla.c); the eager torch kernel against the golden; the param's default keeps older ids, and a bad
+h_q / h_kv pair is a one-line usage error.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernel_parity.conformance import ops
+from kernel_parity.conformance.cli import main
+from kernel_parity.refimpl import mla as golden
+
+torch = pytest.importorskip("torch")
+
+BASE = "mla.decode/{be}/{dt}/b=3,sq=2,hq=8,kv=65,lens=ragged,causal=1,scale=head{extra}/normal/seed=0"
+
+
+def _inputs(hkv: int, dtype: str = "fp32", hq: int = 8):
+    spec = ops.get("mla.decode")
+    p = spec.params.validate(spec.name, dict(b=3, sq=2, hq=hq, hkv=hkv, kv=65, lens="ragged", causal=1,
+                                             scale="head"))
+    return p, spec.make_inputs(p, dtype, "normal", np.random.default_rng(3))
+
+
+def test_hkv_defaults_to_one_and_bad_pairs_are_one_line_usage_errors(capsys):
+    plain = BASE.format(be="cpu", dt="bf16", extra="")
+    assert ops.parse_case(BASE.format(be="cpu", dt="bf16", extra=",hkv=1")).id == plain
+    assert "hkv" not in ops.parse_case(plain).p and ops.parse_case(BASE.format(be="cpu", dt="bf16",
+                                                                               extra=",hkv=2")).p["hkv"] == 2
+    assert main(["repro", BASE.format(be="cpu", dt="bf16", extra=",hkv=3")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hq=8 must be a multiple of hkv=3" in err[0]
+
+
+@pytest.mark.parametrize("hkv", [2, 4, 8])
+def test_golden_is_the_one_head_decode_on_each_kv_heads_slice(hkv):
+    p, x = _inputs(hkv)
+    assert x["kv_cache"].shape[2] == hkv
+    o, lse = golden.decode(x["q"], x["kv_cache"], x["block_table"], x["seqlens"], 0.05)
+    g = 8 // hkv
+    for k in range(hkv):
+        hs = slice(k * g, (k + 1) * g)
+        o1, l1 = golden.decode(x["q"][:, :, hs], x["kv_cache"][:, :, k:k + 1], x["block_table"], x["seqlens"], 0.05)
+        assert np.array_equal(o1, o[:, :, hs]) and np.array_equal(l1, lse[:, hs])
+    # the kv heads' rows are drawn apart: the head-0 cache gives other outputs for every other group
+    o0, _ = golden.decode(x["q"], np.repeat(x["kv_cache"][:, :, :1], hkv, axis=2), x["block_table"],
+                          x["seqlens"], 0.05)
+    live = x["seqlens"] > 0
+    assert np.abs(o0 - o)[live][:, :, g:].min(axis=-1).max() > 0 and np.abs(o0 - o)[live][:, :, g:].max() > 0.1
+    with pytest.raises(ValueError, match="multiple of the cache's h_kv"):
+        golden.decode(x["q"][:, :, :3], x["kv_cache"], x["block_table"], x["seqlens"], 0.05)
+
+
+def test_c_kernel_with_kv_heads_is_bitwise_the_one_head_kernel_on_each_slice():
+    from kernel_parity.kernels.cpu import loader
+
+    try:
+        from kernel_parity.kernels.cpu import mla as cmla
+        cmla._kernels()
+    except loader.CompilerUnavailable as e:
+        pytest.skip(f"kernels/cpu unavailable: {e}")
+    _, x = _inputs(2, "bf16")
+    args = (x["block_table"], x["seqlens"], 0.05, 512, True)
+    o, lse = cmla.mla_decode(x["q"], x["kv_cache"], *args)
+    o3, lse3 = cmla.mla_decode(x["q"], x["kv_cache"], *args, threads=3)
+    assert np.array_equal(o, o3) and np.array_equal(lse, lse3)
+    for k in range(2):
+        hs = slice(4 * k, 4 * k + 4)
+        o1, l1 = cmla.mla_decode(np.ascontiguousarray(x["q"][:, :, hs]), x["kv_cache"][:, :, k:k + 1], *args)
+        assert np.array_equal(o1, o[:, :, hs]) and np.array_equal(l1, lse[:, hs])
+    with pytest.raises(ValueError, match="h_kv = 2 latent kv heads must divide h_q = 3"):
+        cmla.mla_decode(np.ascontiguousarray(x["q"][:, :, :3]), x["kv_cache"], *args)
+
+
+def test_torch_kernel_with_kv_heads_is_the_golden():
+    from kernel_parity.kernels.torch import mla as tmla
+
+    _, x = _inputs(4)
+    t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in x.items()}
+    o, lse = tmla.decode(t["q"], t["kv_cache"], t["block_table"], t["seqlens"], 0.05)
+    want_o, want_lse = golden.decode(x["q"], x["kv_cache"], x["block_table"], x["seqlens"], 0.05)
+    np.testing.assert_allclose(o.numpy(), want_o, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-5, atol=1e-5)
