@@ -29,6 +29,7 @@ Conventions (OPS.md mla; research/attention-semantics.md sections 1, 2, 4.1, 5):
   a slot listed twice is gathered and counted twice (the reference gathers per index).
 - Sinks (FlashMLA sparse decode, MAX's combine): a natural-log logit per query head in the
   scaled domain, in the output's denominator only; the returned LSE excludes it; +inf gives O = 0.
+  MAX's fused branch also takes one per request (`sink_per="batch"`), shared by its heads.
 
 Error model (`absolute=True` on decode, decode_sparse and decode_fused_fp8; refimpl/attention.py's, issue 31):
 the outputs' magnitudes instead, each the root-sum-square of the magnitudes of the terms it sums:
@@ -92,7 +93,8 @@ def _slots(block_table: NDArray, lengths: I64, page: int, s_k: int, num_slots: i
 
 
 def _softmax(s: F64, keep: NDArray, sink: NDArray | None) -> tuple[F64, F64, F64]:
-    """Weights and LSE of logits s (b, h, s_q, s_k) under keep (b, s_q, s_k); sinks (h,) or None.
+    """Weights and LSE of logits s (b, h, s_q, s_k) under keep (b, s_q, s_k); sinks (h,) (per head), an array
+    broadcasting to (b, h, s_q) ((b, 1, 1): per request), or None.
 
     s is overwritten with the weights (every caller passes a fresh product): one exp per logit and no
     temporaries of s's size, which at the models suite's sizes (b 128, h 128, 16K keys) are the golden's
@@ -110,7 +112,8 @@ def _softmax(s: F64, keep: NDArray, sink: NDArray | None) -> tuple[F64, F64, F64
     den = total
     if sink is not None:  # exp(LSE') / exp(m); a +inf sink: den inf, O = 0
         with np.errstate(over="ignore"):
-            den = total + np.exp(np.asarray(sink, dtype=np.float64)[None, :, None] - m[..., 0])
+            sk = np.asarray(sink, dtype=np.float64)
+            den = total + np.exp((sk[None, :, None] if sk.ndim == 1 else sk) - m[..., 0])
     ok = np.isfinite(den) & (den > 0)  # else weights 0: an empty row without sink, a +inf sink or logit
     s /= np.where(ok, den, 1.0)[..., None]
     if not ok.all():
@@ -279,8 +282,8 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
                      kv_cache: NDArray, block_table: NDArray, cache_lengths: NDArray, scale: float, *,
                      attn_sink: NDArray | None = None, causal: bool = True,
                      granularity: tuple[int, int, int] = (1, 128, 128),
-                     scale_ub: float = 1200.0, absolute: bool = False, q_inplace: bool = False
-                     ) -> tuple[F64, F64] | tuple[F64, F64, F64]:
+                     scale_ub: float = 1200.0, absolute: bool = False, q_inplace: bool = False,
+                     sink_per: str = "head") -> tuple[F64, F64] | tuple[F64, F64, F64]:
     """MAX's `mla_decode_branch_fp8` (modular/modular max/kernels/src/nn/attention/gpu/mla_graph.mojo).
 
     q: (T, H, dn + d_r) ragged new tokens, dn = 128 (q_nope), d_r = 64 (q_rope)
@@ -293,6 +296,8 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
     block_table: (b, max_blocks) int (MAX's lookup table); cache_lengths: (b,) tokens cached before
         this step (MAX's cache_length); request r's new token t sits at position p = cache_lengths[r] + t
     scale: softmax scale; attn_sink: (H,) or None; causal: key j visible to position p iff j <= p
+    sink_per: "head" (attn_sink (H,), one sink per query head) or "batch" (attn_sink (b,): request r's sink,
+        shared by all its heads and tokens: MAX's per-batch attention sink)
     granularity: (m, n, k) scale granularity (1, 128, 128); scale_ub: activation amax bound (1200)
     returns: out (T, H, dv) float64, cache_after (kv_cache's shape) float64
     absolute: out's magnitudes instead of out, sqrt(sum_c a_c^2 w_nc^2) over step 4's dequantized FP8
@@ -361,7 +366,14 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
     keep = ok[:, :, None] & valid[:, None, :]
     if causal:
         keep &= np.arange(s_k)[None, None, :] <= cl[:, None, None] + np.arange(n_max)[None, :, None]
-    o_lat, _ = _attend_rows(q_pad, after[slot], keep, scale, d_c, attn_sink)  # b, n_max, H, d_c
+    sink = attn_sink
+    if sink is not None:
+        want = {"head": (H,), "batch": (b,)}.get(sink_per)
+        if want is None or np.shape(sink) != want:
+            raise ValueError(f"attn_sink of shape {np.shape(sink)} is not sink_per={sink_per!r}'s "
+                             f"({H},) per head or ({b},) per request")
+        sink = np.asarray(sink, dtype=np.float64).reshape(-1, 1, 1) if sink_per == "batch" else sink
+    o_lat, _ = _attend_rows(q_pad, after[slot], keep, scale, d_c, sink)  # b, n_max, H, d_c
     o_lat = o_lat[ok]  # T, H, d_c in token order
     out = bmm_fp8(o_lat.transpose(1, 0, 2), w_uv,
                   np.reshape(w_uv_scale, (H, -1, -(-d_c // kg))), granularity, scale_ub, absolute=absolute)  # H, T, dv

@@ -53,7 +53,8 @@ def triton_ops(device: str) -> dict[str, Callable]:
         o = out.torch("out", device)
         t = {k: to_torch(v, device) for k, v in inputs.items()}
         qrope = bool(case.p.get("qrope", 0))  # writes t["kv_cache"], and with qrope t["q"]'s rope part
-        mla_decode_fused_fp8(*_fused_args(t), attn_sink=t.get("attn_sink"), out=o, q_inplace=qrope)
+        mla_decode_fused_fp8(*_fused_args(t), attn_sink=t.get("attn_sink"), out=o, q_inplace=qrope,
+                             sink_per=case.p.get("sink_shape", "head"))
         return {"out": o, "kv_cache": t["kv_cache"], **({"q": t["q"]} if qrope else {})}
 
     return {"mla.decode": decode, "mla.decode_sparse": sparse, "mla.decode_fused_fp8": fused_fp8}
@@ -95,7 +96,8 @@ def torch_ops(device: str) -> dict[str, Callable]:
 
         t = {n: to_torch(v, device) for n, v in inputs.items()}
         qrope = bool(case.p.get("qrope", 0))
-        o, cache = k.decode_fused_fp8(*_fused_args(t), attn_sink=t.get("attn_sink"), inplace=True, q_inplace=qrope)
+        o, cache = k.decode_fused_fp8(*_fused_args(t), attn_sink=t.get("attn_sink"), inplace=True, q_inplace=qrope,
+                                      sink_per=case.p.get("sink_shape", "head"))
         oo = out.torch("out", device)
         oo.copy_(o)
         return {"out": oo, "kv_cache": cache, **({"q": t["q"]} if qrope else {})}

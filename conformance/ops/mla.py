@@ -12,7 +12,8 @@
                        block-scaled matmuls around the decode; with `qrope` (default 0, ids
                        unchanged) q's rope part is rotated in place too, as MAX's fused_qk_rope
                        leaves it, and q after the call is an output (rope.rope's error model,
-                       acc_len 2); without it q must stay untouched
+                       acc_len 2); without it q must stay untouched; `sink_shape` (default head):
+                       sinks per query head, or per request (MAX's per-batch sink)
 
 Inputs follow FlashMLA's own test (tests/test_flash_mla_dense_decoding.py): randn / 10 clamped
 to [-1, 1], every cache row past a request's length and every unused page NaN, unused block-table
@@ -349,16 +350,24 @@ def _fused_inputs(p, dtype, dist, rng):
     x = {"q": q, "input_row_offsets": off, "freqs_cis": freqs, "gamma": gamma, "w_uk": w_uk, "w_uk_scale": s_uk,
          "w_uv": w_uv, "w_uv_scale": s_uv, "kv_cache": cache, "block_table": table,
          "cache_lengths": cl.astype(np.int32)}
-    if p["sink"]:
-        x["attn_sink"] = dt.round_to(rng.standard_normal(h) * 2.0, "fp32")
+    if p["sink"]:  # one per head, or (sink_shape=batch) one per request, shared by its heads (MAX's)
+        per_batch = p.get("sink_shape", "head") == "batch"
+        x["attn_sink"] = dt.round_to(rng.standard_normal(p["b"] if per_batch else h) * 2.0, "fp32")
     return x
+
+
+def _fused_check(p: dict[str, Any]) -> str | None:
+    if p.get("sink_shape", "head") != "head" and not p["sink"]:
+        return f"sink_shape={p['sink_shape']} needs sink=1 (without a sink there is no sink shape)"
+    return None
 
 
 def _fused_ref(x, p, absolute=False):
     got = refimpl.mla.decode_fused_fp8(
         x["q"], x["input_row_offsets"], x["freqs_cis"], x["gamma"], FUSED_EPS, x["w_uk"], x["w_uk_scale"],
         x["w_uv"], x["w_uv_scale"], x["kv_cache"], x["block_table"], x["cache_lengths"], FUSED_SCALE,
-        attn_sink=x.get("attn_sink"), absolute=absolute, q_inplace=bool(p.get("qrope", 0)))
+        attn_sink=x.get("attn_sink"), absolute=absolute, q_inplace=bool(p.get("qrope", 0)),
+        sink_per=p.get("sink_shape", "head"))
     return dict(zip(("out", "kv_cache", "q"), got))
 
 
@@ -440,11 +449,14 @@ DECODE_FUSED_FP8 = OpSpec(
         hq=Int(1, 128, edges=(16, 128), doc="query heads (one latent KV head)"),
         kv=Int(0, 1 << 17, edges=(63, 64, 65), doc="longest cached length before the step"),
         lens=LENS,
-        sink=OneOf(0, 1, doc="one sink logit per query head"),
+        sink=OneOf(0, 1, doc="one sink logit per query head (or per request: sink_shape)"),
+        sink_shape=OneOf("head", "batch", doc="sink=1: one sink per query head, or per request (MAX's per-batch "
+                                              "attention sink, shared by the request's heads and tokens)"),
         qrope=OneOf(0, 1, doc="1: q's rope part rotated in place at its token's position (MAX's fused_qk_rope) and "
                               "judged as output q; 0: q must stay untouched"),
-    ), {"qrope": 0}),
+    ), {"qrope": 0, "sink_shape": "head"}),
     make_inputs=_fused_inputs,
+    check=_fused_check,
     output_shapes=_fused_shapes,
     outputs={
         "out": Output("test", doc="out = o_lat W_UV (T, h_q, 128), through MAX's FP8 activation quantization"),

@@ -80,12 +80,13 @@ def _decode_keep(lengths: torch.Tensor, s_q: int, s_k: int, causal: bool, valid:
 
 
 def _softmax_dtype(s: torch.Tensor, keep: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-    """Weights in s.dtype of logits s (..., h, k) under keep (..., 1, k); sinks (h,) or None."""
+    """Weights in s.dtype of logits s (..., h, k) under keep (..., 1, k); sinks (h,), (b, 1, 1, 1) or None."""
     s = s.masked_fill(~keep, float("-inf"))
     if sinks is None:
         p = torch.softmax(s, dim=-1)  # NaN on a row with no key
         return torch.where(keep.any(dim=-1, keepdim=True), p, torch.zeros((), dtype=p.dtype, device=p.device))
-    sink = sinks.to(device=s.device, dtype=s.dtype)[:, None].expand(*s.shape[:-1], 1)
+    sink = sinks.to(device=s.device, dtype=s.dtype)
+    sink = (sink[:, None] if sink.ndim == 1 else sink).expand(*s.shape[:-1], 1)  # (h,) or (b, 1, 1, 1)
     p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
     return torch.where(torch.isposinf(sink), torch.zeros((), dtype=p.dtype, device=p.device), p)  # +inf: O = 0
 
@@ -223,7 +224,8 @@ def decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis
                      block_table: torch.Tensor, cache_lengths: torch.Tensor, scale: float, *,
                      attn_sink: torch.Tensor | None = None, causal: bool = True,
                      granularity: tuple[int, int, int] = (1, 128, 128), scale_ub: float = 1200.0,
-                     inplace: bool = False, q_inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     inplace: bool = False, q_inplace: bool = False, sink_per: str = "head"
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """MAX's `mla_decode_branch_fp8`, eager, in q.dtype; arguments and order as refimpl/mla.py.
 
     q (T, H, dn + d_r), input_row_offsets (b + 1,), freqs_cis (max_seq_len, d_r), gamma (d_c,),
@@ -237,6 +239,7 @@ def decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis
        RMSNorm), rope part and q_rope rotated in float32 and rounded (DeepSeek's apply_rotary_emb).
     3. Attention of [q_lat ; q_rope] over the updated rows, as `decode` (causal: key j <= position).
     4. out = o_lat W_UV, o_lat quantized like q_nope.
+    sink_per: "head" (attn_sink (H,)) or "batch" (attn_sink (b,), request r's sink shared by its heads, MAX's).
     q_inplace: q[..., dn:] is left holding its rotation (step 2's, in q.dtype), as MAX's fused_qk_rope leaves
     q; the rotation is formed before it is written (q_nope was read in step 1).
     """
@@ -262,6 +265,9 @@ def decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis
     new = slot[req, pos]  # T: cache slot of each new token
     if torch.unique(new).numel() != T:
         raise ValueError("two new tokens map to the same cache slot")
+    if attn_sink is not None and (sink_per, tuple(attn_sink.shape)) not in (("head", (H,)), ("batch", (b,))):
+        raise ValueError(f"attn_sink of shape {tuple(attn_sink.shape)} is not sink_per={sink_per!r}'s ({H},) "
+                         f"per head or ({b},) per request")
     if inplace and not (kv_cache.is_contiguous() and rows.data_ptr() == kv_cache.data_ptr()):
         raise ValueError(f"inplace needs a contiguous kv_cache, got shape {tuple(kv_cache.shape)} "
                          f"strides {kv_cache.stride()}")
@@ -285,6 +291,7 @@ def decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis
     if causal:
         keep = keep & (torch.arange(s_k, device=q.device)[None, None, :] <= (cl[:, None] + t)[:, :, None])
     kv = _gather(after, slot, keep.any(dim=1))
-    o_lat, _ = _attend(q_pad, kv, keep, scale, d_c, attn_sink, lse=False)  # b, n_max, H, d_c
+    sinks = attn_sink if attn_sink is None or sink_per == "head" else attn_sink.view(b, 1, 1, 1)  # r's, every head
+    o_lat, _ = _attend(q_pad, kv, keep, scale, d_c, sinks, lse=False)  # b, n_max, H, d_c
     out = _bmm_fp8(o_lat[ok].transpose(0, 1), w_uv, w_uv_scale, granularity, scale_ub)  # H, T, dv
     return out.transpose(0, 1), after.view(kv_cache.shape)

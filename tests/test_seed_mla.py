@@ -1,5 +1,6 @@
 """Issue 32, FlashMLA S20: mla.decode with h_kv > 1 latent KV heads (FlashMLA's k_cache
-[num_blocks, page, h_kv, 576], query head h on kv head h // (h_q / h_kv)).
+[num_blocks, page, h_kv, 576], query head h on kv head h // (h_q / h_kv)); MAX S25: per-batch
+attention sinks in mla.decode_fused_fp8 (sink_shape=batch).
 
 The golden is checked against itself on each kv head's slice of the cache (h_kv = 1 there, the form of
 before); the C kernel bit for bit the same way (a row's arithmetic depends only on its own data, see
@@ -87,3 +88,53 @@ def test_torch_kernel_with_kv_heads_is_the_golden():
     want_o, want_lse = golden.decode(x["q"], x["kv_cache"], x["block_table"], x["seqlens"], 0.05)
     np.testing.assert_allclose(o.numpy(), want_o, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+# ---- S25: MAX's per-batch sink -------------------------------------------------------------------
+
+FUSED = "mla.decode_fused_fp8/torch/bf16/b=3,new=2,hq=2,kv=64,lens=ragged,sink={sink}{extra}/normal/seed=0"
+
+
+def test_sink_shape_defaults_to_head_and_needs_a_sink(capsys):
+    plain = FUSED.format(sink=1, extra="")
+    assert ops.parse_case(FUSED.format(sink=1, extra=",sink_shape=head")).id == plain
+    assert "sink_shape" not in ops.parse_case(plain).p
+    assert main(["repro", FUSED.format(sink=0, extra=",sink_shape=batch")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sink_shape=batch needs sink=1" in err[0]
+
+
+def _fused(extra: str):
+    case = ops.parse_case(FUSED.format(sink=1, extra=extra))
+    spec = ops.get(case.op)
+    return case.p, spec.make_inputs(case.p, "bf16", "normal", np.random.default_rng(4))
+
+
+def test_per_batch_sink_is_the_per_head_sink_of_each_request_repeated():
+    """Golden and eager kernel: request r's rows under sink_per="batch" are those of a per-head call whose every
+    head has request r's sink; the per-request sinks are drawn apart, so request 0's sink gives other rows."""
+    from kernel_parity.kernels.torch import mla as tmla
+
+    p, x = _fused(",sink_shape=batch")
+    sinks = x.pop("attn_sink")
+    assert sinks.shape == (3,) and np.ptp(sinks) > 1.0
+    off = x["input_row_offsets"]
+    args = lambda a: (a["q"], a["input_row_offsets"], a["freqs_cis"], a["gamma"], 1e-6, a["w_uk"], a["w_uk_scale"],
+                      a["w_uv"], a["w_uv_scale"], a["kv_cache"], a["block_table"], a["cache_lengths"], 0.1)
+    out, _ = golden.decode_fused_fp8(*args(x), attn_sink=sinks, sink_per="batch")
+    from kernel_parity.conformance.backends._torch import to_torch
+
+    t = {k: to_torch(v, "cpu") for k, v in x.items()}
+    tout, _ = tmla.decode_fused_fp8(*args(t), attn_sink=torch.from_numpy(sinks), sink_per="batch")
+    for r in range(3):
+        rows = slice(int(off[r]), int(off[r + 1]))
+        per_head = np.full(2, sinks[r], dtype=np.float32)
+        want, _ = golden.decode_fused_fp8(*args(x), attn_sink=per_head)
+        np.testing.assert_allclose(out[rows], want[rows], rtol=1e-12, atol=1e-15)
+        twant, _ = tmla.decode_fused_fp8(*args(t), attn_sink=torch.from_numpy(per_head))
+        assert torch.equal(tout[rows], twant[rows])
+        if r:
+            other, _ = golden.decode_fused_fp8(*args(x), attn_sink=np.full(2, sinks[0], dtype=np.float32))
+            assert np.abs(other[rows] - out[rows]).max() > 0.05 * np.abs(out[rows]).max()
+    with pytest.raises(ValueError, match="per request"):
+        golden.decode_fused_fp8(*args(x), attn_sink=sinks[:2], sink_per="batch")
