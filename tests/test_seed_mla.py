@@ -138,3 +138,30 @@ def test_per_batch_sink_is_the_per_head_sink_of_each_request_repeated():
             assert np.abs(other[rows] - out[rows]).max() > 0.05 * np.abs(out[rows]).max()
     with pytest.raises(ValueError, match="per request"):
         golden.decode_fused_fp8(*args(x), attn_sink=sinks[:2], sink_per="batch")
+
+
+# ---- S24: MAX's scale granularities and epsilon ------------------------------------------------------
+
+def test_gran_and_eps_default_to_deepseeks_and_triton_declares_other_granularities_unsupported():
+    from kernel_parity.conformance.backends import Registry
+
+    plain = FUSED.format(sink=0, extra="")
+    assert ops.parse_case(FUSED.format(sink=0, extra=",gran=1x128x128,eps=1e-6")).id == plain
+    fine = ops.parse_case(FUSED.format(sink=0, extra=",gran=2x128x64"))
+    p, x = fine.p, ops.get(fine.op).make_inputs(fine.p, "bf16", "normal", np.random.default_rng(0))
+    assert x["w_uk_scale"].shape == (2, 512 // 128, 128 // 64) and x["w_uv_scale"].shape == (2, 1, 512 // 64)
+    triton = Registry().get("triton")
+    assert "(1, 128, 128) scale granularity only" in triton.supports(ops.parse_case(fine.id.replace("/torch/",
+                                                                                                      "/triton/")))
+    assert triton.supports(ops.parse_case(FUSED.format(sink=0, extra=",eps=1e-2").replace("/torch/", "/triton/"))) \
+        is None
+
+
+def test_eps_reaches_the_golden_cache_rows():
+    case = ops.parse_case(FUSED.format(sink=0, extra=",eps=1e-2"))
+    spec = ops.get(case.op)
+    x = spec.make_inputs(case.p, "bf16", "normal", np.random.default_rng(0))
+    big = spec.reference(x, case.p)["kv_cache"]
+    small = spec.reference(x, ops.parse_case(FUSED.format(sink=0, extra="")).p)["kv_cache"]
+    new = ~np.isclose(big, small, equal_nan=True)
+    assert new.any() and np.nanmax(np.abs(big - small)) > 0.1  # eps ~ a row's mean square: rows ~30% smaller

@@ -13,7 +13,8 @@
                        unchanged) q's rope part is rotated in place too, as MAX's fused_qk_rope
                        leaves it, and q after the call is an output (rope.rope's error model,
                        acc_len 2); without it q must stay untouched; `sink_shape` (default head):
-                       sinks per query head, or per request (MAX's per-batch sink)
+                       sinks per query head, or per request (MAX's per-batch sink); `gran` (MAX's
+                       m / n / k scale granularity, default 1x128x128) and `eps` (default 1e-6)
 
 Inputs follow FlashMLA's own test (tests/test_flash_mla_dense_decoding.py): randn / 10 clamped
 to [-1, 1], every cache row past a request's length and every unused page NaN, unused block-table
@@ -285,16 +286,16 @@ def _fused_layout(p: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     return _decode_lens(p), _fused_new(p)
 
 
-def _fp8_heads(rng: np.random.Generator, h: int, n: int, k: int, spread: bool = False
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """(h, n, k) e4m3 weights from N(0, W_SIGMA) by refimpl.quant.fp8_quantize per (128 x 128) block of
-    each head, and their (h, n / 128, k / 128) float32 scales; spread: each block of each head times
-    10^U(-1, 1) first (`blockscale`)."""
+def _fp8_heads(rng: np.random.Generator, h: int, n: int, k: int, spread: bool = False, ng: int = 128,
+               kg: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """(h, n, k) e4m3 weights from N(0, W_SIGMA) by refimpl.quant.fp8_quantize per (ng x kg) block of
+    each head (128 x 128: DeepSeek's), and their (h, n / ng, k / kg) float32 scales; spread: each 128 x 128
+    block of each head times 10^U(-1, 1) first (`blockscale`)."""
     def head() -> tuple[np.ndarray, np.ndarray]:
         w = rng.standard_normal((n, k)) * W_SIGMA
         if spread:
             w = w * 10.0 ** np.repeat(np.repeat(rng.uniform(-1.0, 1.0, (n // 128, k // 128)), 128, 0), 128, 1)
-        return refimpl.quant.fp8_quantize(w, 128, 128)
+        return refimpl.quant.fp8_quantize(w, ng, kg)
 
     q, s = zip(*(head() for _ in range(h)))
     return np.stack(q), np.stack(s)
@@ -335,8 +336,9 @@ def _fused_inputs(p, dtype, dist, rng):
     h = p["hq"]
     q = dt.round_to(_draw(rng, (int(off[-1]), h, DN + D_R), base), dtype)
     gamma = dt.round_to(1.0 + 0.1 * rng.standard_normal(D_C), "fp32")  # fp32: see FUSED_GAMMA above
-    w_uk, s_uk = _fp8_heads(rng, h, D_C, DN, spread=dist == "blockscale")
-    w_uv, s_uv = _fp8_heads(rng, h, DV_HEAD, D_C, spread=dist == "blockscale")
+    _, ng, kg = fused_granularity(p)
+    w_uk, s_uk = _fp8_heads(rng, h, D_C, DN, spread=dist == "blockscale", ng=ng, kg=kg)
+    w_uv, s_uv = _fp8_heads(rng, h, DV_HEAD, D_C, spread=dist == "blockscale", ng=ng, kg=kg)
     if dist == "blockscale":
         q = dt.round_to(q.astype(np.float64) * 10.0 ** rng.uniform(0.0, 2.0, (1, h, 1)), dtype)
     elif dist == "tinynorm":  # the new tokens' rows: request i's tokens at positions cl_i .. cl_i + n_i - 1
@@ -362,12 +364,23 @@ def _fused_check(p: dict[str, Any]) -> str | None:
     return None
 
 
+def fused_granularity(p: dict[str, Any]) -> tuple[int, int, int]:
+    """(m, n, k) scale granularity of the `gran` param ("1x128x128", DeepSeek's, by default)."""
+    m, n, k = (int(v) for v in p.get("gran", "1x128x128").split("x"))
+    return m, n, k
+
+
+def fused_eps(p: dict[str, Any]) -> float:
+    """The RMSNorm epsilon of the `eps` param (DeepSeek-V3's 1e-6 by default)."""
+    return float(p.get("eps", "1e-6"))
+
+
 def _fused_ref(x, p, absolute=False):
     got = refimpl.mla.decode_fused_fp8(
-        x["q"], x["input_row_offsets"], x["freqs_cis"], x["gamma"], FUSED_EPS, x["w_uk"], x["w_uk_scale"],
+        x["q"], x["input_row_offsets"], x["freqs_cis"], x["gamma"], fused_eps(p), x["w_uk"], x["w_uk_scale"],
         x["w_uv"], x["w_uv_scale"], x["kv_cache"], x["block_table"], x["cache_lengths"], FUSED_SCALE,
         attn_sink=x.get("attn_sink"), absolute=absolute, q_inplace=bool(p.get("qrope", 0)),
-        sink_per=p.get("sink_shape", "head"))
+        sink_per=p.get("sink_shape", "head"), granularity=fused_granularity(p))
     return dict(zip(("out", "kv_cache", "q"), got))
 
 
@@ -454,7 +467,11 @@ DECODE_FUSED_FP8 = OpSpec(
                                               "attention sink, shared by the request's heads and tokens)"),
         qrope=OneOf(0, 1, doc="1: q's rope part rotated in place at its token's position (MAX's fused_qk_rope) and "
                               "judged as output q; 0: q must stay untouched"),
-    ), {"qrope": 0, "sink_shape": "head"}),
+        gran=OneOf("1x128x128", "1x64x64", "2x128x64",
+                   doc="MAX's (m, n, k) scale granularity: activation groups of m tokens x k channels, weight blocks "
+                       "n x k (1x128x128: DeepSeek's checkpoints)"),
+        eps=OneOf("1e-6", "1e-2", doc="the RMSNorm epsilon (1e-6: DeepSeek-V3's; 1e-2 is about a row's mean square)"),
+    ), {"qrope": 0, "sink_shape": "head", "gran": "1x128x128", "eps": "1e-6"}),
     make_inputs=_fused_inputs,
     check=_fused_check,
     output_shapes=_fused_shapes,
