@@ -155,6 +155,23 @@ def test_gran_and_eps_default_to_deepseeks_and_triton_declares_other_granulariti
                                                                                                       "/triton/")))
     assert triton.supports(ops.parse_case(FUSED.format(sink=0, extra=",eps=1e-2").replace("/torch/", "/triton/"))) \
         is None
+    null = ops.parse_case(FUSED.format(sink=0, extra=",mask=null").replace("/torch/", "/triton/"))
+    assert "masks causally only" in triton.supports(null)
+    assert ops.parse_case(FUSED.format(sink=0, extra=",mask=causal")).id == plain
+
+
+def test_null_mask_lets_a_first_new_token_see_the_second():
+    """mask=null (MAX's mask_str): the golden differs from the causal one only on rows that had later new tokens
+    hidden: a request's first of two new tokens."""
+    spec = ops.get("mla.decode_fused_fp8")
+    case = ops.parse_case(FUSED.format(sink=0, extra=",mask=null"))
+    x = spec.make_inputs(case.p, "bf16", "normal", np.random.default_rng(1))
+    null, causal = spec.reference(x, case.p)["out"], spec.reference(x, ops.parse_case(FUSED.format(sink=0,
+                                                                                                  extra="")).p)["out"]
+    off = x["input_row_offsets"]
+    first = np.zeros(len(null), bool)
+    first[off[:-1][np.diff(off) == 2]] = True
+    assert np.array_equal(null[~first], causal[~first]) and np.abs(null[first] - causal[first]).max() > 0.01
 
 
 def test_eps_reaches_the_golden_cache_rows():

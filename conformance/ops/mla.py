@@ -14,7 +14,8 @@
                        leaves it, and q after the call is an output (rope.rope's error model,
                        acc_len 2); without it q must stay untouched; `sink_shape` (default head):
                        sinks per query head, or per request (MAX's per-batch sink); `gran` (MAX's
-                       m / n / k scale granularity, default 1x128x128) and `eps` (default 1e-6)
+                       m / n / k scale granularity, default 1x128x128), `eps` (default 1e-6) and
+                       `mask` (MAX's mask_str: causal, default, or null)
 
 Inputs follow FlashMLA's own test (tests/test_flash_mla_dense_decoding.py): randn / 10 clamped
 to [-1, 1], every cache row past a request's length and every unused page NaN, unused block-table
@@ -370,6 +371,11 @@ def fused_granularity(p: dict[str, Any]) -> tuple[int, int, int]:
     return m, n, k
 
 
+def fused_causal(p: dict[str, Any]) -> bool:
+    """MAX's mask_str of the `mask` param: causal (default) or null (every key of the request)."""
+    return p.get("mask", "causal") == "causal"
+
+
 def fused_eps(p: dict[str, Any]) -> float:
     """The RMSNorm epsilon of the `eps` param (DeepSeek-V3's 1e-6 by default)."""
     return float(p.get("eps", "1e-6"))
@@ -380,7 +386,7 @@ def _fused_ref(x, p, absolute=False):
         x["q"], x["input_row_offsets"], x["freqs_cis"], x["gamma"], fused_eps(p), x["w_uk"], x["w_uk_scale"],
         x["w_uv"], x["w_uv_scale"], x["kv_cache"], x["block_table"], x["cache_lengths"], FUSED_SCALE,
         attn_sink=x.get("attn_sink"), absolute=absolute, q_inplace=bool(p.get("qrope", 0)),
-        sink_per=p.get("sink_shape", "head"), granularity=fused_granularity(p))
+        sink_per=p.get("sink_shape", "head"), granularity=fused_granularity(p), causal=fused_causal(p))
     return dict(zip(("out", "kv_cache", "q"), got))
 
 
@@ -471,7 +477,9 @@ DECODE_FUSED_FP8 = OpSpec(
                    doc="MAX's (m, n, k) scale granularity: activation groups of m tokens x k channels, weight blocks "
                        "n x k (1x128x128: DeepSeek's checkpoints)"),
         eps=OneOf("1e-6", "1e-2", doc="the RMSNorm epsilon (1e-6: DeepSeek-V3's; 1e-2 is about a row's mean square)"),
-    ), {"qrope": 0, "sink_shape": "head", "gran": "1x128x128", "eps": "1e-6"}),
+        mask=OneOf("causal", "null", doc="MAX's mask_str: causal (key j <= the token's position) or null (every key "
+                                         "of the request, this step's later tokens included)"),
+    ), {"qrope": 0, "sink_shape": "head", "gran": "1x128x128", "eps": "1e-6", "mask": "causal"}),
     make_inputs=_fused_inputs,
     check=_fused_check,
     output_shapes=_fused_shapes,
