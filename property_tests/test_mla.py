@@ -22,15 +22,17 @@ from kernel_parity.property_tests import runs
 from kernel_parity.property_tests.strategies import cases
 from kernel_parity.refimpl import mla as ref
 
-SMALL = dict(b=(1, 4), hq=[1, 2, 4, 16], kv=(0, 200), dists=tuple(DISTS))  # not the extreme logits ci judges
+SMALL = dict(b=(1, 4), hq=[1, 2, 4, 16], kv=(0, 200), hkv=[1], dists=tuple(DISTS))  # not the extreme logits ci judges
+HEADS = {**SMALL, "hkv": [1, 2, 4]}  # FlashMLA's h_kv latent heads (hq drawn per kv head)
 
 
 def _causal(p):
-    return {**p, "causal": p["causal"] if p["sq"] == 2 else 0}
+    """causal only with two new tokens; hq as hq kv heads' worth of query heads (hq % hkv == 0)."""
+    return {**p, "causal": p["causal"] if p["sq"] == 2 else 0, "hq": p["hq"] * p.get("hkv", 1)}
 
 
 @pytest.mark.parity_backends("triton", "cpu")
-@given(case=cases("mla.decode", transform=_causal, **SMALL))
+@given(case=cases("mla.decode", transform=_causal, **HEADS))
 def test_decode(parity, backend, case):
     parity.check(case.with_backend(backend))
 
@@ -42,7 +44,7 @@ def test_decode_sparse(parity, backend, case):
 
 
 @pytest.mark.parity_backends("triton", "cpu", "torch")
-@given(case=cases("mla.decode", transform=_causal, **SMALL), seed=st.integers(0, 2**32 - 1))
+@given(case=cases("mla.decode", transform=_causal, **HEADS), seed=st.integers(0, 2**32 - 1))
 def test_permuting_pages_changes_nothing(parity, backend, case, seed):
     case = case.with_backend(backend)
     rec, a = parity.arrays(case)
@@ -78,7 +80,7 @@ def test_sparse_over_every_visible_key_equals_dense(parity, backend, case):
 
 
 @pytest.mark.parity_backends("triton")
-@given(case=cases("mla.decode", transform=_causal, b=(1, 4), hq=[1, 4], kv=(1, 300), dists=tuple(DISTS)),
+@given(case=cases("mla.decode", transform=_causal, b=(1, 4), hq=[1, 4], kv=(1, 300), hkv=[1, 2], dists=tuple(DISTS)),
        parts=st.integers(1, 9), how=st.sampled_from(["uniform", "flashmla"]))
 def test_triton_split_kv_independent_of_the_partition(parity, backend, case, parts, how):
     from kernel_parity.conformance.backends._torch import to_torch
@@ -124,7 +126,8 @@ def test_our_host_schedule_covers_every_page_once(seqlens, parts):
 
 
 @pytest.mark.parity_backends("triton")
-@given(case=cases("mla.decode_fused_fp8", b=(1, 3), hq=[1, 2, 4], kv=(0, 130), dtypes=("bf16",)))
+@given(case=cases("mla.decode_fused_fp8", b=(1, 3), hq=[1, 2, 4], kv=(0, 130), gran=["1x128x128"], mask=["causal"],
+                   dtypes=("bf16",)))
 def test_decode_fused_fp8(parity, backend, case):
     """The fused branch (RoPE + RMSNorm written back into the cache, FP8 projections, decode) vs the
     golden, the cache after the call included (an in-place output of the op), and with qrope q after the

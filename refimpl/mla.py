@@ -2,7 +2,8 @@
 sparse decode, the naive (decompressed) form, MAX's fused FP8 branch, and (re-exported from
 mla_schedule) FlashMLA's split scheduler.
 
-Absorbed form (one KV head; cache row j = [c_j (d_c = 512) ; k_pe_j (d_r = 64)], d = 576):
+Absorbed form (one KV head; `decode` takes h_kv, query head h reading kv head h // (h_q / h_kv));
+cache row j = [c_j (d_c = 512) ; k_pe_j (d_r = 64)], d = 576:
     q_i   = [q_nope,i W_UK ; q_pe,i]                  per query head, (d,)   (`absorb`)
     s_ij  = scale * q_i . row_j
     LSE_i = ln sum_j exp(s_ij)                         natural log, over the visible keys
@@ -28,6 +29,7 @@ Conventions (OPS.md mla; research/attention-semantics.md sections 1, 2, 4.1, 5):
   a slot listed twice is gathered and counted twice (the reference gathers per index).
 - Sinks (FlashMLA sparse decode, MAX's combine): a natural-log logit per query head in the
   scaled domain, in the output's denominator only; the returned LSE excludes it; +inf gives O = 0.
+  MAX's fused branch also takes one per request (`sink_per="batch"`), shared by its heads.
 
 Error model (`absolute=True` on decode, decode_sparse and decode_fused_fp8; refimpl/attention.py's, issue 31):
 the outputs' magnitudes instead, each the root-sum-square of the magnitudes of the terms it sums:
@@ -55,10 +57,17 @@ __all__ = ["absorb", "unabsorb", "decode", "decode_naive", "decode_sparse", "dec
 
 CHUNK = 1 << 24  # gathered float64 cache elements per request chunk in `decode` (128 MiB)
 
-def _rows(kv_cache: NDArray, convert: bool = True) -> tuple[F64, int]:
+def _rows(kv_cache: NDArray, convert: bool = True, heads: bool = False) -> tuple[F64, int]:
     """Cache (num_blocks, page, [1,] d) as (num_blocks * page, d) float64 rows (in the cache's own dtype
-    when not `convert`: the caller widens what it gathers), and the page size."""
+    when not `convert`: the caller widens what it gathers), and the page size; `heads`: a cache
+    (num_blocks, page, h_kv, d) of h_kv >= 1 latent heads as (num_blocks * page, h_kv, d) rows."""
     kv = as_f64(kv_cache) if convert else np.asarray(kv_cache)
+    if heads:
+        if kv.ndim == 3:
+            kv = kv[:, :, None]
+        if kv.ndim != 4 or kv.shape[2] < 1:
+            raise ValueError(f"kv_cache must be (num_blocks, page, h_kv, d), got shape {kv.shape}")
+        return kv.reshape(-1, *kv.shape[2:]), kv.shape[1]
     if kv.ndim == 4:
         if kv.shape[2] != 1:
             raise ValueError(f"MLA caches have one KV head, got kv_cache shape {kv.shape}")
@@ -84,7 +93,8 @@ def _slots(block_table: NDArray, lengths: I64, page: int, s_k: int, num_slots: i
 
 
 def _softmax(s: F64, keep: NDArray, sink: NDArray | None) -> tuple[F64, F64, F64]:
-    """Weights and LSE of logits s (b, h, s_q, s_k) under keep (b, s_q, s_k); sinks (h,) or None.
+    """Weights and LSE of logits s (b, h, s_q, s_k) under keep (b, s_q, s_k); sinks (h,) (per head), an array
+    broadcasting to (b, h, s_q) ((b, 1, 1): per request), or None.
 
     s is overwritten with the weights (every caller passes a fresh product): one exp per logit and no
     temporaries of s's size, which at the models suite's sizes (b 128, h 128, 16K keys) are the golden's
@@ -102,7 +112,8 @@ def _softmax(s: F64, keep: NDArray, sink: NDArray | None) -> tuple[F64, F64, F64
     den = total
     if sink is not None:  # exp(LSE') / exp(m); a +inf sink: den inf, O = 0
         with np.errstate(over="ignore"):
-            den = total + np.exp(np.asarray(sink, dtype=np.float64)[None, :, None] - m[..., 0])
+            sk = np.asarray(sink, dtype=np.float64)
+            den = total + np.exp((sk[None, :, None] if sk.ndim == 1 else sk) - m[..., 0])
     ok = np.isfinite(den) & (den > 0)  # else weights 0: an empty row without sink, a +inf sink or logit
     s /= np.where(ok, den, 1.0)[..., None]
     if not ok.all():
@@ -151,30 +162,41 @@ def decode(q: NDArray, kv_cache: NDArray, block_table: NDArray, seqlens: NDArray
     """FlashMLA dense decode in the absorbed form (see the module docstring for the formula).
 
     q: (b, s_q, h_q, d), d = d_c + d_r (576)
-    kv_cache: (num_blocks, page, 1, d) (or (num_blocks, page, d)); values are row[:d_v]
+    kv_cache: (num_blocks, page, h_kv, d) (or (num_blocks, page, d): h_kv = 1); values are row[:d_v];
+        h_q % h_kv == 0 and query head h reads kv head h // (h_q / h_kv) (FlashMLA's k_cache
+        [num_blocks, page, h_kv, 576]); DeepSeek's models have h_kv = 1
     block_table: (b, max_blocks) int; seqlens: (b,) int >= 0, cached tokens incl. the s_q new ones
     scale: softmax scale; d_v: value dims (512); causal: bottom-right, for s_q > 1
     returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q) natural log; empty rows (0, -inf)
     absolute: their magnitudes instead (module docstring; 0 for an empty row)
     """
     q = np.asarray(q, dtype=np.float64)
-    rows, page = _rows(kv_cache, convert=False)  # gathered per chunk, then widened: no float64 copy of the cache
-    b, s_q, _, d = q.shape
-    if rows.shape[1] != d or not 0 < d_v <= d:
-        raise ValueError(f"q dim {d}, cache dim {rows.shape[1]} and d_v {d_v} disagree")
+    rows, page = _rows(kv_cache, convert=False, heads=True)  # gathered per chunk, then widened: no float64 copy
+    b, s_q, h_q, d = q.shape
+    h_kv = rows.shape[1]
+    if rows.shape[2] != d or not 0 < d_v <= d:
+        raise ValueError(f"q dim {d}, cache dim {rows.shape[2]} and d_v {d_v} disagree")
+    if h_q % h_kv:
+        raise ValueError(f"h_q = {h_q} query heads must be a multiple of the cache's h_kv = {h_kv} kv heads")
+    g = h_q // h_kv  # query head h reads kv head h // g
     L = np.asarray(seqlens, dtype=np.int64).reshape(b)
     if (L < 0).any():
         raise ValueError(f"seqlens must be >= 0, got {L.min()}")
     bt = np.asarray(block_table)
-    o, lse = np.empty((b, s_q, q.shape[2], d_v)), np.empty((b, q.shape[2], s_q))
-    step = max(1, CHUNK // (max(int(L.max(initial=0)), 1) * d))
+    o, lse = np.empty((b, s_q, h_q, d_v)), np.empty((b, h_q, s_q))
+    step = max(1, CHUNK // (max(int(L.max(initial=0)), 1) * d * h_kv))
 
     def chunk(i: int) -> None:  # request chunks bound the gathered rows' memory, not a loop per row
         c = slice(i, i + step)
-        s_k = max(int(L[c].max(initial=0)), 1)
+        n, s_k = len(L[c]), max(int(L[c].max(initial=0)), 1)
         slot, valid = _slots(bt[c], L[c], page, s_k, rows.shape[0])
-        o[c], lse[c] = _attend_rows(q[c], as_f64(rows[slot]), _decode_keep(L[c], s_q, s_k, causal, valid), scale, d_v,
-                                     own=True, absolute=absolute)
+        keep = _decode_keep(L[c], s_q, s_k, causal, valid)
+        # (request, kv head) pairs as the batch: each kv head's g query heads over that head's rows
+        qg = q[c].reshape(n, s_q, h_kv, g, d).transpose(0, 2, 1, 3, 4).reshape(n * h_kv, s_q, g, d)
+        kv = as_f64(rows[slot]).transpose(0, 2, 1, 3).reshape(n * h_kv, s_k, d)
+        og, lg = _attend_rows(qg, kv, np.repeat(keep, h_kv, axis=0), scale, d_v, own=True, absolute=absolute)
+        o[c] = og.reshape(n, h_kv, s_q, g, d_v).transpose(0, 2, 1, 3, 4).reshape(n, s_q, h_q, d_v)
+        lse[c] = lg.reshape(n, h_q, s_q)
 
     on_threads(chunk, range(0, b, step))
     return o, lse
@@ -260,8 +282,8 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
                      kv_cache: NDArray, block_table: NDArray, cache_lengths: NDArray, scale: float, *,
                      attn_sink: NDArray | None = None, causal: bool = True,
                      granularity: tuple[int, int, int] = (1, 128, 128),
-                     scale_ub: float = 1200.0, absolute: bool = False, q_inplace: bool = False
-                     ) -> tuple[F64, F64] | tuple[F64, F64, F64]:
+                     scale_ub: float = 1200.0, absolute: bool = False, q_inplace: bool = False,
+                     sink_per: str = "head") -> tuple[F64, F64] | tuple[F64, F64, F64]:
     """MAX's `mla_decode_branch_fp8` (modular/modular max/kernels/src/nn/attention/gpu/mla_graph.mojo).
 
     q: (T, H, dn + d_r) ragged new tokens, dn = 128 (q_nope), d_r = 64 (q_rope)
@@ -274,6 +296,8 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
     block_table: (b, max_blocks) int (MAX's lookup table); cache_lengths: (b,) tokens cached before
         this step (MAX's cache_length); request r's new token t sits at position p = cache_lengths[r] + t
     scale: softmax scale; attn_sink: (H,) or None; causal: key j visible to position p iff j <= p
+    sink_per: "head" (attn_sink (H,), one sink per query head) or "batch" (attn_sink (b,): request r's sink,
+        shared by all its heads and tokens: MAX's per-batch attention sink)
     granularity: (m, n, k) scale granularity (1, 128, 128); scale_ub: activation amax bound (1200)
     returns: out (T, H, dv) float64, cache_after (kv_cache's shape) float64
     absolute: out's magnitudes instead of out, sqrt(sum_c a_c^2 w_nc^2) over step 4's dequantized FP8
@@ -342,7 +366,14 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
     keep = ok[:, :, None] & valid[:, None, :]
     if causal:
         keep &= np.arange(s_k)[None, None, :] <= cl[:, None, None] + np.arange(n_max)[None, :, None]
-    o_lat, _ = _attend_rows(q_pad, after[slot], keep, scale, d_c, attn_sink)  # b, n_max, H, d_c
+    sink = attn_sink
+    if sink is not None:
+        want = {"head": (H,), "batch": (b,)}.get(sink_per)
+        if want is None or np.shape(sink) != want:
+            raise ValueError(f"attn_sink of shape {np.shape(sink)} is not sink_per={sink_per!r}'s "
+                             f"({H},) per head or ({b},) per request")
+        sink = np.asarray(sink, dtype=np.float64).reshape(-1, 1, 1) if sink_per == "batch" else sink
+    o_lat, _ = _attend_rows(q_pad, after[slot], keep, scale, d_c, sink)  # b, n_max, H, d_c
     o_lat = o_lat[ok]  # T, H, d_c in token order
     out = bmm_fp8(o_lat.transpose(1, 0, 2), w_uv,
                   np.reshape(w_uv_scale, (H, -1, -(-d_c // kg))), granularity, scale_ub, absolute=absolute)  # H, T, dv

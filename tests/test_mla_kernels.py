@@ -187,11 +187,11 @@ def test_c_out_buffers_and_strided_inputs():
 def _bad_inputs():
     q, cache, table, seqlens = _case("f32", 1, 2, seed=6, seqlens=(65, 3))
     bf = cache.astype(ml_dtypes.bfloat16)
-    two_heads = np.concatenate([cache, cache], axis=2)
+    three_heads = np.concatenate([cache, cache, cache], axis=2)  # h_kv = 3 does not divide h_q = 2
     far = table.copy()
     far[0, 1] = cache.shape[0]  # a used page past the cache
     return {
-        "kv head": ((q, two_heads, table, seqlens, 0.1), "one latent kv head"),
+        "kv head": ((q, three_heads, table, seqlens, 0.1), "h_kv = 3 latent kv heads must divide h_q = 2"),
         "dims": ((q[..., :500], cache, table, seqlens, 0.1, 400), "head dim 576 must equal q's d = 500"),
         "dtype": ((q, bf, table, seqlens, 0.1), "kv_cache dtype must be one of float32"),
         "d_v": ((q, cache, table, seqlens, 0.1, 577), r"d_v must be an int in \[1, d = 576\]"),

@@ -13,12 +13,12 @@ from typing import Any, Callable
 
 from kernel_parity.conformance.backends import mla_schedule as _schedule
 from kernel_parity.conformance.backends._torch import to_torch
-from kernel_parity.conformance.ops.mla import DV, FUSED_EPS, FUSED_SCALE, SCALES
+from kernel_parity.conformance.ops.mla import DV, FUSED_SCALE, SCALES, fused_causal, fused_eps, fused_granularity
 
 
-def _fused_args(t: dict) -> tuple:
-    """decode_fused_fp8's positional arguments (both backends) from the case's tensors."""
-    return (t["q"], t["input_row_offsets"], t["freqs_cis"], t["gamma"], FUSED_EPS, t["w_uk"], t["w_uk_scale"],
+def _fused_args(t: dict, p: dict) -> tuple:
+    """decode_fused_fp8's positional arguments (both backends) from the case's tensors and params."""
+    return (t["q"], t["input_row_offsets"], t["freqs_cis"], t["gamma"], fused_eps(p), t["w_uk"], t["w_uk_scale"],
             t["w_uv"], t["w_uv_scale"], t["kv_cache"], t["block_table"], t["cache_lengths"], FUSED_SCALE)
 
 
@@ -55,11 +55,26 @@ def triton_ops(device: str) -> dict[str, Callable]:
         o = out.torch("out", device)
         t = {k: to_torch(v, device) for k, v in inputs.items()}
         qrope = bool(case.p.get("qrope", 0))  # writes t["kv_cache"], and with qrope t["q"]'s rope part
-        mla_decode_fused_fp8(*_fused_args(t), attn_sink=t.get("attn_sink"), out=o, q_inplace=qrope)
+        mla_decode_fused_fp8(*_fused_args(t, case.p), attn_sink=t.get("attn_sink"), out=o, q_inplace=qrope,
+                             sink_per=case.p.get("sink_shape", "head"))
         return {"out": o, "kv_cache": t["kv_cache"], **({"q": t["q"]} if qrope else {})}
 
     return {"mla.decode": decode, "mla.decode_sparse": sparse, "mla.decode_fused_fp8": fused_fp8,
             **_schedule.triton_ops(device)}
+
+
+def triton_supports() -> dict[str, Callable]:
+    """The Triton fused FP8 branch quantizes in DeepSeek's groups (1 token x 128 channels, 128 x 128 weight blocks)
+    and masks causally."""
+    def fused(case) -> str | None:
+        if fused_granularity(case.p) != (1, 128, 128):
+            return (f"the Triton mla.decode_fused_fp8 kernel takes the (1, 128, 128) scale granularity only "
+                    f"(gran={case.p['gran']})")
+        if not fused_causal(case.p):
+            return f"the Triton mla.decode_fused_fp8 kernel masks causally only (mask={case.p['mask']})"
+        return None
+
+    return {"mla.decode_fused_fp8": fused}
 
 
 def cpu_ops() -> dict[str, Callable]:
@@ -98,7 +113,9 @@ def torch_ops(device: str) -> dict[str, Callable]:
 
         t = {n: to_torch(v, device) for n, v in inputs.items()}
         qrope = bool(case.p.get("qrope", 0))
-        o, cache = k.decode_fused_fp8(*_fused_args(t), attn_sink=t.get("attn_sink"), inplace=True, q_inplace=qrope)
+        o, cache = k.decode_fused_fp8(*_fused_args(t, case.p), attn_sink=t.get("attn_sink"), inplace=True,
+                                      q_inplace=qrope, sink_per=case.p.get("sink_shape", "head"),
+                                      granularity=fused_granularity(case.p), causal=fused_causal(case.p))
         oo = out.torch("out", device)
         oo.copy_(o)
         return {"out": oo, "kv_cache": cache, **({"q": t["q"]} if qrope else {})}

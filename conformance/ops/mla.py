@@ -2,7 +2,9 @@
 
 - `mla.decode`         dense decode over a paged latent cache [blocks, 64, 1, 576]: one KV head,
                        values = the first 512 dims of the key rows, explicit scale, s_q in {1, 2}
-                       (causal bottom-right for s_q = 2); O [b, s_q, h_q, 512], LSE [b, h_q, s_q]
+                       (causal bottom-right for s_q = 2); O [b, s_q, h_q, 512], LSE [b, h_q, s_q];
+                       `hkv` (default 1, ids unchanged): FlashMLA's [blocks, 64, h_kv, 576] cache,
+                       query head h on kv head h // (h_q / h_kv), each kv head's rows drawn apart
 - `mla.decode_sparse`  each query row attends to a top-k list of cache slots (-1 padding,
                        per-request top-k lengths): DeepSeek's sparse MLA
 - `mla.decode_fused_fp8`  Modular MAX's mla_decode_branch_fp8: RoPE and RMSNorm of the new cache
@@ -10,7 +12,10 @@
                        block-scaled matmuls around the decode; with `qrope` (default 0, ids
                        unchanged) q's rope part is rotated in place too, as MAX's fused_qk_rope
                        leaves it, and q after the call is an output (rope.rope's error model,
-                       acc_len 2); without it q must stay untouched
+                       acc_len 2); without it q must stay untouched; `sink_shape` (default head):
+                       sinks per query head, or per request (MAX's per-batch sink); `gran` (MAX's
+                       m / n / k scale granularity, default 1x128x128), `eps` (default 1e-6) and
+                       `mask` (MAX's mask_str: causal, default, or null)
 - `mla.schedule`       FlashMLA's split scheduler (get_mla_metadata), bit-exact int32 rows:
                        conformance/ops/mla_schedule.py, registered here
 
@@ -87,22 +92,22 @@ def _value_table(dist: str, dtype: str) -> np.ndarray:
 
 
 def paged_latent_cache(rng: np.random.Generator, seqlens: np.ndarray, dist: str, dtype: str,
-                       extra_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(kv_cache (num_blocks, 64, 1, 576), block_table (b, max_blocks) int32): shuffled pages, NaN in
+                       extra_rows: int = 0, hkv: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(kv_cache (num_blocks, 64, hkv, 576), block_table (b, max_blocks) int32): shuffled pages, NaN in
     every slot not holding a live token (the tail of each last page, two spare pages), unused table
-    entries TABLE_POISON."""
+    entries TABLE_POISON. A token's hkv latent rows are independent draws (hkv = 1: the draws of before)."""
     b = seqlens.shape[0]
     used = [-(-int(n) // PAGE) for n in seqlens]
     max_blocks = max(1, max(used, default=1))
     n_blocks = sum(used) + 2
     perm = rng.permutation(n_blocks)
-    cache = np.empty((n_blocks, PAGE, 1, D), dtype=dt.get(dtype).np)  # every page written below: 2.4 GB once
+    cache = np.empty((n_blocks, PAGE, hkv, D), dtype=dt.get(dtype).np)  # every page written below: 2.4 GB once
     cache[perm[sum(used):]] = np.nan  # the spare pages
     table = np.full((b, max_blocks), TABLE_POISON, dtype=np.int32)
     # one request's values and pages at a time, in buffers reused across requests: at 16K tokens x 128
     # requests the cache is 1.2G values, and fresh per-request arrays were most of its time
-    values = np.empty(max_blocks * PAGE * D)
-    rows = np.empty((max_blocks * PAGE, D), dtype=cache.dtype)
+    values = np.empty(max_blocks * PAGE * hkv * D)
+    rows = np.empty((max_blocks * PAGE, hkv * D), dtype=cache.dtype)
     # the quantile table where its 65536 levels are finer than most of the dtype's (16-bit caches, the
     # models suite's); fp32 caches keep draws of full precision
     quick = _value_table(dist, dtype) if dist in ("normal", "large") and dtype in ("bf16", "fp16") else None
@@ -115,14 +120,14 @@ def paged_latent_cache(rng: np.random.Generator, seqlens: np.ndarray, dist: str,
         if quick is not None:  # the distribution's quantiles, rounded once: indexed by raw random bits,
             for j, page in enumerate(phys):  # straight into each page (the same draws as one call)
                 m = min(PAGE, n - j * PAGE)
-                np.take(quick, table_words(rng, m * D), out=cache[page, :m, 0].reshape(-1), mode="clip")  # unbuffered
+                np.take(quick, table_words(rng, m * hkv * D), out=cache[page, :m].reshape(-1), mode="clip")
                 cache[page, m:] = np.nan
             continue
-        x = _draw(rng, (n, D), dist, out=values[:n * D].reshape(n, D))
+        x = _draw(rng, (n, hkv * D), dist, out=values[:n * hkv * D].reshape(n, hkv * D))
         with np.errstate(over="ignore"):  # dt.round_to's rounding, into the page buffer
             rows[:n] = x
         rows[n:k * PAGE] = np.nan
-        cache[phys, :, 0] = rows[:k * PAGE].reshape(k, PAGE, D)
+        cache[phys] = rows[:k * PAGE].reshape(k, PAGE, hkv, D)
     return cache, table
 
 
@@ -142,7 +147,7 @@ def _decode_inputs(p, dtype, dist, rng):
     seqlens = _decode_lens(p)
     if dist in EXTREME:
         return _extreme_inputs(p, dtype, dist, rng, seqlens)
-    cache, table = paged_latent_cache(rng, seqlens, dist, dtype)
+    cache, table = paged_latent_cache(rng, seqlens, dist, dtype, hkv=p.get("hkv", 1))
     q = dt.round_to(_draw(rng, (p["b"], p["sq"], p["hq"], D), dist), dtype)
     return {"q": q, "kv_cache": cache, "block_table": table, "seqlens": seqlens}
 
@@ -150,12 +155,13 @@ def _decode_inputs(p, dtype, dist, rng):
 def _extreme_inputs(p, dtype, dist, rng, seqlens):
     """The attention family's extreme logits (attention_inputs.EXTREME) on FlashMLA's layout: the cache drawn as
     `normal`, then each live row's last rope dim (575, never a value) is its key level; q is 0 but for dim 575."""
-    cache, table = paged_latent_cache(rng, seqlens, "normal", dtype)
+    hkv = p.get("hkv", 1)
+    cache, table = paged_latent_cache(rng, seqlens, "normal", dtype, hkv=hkv)
     n = int(seqlens.max(initial=0))
-    col = extreme_keys(rng, dist, (p["b"], n, 1), dtype)[..., 0]  # b, n: each request's keys
+    col = extreme_keys(rng, dist, (p["b"], n, hkv), dtype)  # b, n, h_kv: each request's keys per kv head
     live = np.arange(n)[None, :] < seqlens[:, None]
     req, tok = np.nonzero(live)
-    cache[table[req, tok // PAGE], tok % PAGE, 0, D - 1] = dt.round_to(col[req, tok], dtype)
+    cache[table[req, tok // PAGE], tok % PAGE, :, D - 1] = dt.round_to(col[req, tok], dtype)
     q = extreme_q(rng, dist, (p["b"], p["sq"], p["hq"], D), dtype, SCALES[p["scale"]])
     return {"q": dt.round_to(q, dtype), "kv_cache": cache, "block_table": table, "seqlens": seqlens}
 
@@ -213,6 +219,8 @@ def _sparse_mag(x, p):
 def _check(p: dict[str, Any]) -> str | None:
     if p.get("causal") and p["sq"] == 1:
         return "causal=1 needs sq=2 (with one new token the mask is empty; use causal=0)"
+    if p["hq"] % p.get("hkv", 1):
+        return f"hq={p['hq']} must be a multiple of hkv={p['hkv']} (query head h reads kv head h // (hq / hkv))"
     return None
 
 
@@ -249,10 +257,13 @@ DECODE = OpSpec(
     golden=refimpl.mla.decode,
     reference=_decode_ref,
     magnitude=_decode_mag,
-    params=Schema(dict(HEADS, kv=Int(0, 1 << 17, edges=(64, 65, 4096, 8192, 16384),
-                               doc="longest cached length (varlen: the mean; bench: the first)"),
-                       lens=DECODE_LENS, causal=OneOf(0, 1, doc="bottom-right causal mask (sq = 2)"),
-                       scale=OneOf("head", "model", doc="576^-0.5 (FlashMLA's tests) or DeepSeek-V3's 0.1352"))),
+    params=Defaults(dict(
+        HEADS, kv=Int(0, 1 << 17, edges=(64, 65, 4096, 8192, 16384), doc="longest cached length (varlen: the mean; bench: the first)"),
+        lens=DECODE_LENS, causal=OneOf(0, 1, doc="bottom-right causal mask (sq = 2)"),
+        scale=OneOf("head", "model", doc="576^-0.5 (FlashMLA's tests) or DeepSeek-V3's 0.1352"),
+        hkv=Int(1, 128, edges=(1, 2, 4), doc="latent KV heads (FlashMLA's h_kv; hq % hkv == 0, query head h reads "
+                                             "kv head h // (hq / hkv)); 1: DeepSeek's MQA, ids unchanged")),
+        {"hkv": 1}),
     make_inputs=_decode_inputs,
     output_shapes=_shapes,
     outputs=OUT,
@@ -263,7 +274,8 @@ DECODE = OpSpec(
     storage_inputs=frozenset({"kv_cache"}),  # refimpl.mla.decode widens the rows it gathers
     rows=REQUESTS,
     flops=_decode_flops,
-    doc="FlashMLA dense decode: paged latent cache (64-token pages, 576 dims, V = first 512), one KV head.",
+    doc="FlashMLA dense decode: paged latent cache (64-token pages, 576 dims, V = first 512), one KV head "
+        "(hkv > 1: FlashMLA's h_kv latent heads, query head h on kv head h // (hq / hkv)).",
 )
 
 DECODE_SPARSE = OpSpec(
@@ -307,16 +319,16 @@ def _fused_layout(p: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     return _decode_lens(p), _fused_new(p)
 
 
-def _fp8_heads(rng: np.random.Generator, h: int, n: int, k: int, spread: bool = False
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """(h, n, k) e4m3 weights from N(0, W_SIGMA) by refimpl.quant.fp8_quantize per (128 x 128) block of
-    each head, and their (h, n / 128, k / 128) float32 scales; spread: each block of each head times
-    10^U(-1, 1) first (`blockscale`)."""
+def _fp8_heads(rng: np.random.Generator, h: int, n: int, k: int, spread: bool = False, ng: int = 128,
+               kg: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """(h, n, k) e4m3 weights from N(0, W_SIGMA) by refimpl.quant.fp8_quantize per (ng x kg) block of
+    each head (128 x 128: DeepSeek's), and their (h, n / ng, k / kg) float32 scales; spread: each 128 x 128
+    block of each head times 10^U(-1, 1) first (`blockscale`)."""
     def head() -> tuple[np.ndarray, np.ndarray]:
         w = rng.standard_normal((n, k)) * W_SIGMA
         if spread:
             w = w * 10.0 ** np.repeat(np.repeat(rng.uniform(-1.0, 1.0, (n // 128, k // 128)), 128, 0), 128, 1)
-        return refimpl.quant.fp8_quantize(w, 128, 128)
+        return refimpl.quant.fp8_quantize(w, ng, kg)
 
     q, s = zip(*(head() for _ in range(h)))
     return np.stack(q), np.stack(s)
@@ -357,8 +369,9 @@ def _fused_inputs(p, dtype, dist, rng):
     h = p["hq"]
     q = dt.round_to(_draw(rng, (int(off[-1]), h, DN + D_R), base), dtype)
     gamma = dt.round_to(1.0 + 0.1 * rng.standard_normal(D_C), "fp32")  # fp32: see FUSED_GAMMA above
-    w_uk, s_uk = _fp8_heads(rng, h, D_C, DN, spread=dist == "blockscale")
-    w_uv, s_uv = _fp8_heads(rng, h, DV_HEAD, D_C, spread=dist == "blockscale")
+    _, ng, kg = fused_granularity(p)
+    w_uk, s_uk = _fp8_heads(rng, h, D_C, DN, spread=dist == "blockscale", ng=ng, kg=kg)
+    w_uv, s_uv = _fp8_heads(rng, h, DV_HEAD, D_C, spread=dist == "blockscale", ng=ng, kg=kg)
     if dist == "blockscale":
         q = dt.round_to(q.astype(np.float64) * 10.0 ** rng.uniform(0.0, 2.0, (1, h, 1)), dtype)
     elif dist == "tinynorm":  # the new tokens' rows: request i's tokens at positions cl_i .. cl_i + n_i - 1
@@ -372,16 +385,40 @@ def _fused_inputs(p, dtype, dist, rng):
     x = {"q": q, "input_row_offsets": off, "freqs_cis": freqs, "gamma": gamma, "w_uk": w_uk, "w_uk_scale": s_uk,
          "w_uv": w_uv, "w_uv_scale": s_uv, "kv_cache": cache, "block_table": table,
          "cache_lengths": cl.astype(np.int32)}
-    if p["sink"]:
-        x["attn_sink"] = dt.round_to(rng.standard_normal(h) * 2.0, "fp32")
+    if p["sink"]:  # one per head, or (sink_shape=batch) one per request, shared by its heads (MAX's)
+        per_batch = p.get("sink_shape", "head") == "batch"
+        x["attn_sink"] = dt.round_to(rng.standard_normal(p["b"] if per_batch else h) * 2.0, "fp32")
     return x
+
+
+def _fused_check(p: dict[str, Any]) -> str | None:
+    if p.get("sink_shape", "head") != "head" and not p["sink"]:
+        return f"sink_shape={p['sink_shape']} needs sink=1 (without a sink there is no sink shape)"
+    return None
+
+
+def fused_granularity(p: dict[str, Any]) -> tuple[int, int, int]:
+    """(m, n, k) scale granularity of the `gran` param ("1x128x128", DeepSeek's, by default)."""
+    m, n, k = (int(v) for v in p.get("gran", "1x128x128").split("x"))
+    return m, n, k
+
+
+def fused_causal(p: dict[str, Any]) -> bool:
+    """MAX's mask_str of the `mask` param: causal (default) or null (every key of the request)."""
+    return p.get("mask", "causal") == "causal"
+
+
+def fused_eps(p: dict[str, Any]) -> float:
+    """The RMSNorm epsilon of the `eps` param (DeepSeek-V3's 1e-6 by default)."""
+    return float(p.get("eps", "1e-6"))
 
 
 def _fused_ref(x, p, absolute=False):
     got = refimpl.mla.decode_fused_fp8(
-        x["q"], x["input_row_offsets"], x["freqs_cis"], x["gamma"], FUSED_EPS, x["w_uk"], x["w_uk_scale"],
+        x["q"], x["input_row_offsets"], x["freqs_cis"], x["gamma"], fused_eps(p), x["w_uk"], x["w_uk_scale"],
         x["w_uv"], x["w_uv_scale"], x["kv_cache"], x["block_table"], x["cache_lengths"], FUSED_SCALE,
-        attn_sink=x.get("attn_sink"), absolute=absolute, q_inplace=bool(p.get("qrope", 0)))
+        attn_sink=x.get("attn_sink"), absolute=absolute, q_inplace=bool(p.get("qrope", 0)),
+        sink_per=p.get("sink_shape", "head"), granularity=fused_granularity(p), causal=fused_causal(p))
     return dict(zip(("out", "kv_cache", "q"), got))
 
 
@@ -463,11 +500,20 @@ DECODE_FUSED_FP8 = OpSpec(
         hq=Int(1, 128, edges=(16, 128), doc="query heads (one latent KV head)"),
         kv=Int(0, 1 << 17, edges=(63, 64, 65), doc="longest cached length before the step"),
         lens=LENS,
-        sink=OneOf(0, 1, doc="one sink logit per query head"),
+        sink=OneOf(0, 1, doc="one sink logit per query head (or per request: sink_shape)"),
+        sink_shape=OneOf("head", "batch", doc="sink=1: one sink per query head, or per request (MAX's per-batch "
+                                              "attention sink, shared by the request's heads and tokens)"),
         qrope=OneOf(0, 1, doc="1: q's rope part rotated in place at its token's position (MAX's fused_qk_rope) and "
                               "judged as output q; 0: q must stay untouched"),
-    ), {"qrope": 0}),
+        gran=OneOf("1x128x128", "1x64x64", "2x128x64",
+                   doc="MAX's (m, n, k) scale granularity: activation groups of m tokens x k channels, weight blocks "
+                       "n x k (1x128x128: DeepSeek's checkpoints)"),
+        eps=OneOf("1e-6", "1e-2", doc="the RMSNorm epsilon (1e-6: DeepSeek-V3's; 1e-2 is about a row's mean square)"),
+        mask=OneOf("causal", "null", doc="MAX's mask_str: causal (key j <= the token's position) or null (every key "
+                                         "of the request, this step's later tokens included)"),
+    ), {"qrope": 0, "sink_shape": "head", "gran": "1x128x128", "eps": "1e-6", "mask": "causal"}),
     make_inputs=_fused_inputs,
+    check=_fused_check,
     output_shapes=_fused_shapes,
     outputs={
         "out": Output("test", doc="out = o_lat W_UV (T, h_q, 128), through MAX's FP8 activation quantization"),

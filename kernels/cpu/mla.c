@@ -5,20 +5,21 @@
  *   LSE_i = ln sum_j exp(s_ij)                     natural log, -inf for a row with no key
  *   O_i   = sum_j exp(s_ij - LSE_i) k_j[:d_v]      V is the first d_v dims of the same cache row
  *
- * Conventions (refimpl/mla.py decode): q (b, s_q, h_q, d); one latent "kv head":
- * kv_cache (num_blocks, page, 1, d), token t of request i at kv_cache[block_table[i, t / page],
- * t % page]; o (b, s_q, h_q, d_v) in the input dtype; lse (b, h_q, s_q) fp32. Strides are in
- * elements, any value except the last axis (1). Cache rows at or past seqlens[i], and pages a
- * request does not use, are never read (they hold NaN in the tests); a causal row's masked keys get
- * weight exactly 0. A row with no key (seqlen 0, or s_q > seqlen under causal) gives O = 0,
- * LSE = -inf. NaN in a live score reaches its row.
+ * Conventions (refimpl/mla.py decode): q (b, s_q, h_q, d); h_kv latent "kv heads" (DeepSeek: 1):
+ * kv_cache (num_blocks, page, h_kv, d), token t of request i at kv_cache[block_table[i, t / page],
+ * t % page, g] for query head h of kv head g = h / (h_q / h_kv) (FlashMLA's h_kv); o (b, s_q, h_q,
+ * d_v) in the input dtype; lse (b, h_q, s_q) fp32. Strides are in elements, any value except the
+ * last axis (1). Cache rows at or past seqlens[i], and pages a request does not use, are never read
+ * (they hold NaN in the tests); a causal row's masked keys get weight exactly 0. A row with no key
+ * (seqlen 0, or s_q > seqlen under causal) gives O = 0, LSE = -inf. NaN in a live score reaches
+ * its row.
  *
- * Algorithm: a work item is one request and a chunk of its s_q * h_q query rows, all of which read
- * the same cache rows (MQA with one kv head), so each block of BLOCK_N cache rows is read from
- * memory once, widened to fp32 once (bf16/fp16: exact) into a contiguous buffer, and used for the
- * scores of every row of the item and, its first d_v columns, for P V. Keys stream in blocks at
- * multiples of BLOCK_N with an online softmax: per row a running max m and sum l, rescaled by
- * alpha = exp(m_old - m_new). fp32 accumulation throughout. A score is an fp32 dot product in 16
+ * Algorithm: a work item is one (request, kv head) and a chunk of its s_q * h_q / h_kv query rows,
+ * all of which read the same cache rows (MQA within the kv head), so each block of BLOCK_N cache
+ * rows is read from memory once, widened to fp32 once (bf16/fp16: exact) into a contiguous buffer,
+ * and used for the scores of every row of the item and, its first d_v columns, for P V. Keys stream
+ * in blocks at multiples of BLOCK_N with an online softmax: per row a running max m and sum l,
+ * rescaled by alpha = exp(m_old - m_new). fp32 accumulation throughout. A score is an fp32 dot product in 16
  * lanes (lane k takes c = k mod 16, in order), summed pairwise (kp_hsum16), then the d % 16 tail,
  * then times scale; exp(s - m) is kp_exp_diff (~1 ulp however far below the max); a block's P V is
  * summed in registers in key order and added once to the rescaled accumulator (two-level
@@ -49,16 +50,17 @@
 enum { BLOCK_N = 64 };          /* keys per online-softmax step (FlashMLA's page and block) */
 enum { ITEM_ROWS = 128 };       /* rows per item: 128 = DeepSeek's h_q reads the cache once */
 enum { MAX_THREADS = 64 };
+enum { MLA_ERR_HEADS = 3 };     /* h_q not a multiple of h_kv (mla.py refuses it first) */
 
 typedef struct {                /* mirrored by kernels/cpu/mla.py (_Params) */
     int64_t dtype;
     const void *q; int64_t stride_q_b, stride_q_s, stride_q_h;
-    const void *kv; int64_t stride_kv_blk, stride_kv_slot;
+    const void *kv; int64_t stride_kv_blk, stride_kv_slot, stride_kv_head;
     const int32_t *block_table; int64_t stride_bt_b, stride_bt_p, page;
     const int32_t *seqlens; int64_t stride_sl;
     void *o; int64_t stride_o_b, stride_o_s, stride_o_h;
     float *lse; int64_t stride_lse_b, stride_lse_h, stride_lse_s;
-    int64_t b, s_q, h_q, d, d_v, causal;
+    int64_t b, s_q, h_q, d, d_v, causal, h_kv;
     double scale;
     int64_t threads;
 } mla_params;
@@ -72,7 +74,7 @@ typedef struct {                /* one thread's buffers, sized for the largest i
 
 typedef struct {
     const mla_params *p;
-    int64_t rows, chunks, items;                    /* rows per item, items per request */
+    int64_t rows, chunks, items;                    /* rows per item, items per (request, kv head) */
     atomic_llong next;
     scratch w[MAX_THREADS];
 } shared;
@@ -142,13 +144,14 @@ KP_INLINE void pv_rows(const float *p, const float *v, int64_t n, int64_t d, int
         }
 }
 
-/* Cache rows (bytes) of tokens j0 .. j0 + n - 1 of request bi. */
-KP_INLINE void key_rows(const mla_params *p, int64_t bi, int64_t j0, int64_t n, const char **kr,
+/* Cache rows (bytes) of tokens j0 .. j0 + n - 1 of request bi, in kv head g. */
+KP_INLINE void key_rows(const mla_params *p, int64_t bi, int64_t g, int64_t j0, int64_t n, const char **kr,
                         int64_t size) {
     for (int64_t jj = 0; jj < n; jj++) {
         int64_t t = j0 + jj;
         int64_t blk = p->block_table[bi * p->stride_bt_b + t / p->page * p->stride_bt_p];
-        kr[jj] = (const char *)p->kv + (blk * p->stride_kv_blk + t % p->page * p->stride_kv_slot) * size;
+        kr[jj] = (const char *)p->kv + (blk * p->stride_kv_blk + t % p->page * p->stride_kv_slot
+                                        + g * p->stride_kv_head) * size;
     }
 }
 
@@ -220,14 +223,21 @@ KP_INLINE void block_scores(const float *qf, const float *k, float *s, int64_t R
     }
 }
 
+/* Query head of row rr of kv head g's s_q * grp rows (row rr is query rr / grp): kv head g serves
+ * heads g grp .. g grp + grp - 1, so head h reads kv head h / grp. */
+KP_INLINE int64_t row_head(const mla_params *p, int64_t g, int64_t grp, int64_t rr) {
+    return g * grp + rr % grp;
+}
+
 KP_INLINE void run_item(const mla_params *p, scratch *w, const shared *sh, int64_t item, int dt) {
-    const int64_t size = kp_itemsize(dt), d = p->d, dv = p->d_v, h_q = p->h_q;
-    const int64_t bi = item / sh->chunks, r0 = item % sh->chunks * sh->rows;
-    const int64_t R = p->s_q * h_q - r0 < sh->rows ? p->s_q * h_q - r0 : sh->rows;
+    const int64_t size = kp_itemsize(dt), d = p->d, dv = p->d_v, grp = p->h_q / p->h_kv;
+    const int64_t bi = item / sh->chunks / p->h_kv, g = item / sh->chunks % p->h_kv;
+    const int64_t r0 = item % sh->chunks * sh->rows;
+    const int64_t R = p->s_q * grp - r0 < sh->rows ? p->s_q * grp - r0 : sh->rows;
     const int64_t L = p->seqlens[bi * p->stride_sl];
     int64_t jhi = -1;
-    for (int64_t r = 0; r < R; r++) {               /* row r0 + r is query i, head h */
-        const int64_t i = (r0 + r) / h_q, h = (r0 + r) % h_q;
+    for (int64_t r = 0; r < R; r++) {               /* row r0 + r of kv head g is query i, head h */
+        const int64_t i = (r0 + r) / grp, h = row_head(p, g, grp, r0 + r);
         w->hi[r] = p->causal ? L - p->s_q + i : L - 1;
         jhi = w->hi[r] > jhi ? w->hi[r] : jhi;
         const char *q = (const char *)p->q + (bi * p->stride_q_b + i * p->stride_q_s + h * p->stride_q_h) * size;
@@ -239,8 +249,8 @@ KP_INLINE void run_item(const mla_params *p, scratch *w, const shared *sh, int64
     for (int64_t j0 = 0, cur = 0; j0 <= jhi; j0 += BLOCK_N, cur ^= 1) {       /* the fixed block grid */
         const int64_t n = jhi + 1 - j0 < BLOCK_N ? jhi + 1 - j0 : BLOCK_N;
         const int64_t n2 = jhi + 1 - j0 - BLOCK_N < BLOCK_N ? jhi + 1 - j0 - BLOCK_N : BLOCK_N;
-        if (j0 == 0) key_rows(p, bi, j0, n, w->kr[cur], size);
-        if (n2 > 0) key_rows(p, bi, j0 + BLOCK_N, n2, w->kr[cur ^ 1], size);
+        if (j0 == 0) key_rows(p, bi, g, j0, n, w->kr[cur], size);
+        if (n2 > 0) key_rows(p, bi, g, j0 + BLOCK_N, n2, w->kr[cur ^ 1], size);
         load_block(w->kbuf, w->kr[cur], w->kr[cur ^ 1], n, n2, d, dt);
         block_scores(w->qf, w->kbuf, w->s, R, n, d);
         for (int64_t r = 0; r < R; r++) softmax_row(w, r, j0, n, (float)p->scale);
@@ -249,7 +259,7 @@ KP_INLINE void run_item(const mla_params *p, scratch *w, const shared *sh, int64
         for (; r < R; r++) pv_rows(w->s + r * BLOCK_N, w->kbuf, n, d, dv, w->acc + r * dv, w->alpha + r, 1);
     }
     for (int64_t r = 0; r < R; r++) {
-        const int64_t i = (r0 + r) / h_q, h = (r0 + r) % h_q;
+        const int64_t i = (r0 + r) / grp, h = row_head(p, g, grp, r0 + r);
         char *o = (char *)p->o + (bi * p->stride_o_b + i * p->stride_o_s + h * p->stride_o_h) * size;
         float *lse = p->lse + bi * p->stride_lse_b + h * p->stride_lse_h + i * p->stride_lse_s;
         const double m = w->m[r], l = w->l[r];      /* no key (m = -inf): O = 0, LSE = -inf */
@@ -280,6 +290,7 @@ __attribute__((noinline)) static void *work_base(void *a) { work(a); return NULL
 KP_EXPORT int mla_decode_kernel(const mla_params *p) {
     if (p->dtype != KP_F32 && p->dtype != KP_F16 && p->dtype != KP_BF16) return KP_ERR_DTYPE;
     if (p->b <= 0 || p->s_q <= 0 || p->h_q <= 0) return KP_OK;
+    if (p->h_kv <= 0 || p->h_q % p->h_kv) return MLA_ERR_HEADS;
     void *(*fn)(void *) = work_base;
 #ifdef KP_TARGET_AVX512
     int isa = kp_isa();
@@ -287,19 +298,19 @@ KP_EXPORT int mla_decode_kernel(const mla_params *p) {
 #endif
     shared *sh = calloc(1, sizeof(shared));
     if (!sh) return KP_ERR_NOMEM;
-    /* One item per request while its rows fit ITEM_ROWS (the cache is read once); more rows, or
-     * fewer requests than threads, split the rows (each chunk reads the cache again). No split
-     * changes the bits (see the top). */
-    const int64_t rows = p->s_q * p->h_q;
+    /* One item per (request, kv head) while its rows fit ITEM_ROWS (the kv head's rows are read
+     * once); more rows, or fewer items than threads, split the rows (each chunk reads the cache
+     * again). No split changes the bits (see the top). */
+    const int64_t rows = p->s_q * (p->h_q / p->h_kv), heads = p->b * p->h_kv;
     int64_t nt = p->threads < 1 ? 1 : p->threads > MAX_THREADS ? MAX_THREADS : p->threads;
     int64_t chunks = (rows + ITEM_ROWS - 1) / ITEM_ROWS;
-    if (p->b * chunks < nt) chunks = (nt + p->b - 1) / p->b;
+    if (heads * chunks < nt) chunks = (nt + heads - 1) / heads;
     chunks = chunks > rows ? rows : chunks;
     sh->p = p;
     sh->rows = (rows + chunks - 1) / chunks;
     sh->rows = sh->rows > 4 ? (sh->rows + 3) / 4 * 4 : sh->rows;    /* whole 4-row tiles */
     sh->chunks = (rows + sh->rows - 1) / sh->rows;
-    sh->items = p->b * sh->chunks;
+    sh->items = heads * sh->chunks;
     atomic_init(&sh->next, 0);
     nt = nt < sh->items ? nt : sh->items;
     const int64_t R = sh->rows, d = p->d, dv = p->d_v;

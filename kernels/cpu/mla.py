@@ -5,7 +5,8 @@
     O_i   = sum_j exp(s_ij - LSE_i) k_j[:d_v]       V aliases K: the first d_v dims of the same rows
 
 q: (b, s_q, h_q, d)
-kv_cache: (num_blocks, page, 1, d); token t of request i at kv_cache[block_table[i, t // page], t % page, 0]
+kv_cache: (num_blocks, page, h_kv, d), h_q % h_kv == 0; token t of request i at
+    kv_cache[block_table[i, t // page], t % page, g] for query head h of kv head g = h // (h_q / h_kv)
 block_table: (b, max_blocks) int32; entries of pages a request does not use are never read
 seqlens: (b,) int32 in [0, max_blocks * page]
 returns (o, lse): o (b, s_q, h_q, d_v) in q's dtype, lse (b, h_q, s_q) float32, natural log;
@@ -17,8 +18,8 @@ default is d^-0.5, DeepSeek-V3's model scale 0.1352). causal (s_q > 1) is bottom
 sees keys j <= seqlens - s_q + i; a row that sees no key (seqlen 0, s_q > seqlen) gives O = 0,
 LSE = -inf. Cache rows at or past a request's length and pages it does not use are never read.
 Inputs may have any element strides except the last axis (stride 1): no copy is made.
-`threads` (default 1) > 1 spreads items (request, chunk of its s_q * h_q rows) over threads; the
-bits depend on neither the thread count nor the ISA path, and equal those of
+`threads` (default 1) > 1 spreads items (request, kv head, chunk of its s_q * h_q / h_kv rows) over
+threads; the bits depend on neither the thread count nor the ISA path, and equal those of
 `attention.decode_paged(q, kv_cache, kv_cache[..., :d_v], ...)` (h_kv = 1), which reads the cache
 once per kv head too but with tiles made for GQA (see mla.c).
 """
@@ -45,12 +46,12 @@ class _Params(ctypes.Structure):
     """mla.c's mla_params, field for field."""
     _fields_ = [("dtype", _I64),
                 ("q", _PTR), ("stride_q_b", _I64), ("stride_q_s", _I64), ("stride_q_h", _I64),
-                ("kv", _PTR), ("stride_kv_blk", _I64), ("stride_kv_slot", _I64),
+                ("kv", _PTR), ("stride_kv_blk", _I64), ("stride_kv_slot", _I64), ("stride_kv_head", _I64),
                 ("block_table", _PTR), ("stride_bt_b", _I64), ("stride_bt_p", _I64), ("page", _I64),
                 ("seqlens", _PTR), ("stride_sl", _I64),
                 ("o", _PTR), ("stride_o_b", _I64), ("stride_o_s", _I64), ("stride_o_h", _I64),
                 ("lse", _PTR), ("stride_lse_b", _I64), ("stride_lse_h", _I64), ("stride_lse_s", _I64),
-                *[(n, _I64) for n in ("b", "s_q", "h_q", "d", "d_v", "causal")],
+                *[(n, _I64) for n in ("b", "s_q", "h_q", "d", "d_v", "causal", "h_kv")],
                 ("scale", _F64), ("threads", _I64)]
 
 
@@ -75,12 +76,12 @@ def _rows(name: str, a: np.ndarray) -> tuple[int, ...]:
 
 def _check_inputs(q, kv_cache, block_table, seqlens, scale, d_v, causal, threads) -> None:
     check_array("q", q, 4, "(b, s_q, h_q, d)", tuple(DTYPE_CODES))
-    check_array("kv_cache", kv_cache, 4, "(num_blocks, page, 1, d)", (q.dtype,))
-    b, _, _, d = q.shape
+    check_array("kv_cache", kv_cache, 4, "(num_blocks, page, h_kv, d)", (q.dtype,))
+    b, _, h_q, d = q.shape
     num_blocks, page, h_kv, d_k = kv_cache.shape
-    if h_kv != 1:
-        raise ValueError(f"kv_cache must hold one latent kv head (num_blocks, page, 1, d), got shape "
-                         f"{kv_cache.shape}")
+    if h_kv < 1 or h_q % h_kv:
+        raise ValueError(f"kv_cache's h_kv = {h_kv} latent kv heads must divide h_q = {h_q} (q {q.shape}, "
+                         f"kv_cache {kv_cache.shape})")
     if d_k != d:
         raise ValueError(f"kv_cache head dim {d_k} must equal q's d = {d} (shape {kv_cache.shape})")
     if page < 1:
@@ -132,11 +133,11 @@ def mla_decode(q: np.ndarray, kv_cache: np.ndarray, block_table: np.ndarray, seq
         return out, out_lse
 
     p = _Params(dtype=dtype_code(q.dtype), b=b, s_q=s_q, h_q=h_q, d=d, d_v=int(d_v), causal=int(bool(causal)),
-                scale=float(scale), threads=int(threads), page=kv_cache.shape[1])
+                h_kv=kv_cache.shape[2], scale=float(scale), threads=int(threads), page=kv_cache.shape[1])
     p.q = q.ctypes.data
     p.stride_q_b, p.stride_q_s, p.stride_q_h, _ = _rows("q", q)
     p.kv = kv_cache.ctypes.data
-    p.stride_kv_blk, p.stride_kv_slot, _, _ = _rows("kv_cache", kv_cache)
+    p.stride_kv_blk, p.stride_kv_slot, p.stride_kv_head, _ = _rows("kv_cache", kv_cache)
     p.o = out.ctypes.data
     p.stride_o_b, p.stride_o_s, p.stride_o_h, _ = _rows("out", out)
     p.lse = out_lse.ctypes.data

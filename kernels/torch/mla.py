@@ -35,9 +35,16 @@ __all__ = ["decode", "decode_sparse", "decode_fused_fp8"]
 
 # --------------------------------------------------------------------------- shared pieces
 
-def _rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Cache (num_blocks, page, [1,] d) as (num_blocks * page, d) rows, and the page size."""
+def _rows(kv_cache: torch.Tensor, heads: bool = False) -> tuple[torch.Tensor, int]:
+    """Cache (num_blocks, page, [1,] d) as (num_blocks * page, d) rows, and the page size; `heads`: a
+    cache (num_blocks, page, h_kv, d) as (num_blocks * page, h_kv, d) rows."""
     kv = kv_cache
+    if heads:
+        if kv.ndim == 3:
+            kv = kv[:, :, None]
+        if kv.ndim != 4:
+            raise ValueError(f"kv_cache must be (num_blocks, page, h_kv, d), got shape {tuple(kv_cache.shape)}")
+        return kv.reshape(-1, *kv.shape[2:]), kv.shape[1]
     if kv.ndim == 4:
         if kv.shape[2] != 1:
             raise ValueError(f"MLA caches have one KV head, got kv_cache shape {tuple(kv.shape)}")
@@ -73,12 +80,13 @@ def _decode_keep(lengths: torch.Tensor, s_q: int, s_k: int, causal: bool, valid:
 
 
 def _softmax_dtype(s: torch.Tensor, keep: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-    """Weights in s.dtype of logits s (..., h, k) under keep (..., 1, k); sinks (h,) or None."""
+    """Weights in s.dtype of logits s (..., h, k) under keep (..., 1, k); sinks (h,), (b, 1, 1, 1) or None."""
     s = s.masked_fill(~keep, float("-inf"))
     if sinks is None:
         p = torch.softmax(s, dim=-1)  # NaN on a row with no key
         return torch.where(keep.any(dim=-1, keepdim=True), p, torch.zeros((), dtype=p.dtype, device=p.device))
-    sink = sinks.to(device=s.device, dtype=s.dtype)[:, None].expand(*s.shape[:-1], 1)
+    sink = sinks.to(device=s.device, dtype=s.dtype)
+    sink = (sink[:, None] if sink.ndim == 1 else sink).expand(*s.shape[:-1], 1)  # (h,) or (b, 1, 1, 1)
     p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
     return torch.where(torch.isposinf(sink), torch.zeros((), dtype=p.dtype, device=p.device), p)  # +inf: O = 0
 
@@ -109,19 +117,33 @@ def _gather(rows: torch.Tensor, slot: torch.Tensor, read: torch.Tensor) -> torch
 
 def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seqlens: torch.Tensor,
            scale: float, d_v: int = 512, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (b, s_q, h_q, d), kv_cache (num_blocks, page, 1, d), block_table (b, max_blocks),
-    seqlens (b,) -> o (b, s_q, h_q, d_v) in q.dtype, lse (b, h_q, s_q) float32."""
-    rows, page = _rows(kv_cache)
-    b, s_q, _, d = q.shape
-    if rows.shape[1] != d or not 0 < d_v <= d:
-        raise ValueError(f"q dim {d}, cache dim {rows.shape[1]} and d_v {d_v} disagree")
+    """q (b, s_q, h_q, d), kv_cache (num_blocks, page, h_kv, d), block_table (b, max_blocks),
+    seqlens (b,) -> o (b, s_q, h_q, d_v) in q.dtype, lse (b, h_q, s_q) float32. Query head h reads
+    kv head h // (h_q / h_kv): each kv head's rows are gathered once for its group of query heads."""
+    rows, page = _rows(kv_cache, heads=True)
+    b, s_q, h_q, d = q.shape
+    h_kv = rows.shape[1]
+    if rows.shape[2] != d or not 0 < d_v <= d:
+        raise ValueError(f"q dim {d}, cache dim {rows.shape[2]} and d_v {d_v} disagree")
+    if h_q % h_kv:
+        raise ValueError(f"h_q = {h_q} query heads must be a multiple of the cache's h_kv = {h_kv} kv heads")
+    g = h_q // h_kv
     L = seqlens.to(q.device).long().reshape(b)
     if (L < 0).any():
         raise ValueError(f"seqlens must be >= 0, got {int(L.min())}")
     s_k = max(int(L.max()) if b else 0, 1)
     slot, valid = _slots(block_table, L, page, s_k, rows.shape[0])
     keep = _decode_keep(L, s_q, s_k, causal, valid)
-    return _attend(q, _gather(rows, slot, keep.any(dim=1)), keep, scale, d_v)
+    kv = _gather(rows, slot, keep.any(dim=1)[..., None])  # b, s_k, h_kv, d
+    # (request, kv head) pairs as the batch: kv head k's g query heads (`order`'s k-th g) over its rows
+    order = torch.arange(h_q, device=q.device).view(h_kv, g).flatten()
+    qg = q[:, :, order].reshape(b, s_q, h_kv, g, d).transpose(1, 2).reshape(b * h_kv, s_q, g, d)
+    kvg = kv.transpose(1, 2).reshape(b * h_kv, s_k, d)
+    og, lg = _attend(qg, kvg, keep.repeat_interleave(h_kv, 0), scale, d_v)
+    o, lse = q.new_empty(b, s_q, h_q, d_v), lg.new_empty(b, h_q, s_q)
+    o[:, :, order] = og.reshape(b, h_kv, s_q, g, d_v).transpose(1, 2).reshape(b, s_q, h_q, d_v)
+    lse[:, order] = lg.reshape(b, h_q, s_q)
+    return o, lse
 
 
 def decode_sparse(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
@@ -202,7 +224,8 @@ def decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis
                      block_table: torch.Tensor, cache_lengths: torch.Tensor, scale: float, *,
                      attn_sink: torch.Tensor | None = None, causal: bool = True,
                      granularity: tuple[int, int, int] = (1, 128, 128), scale_ub: float = 1200.0,
-                     inplace: bool = False, q_inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     inplace: bool = False, q_inplace: bool = False, sink_per: str = "head"
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """MAX's `mla_decode_branch_fp8`, eager, in q.dtype; arguments and order as refimpl/mla.py.
 
     q (T, H, dn + d_r), input_row_offsets (b + 1,), freqs_cis (max_seq_len, d_r), gamma (d_c,),
@@ -216,6 +239,7 @@ def decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis
        RMSNorm), rope part and q_rope rotated in float32 and rounded (DeepSeek's apply_rotary_emb).
     3. Attention of [q_lat ; q_rope] over the updated rows, as `decode` (causal: key j <= position).
     4. out = o_lat W_UV, o_lat quantized like q_nope.
+    sink_per: "head" (attn_sink (H,)) or "batch" (attn_sink (b,), request r's sink shared by its heads, MAX's).
     q_inplace: q[..., dn:] is left holding its rotation (step 2's, in q.dtype), as MAX's fused_qk_rope leaves
     q; the rotation is formed before it is written (q_nope was read in step 1).
     """
@@ -241,6 +265,9 @@ def decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis
     new = slot[req, pos]  # T: cache slot of each new token
     if torch.unique(new).numel() != T:
         raise ValueError("two new tokens map to the same cache slot")
+    if attn_sink is not None and (sink_per, tuple(attn_sink.shape)) not in (("head", (H,)), ("batch", (b,))):
+        raise ValueError(f"attn_sink of shape {tuple(attn_sink.shape)} is not sink_per={sink_per!r}'s ({H},) "
+                         f"per head or ({b},) per request")
     if inplace and not (kv_cache.is_contiguous() and rows.data_ptr() == kv_cache.data_ptr()):
         raise ValueError(f"inplace needs a contiguous kv_cache, got shape {tuple(kv_cache.shape)} "
                          f"strides {kv_cache.stride()}")
@@ -264,6 +291,7 @@ def decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis
     if causal:
         keep = keep & (torch.arange(s_k, device=q.device)[None, None, :] <= (cl[:, None] + t)[:, :, None])
     kv = _gather(after, slot, keep.any(dim=1))
-    o_lat, _ = _attend(q_pad, kv, keep, scale, d_c, attn_sink, lse=False)  # b, n_max, H, d_c
+    sinks = attn_sink if attn_sink is None or sink_per == "head" else attn_sink.view(b, 1, 1, 1)  # r's, every head
+    o_lat, _ = _attend(q_pad, kv, keep, scale, d_c, sinks, lse=False)  # b, n_max, H, d_c
     out = _bmm_fp8(o_lat[ok].transpose(0, 1), w_uv, w_uv_scale, granularity, scale_ub)  # H, T, dv
     return out.transpose(0, 1), after.view(kv_cache.shape)

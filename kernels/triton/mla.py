@@ -5,7 +5,8 @@
     O_i   = sum_j exp(s_ij - LSE_i) c_j[:d_v] the values are the first d_v dims of the same rows
 
 Conventions (OPS.md, mla; goldens in refimpl/mla.py): one latent kv head shared by all h_q query
-heads (MQA); token t of request b is kv_cache[block_table[b, t // page], t % page, 0]; the s_q
+heads (MQA), or mla_decode's h_kv heads (FlashMLA's; query head h on kv head h // (h_q / h_kv), a
+program's rows all of one kv head); token t of request b is kv_cache[block_table[b, t // page], t % page, 0]; the s_q
 queries are the last s_q positions, so with `causal` row i sees keys j <= L_b - s_q + i
 (bottom-right); the scale is explicit; slots at or past L_b and table entries past a request's
 last page are never read (FlashMLA's tests fill them with NaN); an empty row gives O = 0,
@@ -133,27 +134,30 @@ def _mla_store(O_ptr, Lse_ptr, acc, m_i, l_i, o_rows, lse_rows, mask_m, offs_dv,
 @triton.jit
 def _mla_decode_kernel(
     Q_ptr, KV_ptr, V_ptr, O_ptr, Lse_ptr, Seqlens_ptr, BT_ptr, Splits_ptr,
-    s_q, h_q, n_m, n_splits, qk_scale,
-    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_bt_b, stride_bt_p, stride_sp_b, stride_sp_s,
+    s_q, h_q, h_kv, n_m, n_splits, qk_scale,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt_b, stride_bt_p, stride_sp_b, stride_sp_s,
     stride_o_split, stride_ob, stride_os, stride_oh, stride_l_split, stride_lb, stride_lh, stride_ls,
     CAUSAL: tl.constexpr, PAGE: tl.constexpr, EXPLICIT_SPLITS: tl.constexpr, SWAP_AB: tl.constexpr,
     SHARED_KV: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # Row blocks of one (request, split) are adjacent program ids: they run together, so the
-    # second one's key tiles come from L2.
+    # Row blocks of one (request, split, kv head) are adjacent program ids: they run together, so
+    # the second one's key tiles come from L2.
     pid = tl.program_id(0)
     pid_m = pid % n_m
-    split = (pid // n_m) % n_splits
-    b = (pid // n_m) // n_splits
+    kvh = (pid // n_m) % h_kv
+    split = (pid // n_m // h_kv) % n_splits
+    b = (pid // n_m // h_kv) // n_splits
     L = tl.load(Seqlens_ptr + b)
 
-    # Row m is query m // h_q of head m % h_q: a row block holds whole queries when h_q >= BLOCK_M.
-    n_rows = h_q * s_q
+    # The g = h_q / h_kv query heads of kv head kvh read its cache rows. Row m is query m // g of
+    # head kvh g + m % g: a row block holds whole queries when g >= BLOCK_M.
+    grp = h_q // h_kv
+    n_rows = grp * s_q
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < n_rows
-    qi = offs_m // h_q
-    head = offs_m % h_q
+    qi = offs_m // grp
+    head = kvh * grp + offs_m % grp
     offs_n = tl.arange(0, BLOCK_N)
     offs_dv = tl.arange(0, D_V)
     offs_pe = tl.arange(0, D_PE)
@@ -171,7 +175,7 @@ def _mla_decode_kernel(
         hi = tl.minimum(lo + per_split, L)
     diag = L - s_q + qi
     if CAUSAL:  # no tile past the last key the block's last query sees
-        hi = tl.minimum(hi, L - s_q + (tl.minimum(pid_m * BLOCK_M + BLOCK_M, n_rows) - 1) // h_q + 1)
+        hi = tl.minimum(hi, L - s_q + (tl.minimum(pid_m * BLOCK_M + BLOCK_M, n_rows) - 1) // grp + 1)
 
     bt_row = BT_ptr + b.to(tl.int64) * stride_bt_b
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -199,7 +203,7 @@ def _mla_decode_kernel(
                 page = tl.sum(tl.where(offs_p == start_n // PAGE - p0, pages, 0))
             else:
                 page = tl.sum(tl.where((cols // PAGE - p0)[:, None] == offs_p[None, :], pages[None, :], 0), axis=1)
-            rows = page.to(tl.int64) * stride_kb + (cols % PAGE) * stride_ks
+            rows = page.to(tl.int64) * stride_kb + (cols % PAGE) * stride_ks + kvh * stride_kh
             kn = tl.load(KV_ptr + rows[:, None] + offs_dv[None, :], mask=live[:, None], other=0.0)
             kp = tl.load(KV_ptr + rows[:, None] + D_V + offs_pe[None, :], mask=live[:, None], other=0.0)
             if SHARED_KV:
@@ -214,8 +218,10 @@ def _mla_decode_kernel(
     _mla_store(O_ptr, Lse_ptr, acc, m_i, l_i, o_rows, lse_rows, mask_m, offs_dv, SWAP_AB)
 
 
-def _check_q_cache(q, kv_cache, d_v, scale, what: str) -> tuple[int, int, int, int, int]:
-    """Checks shared with mla_sparse; returns (b, s_q, h_q, d, d_pe)."""
+def _check_q_cache(q, kv_cache, d_v, scale, what: str, heads: bool = False
+                   ) -> tuple[int, int, int, int, int]:
+    """Checks shared with mla_sparse (heads: kv_cache may hold h_kv > 1 kv heads dividing h_q);
+    returns (b, s_q, h_q, d, d_pe)."""
     for name, t in (("q", q), ("kv_cache", kv_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{what}: {name} must be a 4-D torch.Tensor, got {getattr(t, 'shape', type(t).__name__)}")
@@ -226,8 +232,10 @@ def _check_q_cache(q, kv_cache, d_v, scale, what: str) -> tuple[int, int, int, i
     if kv_cache.dtype != q.dtype or kv_cache.device != q.device:
         raise ValueError(f"{what}: kv_cache is {kv_cache.dtype} on {kv_cache.device}, q {q.dtype} on {q.device}")
     b, s_q, h_q, d = q.shape
-    if kv_cache.shape[2] != 1 or kv_cache.shape[3] != d or kv_cache.shape[1] < 1:
-        raise ValueError(f"{what}: kv_cache {tuple(kv_cache.shape)} must be (num_blocks, page >= 1, 1, d={d})")
+    if kv_cache.shape[2] < 1 or h_q % kv_cache.shape[2] or (kv_cache.shape[2] != 1 and not heads) \
+            or kv_cache.shape[3] != d or kv_cache.shape[1] < 1:
+        shown = f"h_kv dividing h_q={h_q}" if heads else "1"
+        raise ValueError(f"{what}: kv_cache {tuple(kv_cache.shape)} must be (num_blocks, page >= 1, {shown}, d={d})")
     d_pe = d - int(d_v)
     for name, n in (("d_v", int(d_v)), ("d - d_v", d_pe)):
         if n < 16 or n & (n - 1):
@@ -331,10 +339,11 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                splits: torch.Tensor | None = None, out: torch.Tensor | None = None,
                out_lse: torch.Tensor | None = None, *, config: Sequence | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLA decode (absorbed form, one latent kv head) over a paged cache, split-KV.
+    """MLA decode (absorbed form, one latent kv head, or FlashMLA's h_kv) over a paged cache, split-KV.
 
     q: (b, s_q, h_q, d), d = d_v + d_pe (576 = 512 + 64); bf16/fp16 (fp32 runs, slowly); last-dim stride 1
-    kv_cache: (num_blocks, page, 1, d) q's dtype; V = kv_cache[..., :d_v] (read with K, not again)
+    kv_cache: (num_blocks, page, h_kv, d) q's dtype; V = kv_cache[..., :d_v] (read with K, not again);
+        h_q % h_kv == 0, query head h reads kv head h // (h_q / h_kv) (DeepSeek: h_kv = 1)
     block_table: (b, max_blocks) int32, any strides: token t of request i at block_table[i, t // page]
     seqlens: (b,) int32 >= 0 on q's device; slots at or past it are never read
     scale: softmax scale (FlashMLA's default 1/sqrt(d); DeepSeek-V3 uses 1/sqrt(192) * mscale^2)
@@ -350,7 +359,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     returns: (out, out_lse), LSE natural log; a row with no visible key: O = 0, LSE = -inf
     """
     what = "mla_decode"
-    b, s_q, h_q, d, d_pe = _check_q_cache(q, kv_cache, d_v, scale, what)
+    b, s_q, h_q, d, d_pe = _check_q_cache(q, kv_cache, d_v, scale, what, heads=True)
     _check_index(block_table, "block_table", (b, None), q.device, what)
     _check_index(seqlens, "seqlens", (b,), q.device, what)
     if splits is not None:
@@ -361,23 +370,24 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
             raise ValueError(f"{what}: num_splits={num_splits} but splits describes {splits.shape[1] - 1}")
     elif num_splits is not None and not (isinstance(num_splits, int) and 1 <= num_splits <= 65535):
         raise ValueError(f"{what}: num_splits={num_splits!r} must be an int in [1, 65535]")
-    rows = s_q * h_q
+    h_kv = kv_cache.shape[2]
+    rows = s_q * (h_q // h_kv)  # a kv head's query rows
     cfg = _pick_config(q, rows, config)
     n_m = triton.cdiv(rows, cfg.block_m)
     page = kv_cache.shape[1]
     if splits is not None:
         n_splits = splits.shape[1] - 1
     else:
-        n_splits = num_splits or _auto_splits(q, b * n_m, cfg, d, block_table.shape[1] * page)
-    if b * n_m * n_splits >= 2**31:
-        raise ValueError(f"{what}: {b} x {n_m} x {n_splits} programs exceed CUDA's grid")
+        n_splits = num_splits or _auto_splits(q, b * h_kv * n_m, cfg, d, block_table.shape[1] * page)
+    if b * h_kv * n_m * n_splits >= 2**31:
+        raise ValueError(f"{what}: {b} x {h_kv} x {n_m} x {n_splits} programs exceed CUDA's grid")
     out, out_lse, dst_o, dst_l = _outputs(q, d_v, out, out_lse, n_splits)
     if b == 0 or h_q == 0:
         return out, out_lse
-    _mla_decode_kernel[(b * n_m * n_splits,)](
+    _mla_decode_kernel[(b * h_kv * n_m * n_splits,)](
         q, kv_cache, kv_cache, dst_o, dst_l, seqlens, block_table, splits if splits is not None else seqlens,
-        s_q, h_q, n_m, n_splits, float(scale) * 1.4426950408889634,
-        *q.stride()[:3], *kv_cache.stride()[:2], *block_table.stride(),
+        s_q, h_q, h_kv, n_m, n_splits, float(scale) * 1.4426950408889634,
+        *q.stride()[:3], *kv_cache.stride()[:3], *block_table.stride(),
         *(splits.stride() if splits is not None else (0, 0)), *dst_o.stride()[:4], *dst_l.stride(),
         CAUSAL=bool(causal) and s_q > 1, PAGE=page, EXPLICIT_SPLITS=splits is not None, SWAP_AB=cfg.swap_ab,
         SHARED_KV=cfg.shared_kv, D_V=int(d_v), D_PE=d_pe, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

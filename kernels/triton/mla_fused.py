@@ -14,7 +14,8 @@ position p = cache_lengths[r] + t, in the cache slot block_table[r, p // page], 
 holds the raw kv_a_proj output on entry; freqs_cis row p = [cos p w_0, sin p w_0, cos p w_1, ...]
 and RoPE rotates interleaved pairs (x[2i], x[2i+1]); RMSNorm is x / sqrt(mean x^2 + eps) * gamma;
 an all-zero activation group has scale 0 and codes 0 (MAX's zero reciprocal); the sink is a
-natural-log logit per head in the scaled domain, in the denominator only (+inf: O = 0).
+natural-log logit per head (or per request: sink_per="batch") in the scaled domain, in the
+denominator only (+inf: O = 0).
 
 Four launches:
 1. `_mla_fused_rope_norm_kernel`, one program per new token: RMSNorm + RoPE of its cache row
@@ -248,8 +249,9 @@ def _mla_fused_attend_kernel(
     H, n_m, qk_scale,
     stride_qf_t, stride_qf_h, stride_new_t, stride_kb, stride_ks, stride_bt_b, stride_bt_p,
     stride_o_t, stride_o_h,
-    HAS_SINK: tl.constexpr, PAGE: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT3: tl.constexpr,
+    HAS_SINK: tl.constexpr, SINK_BATCH: tl.constexpr, PAGE: tl.constexpr, D_V: tl.constexpr,
+    D_PE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    SPLIT3: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m = pid % n_m
@@ -311,7 +313,10 @@ def _mla_fused_attend_kernel(
                                     True, False, "ieee")
 
     if HAS_SINK:  # exp(sink) joins the denominator: l + 2^(sink log2 e - m); +inf gives O = 0
-        sink = tl.load(Sink_ptr + head, mask=mask_m, other=float("-inf")).to(tl.float32)
+        if SINK_BATCH:  # request r's sink, shared by all its rows (MAX's per-batch sink)
+            sink = tl.load(Sink_ptr + r + 0 * head, mask=mask_m, other=float("-inf")).to(tl.float32)
+        else:
+            sink = tl.load(Sink_ptr + head, mask=mask_m, other=float("-inf")).to(tl.float32)
         l_i = l_i + tl.exp2(sink * 1.4426950408889634 - m_i)
     o = tl.math.div_rn(acc, tl.where(l_i > 0.0, l_i, 1.0)[:, None])  # IEEE: o_lat feeds the quantizer
     o_rows = O_ptr + tok * stride_o_t + head * stride_o_h
@@ -354,7 +359,8 @@ def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs
                          w_uv: torch.Tensor, w_uv_scale: torch.Tensor, kv_cache: torch.Tensor,
                          block_table: torch.Tensor, cache_lengths: torch.Tensor, scale: float, *,
                          attn_sink: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                         max_new_tokens: int | None = None, q_inplace: bool = False) -> torch.Tensor:
+                         max_new_tokens: int | None = None, q_inplace: bool = False,
+                         sink_per: str = "head") -> torch.Tensor:
     """MAX's mla_decode_branch_fp8; writes the new tokens' cache rows in place (and, with q_inplace, q's
     rope part: MAX's fused_qk_rope leaves q rotated).
 
@@ -367,7 +373,8 @@ def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs
     kv_cache: (num_blocks, page, d_c + d_r) or (num_blocks, page, 1, d_c + d_r) in q's dtype, last-dim
         stride 1; d_c and d_r powers of two >= 16 (512, 64); the new tokens' rows hold the raw latent
     block_table: (b, max_blocks) int32; cache_lengths: (b,) int32, tokens cached before this step
-    scale: softmax scale; attn_sink: (H,) float32 or None
+    scale: softmax scale; attn_sink: (H,) float32 or None; sink_per="batch": attn_sink (b,), request r's sink
+        shared by its heads (MAX's per-batch sink)
     out: (T, H, dv) q's dtype, last-dim stride 1
     max_new_tokens: >= every request's new-token count (None: read from the offsets, a sync on a GPU)
     q_inplace: q[..., dn:] overwritten with its rotation at the token's position (rounded once to q's dtype;
@@ -418,9 +425,12 @@ def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs
             raise ValueError(f"{what}: {name} must be a {tuple('n' if s is None else s for s in shape)} int32 "
                              f"tensor on {dev}, got {getattr(t, 'dtype', type(t).__name__)} "
                              f"{tuple(getattr(t, 'shape', ()))}")
-    if attn_sink is not None and (not isinstance(attn_sink, torch.Tensor) or tuple(attn_sink.shape) != (H,)
+    if sink_per not in ("head", "batch"):
+        raise ValueError(f"{what}: sink_per={sink_per!r} must be 'head' (one sink per query head) or 'batch'")
+    n_sink = H if sink_per == "head" else b
+    if attn_sink is not None and (not isinstance(attn_sink, torch.Tensor) or tuple(attn_sink.shape) != (n_sink,)
                                   or attn_sink.dtype != torch.float32 or attn_sink.device != dev):
-        raise ValueError(f"{what}: attn_sink must be a ({H},) float32 tensor on {dev}")
+        raise ValueError(f"{what}: attn_sink must be a ({n_sink},) float32 tensor on {dev} (sink_per={sink_per!r})")
     if out is None:
         out = torch.empty((T, H, dv), dtype=q.dtype, device=dev)
     elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (T, H, dv) or out.dtype != q.dtype \
@@ -460,7 +470,7 @@ def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs
         H, n_m, float(scale) * LOG2E,
         q_full.stride(0), q_full.stride(1), new_rows.stride(0), stride_kb, stride_ks, *block_table.stride(),
         o_lat.stride(0), o_lat.stride(1),
-        HAS_SINK=attn_sink is not None, PAGE=page, D_V=d_c, D_PE=d_r, BLOCK_M=block_m, BLOCK_N=cfg_n,
+        HAS_SINK=attn_sink is not None, SINK_BATCH=sink_per == "batch", PAGE=page, D_V=d_c, D_PE=d_r, BLOCK_M=block_m, BLOCK_N=cfg_n,
         NUM_STAGES=stages, SPLIT3=split3, num_warps=warps,
     )
     _bmm_fp8(o_lat, w_uv, s_uv, out)
