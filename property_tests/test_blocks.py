@@ -227,11 +227,14 @@ def test_mlp_golden_is_the_composition_of_the_goldens(case, reference):
     prep = Prepared(ops.get(case.op), case)
     x, p, g = prep.inputs64, case.p, prep.references[reference]
     proj = gemm.emulated_reference if reference == "emulated" else gemm.dequant_reference
+    a = x["attn"]
+    if p.get("attn_layout") == "head_major":  # [h_q, T, a_d] (S5): token t's row is its heads' rows in order
+        a = a.transpose(1, 0, 2).reshape(a.shape[1], -1)
     if p["wo_layout"] == "head_major":  # Wo[h][aE][a_d] summed over heads: the flat product of its columns
         wo = x["wo"].transpose(1, 0, 2).reshape(x["wo"].shape[1], -1)
-        _close("proj", gemm.gemm_nt(x["attn"], wo, x.get("bo")), g["proj"], case)
+        _close("proj", gemm.gemm_nt(a, wo, x.get("bo")), g["proj"], case)
     else:
-        _close("proj", proj(x["attn"], p["wo"], {"w": x["wo"]}, x.get("bo")), g["proj"], case)
+        _close("proj", proj(a, p["wo"], {"w": x["wo"]}, x.get("bo")), g["proj"], case)
     _close("h1", g["proj"] + x["residual"], g["h1"], case)
     _close("norm", norm.rms_norm(g["h1"], x["gamma"], float(p["eps"]), n=p["e"], gemma=bool(p["gemma"]))["y"],
            g["norm"], case)

@@ -17,6 +17,8 @@ mlp:
     lanes of each aI-lane half, act's lanes [I, aI) cleared);  down = act @ W2^T (+ b2);  out = x + down
 outproj_mlp (prefill): proj = attn @ Wo^T (+ bo);  h1 = proj + residual;  then the mlp on h1:
     norm = rms_norm(h1); h; act; down;  out = h1 + down
+    attn token-major (T, h_q a_d), or head-major (h_q, T, a_d) (`attn_layout`, the seed's [h, T, a_d]):
+    row t of the product is (attn[0, t], .., attn[h_q - 1, t]), the same math read per head
 
 Conventions (OPS.md, layers; research/seed-systems.md §1):
 - Rows are aligned: x, gamma, residual, bo and out have aE = E + pad lanes, lanes [E, aE) zero in
@@ -270,10 +272,11 @@ def _halves(gate: F64, up: F64, ai: int) -> F64:
 def outproj_mlp(attn: NDArray, residual: NDArray, wo: Weight, gamma: NDArray, eps: float, w1: Weight, w2: Weight,
                 *, n: int, bo: NDArray | None = None, b1: NDArray | None = None, b2: NDArray | None = None,
                 inter: int | None = None, gemma: bool = False, reference: str = "dequant",
-                absolute: bool = False) -> dict[str, F64]:
+                absolute: bool = False, attn_layout: str = "token_major") -> dict[str, F64]:
     """Output projection + residual, then the MLP block on the sum (the seed's outproj_mlp_prefill).
 
-    attn: (T, h_q a_d) float, the attention output (head-major lanes, padding zero)
+    attn: (T, h_q a_d) float, the attention output (head-major lanes, padding zero); attn_layout="head_major":
+    (h_q, T, a_d), the seed's [h, T, a_d] (seed audit S5), token t's row the concatenation of its heads' rows
     residual: (T, aE);  wo: Weight (aE, h_q a_d) flat, or "f32_heads" (h_q, aE, a_d);  bo: (aE,) or None
     gamma, eps, w1, w2, n, b1, b2, inter, gemma: the MLP's (`mlp`; b1 / b2 the seed's outproj_mlp biases)
     returns: {"proj": (T, aE), "h1": (T, aE) = proj + residual, "norm", "h", "act", "down", "out" = h1 + down}
@@ -281,6 +284,7 @@ def outproj_mlp(attn: NDArray, residual: NDArray, wo: Weight, gamma: NDArray, ep
     (W_o^2)^T + bo^2) (attn as stored); h1 = sqrt((proj^2 + L M_proj^2) / (1 + L) + residual^2); norm: |norm|
     blended with h1's error through RMSNorm (g rstd (dh1_i - xhat_i mean(xhat dh1))); then `mlp`'s
     """
+    attn = attn_rows(attn, attn_layout)
     if absolute:
         a = np.asarray(attn, dtype=np.float64)
         proj, pm = _project_mag(a, _exact(a), wo, bo, reference)
@@ -293,6 +297,20 @@ def outproj_mlp(attn: NDArray, residual: NDArray, wo: Weight, gamma: NDArray, ep
     h1 = proj + np.asarray(residual, dtype=np.float64)
     return {"proj": proj, "h1": h1, **mlp(h1, gamma, eps, w1, w2, n=n, b1=b1, b2=b2, inter=inter, gemma=gemma,
                                           reference=reference)}
+
+
+def attn_rows(attn: NDArray, layout: str) -> F64:
+    """The attention output as token rows (T, h_q a_d): itself when token-major, a head-major (h_q, T, a_d)
+    one read per head (row t = attn[0, t] | .. | attn[h_q - 1, t])."""
+    a = np.asarray(attn, dtype=np.float64)
+    if layout == "token_major":
+        return a
+    if layout != "head_major":
+        raise ValueError(f"attn_layout={layout!r}: expected 'token_major' or 'head_major'")
+    if a.ndim != 3:
+        raise ValueError(f"a head-major attention output is (h_q, T, a_d), got shape {a.shape}")
+    h, t, ad = a.shape
+    return a.transpose(1, 0, 2).reshape(t, h * ad)
 
 
 # -- backward ---------------------------------------------------------------------------------------------

@@ -65,7 +65,8 @@ def _mlp_args(case, t: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
 def _outproj_mlp_args(case, t: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     p = case.p
     return ((t["attn"], t["residual"], (_wo_fmt(p), t["wo"]), t["gamma"], float(p["eps"]), (p["w1"], t["w1"]),
-             (p["w2"], t["w2"])), dict(bo=t.get("bo"), **_mlp_kw(p, t)))
+             (p["w2"], t["w2"])),
+            dict(bo=t.get("bo"), **_mlp_kw(p, t), attn_layout=p.get("attn_layout", "token_major")))
 
 
 def _torch_results(out: Any, device: str, res: dict[str, Any]) -> dict[str, Any]:

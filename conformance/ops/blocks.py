@@ -10,7 +10,8 @@ verified stage by stage.
                               -> + x; `bias` (seed audit S2), `ipad`: gate and up halves of aI = i + ipad
                               lanes, the padding carried by h, cleared in act (S3)
 - `blocks.outproj_mlp`        attention output -> output projection (flat, or fp32 per head) +
-                              residual -> the MLP block (the seed's mega_fused_outproj_mlp_prefill)
+                              residual -> the MLP block (the seed's mega_fused_outproj_mlp_prefill);
+                              `attn_layout=head_major`: the attention output as the seed's [h_q, T, a_d] (S5)
 
 Goldens: refimpl/blocks.py, compositions of the family goldens. Two references, both recorded for
 every case: `dequant` (L1: every projection a float64 product with the dequantized weights) and
@@ -40,8 +41,9 @@ from kernel_parity.conformance.ops.blocks_inputs import (ATTN_DISTS, DISTS, ROW_
                                                          mlp_inputs, outproj_mlp_inputs)
 from kernel_parity.conformance.ops.blocks_params import (ATTENTION_DIAGNOSES, ATTN, DECODE_PARAMS, GEMMA_DIAGNOSES,
                                                          HEADS, MLP, MLP_DEFAULTS, MLP_PARAMS, MODEL, PREFILL_PARAMS,
-                                                         ad, ae, ai, attention_kw, check_attention, check_mlp,
-                                                         check_outproj_mlp, mlp_kw, weights_of)
+                                                         OUTPROJ_MLP_DEFAULTS, ad, ae, ai, attention_kw, attn_layout,
+                                                         check_attention, check_mlp, check_outproj_mlp, mlp_kw,
+                                                         weights_of)
 from kernel_parity.conformance.params import Defaults, OneOf, Schema
 from kernel_parity.conformance.spec import OpSpec, Output
 from kernel_parity.conformance.tolerance import Override, Tol
@@ -70,7 +72,7 @@ def _outproj_mlp_ref(reference: str):
     def reference_fn(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
         (wo,) = weights_of(x, p, "wo")
         return ref.outproj_mlp(x["attn"], x["residual"], wo, x["gamma"], float(p["eps"]), *weights_of(x, p, "w1", "w2"),
-                               bo=x.get("bo"), **mlp_kw(x, p), reference=reference)
+                               bo=x.get("bo"), **mlp_kw(x, p), reference=reference, attn_layout=attn_layout(p))
 
     return reference_fn
 
@@ -99,7 +101,7 @@ def _mlp_mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarra
 def _outproj_mlp_mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
     (wo,) = weights_of(x, p, "wo")
     return ref.outproj_mlp(x["attn"], x["residual"], wo, x["gamma"], float(p["eps"]), *weights_of(x, p, "w1", "w2"),
-                           bo=x.get("bo"), **mlp_kw(x, p), absolute=True)
+                           bo=x.get("bo"), **mlp_kw(x, p), absolute=True, attn_layout=attn_layout(p))
 
 
 # -- shapes -------------------------------------------------------------------------------------
@@ -276,7 +278,10 @@ OUTPROJ_MLP = OpSpec(
                          wo=OneOf(*WFMTS, doc="W_o format"),
                          wo_layout=OneOf("flat", "head_major",
                                          doc="W_o (aE, h_q a_d), or the seed's fp32 per-head Wo[h][aE][a_d]"),
-                         obias=ATTN["obias"], **MLP), MLP_DEFAULTS),
+                         obias=ATTN["obias"], **MLP,
+                         attn_layout=OneOf("token_major", "head_major",
+                                           doc="the attention output (T, h_q a_d), or the seed's head-major "
+                                               "[h_q, T, a_d] (seed audit S5)")), OUTPROJ_MLP_DEFAULTS),
     make_inputs=outproj_mlp_inputs,
     output_shapes=_outproj_mlp_shapes,
     outputs=OUTPROJ_MLP_OUT,

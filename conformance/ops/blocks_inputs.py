@@ -269,6 +269,14 @@ def mlp_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generato
             **mlp_weights(p, rng, dist, ae), **mlp_biases(p, rng, ae)}
 
 
+def head_major_scales(hq: int) -> np.ndarray:
+    """(hq,) factors 0.1, 1, 10 (head h: 10^(h mod 3 - 1)) on a head-major attention output (seed audit S5):
+    with T != 1 and h_q != 1 a buffer read in the other layout, a head read at another's stride or a token
+    read at another's offset takes rows of another head, off by the data and by up to 100x in scale. The draws
+    are the token-major case's (the rng is not called): its inputs, scaled per head and transposed."""
+    return 10.0 ** (np.arange(hq) % 3 - 1.0)
+
+
 def outproj_mlp_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
     e, ae, hq, d = p["e"], p["e"] + p["epad"], p["hq"], p["d"]
     ad = d + p["dpad"]
@@ -277,6 +285,9 @@ def outproj_mlp_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.
     attn = rows(rng, t, hq * ad, hq * ad, dist) * lanes  # the attention output: padded lanes zero
     real_e = (np.arange(ae) < e).astype(np.float64)
     wo = dense(rng, ae, hq * ad, lanes, real_e, dist)
+    if p.get("attn_layout", "token_major") == "head_major":  # the seed's [h_q, T, a_d] (S5), heads scaled
+        attn = attn * np.repeat(head_major_scales(hq), ad)
+        attn = np.ascontiguousarray(attn.reshape(t, hq, ad).transpose(1, 0, 2))
     out = {"attn": dt.round_to(attn, dtype), "residual": dt.round_to(rows(rng, t, e, ae, dist), dtype)}
     if p["wo_layout"] == "head_major":  # Wo[h][aE][ad]: the same W, per head
         out["wo"] = wo.reshape(ae, hq, ad).transpose(1, 0, 2).astype(np.float32)

@@ -101,6 +101,14 @@ def mlp_kw(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, Any]:
                 gemma=bool(p["gemma"]))
 
 
+OUTPROJ_MLP_DEFAULTS = {**MLP_DEFAULTS, "attn_layout": "token_major"}  # older cases keep their ids and inputs
+
+
+def attn_layout(p: dict[str, Any]) -> str:
+    """outproj_mlp's attention output layout: "token_major" (T, h_q a_d) or "head_major" (h_q, T, a_d) (S5)."""
+    return p.get("attn_layout", "token_major")
+
+
 def check_outproj_mlp(p: dict[str, Any]) -> str | None:
     if p["wo_layout"] == "head_major" and p["wo"] != "f32":
         return "wo_layout=head_major is the seed's fp32 per-head W_o: it needs wo=f32"

@@ -7,6 +7,7 @@
  *               seed's aligned_intermediate_dim aI = I + ipad);  act = silu(gate) up over the I real lanes (lanes
  *               [I, aI) cleared);  down = act W2^T (+ b2);  out = x + down
  *   outproj_mlp: proj = attn W_o^T (+ b_o) (flat, or fp32 per head summed);  h1 = proj + residual;  the mlp on h1
+ *               (attn token-major (T, h_q a_d), or head-major (h_q, T, a_d): the seed's [h, T, a_d])
  *
  * Conventions (OPS.md, layers; golden refimpl/blocks.py): rows aligned to aE = E + pad lanes (statistics
  * over E, padding zero in and out), heads aligned to a_d = d + pad lanes (dot products over a_d, scale
@@ -72,6 +73,7 @@ typedef struct {                   /* mirrored by kernels/cpu/blocks.py (_Params
     float *proj, *h1, *h, *act, *down;
     const float *b1, *b2;          /* the MLP's biases (2 aI,) = b_gate | b_up and (ae,) = b_down, or NULL */
     int64_t ipad;                  /* the MLP's padding lanes per half: aI = inter + ipad */
+    int64_t attn_heads;            /* outproj_mlp: x head-major (hq, t, ad), the seed's [h, T, a_d] (S5) */
 } blk_params;
 
 /* ---- weights and activations ----------------------------------------------------------------------- */
@@ -715,7 +717,12 @@ KP_INLINE int blocks_outproj_mlp_impl(const blk_params *P) {
     double *buf = alloc_zero(sizeof(double) * (size_t)(T * K + 2 * T * ae));
     if (!buf) return KP_ERR_NOMEM;
     double *a = buf, *proj = a + T * K, *h1 = proj + T * ae;
-    for (int64_t i = 0; i < T * K; i++) a[i] = (double)P->x[i];
+    if (P->attn_heads)   /* head-major [h][T][a_d]: token t's row is its heads' rows in order */
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = 0; h < hq; h++)
+                for (int64_t j = 0; j < ad; j++) a[t * K + h * ad + j] = (double)P->x[(h * T + t) * ad + j];
+    else
+        for (int64_t i = 0; i < T * K; i++) a[i] = (double)P->x[i];
     if (P->wo_heads) {   /* Wo[h][aE][a_d]: sum over heads of attn_h . Wo[h][n], the bias once */
         const float *w = (const float *)P->wo;
         for (int64_t t = 0; t < T; t++)

@@ -7,7 +7,8 @@ attention block in one pass, and the prefill attention, MLP and outproj + MLP bl
     outproj_mlp:  proj = attn W_o^T (+ bias) -> h1 = proj + residual -> the mlp on h1
 
 Arrays (all float32 and C-contiguous unless said; no copy is made):
-x: (aE,) decode, (T, aE) prefill / mlp;  attn (outproj_mlp): (T, h_q a_d);  residual: like x
+x: (aE,) decode, (T, aE) prefill / mlp;  attn (outproj_mlp): (T, h_q a_d), or (h_q, T, a_d) with
+    attn_layout="head_major" (the seed's [h, T, a_d]);  residual: like x
 gamma: (aE,);  eps: RMSNorm epsilon;  n: the real embed dim E (lanes [n, aE) are padding, zero)
 a weight: (fmt, array): "f32" (N, K) float32, or a GGML format (`WEIGHT_FORMATS`) (N, K / block * nbytes)
     uint8 rows of blocks; wq (h_q a_d, aE), wk, wv (h_kv a_d, aE), wo (aE, h_q a_d) or ("f32_heads",
@@ -50,11 +51,13 @@ _lib: ctypes.CDLL | None = None
 
 
 _MLP_FIELDS = (("b1", _PTR), ("b2", _PTR), ("ipad", _I64))  # the MLP's biases and padding (appended)
+_ATTN_LAYOUT_FIELDS = (("attn_heads", _I64),)  # outproj_mlp's head-major attention output (appended, S5)
 
 
 class _Params(ctypes.Structure):
     """blocks.c's blk_params, field for field."""
-    _fields_ = [*((n, _I64) for n in _INTS), ("eps", _F64), *((n, _PTR) for n in _ARRAYS), *_MLP_FIELDS]
+    _fields_ = [*((n, _I64) for n in _INTS), ("eps", _F64), *((n, _PTR) for n in _ARRAYS), *_MLP_FIELDS,
+                *_ATTN_LAYOUT_FIELDS]
 
 
 def _kernels() -> ctypes.CDLL:
@@ -261,16 +264,27 @@ def mlp(x: np.ndarray, gamma: np.ndarray, eps: float, w1, w2, *, n: int, b1=None
 
 def outproj_mlp(attn: np.ndarray, residual: np.ndarray, wo, gamma: np.ndarray, eps: float, w1, w2, *, n: int,
                 bo: np.ndarray | None = None, b1=None, b2=None, inter: int | None = None, gemma: bool = False,
-                quantize_activations: bool = True, out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """attn (T, h_q a_d), residual (T, aE) -> {"proj", "h1" = proj + residual, "norm", "h", "act", "down", "out"}."""
+                quantize_activations: bool = True, out: dict[str, np.ndarray] | None = None,
+                attn_layout: str = "token_major") -> dict[str, np.ndarray]:
+    """attn (T, h_q a_d), or (h_q, T, a_d) with attn_layout="head_major" (the seed's [h, T, a_d]), residual
+    (T, aE) -> {"proj", "h1" = proj + residual, "norm", "h", "act", "down", "out"}."""
     if not isinstance(residual, np.ndarray) or residual.ndim != 2:
         raise ValueError(f"residual must be a float32 array (T, aE), got {getattr(residual, 'shape', None)}")
     _array("residual", residual, residual.shape)
     t, ae = residual.shape
-    if not isinstance(attn, np.ndarray) or attn.ndim != 2 or attn.shape[0] != t:
-        raise ValueError(f"attn must be a float32 array (T = {t}, h_q a_d), got {getattr(attn, 'shape', None)}")
+    if attn_layout == "head_major":
+        if not isinstance(attn, np.ndarray) or attn.ndim != 3 or attn.shape[1] != t:
+            raise ValueError(f"attn (head_major) must be a float32 array (h_q, T = {t}, a_d), got "
+                             f"{getattr(attn, 'shape', None)}")
+        attn_hq, attn_ad = attn.shape[0], attn.shape[2]
+    elif attn_layout == "token_major":
+        if not isinstance(attn, np.ndarray) or attn.ndim != 2 or attn.shape[0] != t:
+            raise ValueError(f"attn must be a float32 array (T = {t}, h_q a_d), got {getattr(attn, 'shape', None)}")
+        attn_hq, attn_ad = 1, attn.shape[1]
+    else:
+        raise ValueError(f"attn_layout={attn_layout!r}: expected 'token_major' or 'head_major'")
     _array("attn", attn, attn.shape)
-    k = attn.shape[1]
+    k = attn_hq * attn_ad
     fields, arrays = _mlp_fields(residual, gamma, eps, w1, w2, n, gemma, quantize_activations, b1, b2, inter)
     if isinstance(wo, tuple) and len(wo) == 2 and wo[0] == "f32_heads":
         a = wo[1]
@@ -279,13 +293,15 @@ def outproj_mlp(attn: np.ndarray, residual: np.ndarray, wo, gamma: np.ndarray, e
                              f"{getattr(a, 'shape', None)}")
         _array("wo", a, a.shape)
         hq, ad, wo_type, heads = a.shape[0], a.shape[2], 0, 1
+        if attn_layout == "head_major" and (hq, ad) != (attn_hq, attn_ad):
+            raise ValueError(f"wo ('f32_heads') has {hq} heads of {ad} lanes, attn {attn_hq} of {attn_ad}")
     else:
         wo_type, _ = _weight("wo", wo, ae, k)
-        hq, ad, heads = 1, k, 0
+        hq, ad, heads = attn_hq, attn_ad, 0
     i = fields["inter"] + fields["ipad"]
     res = _outputs(out, {"proj": (t, ae), "h1": (t, ae), "norm": (t, ae), "h": (t, 2 * i), "act": (t, i),
                          "down": (t, ae), "out": (t, ae)})
-    fields.update(hq=hq, ad=ad, wo_type=wo_type, wo_heads=heads)
+    fields.update(hq=hq, ad=ad, wo_type=wo_type, wo_heads=heads, attn_heads=int(attn_layout == "head_major"))
     _run("blocks_outproj_mlp", fields, dict(x=attn, res=residual, wo=wo[1], bo=_optional("bo", bo, (ae,)),
                                             **arrays, **res))
     return res

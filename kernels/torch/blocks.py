@@ -132,8 +132,15 @@ def mlp(x: torch.Tensor, gamma: torch.Tensor, eps: float, w1: Weight, w2: Weight
 
 def outproj_mlp(attn: torch.Tensor, residual: torch.Tensor, wo: Weight, gamma: torch.Tensor, eps: float, w1: Weight,
                 w2: Weight, *, n: int, bo: torch.Tensor | None = None, b1: torch.Tensor | None = None,
-                b2: torch.Tensor | None = None, inter: int | None = None, gemma: bool = False) -> dict[str, torch.Tensor]:
-    """attn (T, h_q a_d) -> {"proj", "h1" = proj + residual, then `mlp` on h1}."""
+                b2: torch.Tensor | None = None, inter: int | None = None, gemma: bool = False,
+                attn_layout: str = "token_major") -> dict[str, torch.Tensor]:
+    """attn (T, h_q a_d), or (h_q, T, a_d) with attn_layout="head_major" (the seed's [h, T, a_d]: token t's row
+    is its heads' rows in order) -> {"proj", "h1" = proj + residual, then `mlp` on h1}."""
+    if attn_layout == "head_major":
+        h, t, ad = attn.shape
+        attn = attn.transpose(0, 1).reshape(t, h * ad)
+    elif attn_layout != "token_major":
+        raise ValueError(f"attn_layout={attn_layout!r}: expected 'token_major' or 'head_major'")
     proj = project(attn, wo, bo)
     h1 = proj + residual
     return {"proj": proj, "h1": h1, **mlp(h1, gamma, eps, w1, w2, n=n, b1=b1, b2=b2, inter=inter, gemma=gemma)}

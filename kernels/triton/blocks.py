@@ -203,14 +203,41 @@ def mlp(x: torch.Tensor, gamma: torch.Tensor, eps: float, w1: Weight, w2: Weight
     return o
 
 
+@triton.jit
+def _heads_to_rows_kernel(Attn_ptr, Rows_ptr, T, AD, BLOCK_AD: tl.constexpr):
+    """rows[t, h AD : (h + 1) AD] = attn[h, t, :]: a head-major (h, T, AD) attention output as token rows
+    (T, h AD), one program per (t, h) (seed audit S5)."""
+    pid_t, pid_h = tl.program_id(0), tl.program_id(1)
+    offs = tl.arange(0, BLOCK_AD)
+    row = tl.load(Attn_ptr + (pid_h * T + pid_t) * AD + offs, mask=offs < AD, other=0.0)
+    tl.store(Rows_ptr + (pid_t * tl.num_programs(1) + pid_h) * AD + offs, row, mask=offs < AD)
+
+
+def attn_rows(attn: torch.Tensor, attn_layout: str) -> torch.Tensor:
+    """The attention output as token rows (T, h_q a_d): attn itself when token-major, a head-major
+    (h_q, T, a_d) one gathered per head by _heads_to_rows_kernel."""
+    if attn_layout == "token_major":
+        return attn
+    if attn_layout != "head_major":
+        raise ValueError(f"attn_layout={attn_layout!r}: expected 'token_major' or 'head_major'")
+    if attn.dim() != 3:
+        raise ValueError(f"a head-major attention output is (h_q, T, a_d), got {tuple(attn.shape)}")
+    _contiguous("attn", attn)
+    h, t, ad = attn.shape
+    rows = torch.empty((t, h * ad), dtype=attn.dtype, device=attn.device)
+    _heads_to_rows_kernel[(t, h)](attn, rows, t, ad, BLOCK_AD=triton.next_power_of_2(ad), num_warps=1)
+    return rows
+
+
 def outproj_mlp(attn: torch.Tensor, residual: torch.Tensor, wo: Weight, gamma: torch.Tensor, eps: float, w1: Weight,
                 w2: Weight, *, n: int, bo: torch.Tensor | None = None, b1: torch.Tensor | None = None,
                 b2: torch.Tensor | None = None, inter: int | None = None, gemma: bool = False,
-                out: dict | None = None) -> dict[str, torch.Tensor]:
-    """attn (T, h_q a_d), residual (T, aE) -> {"proj", "h1" = proj + residual, then `mlp` on h1}."""
+                out: dict | None = None, attn_layout: str = "token_major") -> dict[str, torch.Tensor]:
+    """attn (T, h_q a_d), or (h_q, T, a_d) with attn_layout="head_major" (the seed's [h, T, a_d]), residual
+    (T, aE) -> {"proj", "h1" = proj + residual, then `mlp` on h1}."""
     t, ae = residual.shape
     o = _outputs(out, {"proj": (t, ae), "h1": (t, ae)}, residual)
-    linear(attn, wo, bo, o["proj"])
+    linear(attn_rows(attn, attn_layout), wo, bo, o["proj"])
     add(o["proj"], residual, o["h1"])
     rest = mlp(o["h1"], gamma, eps, w1, w2, n=n, b1=b1, b2=b2, inter=inter, gemma=gemma,
                out={k: v for k, v in o.items() if k not in ("proj", "h1")})
