@@ -52,7 +52,20 @@ def _attention_shape(p):
     return {**p, "hq": hq, "d": d, "dpad": dpad, "epad": epad, "cap": last + p["cap"] % 3}
 
 
-ATTN = dict(e=(8, 100), hkv=(1, 3), hq=(0, 3), d=(0, 19), dpad=(0, 4), epad=(0, 4), cap=(0, 2), transform=_attention_shape)
+ATTN = dict(e=(8, 100), hkv=(1, 3), hq=(0, 3), d=(0, 19), dpad=(0, 4), epad=(0, 4), cap=(0, 2),
+            rope_off=[0, 0, 0, 1, 4096], transform=_attention_shape)  # rope_off (S7): the tables grow by it
+
+
+def _qkv(x: dict, p: dict) -> tuple[dict, dict]:
+    """({"wq", "wk", "wv"}, {"bq", "bk", "bv"}) of the inputs: the separate ones, or W_qkv's / b_qkv's row
+    sections (qkv=fused: q heads, then k, then v)."""
+    if p.get("qkv") != "fused":
+        return {n: x[n] for n in ("wq", "wk", "wv")}, {n: x.get(n) for n in ("bq", "bk", "bv")}
+    ad = p["d"] + p["dpad"]
+    cut = [p["hq"] * ad, (p["hq"] + p["hkv"]) * ad]
+    ws = dict(zip(("wq", "wk", "wv"), np.split(x["wqkv"], cut)))
+    bs = dict(zip(("bq", "bk", "bv"), np.split(x["bqkv"], cut) if "bqkv" in x else (None,) * 3))
+    return ws, bs
 
 
 def _mlp_shape(p):
@@ -173,11 +186,12 @@ def test_c_without_activation_quantization_is_l1(case):
     prep = Prepared(ops.get(case.op), case)
     x = {n: np.array(v, copy=True) for n, v in prep.inputs.items()}
     p = case.p
-    got = k.attention_decode(x["x"], x["gamma"], float(p["eps"]), (p["wqkv"], x["wq"]), (p["wqkv"], x["wk"]),
-                             (p["wqkv"], x["wv"]), (p["wo"], x["wo"]), x["k_cache"], x["v_cache"], x["cos"], x["sin"],
-                             p["pos"], n=p["e"], h_q=p["hq"], h_kv=p["hkv"], d=p["d"], bq=x.get("bq"),
-                             bk=x.get("bk"), bv=x.get("bv"), bo=x.get("bo"), residual=x.get("r"), style=p["style"],
-                             gemma=bool(p["gemma"]), quantize_activations=False)
+    ws, bs = _qkv(x, p)  # the separate sections: the fused layout reads the same rows
+    got = k.attention_decode(x["x"], x["gamma"], float(p["eps"]), *((p["wqkv"], ws[n]) for n in ("wq", "wk", "wv")),
+                             (p["wo"], x["wo"]), x["k_cache"], x["v_cache"], x["cos"], x["sin"],
+                             p["pos"], n=p["e"], h_q=p["hq"], h_kv=p["hkv"], d=p["d"], **bs, bo=x.get("bo"),
+                             residual=x.get("r"), style=p["style"], gemma=bool(p["gemma"]), quantize_activations=False,
+                             rope_off=p.get("rope_off", 0))
     got.update(k_cache=x["k_cache"], v_cache=x["v_cache"])
     runs.assert_close(case, got, prep.references["dequant"], "the activations were not quantized (L1 arithmetic)")
 
@@ -200,9 +214,10 @@ def test_attention_golden_is_the_composition_of_the_goldens(case, reference):
     proj = gemm.emulated_reference if reference == "emulated" else gemm.dequant_reference
     _close("norm", norm.rms_norm(x["x"], x["gamma"], float(p["eps"]), n=p["e"], gemma=bool(p["gemma"]))["y"], g["norm"],
            case)
+    ws, bs = _qkv(x, p)
     for name, w, b, h in (("q", "wq", "bq", hq), ("k", "wk", "bk", hkv), ("v", "wv", "bv", hkv)):
-        _close(name, proj(g["norm"], p["wqkv"], {"w": x[w]}, x.get(b)).reshape(t, h, ad), g[name], case)
-    pos = s + np.arange(t)
+        _close(name, proj(g["norm"], p["wqkv"], {"w": ws[w]}, bs[b]).reshape(t, h, ad), g[name], case)
+    pos = p.get("rope_off", 0) + s + np.arange(t)  # RoPE's positions; the cache slots are s + t
     for src, dst in (("q", "q_rope"), ("k", "k_rope")):
         _close(dst, rope.rope(g[src], x["cos"], x["sin"], pos, style=p["style"], rot=d), g[dst], case)
     for new, name in ((g["k_rope"], "k_cache"), (g["v"], "v_cache")):
@@ -366,6 +381,7 @@ def _dx_of_dequantized_weights(case) -> None:
     bit for bit on the C and eager kernels (the same arithmetic once the weight is read); within the op's
     limits on the Triton composition (its GGML decoder's tiles vs its fp32 matmul's)."""
     names = ({"w1": "w1", "w2": "w2"} if case.op == MLP_BWD
+             else {"wqkv": "wqkv", "wo": "wo"} if case.p.get("qkv") == "fused"  # one W_qkv (S11)
              else {"wq": "wqkv", "wk": "wqkv", "wv": "wqkv", "wo": "wo"})
     x = runs.inputs_of(case)
     got = runs.run(case, x)

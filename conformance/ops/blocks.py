@@ -19,6 +19,10 @@ Triton and torch paths (weights dequantized, float products) L1. The intermediat
 pipeline order (`stages`): a failing record names the first stage that diverges. The caches are
 in-place outputs: only the new tokens' rows may change.
 
+The attention blocks take two parameters added later, with defaults (older ids and inputs unchanged):
+`rope_off` (seed audit S7, the seed's rope_pos_offset: RoPE at rope_off + slot, the caches and the mask by
+slot) and `qkv` (S11: `fused` is the seed's one W_qkv / b_qkv, inputs `wqkv`, `bqkv`, q heads then k then v).
+
 The whole-layer backward of the MLP and prefill attention blocks (`blocks.mlp_backward`,
 `blocks.attention_prefill_backward`) is specified in blocks_grad.py.
 

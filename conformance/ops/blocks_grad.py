@@ -160,6 +160,13 @@ def attention_grad_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             shapes["dbo"] = (e,)
         if p["residual"]:
             shapes["dr"] = (t, e)
+        if p.get("qkv") == "fused":  # the gradients of the inputs W_qkv, b_qkv (refimpl.blocks.fused_grads)
+            rows = (hq + 2 * hkv) * a
+            fused = {"dwqkv": (rows, e), **({"dbqkv": (rows,)} if p["bias"] else {})}
+            shapes = {k: v for k, v in shapes.items() if k not in ("dwq", "dwk", "dwv", "dbq", "dbk", "dbv")}
+            shapes = {**{k: v for k, v in shapes.items() if k in ("dattn", "dq_rope", "dk_rope", "dv", "dq", "dk",
+                                                                   "dnorm", "dx", "dgamma")},
+                      **fused, **{k: v for k, v in shapes.items() if k in ("dwo", "dbo", "dr")}}
     return shapes
 
 
@@ -195,6 +202,8 @@ ATTENTION_OUT = {
     "dwv": Output("test", doc="dv^T @ norm"), "dwo": Output("test", doc="dout^T @ attn"),
     "dbq": Output("test", doc="the sum of dq over rows"), "dbk": Output("test", doc="the sum of dk over rows"),
     "dbv": Output("test", doc="the sum of dv over rows"), "dbo": Output("test", doc="the sum of dout over rows"),
+    "dwqkv": Output("test", doc="qkv=fused: (dq | dk | dv)^T @ norm, W_qkv's rows (q heads, then k, then v)"),
+    "dbqkv": Output("test", doc="qkv=fused: the sums of dq, dk, dv over rows, b_qkv's order"),
     "dr": Output("test", doc="dout: the residual's gradient"),
 }
 
