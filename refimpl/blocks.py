@@ -28,7 +28,8 @@ Conventions (OPS.md, layers; research/seed-systems.md §1):
   the real head dim. Query head h reads kv head h // (h_q / h_kv) (= h * h_kv / h_q, the seed's).
 - The caches are head-major (h_kv, capacity, a_d); slots < s hold history, the T new rows are written
   at s .. s + T - 1, every other slot is never read (NaN in the tests) and keeps its value.
-- W_o is flat (aE, h_q a_d), or for outproj_mlp with fp32 weights also head-major (h_q, aE, a_d),
+- W_o is flat (aE, h_q a_d), or with fp32 weights also head-major (h_q, aE, a_d) (outproj_mlp, and the attention
+  blocks with wo_layout=head_major, whose backward returns dwo per head),
   summed over heads with the bias added once (`Weight(fmt="f32_heads", ...)`): the same product.
 - A projection weight is a `Weight`: "f32" (N, K) floats, or a GGML format, rows of blocks along K.
   `reference` picks the gemm family's reference for every projection: "dequant" (L1: the weights
@@ -179,6 +180,15 @@ def fused_grads(qkv: str, g: dict[str, F64]) -> dict[str, F64]:
     return out
 
 
+def wo_grad(wo: Weight, dw: F64) -> F64:
+    """W_o's gradient (aE, h_q a_d) in W_o's layout: per head (h_q, aE, a_d) for "f32_heads" (the seed's per-head
+    d_wo), as computed otherwise."""
+    if wo.fmt != "f32_heads":
+        return dw
+    h, n, ad = np.shape(wo.data)
+    return np.ascontiguousarray(dw.reshape(n, h, ad).transpose(1, 0, 2))
+
+
 def attention_prefill(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: Weight, wv: Weight, wo: Weight,
                       k_cache: NDArray, v_cache: NDArray, cos: NDArray, sin: NDArray, start: int, *, n: int,
                       h_q: int, h_kv: int, d: int, bq: NDArray | None = None, bk: NDArray | None = None,
@@ -188,7 +198,8 @@ def attention_prefill(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: We
     """The attention block over T tokens in cache slots start .. start + T - 1 (module docstring).
 
     x: (T, aE) float, lanes [n, aE) zero;  gamma: (aE,)
-    wq: Weight (h_q a_d, aE); wk, wv: Weight (h_kv a_d, aE); wo: Weight (aE, h_q a_d)
+    wq: Weight (h_q a_d, aE); wk, wv: Weight (h_kv a_d, aE); wo: Weight (aE, h_q a_d), or "f32_heads"
+    (h_q, aE, a_d): the seed's per-head W_o, summed over heads, the bias added once (the backward's dwo per head)
     k_cache, v_cache: (h_kv, cap, a_d), slots < start hold history; cap >= start + T
     cos, sin: (max_seq, d/2) tables; max_seq > rope_off + start + T - 1
     bq: (h_q a_d,), bk, bv: (h_kv a_d,), bo: (aE,), residual: (T, aE), or None
@@ -408,7 +419,7 @@ def attention_prefill_backward(x: NDArray, gamma: NDArray, eps: float, wq: Weigh
     nb = norm.rms_norm_backward(x, gamma, dnorm, eps, n=n, gemma=gemma)
     out = {"dattn": dattn, "dq_rope": dq_rope, "dk_rope": dk_rope, "dv": dv, "dq": dq, "dk": dk, "dnorm": dnorm,
            "dx": nb["dx"], "dgamma": nb["dw"], "dwq": proj["q"]["dw"], "dwk": proj["k"]["dw"],
-           "dwv": proj["v"]["dw"], "dwo": go["dw"]}
+           "dwv": proj["v"]["dw"], "dwo": wo_grad(wo, go["dw"])}
     for name in ("q", "k", "v"):
         if "db" in proj[name]:
             out[f"db{name}"] = proj[name]["db"]
@@ -709,8 +720,8 @@ def _attention_backward_mag(x: F64, gamma: NDArray, eps: float, wq: Weight, wk: 
     dnm = _Mag(sq, own + max(m[k].n for k in ("dq", "dk", "dv")))
     dx, dgam = _rms_backward_mag(x, gamma, eps, n, gemma, dnorm, dnm, t)
     out = {"dattn": _ungrouped(do2, t), **{k: v.sq for k, v in m.items()}, "dnorm": dnm.sq, "dx": dx,
-           "dgamma": dgam, "dwo": d2.T @ _blend(val["attn"].reshape(t, -1),
-                                                _Mag(mag["attn"].sq.reshape(t, -1), mag["attn"].n), float(t))}
+           "dgamma": dgam, "dwo": wo_grad(wo, d2.T @ _blend(val["attn"].reshape(t, -1),
+                                                        _Mag(mag["attn"].sq.reshape(t, -1), mag["attn"].n), float(t)))}
     n2 = np.square(val["norm"])
     for name, b in (("q", bq), ("k", bk), ("v", bv)):
         dy, mm = g[f"d{name}"].reshape(t, -1), m[f"d{name}"]

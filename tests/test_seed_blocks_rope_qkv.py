@@ -1,9 +1,10 @@
-"""Seed audit S7 and S11 for the attention blocks: RoPE's position apart from the cache slot (`rope_off`, the
-seed's rope_pos_offset beside token_index) and one fused W_qkv / b_qkv (`qkv=fused`, mega_fuse_rmsnorm_qkv).
+"""Seed audit S7, S11 and S4 for the attention blocks: RoPE's position apart from the cache slot (`rope_off`, the
+seed's rope_pos_offset beside token_index), one fused W_qkv / b_qkv (`qkv=fused`, mega_fuse_rmsnorm_qkv) and the
+fp32 per-head W_o [h_q, aE, a_d] (`wo_layout=head_major`, the bias once; the backward's dwo per head).
 
 The contract (refimpl/blocks.py): token t is rotated at rope_off + start + t and written at slot start + t (the
 causal mask counts slots); W_qkv's rows are the q heads', then the k heads', then the v heads' (b_qkv likewise),
-and the backward returns dwqkv / dbqkv in that order. Both default to the older ops: their ids, inputs and
+and the backward returns dwqkv / dbqkv in that order. All three default to the older ops: their ids, inputs and
 goldens are unchanged.
 """
 
@@ -138,3 +139,33 @@ def test_ci_runs_a_large_rope_off_and_fused_qkv_with_biases_on_every_kernel_back
     off = {b for bs, p in params if p.get("rope_off", 0) >= 1000 for b in bs}
     fused = {b for bs, p in params if p.get("qkv") == "fused" and p["bias"] and p["hkv"] > 1 for b in bs}
     assert off >= {"cpu", "torch", "triton"} and fused >= {"cpu", "torch", "triton"}
+
+
+@pytest.mark.parametrize("op", [PREFILL, DECODE, BWD])
+def test_head_major_wo_is_the_flat_wo_per_head(op):
+    p = dict(P)
+    if op == DECODE:
+        p = {k: v for k, v in p.items() if k not in ("t", "start")} | dict(pos=5, cap=6)
+    flat, heads = _prepared(op, p).inputs64, _prepared(op, dict(p, wo_layout="head_major")).inputs64
+    ae, ad = P["e"] + P["epad"], P["d"] + P["dpad"]
+    assert heads["wo"].shape == (P["hq"], ae, ad)
+    np.testing.assert_array_equal(heads["wo"], flat["wo"].reshape(ae, P["hq"], ad).transpose(1, 0, 2))
+    spec = ops.get(op)
+    ps = spec.params.parse(op, ",".join(f"{k}={v}" for k, v in p.items()))
+    a, b = spec.reference(flat, ps), spec.reference(heads, {**ps, "wo_layout": "head_major"})
+    if op == BWD:
+        np.testing.assert_allclose(b.pop("dwo"), a.pop("dwo").reshape(ae, P["hq"], ad).transpose(1, 0, 2),
+                                   rtol=1e-13, atol=0)
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], rtol=1e-13, atol=1e-300, err_msg=name)
+
+
+def test_head_major_wo_needs_f32():
+    with pytest.raises(UsageError, match="head_major"):
+        ops.make_case(PREFILL, "cpu", "fp32", dict(P, wo="q8_0", wo_layout="head_major"), "normal", 1)
+
+
+@pytest.mark.parametrize("op", [DECODE, PREFILL, BWD])
+def test_ci_runs_head_major_wo_with_a_bias_on_every_kernel_backend(op):
+    got = {b for bs, p in _ci_params(op) if p.get("wo_layout") == "head_major" and p["obias"] for b in bs}
+    assert got >= {"cpu", "torch", "triton"}

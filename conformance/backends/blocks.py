@@ -47,7 +47,7 @@ def _attention_args(case, t: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     start = p["pos"] if "pos" in p else p["start"]
     fused = p.get("qkv") == "fused"  # the seed's one W_qkv / b_qkv, passed as wq / bq (wk, wv, bk, bv None)
     wqkv = ((p["wqkv"], t["wqkv"]), None, None) if fused else tuple((p["wqkv"], t[n]) for n in ("wq", "wk", "wv"))
-    args = (t["x"], t["gamma"], float(p["eps"]), *wqkv, (p["wo"], t["wo"]), t["k_cache"], t["v_cache"], t["cos"],
+    args = (t["x"], t["gamma"], float(p["eps"]), *wqkv, (_wo_fmt(p), t["wo"]), t["k_cache"], t["v_cache"], t["cos"],
             t["sin"], start)
     kw = dict(n=p["e"], h_q=p["hq"], h_kv=p["hkv"], d=p["d"], style=p["style"], gemma=bool(p["gemma"]),
               **{k: t.get(name) for name, k in BIASES}, rope_off=p.get("rope_off", 0), qkv=p.get("qkv", "separate"))

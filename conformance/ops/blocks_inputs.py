@@ -31,7 +31,7 @@ off by far more than rounding):
 Positions are parameters: decode at pos around the 64-key tiles (63, 64, 65) and far out (1024).
 `rope_off` (seed audit S7) extends the cos/sin tables to cap + rope_off rows (the other cases' tables are
 unchanged); `qkv=fused` (S11) gives the same draws as inputs `wqkv` (and `bqkv`): wq's, wk's, wv's rows
-(biases) concatenated, q heads first.
+(biases) concatenated, q heads first; `wo_layout=head_major` (S4) the same W_o as (h_q, aE, a_d) float32.
 """
 
 from __future__ import annotations
@@ -208,7 +208,8 @@ def attention_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Ge
         "wq": stored(p["wqkv"], wq),
         "wk": stored(p["wqkv"], wk),
         "wv": stored(p["wqkv"], wv),
-        "wo": stored(p["wo"], wo),
+        "wo": (np.ascontiguousarray(wo.reshape(ae, hq, ad).transpose(1, 0, 2), dtype=np.float32)  # Wo[h][aE][a_d]
+               if p.get("wo_layout") == "head_major" else stored(p["wo"], wo)),
         "k_cache": history(rng, hkv, cap, d, ad, start, k_head),
         "v_cache": history(rng, hkv, cap, d, ad, start, v_head),
         **tables(cap + p.get("rope_off", 0), d, p["theta"]),  # RoPE's rows reach rope_off + the last slot

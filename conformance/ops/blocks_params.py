@@ -36,15 +36,17 @@ ATTN = dict(
     eps=OneOf(*EPS, doc="RMSNorm epsilon (inside the square root)"),
     gemma=OneOf(0, 1, doc="RMSNorm weight applied as (1 + gamma) (Gemma)"),
 )
-# Attention parameters added after the ops' first cases (seed audit S7, S11), with defaults (`Defaults`): a case
+# Attention parameters added after the ops' first cases (seed audit S7, S11, S4), with defaults (`Defaults`): a case
 # that leaves them at their default has the id and inputs it always had.
 ATTN_NEW = dict(
     rope_off=Int(0, 1 << 20, edges=(0, 1, 4096), doc="RoPE's position minus the cache slot (the seed's "
                  "rope_pos_offset beside token_index): token t rotated at rope_off + slot, cached and masked by slot"),
     qkv=OneOf("separate", "fused", doc="Q/K/V weights and biases as wq, wk, wv (bq, bk, bv), or the seed's one "
               "W_qkv / b_qkv (inputs wqkv, bqkv: rows of the q heads, then k, then v)"),
+    wo_layout=OneOf("flat", "head_major", doc="W_o (aE, h_q a_d), or (S4) the seed's fp32 per-head Wo[h][aE][a_d] "
+                    "summed over heads, the bias once (the backward's dwo per head)"),
 )
-ATTN_DEFAULTS = {"rope_off": 0, "qkv": "separate"}
+ATTN_DEFAULTS = {"rope_off": 0, "qkv": "separate", "wo_layout": "flat"}
 MLP = dict(
     i=Int(1, 1 << 16, edges=(256, 14336, 18944), doc="intermediate width I (gate and up each)"),
     w1=OneOf(*MLP_WFMTS, doc="fused gate/up weight format (2I, aE)"),
@@ -88,7 +90,14 @@ def check_attention(p: dict[str, Any]) -> str | None:
     last = p["pos"] + 1 if "pos" in p else p["start"] + p["t"]
     if last > p["cap"]:
         return f"the new tokens reach position {last - 1}, past the cache capacity cap={p['cap']}"
-    return check_heads(p) or check_k("wqkv", p["wqkv"], ae(p), "aE = e + epad") or check_wo(p)
+    return (check_heads(p) or check_k("wqkv", p["wqkv"], ae(p), "aE = e + epad") or check_wo(p)
+            or check_wo_layout(p))
+
+
+def check_wo_layout(p: dict[str, Any]) -> str | None:
+    if p.get("wo_layout") == "head_major" and p["wo"] != "f32":
+        return "wo_layout=head_major is the seed's fp32 per-head W_o: it needs wo=f32"
+    return None
 
 
 def check_mlp(p: dict[str, Any]) -> str | None:

@@ -13,7 +13,8 @@
  * reads kv head h / (h_q / h_kv) (= h * h_kv / h_q), RoPE pairs (i, i + d/2) or (2i, 2i + 1) from cos/sin
  * tables (max_seq, d/2), W1's first I rows the gate. Every array is C-contiguous. RoPE's position is the slot
  * plus rope_off (o: the seed's rope_pos_offset beside token_index); the cache write and the causal mask count
- * slots. With qkv_fused, wq / bq are the seed's one W_qkv / b_qkv (rows: q heads, then k, then v).
+ * slots. With qkv_fused, wq / bq are the seed's one W_qkv / b_qkv (rows: q heads, then k, then v); with wo_heads,
+ * W_o is fp32 per head [hq][aE][a_d] (the attention blocks and outproj_mlp), the bias added once.
  *
  * Projections: a weight row in fp32, or GGML blocks (quant.h). Quantized weights take the activation row
  * rounded to fp32 and quantized by ggml's reference quantizer of their vec_dot type (Q8_0 for
@@ -542,6 +543,18 @@ KP_INLINE int attend_group(const attn_dims *A, int64_t g, const double *qr, cons
     return KP_OK;
 }
 
+/* The seed's fp32 per-head W_o [hq][aE][a_d] over heads h0 .. h0 + nh - 1 of T attention rows a (T, hq a_d):
+ * y[t][n] = sum_h Wo[h][n] . a[t][h] (+ bias[n], once), the heads in order. */
+static void wo_heads_rows(const float *w, const double *a, int64_t T, int64_t hq, int64_t ae, int64_t ad, int64_t h0,
+                          int64_t nh, const float *bias, double *y) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t n = 0; n < ae; n++) {
+            double s = 0.0;
+            for (int64_t h = h0; h < h0 + nh; h++) s += dot_f32(w + (h * ae + n) * ad, a + (t * hq + h) * ad, ad);
+            y[t * ae + n] = bias ? s + (double)bias[n] : s;
+        }
+}
+
 /* ---- the fused decode block --------------------------------------------------------------------------- */
 
 KP_INLINE int blocks_attention_decode_impl(const blk_params *P) {
@@ -595,8 +608,12 @@ KP_INLINE int blocks_attention_decode_impl(const blk_params *P) {
             if (st != KP_OK) break;
             store(P->attn + g * gk, ao + g * gk, gk);
             /* W_o: out += W_o[:, the group's columns] . attn_group, the group's output quantized first */
-            act_prepare(fo.act, ao + g * gk, gk, tmp, &aa);
-            project_rows(&fg, (const uint8_t *)P->wo + g * (gk / fo.qk * fo.nbytes), 0, ae, &aa, NULL, part);
+            if (P->wo_heads) {   /* fp32 Wo[h][aE][a_d] (S4): the group's heads' rows */
+                wo_heads_rows((const float *)P->wo, ao, 1, hq, ae, ad, g * G, G, NULL, part);
+            } else {
+                act_prepare(fo.act, ao + g * gk, gk, tmp, &aa);
+                project_rows(&fg, (const uint8_t *)P->wo + g * (gk / fo.qk * fo.nbytes), 0, ae, &aa, NULL, part);
+            }
             for (int64_t n = 0; n < ae; n++) oacc[n] += part[n];
         }
         if (st == KP_OK)
@@ -673,8 +690,9 @@ KP_INLINE int blocks_attention_prefill_impl(const blk_params *P) {
     if (st == KP_OK) {
         store(P->attn, ao, nq);
         /* the attention output quantized to Q8_0 for a quantized W_o (the seed's
-         * quantize_attn_out_head_major_q8_0), then the output projection */
-        st = project_all(&fo, P->wo, P->bo, ao, T, ae, o);
+         * quantize_attn_out_head_major_q8_0), then the output projection (fp32 per head: wo_heads) */
+        if (P->wo_heads) wo_heads_rows((const float *)P->wo, ao, T, hq, ae, ad, 0, hq, P->bo, o);
+        else st = project_all(&fo, P->wo, P->bo, ao, T, ae, o);
     }
     if (st == KP_OK)
         for (int64_t i = 0; i < T * ae; i++) P->out[i] = (float)(P->res ? o[i] + (double)P->res[i] : o[i]);

@@ -11,7 +11,7 @@ x: (aE,) decode, (T, aE) prefill / mlp;  attn (outproj_mlp): (T, h_q a_d);  resi
 gamma: (aE,);  eps: RMSNorm epsilon;  n: the real embed dim E (lanes [n, aE) are padding, zero)
 a weight: (fmt, array): "f32" (N, K) float32, or a GGML format (`WEIGHT_FORMATS`) (N, K / block * nbytes)
     uint8 rows of blocks; wq (h_q a_d, aE), wk, wv (h_kv a_d, aE), wo (aE, h_q a_d) or ("f32_heads",
-    (h_q, aE, a_d)) for outproj_mlp, w1 (2I, aE) gate rows first, w2 (aE, I)
+    (h_q, aE, a_d)) (outproj_mlp and the attention blocks), w1 (2I, aE) gate rows first, w2 (aE, I)
 bq (h_q a_d,), bk, bv (h_kv a_d,), bo (aE,): or None
 k_cache, v_cache: (h_kv, cap, a_d), written in place at slots start .. start + T - 1 (decode: pos)
 cos, sin: (max_seq, d / 2);  style: "half" or "interleaved";  gemma: RMSNorm weight (1 + gamma)
@@ -146,6 +146,15 @@ def _run(entry: str, fields: dict[str, Any], arrays: dict[str, np.ndarray | None
     check_status(status, entry)
 
 
+def _wo(wo: Any, ae: int, h_q: int, ad: int) -> tuple[int, int]:
+    """(ggml type id, wo_heads) of the attention blocks' W_o: (fmt, (aE, h_q a_d)) flat, or ("f32_heads",
+    (h_q, aE, a_d)) the seed's fp32 per-head layout (seed audit S4)."""
+    if isinstance(wo, tuple) and len(wo) == 2 and wo[0] == "f32_heads":
+        _array("wo ('f32_heads')", wo[1], (h_q, ae, ad))
+        return 0, 1
+    return _weight("wo", wo, ae, h_q * ad)[0], 0
+
+
 def _attention(entry: str, x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, *, n, h_q, h_kv, d,
                bq, bk, bv, bo, residual, style, gemma, quantize_activations, out, decode: bool, rope_off: int = 0,
                qkv: str = "separate") -> dict[str, np.ndarray]:
@@ -190,7 +199,7 @@ def _attention(entry: str, x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos,
                                                                         ("wv", wv, h_kv * ad))}
     if len(wqkv_types) != 1:
         raise ValueError(f"wq, wk, wv must share one format, got {wq[0]}, {wk[0]}, {wv[0]}")
-    wo_type, _ = _weight("wo", wo, ae, h_q * ad)
+    wo_type, wo_heads = _wo(wo, ae, h_q, ad)
     if wo_type and ad % FORMATS[wo[0]][1]:
         raise ValueError(f"wo={wo[0]} quantizes the attention output per head: a_d = {ad} must be a multiple of "
                          f"{FORMATS[wo[0]][1]}")
@@ -200,7 +209,8 @@ def _attention(entry: str, x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos,
     res = _outputs(out, shapes)
     fields = dict(t=t, e=n, ae=ae, hq=h_q, hkv=h_kv, d=d, ad=ad, cap=cap, start=int(start), max_seq=max_seq,
                   style=STYLES[style], gemma=bool(gemma), quant_acts=bool(quantize_activations),
-                  wqkv_type=wqkv_types.pop(), wo_type=wo_type, eps=eps, rope_off=int(rope_off), qkv_fused=fused)
+                  wqkv_type=wqkv_types.pop(), wo_type=wo_type, wo_heads=wo_heads, eps=eps, rope_off=int(rope_off),
+                  qkv_fused=fused)
     arrays = dict(x=x, gamma=gamma, wq=wq[1], wk=None if fused else wk[1], wv=None if fused else wv[1], wo=wo[1],
                   k_cache=k_cache, v_cache=v_cache, cos=cos, sin=sin,
                   bq=_optional("bq", bq, (((h_q + 2 * h_kv) if fused else h_q) * ad,)),

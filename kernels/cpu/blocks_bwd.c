@@ -42,6 +42,7 @@ typedef struct {                   /* mirrored by kernels/cpu/blocks_bwd.py (_Pa
     int64_t t, e, ae, hq, hkv, d, ad, cap, start, inter, max_seq;
     int64_t style, gemma, wqkv_type, wo_type, w1_type, w2_type;
     int64_t rope_off, qkv_fused;   /* attention: RoPE position - cache slot; wq is W_qkv (dwq dW_qkv, dbq db_qkv) */
+    int64_t wo_heads;              /* attention: W_o (and dwo) fp32 per head [hq][aE][a_d] */
     double eps;
     const float *x, *gamma, *dout;                      /* (t, ae), (ae,), (t, ae) */
     const void *wq, *wk, *wv, *wo, *w1, *w2;
@@ -216,7 +217,17 @@ KP_MULTIVERSION(blocks_mlp_backward, (const bwd_params *P), (P))
 KP_INLINE int blocks_attention_prefill_backward_impl(const bwd_params *P) {
     const int64_t T = P->t, ae = P->ae, hq = P->hq, hkv = P->hkv, ad = P->ad;
     if (P->dr) bwd_residual(P->dr, P->dout, T * ae, 1);
-    int st = bwd_linear((int)P->wo_type, P->wo, P->attn, P->dout, T, ae, hq * ad, P->dattn, 0, P->dwo, P->dbo);
+    int st = KP_OK;
+    if (P->wo_heads)   /* Wo[h][aE][a_d]: dattn_h = dout Wo[h], dWo[h] = dout^T attn_h, d_bo once */
+        for (int64_t h = 0; h < hq && st == KP_OK; h++) {
+            st = lb_backward_dx(QT_F32, (const float *)P->wo + h * ae * ad, 4 * ad, P->dout, ae, P->dattn + h * ad,
+                                hq * ad, T, ae, ad, 0);
+            if (st == KP_OK)
+                lb_backward_dw(P->attn + h * ad, hq * ad, P->dout, ae, P->dwo ? P->dwo + h * ae * ad : NULL, ad,
+                               h == 0 ? P->dbo : NULL, T, ae, ad);
+        }
+    else
+        st = bwd_linear((int)P->wo_type, P->wo, P->attn, P->dout, T, ae, hq * ad, P->dattn, 0, P->dwo, P->dbo);
     if (st == KP_OK) st = bwd_attention(P);
     if (st != KP_OK) return st;
     for (int64_t t = 0; t < T; t++) {

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kernel_parity.kernels.cpu.blocks import QKV_LAYOUTS, STYLES, _array, _norm_args, _optional, _weight
+from kernel_parity.kernels.cpu.blocks import QKV_LAYOUTS, STYLES, _array, _norm_args, _optional, _weight, _wo
 from kernel_parity.kernels.cpu.loader import check_status, load
 
 __all__ = ["attention_prefill_backward", "mlp_backward"]
@@ -35,7 +35,7 @@ __all__ = ["attention_prefill_backward", "mlp_backward"]
 _I64, _PTR, _F64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
 _INTS = ("t", "e", "ae", "hq", "hkv", "d", "ad", "cap", "start", "inter", "max_seq", "style", "gemma", "wqkv_type",
          "wo_type", "w1_type", "w2_type")
-_ATTN_INTS = ("rope_off", "qkv_fused")  # blocks_bwd.c's attention fields after w2_type (seed audit S7, S11)
+_ATTN_INTS = ("rope_off", "qkv_fused", "wo_heads")  # blocks_bwd.c's attention fields after w2_type (S7, S11, S4)
 _ARRAYS = ("x", "gamma", "dout", "wq", "wk", "wv", "wo", "w1", "w2", "k_cache", "v_cache", "cos", "sin", "norm", "rstd",
            "q_rope", "k_rope", "v", "attn", "h", "act", "dattn", "dq_rope", "dk_rope", "dv", "dq", "dk", "dnorm", "dact",
            "dh", "dx", "dgamma", "dwq", "dwk", "dwv", "dwo", "dw1", "dw2", "dbq", "dbk", "dbv", "dbo", "dr")
@@ -154,7 +154,7 @@ def attention_prefill_backward(x: np.ndarray, gamma: np.ndarray, eps: float, wq,
     if len(types) != 1:
         raise ValueError(f"wq, wk, wv must share one format, got {wq[0]}, {wk[0]}, {wv[0]}")
     wqkv_type = types.pop()
-    wo_type, _ = _weight("wo", wo, ae, h_q * ad)
+    wo_type, wo_heads = _wo(wo, ae, h_q, ad)
     if weight_grads and (wqkv_type or wo_type):
         raise ValueError(f"weight gradients need float32 weights, got wq={wq[0]}, wo={wo[0]}")
     for name, a, shape in (("dout", dout, (t, ae)), ("norm", norm, (t, ae)), ("rstd", rstd, (t,)),
@@ -168,7 +168,8 @@ def attention_prefill_backward(x: np.ndarray, gamma: np.ndarray, eps: float, wq,
     shapes = {"dattn": (t, h_q, ad), "dq_rope": (t, h_q, ad), "dk_rope": (t, h_kv, ad), "dv": (t, h_kv, ad),
               "dq": (t, h_q, ad), "dk": (t, h_kv, ad), "dnorm": (t, ae), "dx": (t, ae)}
     if weight_grads:
-        shapes.update(dgamma=(ae,), dwq=(h_q * ad, ae), dwk=(h_kv * ad, ae), dwv=(h_kv * ad, ae), dwo=(ae, h_q * ad))
+        shapes.update(dgamma=(ae,), dwq=(h_q * ad, ae), dwk=(h_kv * ad, ae), dwv=(h_kv * ad, ae),
+                      dwo=(h_q, ae, ad) if wo_heads else (ae, h_q * ad))  # per head: the seed's d_wo (S4)
         shapes.update({f"d{b}": a.shape for b, a in biases.items() if a is not None})
         if residual is not None:
             shapes["dr"] = (t, ae)
@@ -179,7 +180,7 @@ def attention_prefill_backward(x: np.ndarray, gamma: np.ndarray, eps: float, wq,
     res = _outputs(out, shapes)
     fields = dict(t=t, e=n, ae=ae, hq=h_q, hkv=h_kv, d=d, ad=ad, cap=cap, start=int(start), max_seq=cos.shape[0],
                   style=STYLES[style], gemma=bool(gemma), wqkv_type=wqkv_type, wo_type=wo_type, eps=eps,
-                  rope_off=int(rope_off), qkv_fused=fused)
+                  rope_off=int(rope_off), qkv_fused=fused, wo_heads=wo_heads)
     grads = {("dwq" if k == "dwqkv" else "dbq" if k == "dbqkv" else k): v for k, v in res.items()}
     _run("blocks_attention_prefill_backward", fields,
          dict(x=x, gamma=gamma, dout=dout, wq=wq[1], wk=None if fused else wk[1], wv=None if fused else wv[1],

@@ -97,7 +97,8 @@ def attention_prefill_backward(x: torch.Tensor, gamma: torch.Tensor, eps: float,
     shapes = {"dattn": (t, h_q, ad), "dq_rope": (t, h_q, ad), "dk_rope": (t, h_kv, ad), "dv": (t, h_kv, ad),
               "dq": (t, h_q, ad), "dk": (t, h_kv, ad), "dnorm": (t, ae), "dx": (t, ae)}
     if weight_grads:
-        shapes.update(dgamma=(ae,), dwq=(h_q * ad, ae), dwk=(h_kv * ad, ae), dwv=(h_kv * ad, ae), dwo=(ae, h_q * ad))
+        shapes.update(dgamma=(ae,), dwq=(h_q * ad, ae), dwk=(h_kv * ad, ae), dwv=(h_kv * ad, ae),
+                      dwo=tuple(wo[1].shape) if wo[0] == "f32_heads" else (ae, h_q * ad))  # per head (S4)
         shapes.update({f"d{b}": tuple(a.shape) for b, a in (("bq", bq), ("bk", bk), ("bv", bv), ("bo", bo))
                        if a is not None})
         if residual is not None:
@@ -117,7 +118,13 @@ def attention_prefill_backward(x: torch.Tensor, gamma: torch.Tensor, eps: float,
                 o.update({f"d{w}{k}": v for k, v in zip("qkv", secs)})
     if "dr" in o:
         o["dr"].copy_(dout)
-    _linear_backward(wo, attn.view(t, h_q * ad), dout, o["dattn"].view(t, h_q * ad), o.get("dwo"), o.get("dbo"))
+    if wo[0] == "f32_heads":  # the seed's Wo[h][aE][a_d]: dattn_h = dout Wo[h], dWo[h] = dout^T attn_h, d_bo once
+        for h in range(h_q):
+            dwo = o.get("dwo")
+            _linear_backward(("f32", wo[1][h]), attn[:, h], dout, o["dattn"][:, h], None if dwo is None else dwo[h],
+                             o.get("dbo") if h == 0 else None)
+    else:
+        _linear_backward(wo, attn.view(t, h_q * ad), dout, o["dattn"].view(t, h_q * ad), o.get("dwo"), o.get("dbo"))
     # keys and values of history + chunk in buffers of their own: the caches are inputs (read only)
     kc, vc = k_cache[:, :live].clone(), v_cache[:, :live].clone()
     write_cache(kc, k_rope, start, d)
