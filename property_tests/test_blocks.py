@@ -49,10 +49,27 @@ def _attention_shape(p):
     dpad = (-d) % 32 if p["wo"] != "f32" else p["dpad"] % 5
     epad = (-p["e"]) % 32 if p["wqkv"] != "f32" else p["epad"] % 5
     last = p["pos"] + 1 if "pos" in p else p["start"] + p["t"]
-    return {**p, "hq": hq, "d": d, "dpad": dpad, "epad": epad, "cap": last + p["cap"] % 3}
+    wo_layout = p["wo_layout"] if p["wo"] == "f32" else "flat"  # the per-head W_o (S4) is fp32
+    return {**p, "hq": hq, "d": d, "dpad": dpad, "epad": epad, "cap": last + p["cap"] % 3, "wo_layout": wo_layout}
 
 
-ATTN = dict(e=(8, 100), hkv=(1, 3), hq=(0, 3), d=(0, 19), dpad=(0, 4), epad=(0, 4), cap=(0, 2), transform=_attention_shape)
+# The parameters added for seed audit S7, S11, S4 at their defaults (one value: no draw, so the examples of the
+# tests that predate them are unchanged); SEED draws them (the tables grow by rope_off).
+ATTN = dict(e=(8, 100), hkv=(1, 3), hq=(0, 3), d=(0, 19), dpad=(0, 4), epad=(0, 4), cap=(0, 2), rope_off=[0],
+            qkv=["separate"], wo_layout=["flat"], transform=_attention_shape)
+SEED = dict(rope_off=[0, 1, 4096], qkv=["separate", "fused"], wo_layout=["flat", "head_major"])
+
+
+def _qkv(x: dict, p: dict) -> tuple[dict, dict]:
+    """({"wq", "wk", "wv"}, {"bq", "bk", "bv"}) of the inputs: the separate ones, or W_qkv's / b_qkv's row
+    sections (qkv=fused: q heads, then k, then v)."""
+    if p.get("qkv") != "fused":
+        return {n: x[n] for n in ("wq", "wk", "wv")}, {n: x.get(n) for n in ("bq", "bk", "bv")}
+    ad = p["d"] + p["dpad"]
+    cut = [p["hq"] * ad, (p["hq"] + p["hkv"]) * ad]
+    ws = dict(zip(("wq", "wk", "wv"), np.split(x["wqkv"], cut)))
+    bs = dict(zip(("bq", "bk", "bv"), np.split(x["bqkv"], cut) if "bqkv" in x else (None,) * 3))
+    return ws, bs
 
 
 def _mlp_shape(p):
@@ -82,6 +99,36 @@ def test_attention_decode(parity, backend, case):
 @pytest.mark.parity_backends("cpu", "torch")
 @given(case=cases("blocks.attention_prefill", t=(1, 20), start=(0, 80), **ATTN))
 def test_attention_prefill(parity, backend, case):
+    parity.check(case.with_backend(backend))
+
+
+# `heads` left out: eager torch's attn is off its error model there on some draws of every layout (P's sensitivity
+# to the fp32 logits, which the model leaves out: e.g. blocks.attention_prefill/torch/.../e=70,epad=26,hq=6,hkv=2,
+# d=8,dpad=0,t=19,start=0,cap=20,wqkv=q8_0,wo=f32,.../heads/seed=1138650638 fails before these parameters too).
+SEED_DISTS = tuple(d for d in ops.get("blocks.attention_prefill").dists if d != "heads")
+
+
+@pytest.mark.parity_backends("cpu", "torch")
+@settings(max_examples=10)
+@given(case=cases("blocks.attention_decode", pos=(0, 70), **{**ATTN, **SEED, "e": (8, 64)}, dists=SEED_DISTS))
+def test_attention_decode_seed_layouts(parity, backend, case):
+    """RoPE at rope_off + slot (S7), one fused W_qkv (S11), the per-head W_o (S4)."""
+    parity.check(case.with_backend(backend))
+
+
+@pytest.mark.parity_backends("cpu", "torch")
+@settings(max_examples=10)
+@given(case=cases("blocks.attention_prefill", t=(1, 9), start=(0, 40), **{**ATTN, **SEED, "e": (8, 64)},
+                  dists=SEED_DISTS))
+def test_attention_prefill_seed_layouts(parity, backend, case):
+    parity.check(case.with_backend(backend))
+
+
+@pytest.mark.parity_backends("cpu", "torch")
+@settings(max_examples=10)
+@given(case=cases("blocks.attention_prefill_backward", t=(1, 9), start=(0, 40), **{**ATTN, **SEED, "e": (8, 64)},
+                  dists=SEED_DISTS))
+def test_attention_prefill_backward_seed_layouts(parity, backend, case):
     parity.check(case.with_backend(backend))
 
 
@@ -167,7 +214,7 @@ def _decode_the_last_token(parity, case) -> None:
     runs.assert_close(dec, got, want, f"the prefill's last token (position {last}) was decoded alone")
 
 
-@given(case=cases("blocks.attention_decode", pos=(0, 80), **{**ATTN, "e": (8, 64)}))
+@given(case=cases("blocks.attention_decode", pos=(0, 80), **{**ATTN, **SEED, "e": (8, 64)}))
 def test_c_without_activation_quantization_is_l1(case):
     """blocks.c with quantize_activations=False vs the dequant (L1) reference, within the op's limits."""
     from kernel_parity.kernels.cpu import blocks as k
@@ -176,11 +223,12 @@ def test_c_without_activation_quantization_is_l1(case):
     prep = Prepared(ops.get(case.op), case)
     x = {n: np.array(v, copy=True) for n, v in prep.inputs.items()}
     p = case.p
-    got = k.attention_decode(x["x"], x["gamma"], float(p["eps"]), (p["wqkv"], x["wq"]), (p["wqkv"], x["wk"]),
-                             (p["wqkv"], x["wv"]), (p["wo"], x["wo"]), x["k_cache"], x["v_cache"], x["cos"], x["sin"],
-                             p["pos"], n=p["e"], h_q=p["hq"], h_kv=p["hkv"], d=p["d"], bq=x.get("bq"),
-                             bk=x.get("bk"), bv=x.get("bv"), bo=x.get("bo"), residual=x.get("r"), style=p["style"],
-                             gemma=bool(p["gemma"]), quantize_activations=False)
+    ws, bs = _qkv(x, p)  # the separate sections: the fused layout reads the same rows
+    got = k.attention_decode(x["x"], x["gamma"], float(p["eps"]), *((p["wqkv"], ws[n]) for n in ("wq", "wk", "wv")),
+                             ("f32_heads" if p.get("wo_layout") == "head_major" else p["wo"], x["wo"]), x["k_cache"],
+                             x["v_cache"], x["cos"], x["sin"], p["pos"], n=p["e"], h_q=p["hq"], h_kv=p["hkv"],
+                             d=p["d"], **bs, bo=x.get("bo"), residual=x.get("r"), style=p["style"],
+                             gemma=bool(p["gemma"]), quantize_activations=False, rope_off=p.get("rope_off", 0))
     got.update(k_cache=x["k_cache"], v_cache=x["v_cache"])
     runs.assert_close(case, got, prep.references["dequant"], "the activations were not quantized (L1 arithmetic)")
 
@@ -194,7 +242,7 @@ def _close(name: str, got: np.ndarray, want: np.ndarray, case) -> None:
         f"{cmp.anomaly_detail or cmp.metrics}\n  repro: parity repro {case.id}")
 
 
-@given(case=cases("blocks.attention_prefill", t=(1, 12), start=(0, 90), **ATTN, backend="cpu"),
+@given(case=cases("blocks.attention_prefill", t=(1, 12), start=(0, 90), **{**ATTN, **SEED}, backend="cpu"),
        reference=st.sampled_from(ref.REFERENCES))
 def test_attention_golden_is_the_composition_of_the_goldens(case, reference):
     x, p = Prepared(ops.get(case.op), case).inputs64, case.p
@@ -203,9 +251,10 @@ def test_attention_golden_is_the_composition_of_the_goldens(case, reference):
     proj = gemm.emulated_reference if reference == "emulated" else gemm.dequant_reference
     _close("norm", norm.rms_norm(x["x"], x["gamma"], float(p["eps"]), n=p["e"], gemma=bool(p["gemma"]))["y"], g["norm"],
            case)
+    ws, bs = _qkv(x, p)
     for name, w, b, h in (("q", "wq", "bq", hq), ("k", "wk", "bk", hkv), ("v", "wv", "bv", hkv)):
-        _close(name, proj(g["norm"], p["wqkv"], {"w": x[w]}, x.get(b)).reshape(t, h, ad), g[name], case)
-    pos = s + np.arange(t)
+        _close(name, proj(g["norm"], p["wqkv"], {"w": ws[w]}, bs[b]).reshape(t, h, ad), g[name], case)
+    pos = p.get("rope_off", 0) + s + np.arange(t)  # RoPE's positions; the cache slots are s + t
     for src, dst in (("q", "q_rope"), ("k", "k_rope")):
         _close(dst, rope.rope(g[src], x["cos"], x["sin"], pos, style=p["style"], rot=d), g[dst], case)
     for new, name in ((g["k_rope"], "k_cache"), (g["v"], "v_cache")):
@@ -217,7 +266,10 @@ def test_attention_golden_is_the_composition_of_the_goldens(case, reference):
                                         g["v_cache"].transpose(1, 0, 2)[None], np.array([0, t]), np.array([s]),
                                         scale=1.0 / math.sqrt(d))
     _close("attn", o, g["attn"], case)
-    out = proj(g["attn"].reshape(t, hq * ad), p["wo"], {"w": x["wo"]}, x.get("bo"))
+    if p.get("wo_layout") == "head_major":  # Wo[h][aE][a_d] (S4): the flat product of its columns
+        out = gemm.gemm_nt(g["attn"].reshape(t, hq * ad), x["wo"].transpose(1, 0, 2).reshape(-1, hq * ad), x.get("bo"))
+    else:
+        out = proj(g["attn"].reshape(t, hq * ad), p["wo"], {"w": x["wo"]}, x.get("bo"))
     _close("out", out + x["r"] if "r" in x else out, g["out"], case)
 
 
@@ -375,6 +427,7 @@ def _dx_of_dequantized_weights(case) -> None:
     bit for bit on the C and eager kernels (the same arithmetic once the weight is read); within the op's
     limits on the Triton composition (its GGML decoder's tiles vs its fp32 matmul's)."""
     names = ({"w1": "w1", "w2": "w2"} if case.op == MLP_BWD
+             else {"wqkv": "wqkv", "wo": "wo"} if case.p.get("qkv") == "fused"  # one W_qkv (S11)
              else {"wq": "wqkv", "wk": "wqkv", "wv": "wqkv", "wo": "wo"})
     x = runs.inputs_of(case)
     got = runs.run(case, x)

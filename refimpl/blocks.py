@@ -7,7 +7,9 @@ first divergence is named.
 attention_prefill (T tokens at positions s .. s + T - 1; attention_decode is T = 1 at s = p):
     norm       = rms_norm(x, gamma, eps; real width E, gemma)                  (T, aE)
     q, k, v    = norm @ Wq^T (+ bq), norm @ Wk^T (+ bk), norm @ Wv^T (+ bv)      (T, h, a_d)
-    q_rope     = rope(q, cos, sin, s + t; rot = d, the first d lanes), k_rope likewise
+                 (qkv="fused": the row sections of one W_qkv / b_qkv, q heads then k then v)
+    q_rope     = rope(q, cos, sin, o + s + t; rot = d, the first d lanes), k_rope likewise (o = rope_off:
+                 the seed's rope_pos_offset, RoPE's position apart from the cache slot; 0 by default)
     k_cache[g, s + t] = k_rope[t, g] with lanes [d, a_d) cleared; v_cache likewise (kvcache.update)
     attn       = attention(q_rope, k_cache[:, :s + T], v_cache[:, :s + T];
                            causal bottom_right: query t sees slots j <= s + t, scale 1/sqrt(d))
@@ -28,7 +30,8 @@ Conventions (OPS.md, layers; research/seed-systems.md §1):
   the real head dim. Query head h reads kv head h // (h_q / h_kv) (= h * h_kv / h_q, the seed's).
 - The caches are head-major (h_kv, capacity, a_d); slots < s hold history, the T new rows are written
   at s .. s + T - 1, every other slot is never read (NaN in the tests) and keeps its value.
-- W_o is flat (aE, h_q a_d), or for outproj_mlp with fp32 weights also head-major (h_q, aE, a_d),
+- W_o is flat (aE, h_q a_d), or with fp32 weights also head-major (h_q, aE, a_d) (outproj_mlp, and the attention
+  blocks with wo_layout=head_major, whose backward returns dwo per head),
   summed over heads with the bias added once (`Weight(fmt="f32_heads", ...)`): the same product.
 - A projection weight is a `Weight`: "f32" (N, K) floats, or a GGML format, rows of blocks along K.
   `reference` picks the gemm family's reference for every projection: "dequant" (L1: the weights
@@ -139,20 +142,74 @@ def _write(cache: NDArray, rows: F64, start: int, d: int) -> F64:
     return out[0].transpose(1, 0, 2)
 
 
+QKV_LAYOUTS = ("separate", "fused")
+
+
+def qkv_sections(qkv: str, wq: Weight, wk: Weight | None, wv: Weight | None, bq: NDArray | None,
+                 bk: NDArray | None, bv: NDArray | None, *, h_q: int, h_kv: int,
+                 ad: int) -> tuple[Weight, Weight, Weight, NDArray | None, NDArray | None, NDArray | None]:
+    """(wq, wk, wv, bq, bk, bv): as given ("separate"), or ("fused") the sections of W_qkv = wq and b_qkv = bq:
+    rows [0, h_q a_d) the q heads, then h_kv a_d rows of k heads, then h_kv a_d of v heads (the seed's
+    concatenation, each head's a_d rows padded as the separate weights are)."""
+    if qkv not in QKV_LAYOUTS:
+        raise ValueError(f"qkv must be one of {QKV_LAYOUTS}, got {qkv!r}")
+    if qkv == "separate":
+        return wq, wk, wv, bq, bk, bv
+    if wk is not None or wv is not None or bk is not None or bv is not None:
+        raise ValueError("qkv='fused' takes W_qkv as wq and b_qkv as bq; wk, wv, bk, bv must be None")
+    rows = (h_q + 2 * h_kv) * ad
+    if np.shape(wq.data)[0] != rows or (bq is not None and np.shape(bq) != (rows,)):
+        raise ValueError(f"W_qkv must have (h_q + 2 h_kv) a_d = {rows} rows (and b_qkv as many), got "
+                         f"{np.shape(wq.data)}, {None if bq is None else np.shape(bq)}")
+    cut = (0, h_q * ad, (h_q + h_kv) * ad, rows)
+    ws = [Weight(wq.fmt, wq.data[lo:hi]) for lo, hi in zip(cut, cut[1:])]
+    bs = [None] * 3 if bq is None else [bq[lo:hi] for lo, hi in zip(cut, cut[1:])]
+    return (*ws, *bs)
+
+
+def fused_grads(qkv: str, g: dict[str, F64]) -> dict[str, F64]:
+    """The backward's gradients; with qkv="fused", dwq, dwk, dwv (and dbq, dbk, dbv) as one dwqkv (dbqkv) in
+    W_qkv's row order, in dwq's place (the gradient of the block's input W_qkv)."""
+    if qkv != "fused":
+        return g
+    out = {}
+    for k, v in g.items():
+        if k in ("dwq", "dbq"):
+            pre = k[:2]
+            out[f"{pre}qkv"] = np.concatenate([g[f"{pre}q"], g[f"{pre}k"], g[f"{pre}v"]], axis=0)
+        elif k not in ("dwk", "dwv", "dbk", "dbv"):
+            out[k] = v
+    return out
+
+
+def wo_grad(wo: Weight, dw: F64) -> F64:
+    """W_o's gradient (aE, h_q a_d) in W_o's layout: per head (h_q, aE, a_d) for "f32_heads" (the seed's per-head
+    d_wo), as computed otherwise."""
+    if wo.fmt != "f32_heads":
+        return dw
+    h, n, ad = np.shape(wo.data)
+    return np.ascontiguousarray(dw.reshape(n, h, ad).transpose(1, 0, 2))
+
+
 def attention_prefill(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: Weight, wv: Weight, wo: Weight,
                       k_cache: NDArray, v_cache: NDArray, cos: NDArray, sin: NDArray, start: int, *, n: int,
                       h_q: int, h_kv: int, d: int, bq: NDArray | None = None, bk: NDArray | None = None,
                       bv: NDArray | None = None, bo: NDArray | None = None, residual: NDArray | None = None,
                       style: str = "half", gemma: bool = False, reference: str = "dequant",
-                      absolute: bool = False) -> dict[str, F64]:
-    """The attention block over T tokens at positions start .. start + T - 1 (module docstring).
+                      absolute: bool = False, rope_off: int = 0, qkv: str = "separate") -> dict[str, F64]:
+    """The attention block over T tokens in cache slots start .. start + T - 1 (module docstring).
 
     x: (T, aE) float, lanes [n, aE) zero;  gamma: (aE,)
-    wq: Weight (h_q a_d, aE); wk, wv: Weight (h_kv a_d, aE); wo: Weight (aE, h_q a_d)
+    wq: Weight (h_q a_d, aE); wk, wv: Weight (h_kv a_d, aE); wo: Weight (aE, h_q a_d), or "f32_heads"
+    (h_q, aE, a_d): the seed's per-head W_o, summed over heads, the bias added once (the backward's dwo per head)
     k_cache, v_cache: (h_kv, cap, a_d), slots < start hold history; cap >= start + T
-    cos, sin: (max_seq, d/2) tables; max_seq > start + T - 1
+    cos, sin: (max_seq, d/2) tables; max_seq > rope_off + start + T - 1
     bq: (h_q a_d,), bk, bv: (h_kv a_d,), bo: (aE,), residual: (T, aE), or None
     style: RoPE pairing ("interleaved" or "half"); gemma: RMSNorm weight (1 + gamma)
+    rope_off: RoPE's position minus the cache slot (the seed's rope_pos_offset beside token_index): token t
+    is rotated at position rope_off + start + t and written at slot start + t; the causal mask counts slots
+    qkv: "separate" (wq, wk, wv, bq, bk, bv) or "fused" (the seed's one W_qkv / b_qkv: wq is W_qkv
+    ((h_q + 2 h_kv) a_d, aE), rows [q heads; k heads; v heads], bq is b_qkv likewise, wk, wv, bk, bv None)
     returns: {"norm": (T, aE), "q", "q_rope", "attn": (T, h_q, a_d), "k", "v", "k_rope": (T, h_kv, a_d),
               "k_cache", "v_cache": (h_kv, cap, a_d) after the write, "out": (T, aE)}
     absolute: the error model's magnitudes instead (module docstring), for every output but "norm" (a
@@ -163,9 +220,10 @@ def attention_prefill(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: We
     + bo^2 + r^2. Measured (ci suite, 4 dists, cpu): cond <= 1.9 on every output (2.3 on decode's k and v
     of 32 lanes, a ratio of sums of 32 squares).
     """
+    wq, wk, wv, bq, bk, bv = qkv_sections(qkv, wq, wk, wv, bq, bk, bv, h_q=h_q, h_kv=h_kv, ad=np.shape(k_cache)[-1])
     if absolute:
         kw = dict(n=n, h_q=h_q, h_kv=h_kv, d=d, bq=bq, bk=bk, bv=bv, bo=bo, residual=residual, style=style,
-                  gemma=gemma, reference=reference)
+                  gemma=gemma, reference=reference, rope_off=rope_off)
         _, mags, _ = _attention_pass(x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, **kw)
         return {k: np.sqrt(m.sq, out=m.sq) for k, m in mags.items() if k != "norm"}
     x = np.asarray(x, dtype=np.float64)
@@ -175,11 +233,14 @@ def attention_prefill(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: We
         raise ValueError(f"head dim d={d} must be even and at most the aligned a_d={ad}")
     if np.shape(k_cache)[1] < start + t:
         raise ValueError(f"cache capacity {np.shape(k_cache)[1]} < start + T = {start + t}")
+    if rope_off < 0 or np.shape(cos)[0] < rope_off + start + t:
+        raise ValueError(f"RoPE positions up to rope_off + start + T - 1 = {rope_off + start + t - 1} need that many "
+                         f"cos/sin rows, the tables have {np.shape(cos)[0]} (rope_off={rope_off} must be >= 0)")
     nrm = norm.rms_norm(x, gamma, eps, n=n, gemma=gemma)["y"]  # T, aE
     q = project(nrm, wq, bq, reference).reshape(t, h_q, ad)
     k = project(nrm, wk, bk, reference).reshape(t, h_kv, ad)
     v = project(nrm, wv, bv, reference).reshape(t, h_kv, ad)
-    pos = start + np.arange(t)
+    pos = rope_off + start + np.arange(t)  # RoPE's positions; the cache slots are start + t
     q_rope = rope.rope(q, cos, sin, pos, style=style, rot=d, at="first")
     k_rope = rope.rope(k, cos, sin, pos, style=style, rot=d, at="first")
     kc, vc = _write(k_cache, k_rope, start, d), _write(v_cache, v, start, d)
@@ -199,8 +260,9 @@ def attention_decode(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: Wei
                      h_q: int, h_kv: int, d: int, bq: NDArray | None = None, bk: NDArray | None = None,
                      bv: NDArray | None = None, bo: NDArray | None = None, residual: NDArray | None = None,
                      style: str = "half", gemma: bool = False, reference: str = "dequant",
-                     absolute: bool = False) -> dict[str, F64]:
-    """The attention block for one token at position pos: `attention_prefill` with T = 1, start = pos.
+                     absolute: bool = False, rope_off: int = 0, qkv: str = "separate") -> dict[str, F64]:
+    """The attention block for one token in slot pos: `attention_prefill` with T = 1, start = pos (RoPE at
+    rope_off + pos).
 
     x: (aE,); residual: (aE,) or None; the rest as `attention_prefill`
     returns: {"norm": (aE,), "q", "q_rope", "attn": (h_q, a_d), "k", "v", "k_rope": (h_kv, a_d),
@@ -210,7 +272,7 @@ def attention_decode(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: Wei
     r = None if residual is None else np.asarray(residual, dtype=np.float64)[None]
     res = attention_prefill(np.asarray(x)[None], gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, pos, n=n,
                             h_q=h_q, h_kv=h_kv, d=d, bq=bq, bk=bk, bv=bv, bo=bo, residual=r, style=style,
-                            gemma=gemma, reference=reference, absolute=absolute)
+                            gemma=gemma, reference=reference, absolute=absolute, rope_off=rope_off, qkv=qkv)
     return {k: v if k in ("k_cache", "v_cache") else v[0] for k, v in res.items()}
 
 
@@ -369,15 +431,18 @@ def attention_prefill_backward(x: NDArray, gamma: NDArray, eps: float, wq: Weigh
                                dout: NDArray, *, n: int, h_q: int, h_kv: int, d: int, bq: NDArray | None = None,
                                bk: NDArray | None = None, bv: NDArray | None = None, bo: NDArray | None = None,
                                residual: NDArray | None = None, style: str = "half",
-                               gemma: bool = False, absolute: bool = False) -> dict[str, F64]:
+                               gemma: bool = False, absolute: bool = False, rope_off: int = 0,
+                               qkv: str = "separate") -> dict[str, F64]:
     """VJP of `attention_prefill` (the dequantized weights: L1) for the cotangent dout of its output; the
     cache history (slots < start) is a constant.
 
-    arguments: as `attention_prefill`;  dout: (T, aE) the cotangent of out
+    arguments: as `attention_prefill` (RoPE's transpose at the forward's positions rope_off + start + t);
+    dout: (T, aE) the cotangent of out
     returns: stages {"dattn", "dq_rope", "dq": (T, h_q, a_d), "dk_rope", "dv", "dk": (T, h_kv, a_d),
              "dnorm": (T, aE)} and {"dx": (T, aE), "dgamma": (aE,), "dwq": (h_q a_d, aE), "dwk", "dwv":
              (h_kv a_d, aE), "dwo": (aE, h_q a_d)}, with "dbq", "dbk", "dbv", "dbo" for the biases given and
-             "dr" (= dout) for a residual
+             "dr" (= dout) for a residual; with qkv="fused" "dwqkv" ((h_q + 2 h_kv) a_d, aE) and
+             "dbqkv" in place of the three (`fused_grads`)
     absolute: the error model's magnitudes instead (module docstring), every output but "dr" (dout as
     given): dattn = sqrt(dout^2 @ W_o^2); the attention's dP = dO V^T and D = sum dO O (blended dO, V, O),
     dS = P (dP - D) with P^2 (M_dP^2 + M_D^2), dq = scale dS K, dk = scale dS^T Q (products of the blended
@@ -389,14 +454,16 @@ def attention_prefill_backward(x: NDArray, gamma: NDArray, eps: float, wq: Weigh
     """
     if absolute:
         kw = dict(n=n, h_q=h_q, h_kv=h_kv, d=d, bq=bq, bk=bk, bv=bv, bo=bo, residual=residual, style=style,
-                  gemma=gemma)
+                  gemma=gemma, rope_off=rope_off, qkv=qkv)
         return _attention_backward_mag(np.asarray(x, dtype=np.float64), gamma, eps, wq, wk, wv, wo, k_cache,
                                        v_cache, cos, sin, start, np.asarray(dout, dtype=np.float64), **kw)
     x, dout = np.asarray(x, dtype=np.float64), np.asarray(dout, dtype=np.float64)
     t, ae = x.shape
     ad = np.shape(k_cache)[-1]
+    wq, wk, wv, bq, bk, bv = qkv_sections(qkv, wq, wk, wv, bq, bk, bv, h_q=h_q, h_kv=h_kv, ad=ad)
     fwd = attention_prefill(x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, n=n, h_q=h_q, h_kv=h_kv,
-                            d=d, bq=bq, bk=bk, bv=bv, bo=bo, residual=residual, style=style, gemma=gemma)
+                            d=d, bq=bq, bk=bk, bv=bv, bo=bo, residual=residual, style=style, gemma=gemma,
+                            rope_off=rope_off)
     go = gemm.gemm_nt_backward(fwd["attn"].reshape(t, h_q * ad), dense(wo, h_q * ad), dout, bias=bo is not None)
     dattn = go["da"].reshape(t, h_q, ad)
     live = start + t  # keys 0 .. live - 1: the history, then the chunk's own rows (bottom-right causal)
@@ -406,7 +473,7 @@ def attention_prefill_backward(x: NDArray, gamma: NDArray, eps: float, wq: Weigh
     real = (np.arange(ad) < d).astype(np.float64)  # the cache write cleared lanes [d, a_d) of the new rows
     dq_rope = ga["dq"][0]
     dk_rope, dv = ga["dk"][0, start:] * real, ga["dv"][0, start:] * real  # the new keys' rows only
-    pos = start + np.arange(t)
+    pos = rope_off + start + np.arange(t)
     dq = rope.rope_backward(dq_rope, cos, sin, pos, style=style, rot=d, at="first")
     dk = rope.rope_backward(dk_rope, cos, sin, pos, style=style, rot=d, at="first")
     nrm = fwd["norm"]
@@ -416,7 +483,7 @@ def attention_prefill_backward(x: NDArray, gamma: NDArray, eps: float, wq: Weigh
     nb = norm.rms_norm_backward(x, gamma, dnorm, eps, n=n, gemma=gemma)
     out = {"dattn": dattn, "dq_rope": dq_rope, "dk_rope": dk_rope, "dv": dv, "dq": dq, "dk": dk, "dnorm": dnorm,
            "dx": nb["dx"], "dgamma": nb["dw"], "dwq": proj["q"]["dw"], "dwk": proj["k"]["dw"],
-           "dwv": proj["v"]["dw"], "dwo": go["dw"]}
+           "dwv": proj["v"]["dw"], "dwo": wo_grad(wo, go["dw"])}
     for name in ("q", "k", "v"):
         if "db" in proj[name]:
             out[f"db{name}"] = proj[name]["db"]
@@ -424,7 +491,7 @@ def attention_prefill_backward(x: NDArray, gamma: NDArray, eps: float, wq: Weigh
         out["dbo"] = go["db"]
     if residual is not None:
         out["dr"] = dout.copy()
-    return out
+    return fused_grads(qkv, out)
 
 
 # -- the error model (absolute=True; module docstring) ---------------------------------------------------
@@ -582,7 +649,7 @@ def _attention_pass(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: Weig
                     k_cache: NDArray, v_cache: NDArray, cos: NDArray, sin: NDArray, start: int, *, n: int, h_q: int,
                     h_kv: int, d: int, bq: NDArray | None, bk: NDArray | None, bv: NDArray | None,
                     bo: NDArray | None, residual: NDArray | None, style: str, gemma: bool,
-                    reference: str) -> tuple[dict[str, F64], dict[str, _Mag], _Attn]:
+                    reference: str, rope_off: int = 0) -> tuple[dict[str, F64], dict[str, _Mag], _Attn]:
     """`attention_prefill`'s stages (values) and their magnitudes, stage by stage."""
     x = np.asarray(x, dtype=np.float64)
     t, ad = x.shape[0], np.shape(k_cache)[-1]
@@ -591,7 +658,7 @@ def _attention_pass(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: Weig
     for name, w, b, h in (("q", wq, bq, h_q), ("k", wk, bk, h_kv), ("v", wv, bv, h_kv)):
         v, m = _project_mag(nrm, nm, w, b, reference)
         val[name], mag[name] = v.reshape(t, h, ad), _Mag(m.sq.reshape(t, h, ad), m.n)
-    pos = start + np.arange(t)
+    pos = rope_off + start + np.arange(t)
     for name in ("q", "k"):
         val[f"{name}_rope"] = rope.rope(val[name], cos, sin, pos, style=style, rot=d, at="first")
         mag[f"{name}_rope"] = _Mag(_rope_sq(_blend(val[name], mag[name], 1.0), cos, sin, pos, style, d),
@@ -670,10 +737,11 @@ def _attention_backward_mag(x: F64, gamma: NDArray, eps: float, wq: Weight, wk: 
                             k_cache: NDArray, v_cache: NDArray, cos: NDArray, sin: NDArray, start: int, dout: F64, *,
                             n: int, h_q: int, h_kv: int, d: int, bq: NDArray | None, bk: NDArray | None,
                             bv: NDArray | None, bo: NDArray | None, residual: NDArray | None, style: str,
-                            gemma: bool) -> dict[str, F64]:
+                            gemma: bool, rope_off: int = 0, qkv: str = "separate") -> dict[str, F64]:
+    wq, wk, wv, bq, bk, bv = qkv_sections(qkv, wq, wk, wv, bq, bk, bv, h_q=h_q, h_kv=h_kv, ad=np.shape(k_cache)[-1])
     val, mag, at = _attention_pass(x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, n=n, h_q=h_q,
                                    h_kv=h_kv, d=d, bq=bq, bk=bk, bv=bv, bo=bo, residual=residual, style=style,
-                                   gemma=gemma, reference="dequant")
+                                   gemma=gemma, reference="dequant", rope_off=rope_off)
     t, ae = x.shape
     ad, live = np.shape(k_cache)[-1], start + t
     d2 = dout * dout
@@ -711,7 +779,7 @@ def _attention_backward_mag(x: F64, gamma: NDArray, eps: float, wq: Weight, wk: 
         else:  # the new keys' rows, lanes [d, a_d) cleared by the write
             g[name], s = v[:, start:].transpose(1, 0, 2) * real, s[:, start:].transpose(1, 0, 2) * real
         m[name] = _Mag(s, float(nn))
-    pos = start + np.arange(t)
+    pos = rope_off + start + np.arange(t)
     for name in ("dq", "dk"):
         src = f"{name}_rope"
         g[name] = rope.rope_backward(g[src], cos, sin, pos, style=style, rot=d, at="first")
@@ -725,8 +793,8 @@ def _attention_backward_mag(x: F64, gamma: NDArray, eps: float, wq: Weight, wk: 
     dnm = _Mag(sq, own + max(m[k].n for k in ("dq", "dk", "dv")))
     dx, dgam = _rms_backward_mag(x, gamma, eps, n, gemma, dnorm, dnm, t)
     out = {"dattn": _ungrouped(do2, t), **{k: v.sq for k, v in m.items()}, "dnorm": dnm.sq, "dx": dx,
-           "dgamma": dgam, "dwo": d2.T @ _blend(val["attn"].reshape(t, -1),
-                                                _Mag(mag["attn"].sq.reshape(t, -1), mag["attn"].n), float(t))}
+           "dgamma": dgam, "dwo": wo_grad(wo, d2.T @ _blend(val["attn"].reshape(t, -1),
+                                                        _Mag(mag["attn"].sq.reshape(t, -1), mag["attn"].n), float(t)))}
     n2 = np.square(val["norm"])
     for name, b in (("q", bq), ("k", bk), ("v", bv)):
         dy, mm = g[f"d{name}"].reshape(t, -1), m[f"d{name}"]
@@ -736,4 +804,4 @@ def _attention_backward_mag(x: F64, gamma: NDArray, eps: float, wq: Weight, wk: 
             out[f"db{name}"] = np.sum(_blend(dy, sub, float(t)), axis=0)
     if bo is not None:
         out["dbo"] = np.sum(d2, axis=0)
-    return {k: np.sqrt(v, out=v) for k, v in out.items()}  # in place: dW is (N, K)
+    return {k: np.sqrt(v, out=v) for k, v in fused_grads(qkv, out).items()}  # in place: dW is (N, K)

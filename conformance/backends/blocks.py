@@ -31,7 +31,8 @@ ATTENTION_GRAD_OF = {"dattn": "attn", "dq_rope": "q_rope", "dk_rope": "k_rope", 
                      "dnorm": "norm"}
 # final gradient -> the input it differentiates
 INPUT_OF = {"dx": "x", "dgamma": "gamma", "dw1": "w1", "dw2": "w2", "dwq": "wq", "dwk": "wk", "dwv": "wv", "dwo": "wo",
-            "dbq": "bq", "dbk": "bk", "dbv": "bv", "dbo": "bo", "dr": "r", "db1": "b1", "db2": "b2"}
+            "dbq": "bq", "dbk": "bk", "dbv": "bv", "dbo": "bo", "dr": "r", "db1": "b1", "db2": "b2",
+            "dwqkv": "wqkv", "dbqkv": "bqkv"}
 ATTENTION_STAGES = ("norm", "q", "k", "v", "q_rope", "k_rope", "attn", "out")
 BIASES = (("bq", "bq"), ("bk", "bk"), ("bv", "bv"), ("bo", "bo"), ("r", "residual"))
 
@@ -45,10 +46,14 @@ def _attention_args(case, t: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     `t` holds the case's tensors."""
     p = case.p
     start = p["pos"] if "pos" in p else p["start"]
-    args = (t["x"], t["gamma"], float(p["eps"]), (p["wqkv"], t["wq"]), (p["wqkv"], t["wk"]), (p["wqkv"], t["wv"]),
-            (p["wo"], t["wo"]), t["k_cache"], t["v_cache"], t["cos"], t["sin"], start)
+    fused = p.get("qkv") == "fused"  # the seed's one W_qkv / b_qkv, passed as wq / bq (wk, wv, bk, bv None)
+    wqkv = ((p["wqkv"], t["wqkv"]), None, None) if fused else tuple((p["wqkv"], t[n]) for n in ("wq", "wk", "wv"))
+    args = (t["x"], t["gamma"], float(p["eps"]), *wqkv, (_wo_fmt(p), t["wo"]), t["k_cache"], t["v_cache"], t["cos"],
+            t["sin"], start)
     kw = dict(n=p["e"], h_q=p["hq"], h_kv=p["hkv"], d=p["d"], style=p["style"], gemma=bool(p["gemma"]),
-              **{k: t.get(name) for name, k in BIASES})
+              **{k: t.get(name) for name, k in BIASES}, rope_off=p.get("rope_off", 0), qkv=p.get("qkv", "separate"))
+    if fused:
+        kw["bq"] = t.get("bqkv")
     return args, kw
 
 

@@ -107,6 +107,8 @@ CLASSES = {
     "padding-lanes": "an aligned row's padding lanes read into the statistics or left unwritten",
     "one-pass-variance": "the variance as E[x^2] - E[x]^2 in fp32 (cancels when |mean| >> spread)",
     # fused transformer blocks (blocks family)
+    "fused-sections": "a section of a fused buffer (W_qkv's Q, K, V rows, b_qkv's) read at another's offset",
+    "wo-layout": "a per-head W_o [h][aE][a_d] (or its gradient) read or written at the flat layout's offsets",
     "activation-quantization": "a quantized projection's activations not quantized as the production path does (L2)",
     # gradients (the backward ops)
     "grad-accumulation": "a gradient not summed over the rows it sums over: db, dW or dgamma of one row or block of rows",

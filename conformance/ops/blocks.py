@@ -22,6 +22,11 @@ Triton and torch paths (weights dequantized, float products) L1. The intermediat
 pipeline order (`stages`): a failing record names the first stage that diverges. The caches are
 in-place outputs: only the new tokens' rows may change.
 
+The attention blocks take three parameters added later, with defaults (older ids and inputs unchanged):
+`rope_off` (seed audit S7, the seed's rope_pos_offset: RoPE at rope_off + slot, the caches and the mask by
+slot), `qkv` (S11: `fused` is the seed's one W_qkv / b_qkv, inputs `wqkv`, `bqkv`, q heads then k then v) and
+`wo_layout` (S4: `head_major` is the seed's fp32 per-head Wo[h][aE][a_d], as outproj_mlp's; dwo per head).
+
 The whole-layer backward of the MLP and prefill attention blocks (`blocks.mlp_backward`,
 `blocks.attention_prefill_backward`) is specified in blocks_grad.py.
 

@@ -157,13 +157,21 @@ def attention_grad_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     shapes = {"dattn": (t, hq, a), "dq_rope": (t, hq, a), "dk_rope": (t, hkv, a), "dv": (t, hkv, a),
               "dq": (t, hq, a), "dk": (t, hkv, a), "dnorm": (t, e), "dx": (t, e)}
     if f32_block(p, "wqkv", "wo"):
-        shapes.update(dgamma=(e,), dwq=(hq * a, e), dwk=(hkv * a, e), dwv=(hkv * a, e), dwo=(e, hq * a))
+        shapes.update(dgamma=(e,), dwq=(hq * a, e), dwk=(hkv * a, e), dwv=(hkv * a, e),
+                      dwo=(hq, e, a) if p.get("wo_layout") == "head_major" else (e, hq * a))
         if p["bias"]:
             shapes.update(dbq=(hq * a,), dbk=(hkv * a,), dbv=(hkv * a,))
         if p["obias"]:
             shapes["dbo"] = (e,)
         if p["residual"]:
             shapes["dr"] = (t, e)
+        if p.get("qkv") == "fused":  # the gradients of the inputs W_qkv, b_qkv (refimpl.blocks.fused_grads)
+            rows = (hq + 2 * hkv) * a
+            fused = {"dwqkv": (rows, e), **({"dbqkv": (rows,)} if p["bias"] else {})}
+            shapes = {k: v for k, v in shapes.items() if k not in ("dwq", "dwk", "dwv", "dbq", "dbk", "dbv")}
+            shapes = {**{k: v for k, v in shapes.items() if k in ("dattn", "dq_rope", "dk_rope", "dv", "dq", "dk",
+                                                                   "dnorm", "dx", "dgamma")},
+                      **fused, **{k: v for k, v in shapes.items() if k in ("dwo", "dbo", "dr")}}
     return shapes
 
 
@@ -196,9 +204,12 @@ ATTENTION_OUT = {
     "dx": Output("test", doc="RMSNorm's dx of dnorm, padding lanes zero"),
     "dgamma": Output("test", doc="sum over rows of dnorm x rstd (float32 weights)"),
     "dwq": Output("test", doc="dq^T @ norm"), "dwk": Output("test", doc="dk^T @ norm"),
-    "dwv": Output("test", doc="dv^T @ norm"), "dwo": Output("test", doc="dout^T @ attn"),
+    "dwv": Output("test", doc="dv^T @ norm"), "dwo": Output("test", doc="dout^T @ attn (per head with wo_layout="
+                                                                       "head_major: (h_q, aE, a_d))"),
     "dbq": Output("test", doc="the sum of dq over rows"), "dbk": Output("test", doc="the sum of dk over rows"),
     "dbv": Output("test", doc="the sum of dv over rows"), "dbo": Output("test", doc="the sum of dout over rows"),
+    "dwqkv": Output("test", doc="qkv=fused: (dq | dk | dv)^T @ norm, W_qkv's rows (q heads, then k, then v)"),
+    "dbqkv": Output("test", doc="qkv=fused: the sums of dq, dk, dv over rows, b_qkv's order"),
     "dr": Output("test", doc="dout: the residual's gradient"),
 }
 

@@ -29,6 +29,9 @@ off by far more than rounding):
   rows were written by the kernel's own clearing write), W_o's padded output rows (out's padding is
   zero only through them).
 Positions are parameters: decode at pos around the 64-key tiles (63, 64, 65) and far out (1024).
+`rope_off` (seed audit S7) extends the cos/sin tables to cap + rope_off rows (the other cases' tables are
+unchanged); `qkv=fused` (S11) gives the same draws as inputs `wqkv` (and `bqkv`): wq's, wk's, wv's rows
+(biases) concatenated, q heads first; `wo_layout=head_major` (S4) the same W_o as (h_q, aE, a_d) float32.
 """
 
 from __future__ import annotations
@@ -205,10 +208,11 @@ def attention_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Ge
         "wq": stored(p["wqkv"], wq),
         "wk": stored(p["wqkv"], wk),
         "wv": stored(p["wqkv"], wv),
-        "wo": stored(p["wo"], wo),
+        "wo": (np.ascontiguousarray(wo.reshape(ae, hq, ad).transpose(1, 0, 2), dtype=np.float32)  # Wo[h][aE][a_d]
+               if p.get("wo_layout") == "head_major" else stored(p["wo"], wo)),
         "k_cache": history(rng, hkv, cap, d, ad, start, k_head),
         "v_cache": history(rng, hkv, cap, d, ad, start, v_head),
-        **tables(cap, d, p["theta"]),
+        **tables(cap + p.get("rope_off", 0), d, p["theta"]),  # RoPE's rows reach rope_off + the last slot
     }
     if p["bias"]:
         for name, lanes, s in (("bq", q_lanes, qs), ("bk", kv_lanes, ks), ("bv", kv_lanes, vs)):
@@ -216,6 +220,10 @@ def attention_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Ge
             if dist == "pads":
                 b += rng.standard_normal(lanes.size) * (1.0 - lanes) * PAD_SCALE
             out[name] = dt.round_to(b, "fp32")
+    if p.get("qkv") == "fused":  # the seed's one W_qkv / b_qkv: the same draws, the sections concatenated
+        for new, names in (("wqkv", ("wq", "wk", "wv")), ("bqkv", ("bq", "bk", "bv"))):
+            if names[0] in out:
+                out[new] = np.concatenate([out.pop(nm) for nm in names], axis=0)
     if p["obias"]:
         out["bo"] = dt.round_to(rng.standard_normal(ae) * real_e, "fp32")
     if p["residual"]:

@@ -36,6 +36,17 @@ ATTN = dict(
     eps=OneOf(*EPS, doc="RMSNorm epsilon (inside the square root)"),
     gemma=OneOf(0, 1, doc="RMSNorm weight applied as (1 + gamma) (Gemma)"),
 )
+# Attention parameters added after the ops' first cases (seed audit S7, S11, S4), with defaults (`Defaults`): a case
+# that leaves them at their default has the id and inputs it always had.
+ATTN_NEW = dict(
+    rope_off=Int(0, 1 << 20, edges=(0, 1, 4096), doc="RoPE's position minus the cache slot (the seed's "
+                 "rope_pos_offset beside token_index): token t rotated at rope_off + slot, cached and masked by slot"),
+    qkv=OneOf("separate", "fused", doc="Q/K/V weights and biases as wq, wk, wv (bq, bk, bv), or the seed's one "
+              "W_qkv / b_qkv (inputs wqkv, bqkv: rows of the q heads, then k, then v)"),
+    wo_layout=OneOf("flat", "head_major", doc="W_o (aE, h_q a_d), or (S4) the seed's fp32 per-head Wo[h][aE][a_d] "
+                    "summed over heads, the bias once (the backward's dwo per head)"),
+)
+ATTN_DEFAULTS = {"rope_off": 0, "qkv": "separate", "wo_layout": "flat"}
 MLP = dict(
     i=Int(1, 1 << 16, edges=(256, 14336, 18944), doc="intermediate width I (gate and up each)"),
     w1=OneOf(*MLP_WFMTS, doc="fused gate/up weight format (2I, aE)"),
@@ -88,7 +99,14 @@ def check_attention(p: dict[str, Any]) -> str | None:
     last = p["pos"] + 1 if "pos" in p else p["start"] + p["t"]
     if last > p["cap"]:
         return f"the new tokens reach position {last - 1}, past the cache capacity cap={p['cap']}"
-    return check_heads(p) or check_k("wqkv", p["wqkv"], ae(p), "aE = e + epad") or check_wo(p)
+    return (check_heads(p) or check_k("wqkv", p["wqkv"], ae(p), "aE = e + epad") or check_wo(p)
+            or check_wo_layout(p))
+
+
+def check_wo_layout(p: dict[str, Any]) -> str | None:
+    if p.get("wo_layout") == "head_major" and p["wo"] != "f32":
+        return "wo_layout=head_major is the seed's fp32 per-head W_o: it needs wo=f32"
+    return None
 
 
 def check_mlp(p: dict[str, Any]) -> str | None:
@@ -115,17 +133,22 @@ def check_outproj_mlp(p: dict[str, Any]) -> str | None:
     return check_mlp(p) or check_wo(p)
 
 
-def weights_of(x: dict[str, np.ndarray], p: dict[str, Any], *names: str) -> list[ref.Weight]:
+def weights_of(x: dict[str, np.ndarray], p: dict[str, Any], *names: str) -> list[ref.Weight | None]:
+    """The named weights; with qkv=fused "wq" is W_qkv (input wqkv), "wk" and "wv" None (ref.qkv_sections)."""
+    if p.get("qkv") == "fused":
+        x = {**x, "wq": x["wqkv"]}
     fmt = {"wq": p.get("wqkv"), "wk": p.get("wqkv"), "wv": p.get("wqkv"), "wo": p.get("wo"), "w1": p.get("w1"),
            "w2": p.get("w2")}
     if p.get("wo_layout") == "head_major":
         fmt["wo"] = "f32_heads"
-    return [ref.Weight(fmt[n], x[n]) for n in names]
+    fused = p.get("qkv") == "fused"
+    return [None if fused and n in ("wk", "wv") else ref.Weight(fmt[n], x[n]) for n in names]
 
 
 def attention_kw(x: dict[str, np.ndarray], p: dict[str, Any], reference: str) -> dict[str, Any]:
-    return dict(n=p["e"], h_q=p["hq"], h_kv=p["hkv"], d=p["d"], bq=x.get("bq"), bk=x.get("bk"), bv=x.get("bv"),
-                bo=x.get("bo"), residual=x.get("r"), style=p["style"], gemma=bool(p["gemma"]), reference=reference)
+    return dict(n=p["e"], h_q=p["hq"], h_kv=p["hkv"], d=p["d"], bq=x.get("bq", x.get("bqkv")), bk=x.get("bk"),
+                bv=x.get("bv"), bo=x.get("bo"), residual=x.get("r"), style=p["style"], gemma=bool(p["gemma"]),
+                reference=reference, rope_off=p.get("rope_off", 0), qkv=p.get("qkv", "separate"))
 
 
 GEMMA_DIAGNOSES = (Diagnosis("matches (1 + gamma) where gamma was meant, or the reverse: Gemma offset bug",
@@ -137,9 +160,10 @@ ATTENTION_DIAGNOSES = (
 )
 
 
-PREFILL_PARAMS = Schema(dict(MODEL, **HEADS, t=Int(1, 1 << 16, edges=(1, 2, 7, 64, 65), doc="new tokens T"),
-                             start=Int(0, 1 << 20, edges=(0, 1, 63, 64, 1024), doc="tokens of history (start_pos)"),
-                             **ATTN))
-DECODE_PARAMS = Schema(dict(MODEL, **HEADS, pos=Int(0, 1 << 20, edges=(0, 1, 63, 64, 65, 1024),
-                                                  doc="the token's position (slots 0 .. pos attended)"), **ATTN))
+PREFILL_PARAMS = Defaults(dict(MODEL, **HEADS, t=Int(1, 1 << 16, edges=(1, 2, 7, 64, 65), doc="new tokens T"),
+                               start=Int(0, 1 << 20, edges=(0, 1, 63, 64, 1024), doc="tokens of history (start_pos)"),
+                               **ATTN, **ATTN_NEW), ATTN_DEFAULTS)
+DECODE_PARAMS = Defaults(dict(MODEL, **HEADS, pos=Int(0, 1 << 20, edges=(0, 1, 63, 64, 65, 1024),
+                                                    doc="the token's slot (slots 0 .. pos attended)"), **ATTN,
+                              **ATTN_NEW), ATTN_DEFAULTS)
 MLP_PARAMS = Defaults(dict(t=Int(1, 1 << 16, edges=(1, 2, 7), doc="tokens"), **MODEL, **MLP), MLP_DEFAULTS)

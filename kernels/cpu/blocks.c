@@ -1,6 +1,6 @@
 /* blocks.c — C-Kernel-Engine's mega-fused transformer blocks on the CPU.
  *
- *   attention:  norm = RMSNorm(x) g;  q|k|v = norm W^T (+ b);  RoPE(q, k) at s + t;  cache[g, s + t] = k|v
+ *   attention:  norm = RMSNorm(x) g;  q|k|v = norm W^T (+ b);  RoPE(q, k) at o + s + t;  cache[g, s + t] = k|v
  *               (lanes [d, a_d) cleared);  attn = softmax(q k^T / sqrt(d)) v over slots j <= s + t;
  *               out = attn W_o^T (+ b_o) (+ residual)
  *   mlp:        norm = RMSNorm(x) g;  h = norm W1^T (+ b1) (gate | up, aI rows each: w_up at w1 + aI aE, the
@@ -13,7 +13,10 @@
  * over E, padding zero in and out), heads aligned to a_d = d + pad lanes (dot products over a_d, scale
  * 1/sqrt(d), a cached row's padding cleared when written), head-major caches (h_kv, cap, a_d), query head h
  * reads kv head h / (h_q / h_kv) (= h * h_kv / h_q), RoPE pairs (i, i + d/2) or (2i, 2i + 1) from cos/sin
- * tables (max_seq, d/2), W1's first I rows the gate. Every array is C-contiguous.
+ * tables (max_seq, d/2), W1's first I rows the gate. Every array is C-contiguous. RoPE's position is the slot
+ * plus rope_off (o: the seed's rope_pos_offset beside token_index); the cache write and the causal mask count
+ * slots. With qkv_fused, wq / bq are the seed's one W_qkv / b_qkv (rows: q heads, then k, then v); with wo_heads,
+ * W_o is fp32 per head [hq][aE][a_d] (the attention blocks and outproj_mlp), the bias added once.
  *
  * Projections: a weight row in fp32, or GGML blocks (quant.h). Quantized weights take the activation row
  * rounded to fp32 and quantized by ggml's reference quantizer of their vec_dot type (Q8_0 for
@@ -62,6 +65,7 @@ typedef struct {                   /* mirrored by kernels/cpu/blocks.py (_Params
     int64_t t, e, ae, hq, hkv, d, ad, cap, start, inter, max_seq;
     int64_t style, gemma, wo_heads, quant_acts;
     int64_t wqkv_type, wo_type, w1_type, w2_type;
+    int64_t rope_off, qkv_fused;   /* attention: RoPE position - cache slot (rope_pos_offset); wq is W_qkv */
     double eps;
     const float *x;                /* (t, ae); outproj_mlp: the attention output (t, hq ad) */
     const float *gamma;            /* (ae,) */
@@ -399,6 +403,25 @@ KP_INLINE void project_rows(const wfmt *f, const void *w, int64_t row0, int64_t 
         for (j = 0; j < rows; j++) y[j] += (double)bias[row0 + j];
 }
 
+/* The Q, K, V weights and biases: P's wq, wk, wv (bq, bk, bv), or with qkv_fused the seed's one W_qkv (wq) and
+ * b_qkv (bq): (hq + 2 hkv) ad rows, the q heads' rows, then the k heads', then the v heads'. */
+typedef struct {
+    const void *w[3];
+    const float *b[3];
+} qkv_ptrs;
+
+static qkv_ptrs qkv_sections(const blk_params *P, const wfmt *f) {
+    qkv_ptrs s = {{P->wq, P->wk, P->wv}, {P->bq, P->bk, P->bv}};
+    if (P->qkv_fused) {
+        const int64_t off[3] = {0, P->hq * P->ad, (P->hq + P->hkv) * P->ad};   /* rows before each section */
+        for (int i = 0; i < 3; i++) {
+            s.w[i] = (const uint8_t *)P->wq + off[i] * f->row_bytes;
+            s.b[i] = P->bq ? P->bq + off[i] : NULL;
+        }
+    }
+    return s;
+}
+
 /* RoPE of the first d lanes of one head row at position pos (tables of d / 2 columns), in place. */
 static void rope_row(double *x, const float *cos_t, const float *sin_t, int64_t pos, int64_t d, int style) {
     const int64_t half = d / 2;
@@ -525,6 +548,18 @@ KP_INLINE int attend_group(const attn_dims *A, int64_t g, const double *qr, cons
     return KP_OK;
 }
 
+/* The seed's fp32 per-head W_o [hq][aE][a_d] over heads h0 .. h0 + nh - 1 of T attention rows a (T, hq a_d):
+ * y[t][n] = sum_h Wo[h][n] . a[t][h] (+ bias[n], once), the heads in order. */
+static void wo_heads_rows(const float *w, const double *a, int64_t T, int64_t hq, int64_t ae, int64_t ad, int64_t h0,
+                          int64_t nh, const float *bias, double *y) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t n = 0; n < ae; n++) {
+            double s = 0.0;
+            for (int64_t h = h0; h < h0 + nh; h++) s += dot_f32(w + (h * ae + n) * ad, a + (t * hq + h) * ad, ad);
+            y[t * ae + n] = bias ? s + (double)bias[n] : s;
+        }
+}
+
 /* ---- the fused decode block --------------------------------------------------------------------------- */
 
 KP_INLINE int blocks_attention_decode_impl(const blk_params *P) {
@@ -550,14 +585,16 @@ KP_INLINE int blocks_attention_decode_impl(const blk_params *P) {
         store(P->norm, nrm, ae);
         act_prepare(fq.act, nrm, ae, tmp, &an);   /* once: every Q/K/V row reads it */
         const attn_dims A = {1, hq, hkv, ad, P->cap, pos, 1.0 / sqrt((double)d)};
+        const qkv_ptrs W = qkv_sections(P, &fq);
+        const int64_t rpos = pos + P->rope_off;   /* RoPE's position; the slot is pos */
         for (int64_t g = 0; g < hkv && st == KP_OK; g++) {
             /* kv head g: its k and v rows, RoPE on k, both written at slot pos (padding cleared) */
             double *kg = kr + g * ad, *vg = vr + g * ad;
-            project_rows(&fq, P->wk, g * ad, ad, &an, P->bk, kg);
-            project_rows(&fq, P->wv, g * ad, ad, &an, P->bv, vg);
+            project_rows(&fq, W.w[1], g * ad, ad, &an, W.b[1], kg);
+            project_rows(&fq, W.w[2], g * ad, ad, &an, W.b[2], vg);
             store(P->k + g * ad, kg, ad);
             store(P->v + g * ad, vg, ad);
-            rope_row(kg, P->cos, P->sin, pos, d, (int)P->style);
+            rope_row(kg, P->cos, P->sin, rpos, d, (int)P->style);
             store(P->k_rope + g * ad, kg, ad);   /* the stage keeps the projection's padding; the cache not */
             write_row(kg, P->k_cache + (g * P->cap + pos) * ad, d, ad);
             write_row(vg, P->v_cache + (g * P->cap + pos) * ad, d, ad);
@@ -565,9 +602,9 @@ KP_INLINE int blocks_attention_decode_impl(const blk_params *P) {
             for (int64_t hh = 0; hh < G; hh++) {
                 const int64_t h = g * G + hh;   /* query head h reads kv head h / G */
                 double *qh = q + h * ad, *qrh = qr + h * ad;
-                project_rows(&fq, P->wq, h * ad, ad, &an, P->bq, qh);
+                project_rows(&fq, W.w[0], h * ad, ad, &an, W.b[0], qh);
                 memcpy(qrh, qh, sizeof(double) * (size_t)ad);
-                rope_row(qrh, P->cos, P->sin, pos, d, (int)P->style);
+                rope_row(qrh, P->cos, P->sin, rpos, d, (int)P->style);
                 store(P->q + h * ad, qh, ad);
                 store(P->q_rope + h * ad, qrh, ad);
             }
@@ -576,8 +613,12 @@ KP_INLINE int blocks_attention_decode_impl(const blk_params *P) {
             if (st != KP_OK) break;
             store(P->attn + g * gk, ao + g * gk, gk);
             /* W_o: out += W_o[:, the group's columns] . attn_group, the group's output quantized first */
-            act_prepare(fo.act, ao + g * gk, gk, tmp, &aa);
-            project_rows(&fg, (const uint8_t *)P->wo + g * (gk / fo.qk * fo.nbytes), 0, ae, &aa, NULL, part);
+            if (P->wo_heads) {   /* fp32 Wo[h][aE][a_d] (S4): the group's heads' rows */
+                wo_heads_rows((const float *)P->wo, ao, 1, hq, ae, ad, g * G, G, NULL, part);
+            } else {
+                act_prepare(fo.act, ao + g * gk, gk, tmp, &aa);
+                project_rows(&fg, (const uint8_t *)P->wo + g * (gk / fo.qk * fo.nbytes), 0, ae, &aa, NULL, part);
+            }
             for (int64_t n = 0; n < ae; n++) oacc[n] += part[n];
         }
         if (st == KP_OK)
@@ -625,15 +666,16 @@ KP_INLINE int blocks_attention_prefill_impl(const blk_params *P) {
     for (int64_t i = 0; i < T * ae; i++) xd[i] = (double)P->x[i];
     for (int64_t t = 0; t < T; t++) rmsnorm_row(xd + t * ae, P->gamma, P->e, ae, P->eps, (int)P->gemma, nrm + t * ae);
     store(P->norm, nrm, T * ae);
-    st = project_all(&fq, P->wq, P->bq, nrm, T, hq * ad, q);
-    if (st == KP_OK) st = project_all(&fq, P->wk, P->bk, nrm, T, hkv * ad, k);
-    if (st == KP_OK) st = project_all(&fq, P->wv, P->bv, nrm, T, hkv * ad, v);
+    const qkv_ptrs W = qkv_sections(P, &fq);
+    st = project_all(&fq, W.w[0], W.b[0], nrm, T, hq * ad, q);
+    if (st == KP_OK) st = project_all(&fq, W.w[1], W.b[1], nrm, T, hkv * ad, k);
+    if (st == KP_OK) st = project_all(&fq, W.w[2], W.b[2], nrm, T, hkv * ad, v);
     if (st == KP_OK) {
         store(P->q, q, nq); store(P->k, k, nkv); store(P->v, v, nkv);
         memcpy(qr, q, sizeof(double) * (size_t)nq);
         memcpy(kr, k, sizeof(double) * (size_t)nkv);
         for (int64_t t = 0; t < T; t++) {
-            const int64_t pos = P->start + t;
+            const int64_t pos = P->rope_off + P->start + t;   /* RoPE's position; the slot is start + t */
             for (int64_t h = 0; h < hq; h++) rope_row(qr + (t * hq + h) * ad, P->cos, P->sin, pos, d, (int)P->style);
             for (int64_t g = 0; g < hkv; g++) rope_row(kr + (t * hkv + g) * ad, P->cos, P->sin, pos, d, (int)P->style);
         }
@@ -653,8 +695,9 @@ KP_INLINE int blocks_attention_prefill_impl(const blk_params *P) {
     if (st == KP_OK) {
         store(P->attn, ao, nq);
         /* the attention output quantized to Q8_0 for a quantized W_o (the seed's
-         * quantize_attn_out_head_major_q8_0), then the output projection */
-        st = project_all(&fo, P->wo, P->bo, ao, T, ae, o);
+         * quantize_attn_out_head_major_q8_0), then the output projection (fp32 per head: wo_heads) */
+        if (P->wo_heads) wo_heads_rows((const float *)P->wo, ao, T, hq, ae, ad, 0, hq, P->bo, o);
+        else st = project_all(&fo, P->wo, P->bo, ao, T, ae, o);
     }
     if (st == KP_OK)
         for (int64_t i = 0; i < T * ae; i++) P->out[i] = (float)(P->res ? o[i] + (double)P->res[i] : o[i]);

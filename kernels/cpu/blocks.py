@@ -12,12 +12,16 @@ x: (aE,) decode, (T, aE) prefill / mlp;  attn (outproj_mlp): (T, h_q a_d), or (h
 gamma: (aE,);  eps: RMSNorm epsilon;  n: the real embed dim E (lanes [n, aE) are padding, zero)
 a weight: (fmt, array): "f32" (N, K) float32, or a GGML format (`WEIGHT_FORMATS`) (N, K / block * nbytes)
     uint8 rows of blocks; wq (h_q a_d, aE), wk, wv (h_kv a_d, aE), wo (aE, h_q a_d) or ("f32_heads",
-    (h_q, aE, a_d)) for outproj_mlp, w1 (2aI, aE) gate rows first (up at row aI), w2 (aE, aI)
+    (h_q, aE, a_d)) (outproj_mlp and the attention blocks), w1 (2aI, aE) gate rows first (up at row aI),
+    w2 (aE, aI)
 bq (h_q a_d,), bk, bv (h_kv a_d,), bo (aE,), b1 (2aI,) (b_gate | b_up), b2 (aE,) (b_down): or None
 inter: the MLP's real intermediate width I <= aI (None: aI); lanes [I, aI) of each half are padding: h
     carries them as projected, act's are cleared
 k_cache, v_cache: (h_kv, cap, a_d), written in place at slots start .. start + T - 1 (decode: pos)
 cos, sin: (max_seq, d / 2);  style: "half" or "interleaved";  gemma: RMSNorm weight (1 + gamma)
+rope_off (attention): RoPE's position minus the cache slot (the seed's rope_pos_offset), 0 by default
+qkv (attention): "separate", or "fused": wq is the seed's one W_qkv ((h_q + 2 h_kv) a_d, aE), rows of the q
+    heads, then k, then v, and bq b_qkv likewise (wk, wv, bk, bv None)
 out: a dict of preallocated stage outputs (any subset; the rest are allocated)
 quantize_activations: True (production, the `emulated` L2 arithmetic: activations quantized to Q8_0 /
     Q8_K for integer block dots) or False (the same kernels with the weights dequantized: L1)
@@ -41,10 +45,12 @@ __all__ = ["WEIGHT_FORMATS", "attention_decode", "attention_prefill", "isa", "ml
 
 WEIGHT_FORMATS = ("f32", "q4_0", "q5_0", "q8_0", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 STYLES = {"half": 0, "interleaved": 1}
+QKV_LAYOUTS = ("separate", "fused")
 _F32 = np.dtype(np.float32)
 _I64, _PTR, _F64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
 _INTS = ("t", "e", "ae", "hq", "hkv", "d", "ad", "cap", "start", "inter", "max_seq", "style", "gemma", "wo_heads",
          "quant_acts", "wqkv_type", "wo_type", "w1_type", "w2_type")
+_ATTN_INTS = ("rope_off", "qkv_fused")  # blocks.c's attention fields after w2_type (seed audit S7, S11)
 _ARRAYS = ("x", "gamma", "wq", "wk", "wv", "wo", "w1", "w2", "bq", "bk", "bv", "bo", "res", "k_cache", "v_cache",
            "cos", "sin", "norm", "q", "k", "v", "q_rope", "k_rope", "attn", "out", "proj", "h1", "h", "act", "down")
 _lib: ctypes.CDLL | None = None
@@ -56,8 +62,8 @@ _ATTN_LAYOUT_FIELDS = (("attn_heads", _I64),)  # outproj_mlp's head-major attent
 
 class _Params(ctypes.Structure):
     """blocks.c's blk_params, field for field."""
-    _fields_ = [*((n, _I64) for n in _INTS), ("eps", _F64), *((n, _PTR) for n in _ARRAYS), *_MLP_FIELDS,
-                *_ATTN_LAYOUT_FIELDS]
+    _fields_ = [*((n, _I64) for n in _INTS + _ATTN_INTS), ("eps", _F64), *((n, _PTR) for n in _ARRAYS),
+                *_MLP_FIELDS, *_ATTN_LAYOUT_FIELDS]
 
 
 def _kernels() -> ctypes.CDLL:
@@ -149,8 +155,18 @@ def _run(entry: str, fields: dict[str, Any], arrays: dict[str, np.ndarray | None
     check_status(status, entry)
 
 
+def _wo(wo: Any, ae: int, h_q: int, ad: int) -> tuple[int, int]:
+    """(ggml type id, wo_heads) of the attention blocks' W_o: (fmt, (aE, h_q a_d)) flat, or ("f32_heads",
+    (h_q, aE, a_d)) the seed's fp32 per-head layout (seed audit S4)."""
+    if isinstance(wo, tuple) and len(wo) == 2 and wo[0] == "f32_heads":
+        _array("wo ('f32_heads')", wo[1], (h_q, ae, ad))
+        return 0, 1
+    return _weight("wo", wo, ae, h_q * ad)[0], 0
+
+
 def _attention(entry: str, x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, *, n, h_q, h_kv, d,
-               bq, bk, bv, bo, residual, style, gemma, quantize_activations, out, decode: bool) -> dict[str, np.ndarray]:
+               bq, bk, bv, bo, residual, style, gemma, quantize_activations, out, decode: bool, rope_off: int = 0,
+               qkv: str = "separate") -> dict[str, np.ndarray]:
     if not isinstance(x, np.ndarray) or x.ndim != (1 if decode else 2):
         raise ValueError(f"x must be a float32 array ({'aE' if decode else 'T, aE'}), got "
                          f"{getattr(x, 'shape', type(x).__name__)}")
@@ -173,15 +189,26 @@ def _attention(entry: str, x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos,
     max_seq = cos.shape[0]
     _array("cos", cos, (max_seq, d // 2))
     _array("sin", sin, (max_seq, d // 2))
-    if start + t > max_seq:
-        raise ValueError(f"positions up to {start + t - 1} need cos/sin rows, the tables have {max_seq}")
+    if not isinstance(rope_off, (int, np.integer)) or rope_off < 0:
+        raise ValueError(f"rope_off={rope_off!r} must be an int >= 0 (RoPE's position minus the cache slot)")
+    if rope_off + start + t > max_seq:
+        raise ValueError(f"RoPE positions up to {rope_off + start + t - 1} need cos/sin rows, the tables have "
+                         f"{max_seq}")
     if style not in STYLES:
         raise ValueError(f"style must be one of {', '.join(STYLES)}, got {style!r}")
-    wqkv_types = {_weight(nm, w, rows, ae)[0] for nm, w, rows in (("wq", wq, h_q * ad), ("wk", wk, h_kv * ad),
-                                                                    ("wv", wv, h_kv * ad))}
+    if qkv not in QKV_LAYOUTS:
+        raise ValueError(f"qkv must be one of {', '.join(QKV_LAYOUTS)}, got {qkv!r}")
+    fused = qkv == "fused"
+    if fused:  # the seed's one W_qkv / b_qkv as wq / bq: rows of the q heads, then k, then v
+        if wk is not None or wv is not None or bk is not None or bv is not None:
+            raise ValueError("qkv='fused' takes W_qkv as wq and b_qkv as bq: wk, wv, bk, bv must be None")
+        wqkv_types = {_weight("wq (W_qkv)", wq, (h_q + 2 * h_kv) * ad, ae)[0]}
+    else:
+        wqkv_types = {_weight(nm, w, rows, ae)[0] for nm, w, rows in (("wq", wq, h_q * ad), ("wk", wk, h_kv * ad),
+                                                                        ("wv", wv, h_kv * ad))}
     if len(wqkv_types) != 1:
         raise ValueError(f"wq, wk, wv must share one format, got {wq[0]}, {wk[0]}, {wv[0]}")
-    wo_type, _ = _weight("wo", wo, ae, h_q * ad)
+    wo_type, wo_heads = _wo(wo, ae, h_q, ad)
     if wo_type and ad % FORMATS[wo[0]][1]:
         raise ValueError(f"wo={wo[0]} quantizes the attention output per head: a_d = {ad} must be a multiple of "
                          f"{FORMATS[wo[0]][1]}")
@@ -191,9 +218,12 @@ def _attention(entry: str, x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos,
     res = _outputs(out, shapes)
     fields = dict(t=t, e=n, ae=ae, hq=h_q, hkv=h_kv, d=d, ad=ad, cap=cap, start=int(start), max_seq=max_seq,
                   style=STYLES[style], gemma=bool(gemma), quant_acts=bool(quantize_activations),
-                  wqkv_type=wqkv_types.pop(), wo_type=wo_type, eps=eps)
-    arrays = dict(x=x, gamma=gamma, wq=wq[1], wk=wk[1], wv=wv[1], wo=wo[1], k_cache=k_cache, v_cache=v_cache,
-                  cos=cos, sin=sin, bq=_optional("bq", bq, (h_q * ad,)), bk=_optional("bk", bk, (h_kv * ad,)),
+                  wqkv_type=wqkv_types.pop(), wo_type=wo_type, wo_heads=wo_heads, eps=eps, rope_off=int(rope_off),
+                  qkv_fused=fused)
+    arrays = dict(x=x, gamma=gamma, wq=wq[1], wk=None if fused else wk[1], wv=None if fused else wv[1], wo=wo[1],
+                  k_cache=k_cache, v_cache=v_cache, cos=cos, sin=sin,
+                  bq=_optional("bq", bq, (((h_q + 2 * h_kv) if fused else h_q) * ad,)),
+                  bk=_optional("bk", bk, (h_kv * ad,)),
                   bv=_optional("bv", bv, (h_kv * ad,)), bo=_optional("bo", bo, (ae,)),
                   res=_optional("residual", residual, x.shape), **res)
     _run(entry, fields, arrays)
@@ -204,22 +234,28 @@ def attention_decode(x: np.ndarray, gamma: np.ndarray, eps: float, wq, wk, wv, w
                      v_cache: np.ndarray, cos: np.ndarray, sin: np.ndarray, pos: int, *, n: int, h_q: int, h_kv: int,
                      d: int, bq=None, bk=None, bv=None, bo=None, residual=None, style: str = "half",
                      gemma: bool = False, quantize_activations: bool = True,
-                     out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """The fused decode block for one token x (aE,) at position pos (slots 0 .. pos attended)."""
+                     out: dict[str, np.ndarray] | None = None, rope_off: int = 0,
+                     qkv: str = "separate") -> dict[str, np.ndarray]:
+    """The fused decode block for one token x (aE,) in slot pos (slots 0 .. pos attended), rotated at
+    rope_off + pos; qkv="fused": wq is W_qkv, bq b_qkv (wk, wv, bk, bv None)."""
     return _attention("blocks_attention_decode", x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, pos,
                       n=n, h_q=h_q, h_kv=h_kv, d=d, bq=bq, bk=bk, bv=bv, bo=bo, residual=residual, style=style,
-                      gemma=gemma, quantize_activations=quantize_activations, out=out, decode=True)
+                      gemma=gemma, quantize_activations=quantize_activations, out=out, decode=True,
+                      rope_off=rope_off, qkv=qkv)
 
 
 def attention_prefill(x: np.ndarray, gamma: np.ndarray, eps: float, wq, wk, wv, wo, k_cache: np.ndarray,
                       v_cache: np.ndarray, cos: np.ndarray, sin: np.ndarray, start: int, *, n: int, h_q: int,
                       h_kv: int, d: int, bq=None, bk=None, bv=None, bo=None, residual=None, style: str = "half",
                       gemma: bool = False, quantize_activations: bool = True,
-                      out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """The attention block over x (T, aE) at positions start .. start + T - 1, stage by stage."""
+                      out: dict[str, np.ndarray] | None = None, rope_off: int = 0,
+                      qkv: str = "separate") -> dict[str, np.ndarray]:
+    """The attention block over x (T, aE) in slots start .. start + T - 1 (rotated at rope_off + slot), stage
+    by stage; qkv as `attention_decode`."""
     return _attention("blocks_attention_prefill", x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start,
                       n=n, h_q=h_q, h_kv=h_kv, d=d, bq=bq, bk=bk, bv=bv, bo=bo, residual=residual, style=style,
-                      gemma=gemma, quantize_activations=quantize_activations, out=out, decode=False)
+                      gemma=gemma, quantize_activations=quantize_activations, out=out, decode=False,
+                      rope_off=rope_off, qkv=qkv)
 
 
 def mlp_width(w1: Any, inter: Any) -> tuple[int, int]:

@@ -17,7 +17,8 @@
  *                   dq = scale dS K, dk = scale dS^T Q, dv = P^T dO (the new keys' rows only, summed over
  *                   the group's query heads; lanes [d, a_d) zero: the cache write cleared them)
  *     bwd_rope      dq, dk = the rotary pairs of dq_rope, dk_rope rotated by the negated angle
- *     bwd_qkv       dnorm = dq Wq + dk Wk + dv Wv,  dW = dY^T norm,  d_bq, d_bk, d_bv = sum_t dY
+ *     bwd_qkv       dnorm = dq Wq + dk Wk + dv Wv,  dW = dY^T norm,  d_bq, d_bk, d_bv = sum_t dY (qkv_fused: the
+ *                   row sections of one W_qkv, dW_qkv and db_qkv: q heads, then k, then v)
  *     bwd_rmsnorm   dx, dgamma as above
  * Saved activations (the forward's, fp32): norm, rstd, h, act (mlp); norm, rstd, q_rope, k_rope, v, attn
  * (attention). Conventions as blocks.c (OPS.md, layers): aligned rows (statistics over the n real lanes,
@@ -40,6 +41,8 @@ enum { STYLE_HALF = 0, STYLE_INTERLEAVED = 1 };
 typedef struct {                   /* mirrored by kernels/cpu/blocks_bwd.py (_Params) */
     int64_t t, e, ae, hq, hkv, d, ad, cap, start, inter, max_seq;
     int64_t style, gemma, wqkv_type, wo_type, w1_type, w2_type;
+    int64_t rope_off, qkv_fused;   /* attention: RoPE position - cache slot; wq is W_qkv (dwq dW_qkv, dbq db_qkv) */
+    int64_t wo_heads;              /* attention: W_o (and dwo) fp32 per head [hq][aE][a_d] */
     double eps;
     const float *x, *gamma, *dout;                      /* (t, ae), (ae,), (t, ae) */
     const void *wq, *wk, *wv, *wo, *w1, *w2;
@@ -221,18 +224,38 @@ KP_MULTIVERSION(blocks_mlp_backward, (const bwd_params *P), (P))
 KP_INLINE int blocks_attention_prefill_backward_impl(const bwd_params *P) {
     const int64_t T = P->t, ae = P->ae, hq = P->hq, hkv = P->hkv, ad = P->ad;
     if (P->dr) bwd_residual(P->dr, P->dout, T * ae, 1);
-    int st = bwd_linear((int)P->wo_type, P->wo, P->attn, P->dout, T, ae, hq * ad, P->dattn, 0, P->dwo, P->dbo);
+    int st = KP_OK;
+    if (P->wo_heads)   /* Wo[h][aE][a_d]: dattn_h = dout Wo[h], dWo[h] = dout^T attn_h, d_bo once */
+        for (int64_t h = 0; h < hq && st == KP_OK; h++) {
+            st = lb_backward_dx(QT_F32, (const float *)P->wo + h * ae * ad, 4 * ad, P->dout, ae, P->dattn + h * ad,
+                                hq * ad, T, ae, ad, 0);
+            if (st == KP_OK)
+                lb_backward_dw(P->attn + h * ad, hq * ad, P->dout, ae, P->dwo ? P->dwo + h * ae * ad : NULL, ad,
+                               h == 0 ? P->dbo : NULL, T, ae, ad);
+        }
+    else
+        st = bwd_linear((int)P->wo_type, P->wo, P->attn, P->dout, T, ae, hq * ad, P->dattn, 0, P->dwo, P->dbo);
     if (st == KP_OK) st = bwd_attention(P);
     if (st != KP_OK) return st;
     for (int64_t t = 0; t < T; t++) {
-        bwd_rope(P->dq_rope + t * hq * ad, hq, ad, P->d, P->cos, P->sin, P->start + t, (int)P->style, P->dq + t * hq * ad);
-        bwd_rope(P->dk_rope + t * hkv * ad, hkv, ad, P->d, P->cos, P->sin, P->start + t, (int)P->style,
-                 P->dk + t * hkv * ad);
+        const int64_t pos = P->rope_off + P->start + t;   /* the forward's RoPE position; the slot is start + t */
+        bwd_rope(P->dq_rope + t * hq * ad, hq, ad, P->d, P->cos, P->sin, pos, (int)P->style, P->dq + t * hq * ad);
+        bwd_rope(P->dk_rope + t * hkv * ad, hkv, ad, P->d, P->cos, P->sin, pos, (int)P->style, P->dk + t * hkv * ad);
     }
     const int type = (int)P->wqkv_type;   /* QKV: three projections' dX summed into dnorm */
-    st = bwd_linear(type, P->wq, P->norm, P->dq, T, hq * ad, ae, P->dnorm, 0, P->dwq, P->dbq);
-    if (st == KP_OK) st = bwd_linear(type, P->wk, P->norm, P->dk, T, hkv * ad, ae, P->dnorm, 1, P->dwk, P->dbk);
-    if (st == KP_OK) st = bwd_linear(type, P->wv, P->norm, P->dv, T, hkv * ad, ae, P->dnorm, 1, P->dwv, P->dbv);
+    const void *w[3] = {P->wq, P->wk, P->wv};
+    float *dw[3] = {P->dwq, P->dwk, P->dwv}, *db[3] = {P->dbq, P->dbk, P->dbv};
+    if (P->qkv_fused) {   /* the seed's one W_qkv (and dW_qkv, db_qkv): rows of the q heads, then k, then v */
+        const int64_t off[3] = {0, hq * ad, (hq + hkv) * ad};
+        for (int i = 0; i < 3; i++) {
+            w[i] = (const uint8_t *)P->wq + off[i] * lb_row_bytes(type, ae);
+            dw[i] = P->dwq ? P->dwq + off[i] * ae : NULL;
+            db[i] = P->dbq ? P->dbq + off[i] : NULL;
+        }
+    }
+    st = bwd_linear(type, w[0], P->norm, P->dq, T, hq * ad, ae, P->dnorm, 0, dw[0], db[0]);
+    if (st == KP_OK) st = bwd_linear(type, w[1], P->norm, P->dk, T, hkv * ad, ae, P->dnorm, 1, dw[1], db[1]);
+    if (st == KP_OK) st = bwd_linear(type, w[2], P->norm, P->dv, T, hkv * ad, ae, P->dnorm, 1, dw[2], db[2]);
     if (st != KP_OK) return st;
     bwd_rmsnorm(P->x, P->gamma, P->rstd, P->dnorm, T, P->e, ae, (int)P->gemma, P->dx, P->dgamma);
     return KP_OK;

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kernel_parity.kernels.cpu.blocks import STYLES, _array, _norm_args, _optional, _weight, mlp_width
+from kernel_parity.kernels.cpu.blocks import QKV_LAYOUTS, STYLES, _array, _norm_args, _optional, _weight, _wo, mlp_width
 from kernel_parity.kernels.cpu.loader import check_status, load
 
 __all__ = ["attention_prefill_backward", "mlp_backward"]
@@ -35,6 +35,7 @@ __all__ = ["attention_prefill_backward", "mlp_backward"]
 _I64, _PTR, _F64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
 _INTS = ("t", "e", "ae", "hq", "hkv", "d", "ad", "cap", "start", "inter", "max_seq", "style", "gemma", "wqkv_type",
          "wo_type", "w1_type", "w2_type")
+_ATTN_INTS = ("rope_off", "qkv_fused", "wo_heads")  # blocks_bwd.c's attention fields after w2_type (S7, S11, S4)
 _ARRAYS = ("x", "gamma", "dout", "wq", "wk", "wv", "wo", "w1", "w2", "k_cache", "v_cache", "cos", "sin", "norm", "rstd",
            "q_rope", "k_rope", "v", "attn", "h", "act", "dattn", "dq_rope", "dk_rope", "dv", "dq", "dk", "dnorm", "dact",
            "dh", "dx", "dgamma", "dwq", "dwk", "dwv", "dwo", "dw1", "dw2", "dbq", "dbk", "dbv", "dbo", "dr")
@@ -46,7 +47,8 @@ _MLP_FIELDS = (("db1", _PTR), ("db2", _PTR), ("ipad", _I64))  # the MLP's bias g
 
 class _Params(ctypes.Structure):
     """blocks_bwd.c's bwd_params, field for field."""
-    _fields_ = [*((n, _I64) for n in _INTS), ("eps", _F64), *((n, _PTR) for n in _ARRAYS), *_MLP_FIELDS]
+    _fields_ = [*((n, _I64) for n in _INTS + _ATTN_INTS), ("eps", _F64), *((n, _PTR) for n in _ARRAYS),
+                *_MLP_FIELDS]
 
 
 def _kernels() -> ctypes.CDLL:
@@ -116,10 +118,12 @@ def attention_prefill_backward(x: np.ndarray, gamma: np.ndarray, eps: float, wq,
                                norm: np.ndarray, rstd: np.ndarray, q_rope: np.ndarray, k_rope: np.ndarray,
                                v: np.ndarray, attn: np.ndarray, n: int, h_q: int, h_kv: int, d: int, bq=None,
                                bk=None, bv=None, bo=None, residual=None, style: str = "half", gemma: bool = False,
-                               weight_grads: bool = True,
-                               out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+                               weight_grads: bool = True, out: dict[str, np.ndarray] | None = None,
+                               rope_off: int = 0, qkv: str = "separate") -> dict[str, np.ndarray]:
     """The prefill attention block's backward for dout (T, aE); the caches hold the history (slots < start,
-    read only). Returns the gradients (module docstring)."""
+    read only). RoPE's transpose at the forward's positions rope_off + start + t; qkv="fused": wq is W_qkv, bq
+    b_qkv (wk, wv, bk, bv None) and dwqkv, dbqkv replace dwq, dwk, dwv, dbq, dbk, dbv. Returns the gradients
+    (module docstring)."""
     if not isinstance(x, np.ndarray) or x.ndim != 2:
         raise ValueError(f"x must be a float32 array (T, aE), got {getattr(x, 'shape', type(x).__name__)}")
     t, ae = _array("x", x, x.shape).shape
@@ -135,39 +139,57 @@ def attention_prefill_backward(x: np.ndarray, gamma: np.ndarray, eps: float, wq,
         raise ValueError(f"d={d!r} must be an even int in [2, a_d = {ad}] (the caches' last axis)")
     if not isinstance(start, (int, np.integer)) or start < 0 or start + t > cap:
         raise ValueError(f"start={start!r}: the tokens' slots must lie in [0, cap = {cap})")
-    if not isinstance(cos, np.ndarray) or cos.ndim != 2 or cos.shape[1] != d // 2 or cos.shape[0] < start + t:
-        raise ValueError(f"cos must be (max_seq >= {start + t}, d / 2 = {d // 2}) float32, got {getattr(cos, 'shape', None)}")
+    if not isinstance(rope_off, (int, np.integer)) or rope_off < 0:
+        raise ValueError(f"rope_off={rope_off!r} must be an int >= 0 (RoPE's position minus the cache slot)")
+    last = rope_off + start + t
+    if not isinstance(cos, np.ndarray) or cos.ndim != 2 or cos.shape[1] != d // 2 or cos.shape[0] < last:
+        raise ValueError(f"cos must be (max_seq >= rope_off + start + T = {last}, d / 2 = {d // 2}) float32, got "
+                         f"{getattr(cos, 'shape', None)}")
     _array("cos", cos, cos.shape)
     _array("sin", sin, cos.shape)
     if style not in STYLES:
         raise ValueError(f"style must be one of {', '.join(STYLES)}, got {style!r}")
-    types = {_weight(nm, w, rows, ae)[0] for nm, w, rows in (("wq", wq, h_q * ad), ("wk", wk, h_kv * ad),
-                                                               ("wv", wv, h_kv * ad))}
+    if qkv not in QKV_LAYOUTS:
+        raise ValueError(f"qkv must be one of {', '.join(QKV_LAYOUTS)}, got {qkv!r}")
+    fused, rows = qkv == "fused", (h_q + 2 * h_kv) * ad
+    if fused and (wk is not None or wv is not None or bk is not None or bv is not None):
+        raise ValueError("qkv='fused' takes W_qkv as wq and b_qkv as bq: wk, wv, bk, bv must be None")
+    sections = (("wq (W_qkv)", wq, rows),) if fused else (("wq", wq, h_q * ad), ("wk", wk, h_kv * ad),
+                                                           ("wv", wv, h_kv * ad))
+    types = {_weight(nm, w, n_rows, ae)[0] for nm, w, n_rows in sections}
     if len(types) != 1:
         raise ValueError(f"wq, wk, wv must share one format, got {wq[0]}, {wk[0]}, {wv[0]}")
     wqkv_type = types.pop()
-    wo_type, _ = _weight("wo", wo, ae, h_q * ad)
+    wo_type, wo_heads = _wo(wo, ae, h_q, ad)
     if weight_grads and (wqkv_type or wo_type):
         raise ValueError(f"weight gradients need float32 weights, got wq={wq[0]}, wo={wo[0]}")
     for name, a, shape in (("dout", dout, (t, ae)), ("norm", norm, (t, ae)), ("rstd", rstd, (t,)),
                            ("q_rope", q_rope, (t, h_q, ad)), ("k_rope", k_rope, (t, h_kv, ad)), ("v", v, (t, h_kv, ad)),
                            ("attn", attn, (t, h_q, ad))):
         _array(name, a, shape)
-    biases = {"bq": _optional("bq", bq, (h_q * ad,)), "bk": _optional("bk", bk, (h_kv * ad,)),
+    biases = {"bq": _optional("bq", bq, (rows if fused else h_q * ad,)), "bk": _optional("bk", bk, (h_kv * ad,)),
               "bv": _optional("bv", bv, (h_kv * ad,)), "bo": _optional("bo", bo, (ae,))}
     if residual is not None:
         _array("residual", residual, (t, ae))
     shapes = {"dattn": (t, h_q, ad), "dq_rope": (t, h_q, ad), "dk_rope": (t, h_kv, ad), "dv": (t, h_kv, ad),
               "dq": (t, h_q, ad), "dk": (t, h_kv, ad), "dnorm": (t, ae), "dx": (t, ae)}
     if weight_grads:
-        shapes.update(dgamma=(ae,), dwq=(h_q * ad, ae), dwk=(h_kv * ad, ae), dwv=(h_kv * ad, ae), dwo=(ae, h_q * ad))
+        shapes.update(dgamma=(ae,), dwq=(h_q * ad, ae), dwk=(h_kv * ad, ae), dwv=(h_kv * ad, ae),
+                      dwo=(h_q, ae, ad) if wo_heads else (ae, h_q * ad))  # per head: the seed's d_wo (S4)
         shapes.update({f"d{b}": a.shape for b, a in biases.items() if a is not None})
         if residual is not None:
             shapes["dr"] = (t, ae)
+        if fused:  # W_qkv's gradient (and b_qkv's), one buffer each: the kernel writes the sections
+            shapes = {("dwqkv" if k == "dwq" else "dbqkv" if k == "dbq" else k): ((rows, ae) if k == "dwq" else
+                                                                                (rows,) if k == "dbq" else v)
+                      for k, v in shapes.items() if k not in ("dwk", "dwv")}
     res = _outputs(out, shapes)
     fields = dict(t=t, e=n, ae=ae, hq=h_q, hkv=h_kv, d=d, ad=ad, cap=cap, start=int(start), max_seq=cos.shape[0],
-                  style=STYLES[style], gemma=bool(gemma), wqkv_type=wqkv_type, wo_type=wo_type, eps=eps)
+                  style=STYLES[style], gemma=bool(gemma), wqkv_type=wqkv_type, wo_type=wo_type, eps=eps,
+                  rope_off=int(rope_off), qkv_fused=fused, wo_heads=wo_heads)
+    grads = {("dwq" if k == "dwqkv" else "dbq" if k == "dbqkv" else k): v for k, v in res.items()}
     _run("blocks_attention_prefill_backward", fields,
-         dict(x=x, gamma=gamma, dout=dout, wq=wq[1], wk=wk[1], wv=wv[1], wo=wo[1], k_cache=k_cache, v_cache=v_cache,
-              cos=cos, sin=sin, norm=norm, rstd=rstd, q_rope=q_rope, k_rope=k_rope, v=v, attn=attn, **res))
+         dict(x=x, gamma=gamma, dout=dout, wq=wq[1], wk=None if fused else wk[1], wv=None if fused else wv[1],
+              wo=wo[1], k_cache=k_cache, v_cache=v_cache, cos=cos, sin=sin, norm=norm, rstd=rstd, q_rope=q_rope,
+              k_rope=k_rope, v=v, attn=attn, **grads))
     return res

@@ -71,24 +71,40 @@ def write_cache(cache: torch.Tensor, rows: torch.Tensor, start: int, d: int) -> 
     cache[:, start:start + t, d:] = 0
 
 
+def qkv_sections(wq: Weight, bq: torch.Tensor | None, h_q: int, h_kv: int,
+                 ad: int) -> tuple:
+    """The seed's one W_qkv ((h_q + 2 h_kv) a_d rows: q heads, then k, then v) and b_qkv as three sections (views)."""
+    fmt, data = wq
+    off, rows = (0, h_q * ad, (h_q + h_kv) * ad), (h_q * ad, h_kv * ad, h_kv * ad)  # each section's first row, rows
+    if data.shape[0] != sum(rows):
+        raise ValueError(f"W_qkv must have (h_q + 2 h_kv) a_d = {sum(rows)} rows, got {tuple(data.shape)}")
+    ws = tuple((fmt, data[o:o + r]) for o, r in zip(off, rows))
+    bs = (None,) * 3 if bq is None else tuple(bq[o:o + r] for o, r in zip(off, rows))
+    return (*ws, *bs)
+
+
 def attention_prefill(x: torch.Tensor, gamma: torch.Tensor, eps: float, wq: Weight, wk: Weight, wv: Weight,
                       wo: Weight, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       start: int, *, n: int, h_q: int, h_kv: int, d: int, bq: torch.Tensor | None = None,
                       bk: torch.Tensor | None = None, bv: torch.Tensor | None = None, bo: torch.Tensor | None = None,
                       residual: torch.Tensor | None = None, style: str = "half",
-                      gemma: bool = False) -> dict[str, torch.Tensor]:
-    """x (T, aE) at positions start .. start + T - 1; the caches (h_kv, cap, a_d) are written in place.
+                      gemma: bool = False, rope_off: int = 0, qkv: str = "separate") -> dict[str, torch.Tensor]:
+    """x (T, aE) in cache slots start .. start + T - 1, rotated at positions rope_off + slot; the caches
+    (h_kv, cap, a_d) are written in place. qkv="fused": wq is the seed's W_qkv, bq b_qkv (wk, wv, bk, bv None).
 
     returns {"norm", "q", "k", "v", "q_rope", "k_rope", "attn", "out"} (refimpl.blocks.attention_prefill's
     shapes; the caches are the arguments themselves)."""
     t = x.shape[0]
     ad = k_cache.shape[-1]
+    if qkv == "fused":
+        wq, wk, wv, bq, bk, bv = qkv_sections(wq, bq, h_q, h_kv, ad)
     nrm = rms_norm(x, gamma, eps, n, gemma)
     q = project(nrm, wq, bq).view(t, h_q, ad)
     k = project(nrm, wk, bk).view(t, h_kv, ad)
     v = project(nrm, wv, bv).view(t, h_kv, ad)
     pos = torch.arange(start, start + t, device=x.device)
-    q_rope, k_rope = rope(q, cos, sin, pos, d, style), rope(k, cos, sin, pos, d, style)
+    rpos = pos + rope_off  # RoPE's positions; the cache slots are pos
+    q_rope, k_rope = rope(q, cos, sin, rpos, d, style), rope(k, cos, sin, rpos, d, style)
     write_cache(k_cache, k_rope, start, d)
     write_cache(v_cache, v, start, d)
     live = start + t

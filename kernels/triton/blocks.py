@@ -135,24 +135,41 @@ def _outputs(out: dict | None, shapes: dict[str, tuple[int, ...]], like: torch.T
     return out
 
 
+def qkv_sections(wq: Weight, bq: torch.Tensor | None, h_q: int, h_kv: int, ad: int) -> tuple:
+    """(wq, wk, wv, bq, bk, bv): the row sections of the seed's one W_qkv ((h_q + 2 h_kv) a_d rows: q heads, then
+    k, then v) and of b_qkv, as views into them (contiguous: whole rows)."""
+    fmt, data = wq
+    off, rows = (0, h_q * ad, (h_q + h_kv) * ad), (h_q * ad, h_kv * ad, h_kv * ad)  # each section's first row, rows
+    if data.shape[0] != sum(rows):
+        raise ValueError(f"W_qkv must have (h_q + 2 h_kv) a_d = {sum(rows)} rows, got {tuple(data.shape)}")
+    ws = tuple((fmt, data[o:o + r]) for o, r in zip(off, rows))
+    bs = (None,) * 3 if bq is None else tuple(bq[o:o + r] for o, r in zip(off, rows))
+    return (*ws, *bs)
+
+
 def attention_prefill(x: torch.Tensor, gamma: torch.Tensor, eps: float, wq: Weight, wk: Weight, wv: Weight,
                       wo: Weight, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       start: int, *, n: int, h_q: int, h_kv: int, d: int, bq=None, bk=None, bv=None, bo=None,
                       residual: torch.Tensor | None = None, style: str = "half", gemma: bool = False,
-                      out: dict | None = None, decode: bool = False) -> dict[str, torch.Tensor]:
-    """x (T, aE) at positions start .. start + T - 1; the caches (h_kv, cap, a_d) are written in place.
+                      out: dict | None = None, decode: bool = False, rope_off: int = 0,
+                      qkv: str = "separate") -> dict[str, torch.Tensor]:
+    """x (T, aE) in cache slots start .. start + T - 1, rotated at positions rope_off + slot; the caches
+    (h_kv, cap, a_d) are written in place. qkv="fused": wq is the seed's W_qkv, bq b_qkv (wk, wv, bk, bv None).
     decode: the attention is the decode kernel's (T = 1) instead of chunked prefill's. Returns the stage
     outputs (refimpl.blocks.attention_prefill's names and shapes, the caches excepted)."""
     t, ae = x.shape
     cap, ad = k_cache.shape[1:]
+    if qkv == "fused":
+        wq, wk, wv, bq, bk, bv = qkv_sections(wq, bq, h_q, h_kv, ad)
     o = _outputs(out, {"norm": (t, ae), "q": (t, h_q, ad), "k": (t, h_kv, ad), "v": (t, h_kv, ad),
                        "q_rope": (t, h_q, ad), "k_rope": (t, h_kv, ad), "attn": (t, h_q, ad), "out": (t, ae)}, x)
     tnorm.rms_norm(x, gamma, eps, n=n, gemma=gemma, out=o["norm"])
     for name, w, b in (("q", wq, bq), ("k", wk, bk), ("v", wv, bv)):
         linear(o["norm"], w, b, o[name].view(t, -1))
     pos = torch.arange(start, start + t, dtype=torch.int32, device=x.device)
+    rpos = {"q": pos + rope_off, "k": pos + rope_off}  # RoPE's positions; the cache slots are pos
     for src, dst in (("q", "q_rope"), ("k", "k_rope")):
-        trope.rope(o[src], pos, cos=cos, sin=sin, style=style, rot=d, at="first", out=o[dst])
+        trope.rope(o[src], rpos[src], cos=cos, sin=sin, style=style, rot=d, at="first", out=o[dst])
     write_cache(k_cache, o["k_rope"], start, d)
     write_cache(v_cache, o["v"], start, d)
     kc, vc = k_cache.permute(1, 0, 2)[None], v_cache.permute(1, 0, 2)[None]  # (1, cap, h_kv, a_d) views

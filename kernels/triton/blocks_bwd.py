@@ -28,7 +28,7 @@ import torch
 
 from . import attention_bwd, gemm_bwd, norm_backward, rope
 from . import mlp as tmlp
-from .blocks import add, write_cache
+from .blocks import add, qkv_sections, write_cache
 
 Weight = tuple[str, torch.Tensor]
 
@@ -95,23 +95,48 @@ def attention_prefill_backward(x: torch.Tensor, gamma: torch.Tensor, eps: float,
                                rstd: torch.Tensor, q_rope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
                                attn: torch.Tensor, lse: torch.Tensor, n: int, h_q: int, h_kv: int, d: int, bq=None,
                                bk=None, bv=None, bo=None, residual=None, style: str = "half", gemma: bool = False,
-                               weight_grads: bool = True, out: dict | None = None) -> dict[str, torch.Tensor]:
-    """The prefill attention block's backward (module docstring); the caches hold the history."""
+                               weight_grads: bool = True, out: dict | None = None, rope_off: int = 0,
+                               qkv: str = "separate") -> dict[str, torch.Tensor]:
+    """The prefill attention block's backward (module docstring); the caches hold the history. RoPE's transpose at
+    the forward's positions rope_off + start + t; qkv="fused": wq is W_qkv, bq b_qkv, and the gradients dwqkv,
+    dbqkv (W_qkv's rows) replace dwq, dwk, dwv, dbq, dbk, dbv (written through row-section views)."""
     t, ae = x.shape
     ad = k_cache.shape[-1]
     live = start + t
+    fused = qkv == "fused"
+    if fused:
+        wq, wk, wv, bq, bk, bv = qkv_sections(wq, bq, h_q, h_kv, ad)
     shapes = {"dattn": (t, h_q, ad), "dq_rope": (t, h_q, ad), "dk_rope": (t, h_kv, ad), "dv": (t, h_kv, ad),
               "dq": (t, h_q, ad), "dk": (t, h_kv, ad), "dnorm": (t, ae), "dx": (t, ae)}
     if weight_grads:
-        shapes.update(dgamma=(ae,), dwq=(h_q * ad, ae), dwk=(h_kv * ad, ae), dwv=(h_kv * ad, ae), dwo=(ae, h_q * ad))
+        shapes.update(dgamma=(ae,), dwq=(h_q * ad, ae), dwk=(h_kv * ad, ae), dwv=(h_kv * ad, ae),
+                      dwo=tuple(wo[1].shape) if wo[0] == "f32_heads" else (ae, h_q * ad))  # per head (S4)
         shapes.update({f"d{b}": tuple(a.shape) for b, a in (("bq", bq), ("bk", bk), ("bv", bv), ("bo", bo))
                        if a is not None})
         if residual is not None:
             shapes["dr"] = (t, ae)
+    if weight_grads and fused:
+        rows = (h_q + 2 * h_kv) * ad
+        for w in ("w", "b"):
+            if f"d{w}q" in shapes:
+                for k in ("q", "k", "v"):
+                    del shapes[f"d{w}{k}"]
+                shapes[f"d{w}qkv"] = (rows, ae) if w == "w" else (rows,)
     o = _outputs(out, shapes, x)
+    if weight_grads and fused:
+        for w in ("w", "b"):
+            if f"d{w}qkv" in o:
+                _, _, _, *secs = qkv_sections(("f32", o[f"d{w}qkv"]), o[f"d{w}qkv"], h_q, h_kv, ad)
+                o.update({f"d{w}{k}": v for k, v in zip("qkv", secs)})
     if "dr" in o:
         o["dr"].copy_(dout)
-    _linear_backward(wo, attn.view(t, h_q * ad), dout, o["dattn"].view(t, h_q * ad), o.get("dwo"), o.get("dbo"))
+    if wo[0] == "f32_heads":  # the seed's Wo[h][aE][a_d]: dattn_h = dout Wo[h], dWo[h] = dout^T attn_h, d_bo once
+        for h in range(h_q):
+            dwo = o.get("dwo")
+            _linear_backward(("f32", wo[1][h]), attn[:, h], dout, o["dattn"][:, h], None if dwo is None else dwo[h],
+                             o.get("dbo") if h == 0 else None)
+    else:
+        _linear_backward(wo, attn.view(t, h_q * ad), dout, o["dattn"].view(t, h_q * ad), o.get("dwo"), o.get("dbo"))
     # keys and values of history + chunk in buffers of their own: the caches are inputs (read only)
     kc, vc = k_cache[:, :live].clone(), v_cache[:, :live].clone()
     write_cache(kc, k_rope, start, d)
@@ -124,7 +149,7 @@ def attention_prefill_backward(x: torch.Tensor, gamma: torch.Tensor, eps: float,
     for name, g in (("dk_rope", dk_all), ("dv", dv_all)):  # the new keys' rows; the write cleared [d, a_d)
         o[name].copy_(g[0, start:])
         o[name][..., d:] = 0.0
-    pos = torch.arange(start, live, dtype=torch.int32, device=x.device)
+    pos = torch.arange(rope_off + start, rope_off + live, dtype=torch.int32, device=x.device)
     for src, dst in (("dq_rope", "dq"), ("dk_rope", "dk")):
         rope.rope_backward(o[src], pos, cos=cos, sin=sin, style=style, rot=d, at="first", out=o[dst])
     parts = [torch.empty((t, ae), dtype=torch.float32, device=x.device) for _ in range(2)]
@@ -134,4 +159,6 @@ def attention_prefill_backward(x: torch.Tensor, gamma: torch.Tensor, eps: float,
     add(o["dnorm"], parts[0], o["dnorm"])  # dnorm = (dq Wq + dk Wk) + dv Wv
     add(o["dnorm"], parts[1], o["dnorm"])
     _norm_backward(x, gamma, rstd, o["dnorm"], n, gemma, o)
+    if fused:
+        o = {k: v for k, v in o.items() if k not in ("dwq", "dwk", "dwv", "dbq", "dbk", "dbv")}
     return o
