@@ -400,3 +400,8 @@ from kernel_parity.conformance.ops.attention_grad import backward_specs  # noqa:
 
 PREFILL_BACKWARD, VARLEN_BACKWARD = backward_specs(PREFILL, VARLEN, MASK_DIAGNOSES)
 SPECS = (PREFILL, VARLEN, DECODE, DECODE_PAGED, DECODE_SPLIT, CHUNKED_PREFILL, PREFILL_BACKWARD, VARLEN_BACKWARD)
+
+# Context attention that writes the cache (TensorRT-LLM's context_attention_kv): attention_context.py.
+from kernel_parity.conformance.ops.attention_context import CONTEXT_KV  # noqa: E402
+
+SPECS += (CONTEXT_KV,)
