@@ -1,5 +1,6 @@
 """Op spec of `attention.context_kv`: context attention that writes the cache (TensorRT-LLM's
-context_attention_kv), registered with the attention family (conformance/ops/attention.py's SPECS).
+context_attention_kv), registered with the attention family: conformance/ops/attention.py's SPECS builds
+it with `context_kv_spec`, handing in the family's head params and tolerance (no import back, no cycle).
 
 The packed new tokens q, k, v (total, h, d) of b sequences (cu_seqlens; TensorRT-LLM's seq_start and
 seq_len are its exclusive cumsum and diff) come after input_pos_b cached tokens each; the op writes the
@@ -17,17 +18,17 @@ the golden keeps the NaN, or a NaN where it has the key (the bit-exact judge; ev
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 import kernel_parity.refimpl.attention as ref
 from kernel_parity.conformance import dtypes as dt
-from kernel_parity.conformance.ops.attention import HEADS, attention_tolerance
 from kernel_parity.conformance.ops.attention_inputs import (CACHE_SLACK, DISTS, chunk_lengths, contiguous_cache,
                                                            cu_seqlens, paged_cache, qkv)
 from kernel_parity.conformance.params import Int, OneOf, Schema
 from kernel_parity.conformance.spec import Diagnosis, OpSpec, Output
+from kernel_parity.conformance.tolerance import Tol
 
 
 def _spare_pages(p: dict[str, Any]) -> int:
@@ -97,23 +98,27 @@ DIAGNOSES = (
     Diagnosis("matches a base-2 LSE: LSE not converted to natural log", lambda p: {**p, "_lse_base2": True}),
 )
 
-CONTEXT_KV = OpSpec(
-    name="attention.context_kv", golden=ref.context_kv, reference=_ref,
-    magnitude=lambda x, p: _ref(x, p, absolute=True),
-    params=Schema(dict(b=Int(1, 64), sq=Int(1, 1 << 16, doc="longest chunk (new tokens of a sequence)"),
-                       hist=Int(0, 1 << 17, edges=(16, 64), doc="longest history (input_pos: tokens cached before)"),
-                       **HEADS, lens=OneOf("full", "ragged", doc="chunk and history lengths: all at the maximum, "
-                                           "or ragged with an empty chunk and an empty history"),
-                       page=OneOf(0, 16, 64, doc="0: contiguous cache (b, s_max, h_kv, d); else tokens per page"))),
-    make_inputs=_inputs, output_shapes=_shapes,
-    outputs={"o": Output("test", doc="attention output (total, h_q, d)"),
-             "lse": Output("fp32", doc="natural-log LSE (h_q, total) of each query row"),
-             "k_cache": Output("test", exact=True, inplace="k_cache",
-                               doc="K cache after the write (in place): the chunk at input_pos_b + t, others kept"),
-             "v_cache": Output("test", exact=True, inplace="v_cache", doc="V cache after the write (in place)")},
-    tolerance=attention_tolerance(lambda p, output: p["hist"] + p["sq"] + p["d"]), dists=DISTS, check=_check,
-    diagnoses=DIAGNOSES, backends=("triton", "cpu", "torch"),
-    doc="TensorRT-LLM's context attention with the cache write: packed new q/k/v (cu_seqlens) after input_pos "
-        "cached tokens; K/V appended to the cache (contiguous or paged, in place) and the queries attend "
-        "history + chunk, causal bottom-right (query i sees keys j <= input_pos_b + i).",
-)
+def context_kv_spec(heads: dict[str, Int], tolerance: Callable[[Callable], Tol]) -> OpSpec:
+    """The op's spec, given the attention family's head params (hq, hkv, d) and its tolerance for an
+    accumulation length (conformance/ops/attention.py's HEADS and attention_tolerance)."""
+    return OpSpec(
+        name="attention.context_kv", golden=ref.context_kv, reference=_ref,
+        magnitude=lambda x, p: _ref(x, p, absolute=True),
+        params=Schema(dict(
+            b=Int(1, 64), sq=Int(1, 1 << 16, doc="longest chunk (new tokens of a sequence)"),
+            hist=Int(0, 1 << 17, edges=(16, 64), doc="longest history (input_pos: tokens cached before)"), **heads,
+            lens=OneOf("full", "ragged", doc="chunk and history lengths: all at the maximum, or ragged with an "
+                                             "empty chunk and an empty history"),
+            page=OneOf(0, 16, 64, doc="0: contiguous cache (b, s_max, h_kv, d); else tokens per page"))),
+        make_inputs=_inputs, output_shapes=_shapes,
+        outputs={"o": Output("test", doc="attention output (total, h_q, d)"),
+                 "lse": Output("fp32", doc="natural-log LSE (h_q, total) of each query row"),
+                 "k_cache": Output("test", exact=True, inplace="k_cache",
+                                   doc="K cache after the write (in place): the chunk at input_pos_b + t, rest kept"),
+                 "v_cache": Output("test", exact=True, inplace="v_cache", doc="V cache after the write (in place)")},
+        tolerance=tolerance(lambda p, output: p["hist"] + p["sq"] + p["d"]), dists=DISTS, check=_check,
+        diagnoses=DIAGNOSES, backends=("triton", "cpu", "torch"),
+        doc="TensorRT-LLM's context attention with the cache write: packed new q/k/v (cu_seqlens) after input_pos "
+            "cached tokens; K/V appended to the cache (contiguous or paged, in place) and the queries attend "
+            "history + chunk, causal bottom-right (query i sees keys j <= input_pos_b + i).",
+    )
