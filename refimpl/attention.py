@@ -1,5 +1,6 @@
 """Golden attention: prefill, varlen, decode (contiguous and paged), split-KV decode (three
-partitions, contiguous or paged) and chunked prefill over a cache that holds history, float64.
+partitions, contiguous or paged), chunked prefill over a cache that holds history, and context attention
+that writes the chunk into the cache first (context_kv), float64.
 
     s_ij = scale * q_i . k_j                        scale default 1/sqrt(d)
     s_ij = cap * tanh(s_ij / cap)                   optional logit softcap (Gemma-2), before the mask
@@ -54,6 +55,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kernel_parity.refimpl.combine import lse_combine
+from kernel_parity.refimpl.kvcache import update as cache_update
 from kernel_parity.refimpl.threads import on_threads
 
 F64 = NDArray[np.float64]
@@ -491,6 +493,31 @@ def chunked_prefill(q: NDArray, k_cache: NDArray, v_cache: NDArray, cu_seqlens_q
     lse_p, lse_sink_p = (x.transpose(0, 2, 1).reshape(flat.size, -1)[flat].T for x in (lse, lse_sink))
     return o_p, lse_p, lse_sink_p
 
+
+
+def context_kv(q: NDArray, k: NDArray, v: NDArray, k_cache: NDArray, v_cache: NDArray, cu_seqlens: NDArray,
+               input_pos: NDArray, block_table: NDArray | None = None,
+               **kw) -> tuple[F64, F64, F64, NDArray, NDArray]:
+    """Context attention that writes the cache (TensorRT-LLM's context_attention_kv): the chunk's K/V
+    appended to each sequence's cache, and its queries attending history + chunk, causal bottom-right.
+
+    q: (total, h_q, d), k: (total, h_kv, d), v: (total, h_kv, d_v) packed new tokens; sequence b's are
+        rows cu_seqlens[b]:cu_seqlens[b + 1] (TensorRT-LLM's seq_start = cu_seqlens[:-1], seq_len its diff)
+    k_cache, v_cache: (b, s_max, h_kv, d | d_v) contiguous, or (num_blocks, page, h_kv, d | d_v) pages
+        through block_table (b, max_blocks); slots 0 .. input_pos_b - 1 hold sequence b's history
+    cu_seqlens: (b + 1,) int from 0; input_pos: (b,) int, tokens cached before the chunk (0: none)
+    returns: o (total, h_q, d_v), lse (h_q, total), lse_sink (h_q, total), and the caches after the write
+    Composition of the two goldens it fuses: kvcache.update (ragged: seq_start, seq_len) writes token t of
+    sequence b at position input_pos_b + t (through the block table when paged; every other slot keeps its
+    bits), then chunked_prefill over the written caches with hist = input_pos: query i of sequence b at
+    position input_pos_b + i sees keys j <= input_pos_b + i, the history from the cache and the chunk's own
+    keys as written. A sequence of length 0 writes nothing and has no rows. `kw` as chunked_prefill's.
+    """
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    rag = dict(block_table=block_table, seq_len=np.diff(cu), seq_start=cu[:-1])
+    k_out, v_out = cache_update(k_cache, k, input_pos, **rag), cache_update(v_cache, v, input_pos, **rag)
+    o, lse, lse_sink = chunked_prefill(q, k_out, v_out, cu, input_pos, block_table, **kw)
+    return o, lse, lse_sink, k_out, v_out
 
 # Backward (VJP) goldens live beside the forward ones, in their own module (refimpl/attention_grad.py),
 # and are part of this family's namespace: attention.prefill_backward's golden is refimpl.attention.prefill_backward.

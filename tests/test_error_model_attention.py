@@ -182,6 +182,7 @@ FORWARD = [
                                     blk=16, causal="bottom_right", wl=-1, wr=-1, cap=0, sink=1)),
     ("attention.chunked_prefill", dict(b=5, sq=7, hist=20, hq=4, hkv=2, d=64, lens="ragged", page=16,
                                        causal="bottom_right", wl=-1, wr=-1, cap=0, sink=0)),
+    ("attention.context_kv", dict(b=5, sq=9, hist=20, hq=4, hkv=2, d=64, lens="ragged", page=16)),
     ("mla.decode", dict(b=5, sq=2, hq=8, kv=64, lens="ragged", causal=1, scale="model")),
     ("mla.decode_sparse", dict(b=3, sq=1, hq=16, kv=100, lens="ragged", topk=64, topk_len="ragged", scale="head")),
     ("mla.decode_fused_fp8", dict(b=5, new="ragged", hq=4, kv=65, lens="ragged", sink=0)),

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from kernel_parity.conformance.backends import attention_context as context
 from kernel_parity.conformance.backends._torch import to_torch
 from kernel_parity.conformance.ops.attention_inputs import value_dim
 
 DECODE_OPS = ("attention.decode", "attention.decode_paged")
 TRITON_MAX_D = {"attention.prefill": 256, "attention.varlen": 256, "attention.chunked_prefill": 256,
-                "attention.prefill_backward": 256, "attention.varlen_backward": 256}
+                "attention.prefill_backward": 256, "attention.varlen_backward": 256, "attention.context_kv": 256}
 
 
 def _kw(case, sinks) -> dict[str, Any]:
@@ -96,7 +97,8 @@ def triton_ops(device: str) -> dict[str, Callable]:
         return {"o": o, "lse": lse}
 
     return {**{op: run for op in ("attention.prefill", "attention.varlen", *DECODE_OPS, "attention.decode_split",
-                                  "attention.chunked_prefill")}, **triton_backward_ops(device)}
+                                  "attention.chunked_prefill")}, **triton_backward_ops(device),
+            **context.triton_ops(device)}
 
 
 def triton_supports() -> dict[str, Callable]:
@@ -129,7 +131,8 @@ def cpu_ops() -> dict[str, Callable]:
                            out_lse=lse)
         return {"o": o, "lse": lse}
 
-    return {**{op: run for op in ("attention.prefill", *DECODE_OPS, "attention.chunked_prefill")}, **cpu_backward_ops()}
+    return {**{op: run for op in ("attention.prefill", *DECODE_OPS, "attention.chunked_prefill")}, **cpu_backward_ops(),
+            **context.cpu_ops()}
 
 
 def torch_ops(device: str) -> dict[str, Callable]:
@@ -152,7 +155,8 @@ def torch_ops(device: str) -> dict[str, Callable]:
         return bufs
 
     return {**{op: run for op in ("attention.prefill", "attention.varlen", *DECODE_OPS, "attention.decode_split",
-                                  "attention.chunked_prefill")}, **torch_backward_ops(device)}
+                                  "attention.chunked_prefill")}, **torch_backward_ops(device),
+            **context.torch_ops(device)}
 
 
 # -- backward ops (attention.prefill_backward, attention.varlen_backward) --------------------------

@@ -121,6 +121,9 @@ CLASSES = {
     "softcap-grad": "the softcap's derivative (1 - tanh^2) left out of dS",
     "gqa-grad": "dk / dv of a kv head not summed over its query heads (one head's, or each head's alone)",
     "backward-mask": "the backward recomputes P without the forward's mask (causal or window dropped)",
+    # fused cache write + attention (attention.context_kv)
+    "write-read-race": "a fused write-and-attend kernel reads a cache slot the same call writes (before its write "
+                       "lands: the stale or poisoned slot) instead of the new token itself",
 }
 BACKEND_OF_DIR = {"triton": "triton", "cpu": "cpu", "torch": "torch"}
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]*$")

@@ -451,3 +451,9 @@ from kernel_parity.conformance.ops.attention_grad import backward_specs  # noqa:
 
 PREFILL_BACKWARD, VARLEN_BACKWARD = backward_specs(PREFILL, VARLEN, MASK_DIAGNOSES)
 SPECS = (PREFILL, VARLEN, DECODE, DECODE_PAGED, DECODE_SPLIT, CHUNKED_PREFILL, PREFILL_BACKWARD, VARLEN_BACKWARD)
+
+# Context attention that writes the cache (TensorRT-LLM's context_attention_kv): attention_context.py.
+from kernel_parity.conformance.ops.attention_context import context_kv_spec  # noqa: E402
+
+CONTEXT_KV = context_kv_spec(HEADS, attention_tolerance)
+SPECS += (CONTEXT_KV,)

@@ -287,3 +287,21 @@ def chunked_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, cu_
         else:
             decode_paged(qi, k_cache, v_cache, block_table[i:i + 1], lens, **kw, out=o, out_lse=lse)
     return out, out_lse
+
+
+def context_kv(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+               cu_seqlens: np.ndarray, input_pos: np.ndarray, block_table: np.ndarray | None = None, *,
+               scale: float | None = None, out: np.ndarray | None = None,
+               out_lse: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Context attention that writes the cache (TensorRT-LLM's context_attention_kv), composed of two C
+    kernels, not fused: kvcache.c appends k / v (total, h_kv, d) at input_pos_b + t (ragged: seq_start =
+    cu_seqlens[:-1], seq_len its diff; in place, through block_table when paged), then the chunked-prefill
+    kernel attends q (total, h_q, d) to history + chunk, bottom_right. Returns (o, lse) as chunked_prefill."""
+    from .kvcache import update
+
+    cu = np.asarray(cu_seqlens)
+    rag = dict(block_table=block_table, seq_len=np.diff(cu).astype(np.int32), seq_start=cu[:-1].astype(np.int32))
+    update(k_cache, k, input_pos, **rag)
+    update(v_cache, v, input_pos, **rag)
+    return chunked_prefill(q, k_cache, v_cache, cu_seqlens, input_pos, block_table, scale=scale,
+                           causal="bottom_right", out=out, out_lse=out_lse)

@@ -236,3 +236,16 @@ def _autograd(forward, q, k, v, do, dlse, sinks, sink_as_lse) -> dict[str, torch
             cots.append(torch.where(torch.isfinite(lse), dlse.float(), torch.zeros((), device=lse.device)))
         grads = torch.autograd.grad(outs, list(leaves.values()), cots, allow_unused=True)
     return {f"d{n}": (g if g is not None else torch.zeros_like(leaves[n])) for n, g in zip(leaves, grads)}
+
+
+def context_kv(q, k, v, k_cache, v_cache, cu_seqlens, input_pos, block_table=None,
+               **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context attention that writes the cache: k / v (total, h_kv, d) appended in place at input_pos_b + t
+    (kernels.torch.kvcache.update, ragged), then `chunked_prefill` over the written caches (bottom_right)."""
+    from .kvcache import update
+
+    cu = cu_seqlens.long()
+    rag = dict(block_table=block_table, seq_len=cu[1:] - cu[:-1], seq_start=cu[:-1])
+    update(k_cache, k, input_pos, **rag)
+    update(v_cache, v, input_pos, **rag)
+    return chunked_prefill(q, k_cache, v_cache, cu_seqlens, input_pos, block_table, causal="bottom_right", **kw)
