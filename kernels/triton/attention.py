@@ -139,12 +139,16 @@ def _prefill_tiles(
             m_use = m_new
             p = tl.exp2(qk - m_use[:, None])
         else:
-            # Interior tiles: only the row max is scaled (scale > 0 commutes with max), and the
-            # logits' scale and shift fuse into one FMA per element: the softmax, not the dots,
-            # is what limits FlashAttention on Hopper.
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+            # Interior tiles: no mask. The logits are rounded to the log2 domain before the max is
+            # subtracted, as on the edge tiles (the launch turns FMA contraction off): one FMA
+            # qk * scale - m rounds the product only after the subtraction, so the row's largest
+            # logit gets exp2(the product's rounding residual) instead of 1, a weight off by u |s|
+            # from the same logit on an edge tile: at logits near 1e12 (FlashMLA's case) exp2 of
+            # +-4096, an infinite or empty row; at -1e3, weights 4e-5 apart (seed-audit S21).
+            qk = qk * qk_scale
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             m_use = m_new
-            p = tl.exp2(qk * qk_scale - m_use[:, None])
+            p = tl.exp2(qk - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)  # fp32 running sum
         acc = acc * alpha[:, None]
@@ -312,6 +316,7 @@ def _launch(q, k, v, o, lse, sinks, cu_q, cu_k, b, s_q, s_k, max_q, strides, *, 
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
+        enable_fp_fusion=False,  # the interior tiles' logits rounded before the max is subtracted (no FMA)
     )
 
 
