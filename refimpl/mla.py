@@ -30,6 +30,8 @@ Conventions (OPS.md mla; research/attention-semantics.md sections 1, 2, 4.1, 5):
 - Sinks (FlashMLA sparse decode, MAX's combine): a natural-log logit per query head in the
   scaled domain, in the output's denominator only; the returned LSE excludes it; +inf gives O = 0.
   MAX's fused branch also takes one per request (`sink_per="batch"`), shared by its heads.
+- MAX's sparse mode of the fused branch (sparse_mla, `d_indices=`): each new token is one query row over
+  its listed slots, as sparse decode (-1 and entries past topk_lengths[t] skipped, no causal mask).
 
 Error model (`absolute=True` on decode, decode_sparse and decode_fused_fp8; refimpl/attention.py's, issue 31):
 the outputs' magnitudes instead, each the root-sum-square of the magnitudes of the terms it sums:
@@ -277,13 +279,38 @@ def decode_sparse(q: NDArray, kv_cache: NDArray, indices: NDArray, topk_length: 
 
 # --------------------------------------------------------------------------- MAX fused FP8 branch
 
+def _sparse_latent(q: F64, rows: F64, d_indices: NDArray, stride: int, topk: int, topk_lengths: NDArray,
+                   scale: float, d_c: int, sink: NDArray | None) -> F64:
+    """o_latent (T, H, d_c) of MAX's sparse mode: token t of q (T, H, d) over rows[slot] for its used slots
+    (d_indices[t * stride + k], k < topk_lengths[t], != -1); sink (H,), (T, 1, 1) (per token) or None."""
+    T = q.shape[0]
+    if topk_lengths is None or not 0 < topk <= stride:
+        raise ValueError(f"sparse mode needs topk_lengths and 0 < topk ({topk}) <= indices_stride ({stride})")
+    flat = np.asarray(d_indices, dtype=np.int64).reshape(-1)
+    if flat.size < T * stride:
+        raise ValueError(f"d_indices holds {flat.size} entries, T x indices_stride = {T * stride} needed")
+    idx = flat[:T * stride].reshape(T, stride)[:, :topk]
+    kl = np.asarray(topk_lengths, dtype=np.int64).reshape(T)
+    if ((kl < 0) | (kl > topk)).any():
+        raise ValueError(f"topk_lengths must lie in [0, topk = {topk}]")
+    used = (idx != -1) & (np.arange(topk)[None, :] < kl[:, None])  # T, topk
+    if ((idx[used] < 0) | (idx[used] >= rows.shape[0])).any():
+        raise ValueError(f"used d_indices outside the cache's {rows.shape[0]} slots (and not -1)")
+    kv = np.where(used[..., None], rows[np.where(used, idx, 0)], 0.0)  # T, topk, d: unused rows never read
+    s = np.einsum("thd,tkd->thk", q, kv)[:, :, None] * float(scale)  # T, H, 1, topk
+    p, _, _ = _softmax(s, used[:, None], sink)
+    return np.einsum("thk,tkc->thc", p[:, :, 0], kv[..., :d_c])
+
+
 def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray, gamma: NDArray, epsilon: float,
                      w_uk: NDArray, w_uk_scale: NDArray, w_uv: NDArray, w_uv_scale: NDArray,
                      kv_cache: NDArray, block_table: NDArray, cache_lengths: NDArray, scale: float, *,
                      attn_sink: NDArray | None = None, causal: bool = True,
                      granularity: tuple[int, int, int] = (1, 128, 128),
                      scale_ub: float = 1200.0, absolute: bool = False, q_inplace: bool = False,
-                     sink_per: str = "head") -> tuple[F64, F64] | tuple[F64, F64, F64]:
+                     sink_per: str = "head", d_indices: NDArray | None = None, indices_stride: int = 0,
+                     topk: int = 0, topk_lengths: NDArray | None = None
+                     ) -> tuple[F64, F64] | tuple[F64, F64, F64]:
     """MAX's `mla_decode_branch_fp8` (modular/modular max/kernels/src/nn/attention/gpu/mla_graph.mojo).
 
     q: (T, H, dn + d_r) ragged new tokens, dn = 128 (q_nope), d_r = 64 (q_rope)
@@ -299,6 +326,13 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
     sink_per: "head" (attn_sink (H,), one sink per query head) or "batch" (attn_sink (b,): request r's sink,
         shared by all its heads and tokens: MAX's per-batch attention sink)
     granularity: (m, n, k) scale granularity (1, 128, 128); scale_ub: activation amax bound (1200)
+    d_indices, indices_stride, topk, topk_lengths: MAX's sparse mode (sparse_mla), None for dense.
+        d_indices: (>= T * indices_stride,) int, new token t's list at d_indices[t * indices_stride:][:topk],
+        flat cache slots block * page + offset (FlashMLA's sparse convention); topk_lengths: (T,) int,
+        token t uses its first topk_lengths[t] <= topk <= indices_stride entries, -1 among them padding.
+        Step 3 then attends token t over exactly its used slots of the updated cache (no causal mask, no
+        block table: the indices choose the keys, a slot listed twice counts twice, as decode_sparse);
+        a token with no used slot gets o_latent = 0 (with or without sink), so out = 0.
     returns: out (T, H, dv) float64, cache_after (kv_cache's shape) float64
     absolute: out's magnitudes instead of out, sqrt(sum_c a_c^2 w_nc^2) over step 4's dequantized FP8
     terms (the activation codes of the exact o_latent); cache_after is returned as it is (no model)
@@ -373,8 +407,12 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
             raise ValueError(f"attn_sink of shape {np.shape(sink)} is not sink_per={sink_per!r}'s "
                              f"({H},) per head or ({b},) per request")
         sink = np.asarray(sink, dtype=np.float64).reshape(-1, 1, 1) if sink_per == "batch" else sink
-    o_lat, _ = _attend_rows(q_pad, after[slot], keep, scale, d_c, sink)  # b, n_max, H, d_c
-    o_lat = o_lat[ok]  # T, H, d_c in token order
+    if d_indices is not None:  # sparse_mla: token t over its own top-k slots
+        o_lat = _sparse_latent(q_full, after, d_indices, indices_stride, topk, topk_lengths, scale, d_c,
+                               None if sink is None else (sink[req] if sink_per == "batch" else sink))
+    else:
+        o_lat, _ = _attend_rows(q_pad, after[slot], keep, scale, d_c, sink)  # b, n_max, H, d_c
+        o_lat = o_lat[ok]  # T, H, d_c in token order
     out = bmm_fp8(o_lat.transpose(1, 0, 2), w_uv,
                   np.reshape(w_uv_scale, (H, -1, -(-d_c // kg))), granularity, scale_ub, absolute=absolute)  # H, T, dv
     if q_inplace:
