@@ -94,3 +94,49 @@ def test_triton_declares_sparse_unsupported():
 
     case = ops.parse_case(CASE.format(sink=0, extra=",sparse=16").replace("/torch/", "/triton/"))
     assert "attends densely only (sparse=16)" in Registry().get("triton").supports(case)
+
+
+# ---- the second cache (extra=1) ----------------------------------------------------------------------
+
+def test_extra_needs_sparse_and_defaults_off(capsys):
+    plain = CASE.format(sink=1, extra=",sparse=16")
+    assert ops.parse_case(CASE.format(sink=1, extra=",sparse=16,extra=0")).id == plain
+    assert main(["repro", CASE.format(sink=0, extra=",extra=1")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "extra=1 needs sparse=k > 0" in err[0]
+
+
+def test_the_extra_list_is_the_main_list_extended_by_its_rows():
+    """One softmax over both lists: the golden with the second cache equals the golden without it whose main
+    list also names copies of the extra rows (written into the main cache's spare NaN pages; scales set to 1,
+    so the e4m3 rows are exact in bf16), per-request sinks in the denominator once."""
+    import ml_dtypes
+
+    spec, p, x = _case(1, ",sparse=16,extra=1")
+    k, stride, T = p["sparse"], fused_stride(p), len(x["topk_lengths"])
+    x["extra_scales"] = np.ones_like(x["extra_scales"])
+    x["extra_k"] = np.nan_to_num(x["extra_k"].astype(np.float32), nan=0.0).astype(ml_dtypes.float8_e4m3fn)
+    with_extra = spec.reference(x, p)["out"]
+    rows = x["kv_cache"].reshape(-1, x["kv_cache"].shape[-1])
+    spare = np.flatnonzero(np.isnan(rows[:, 0].astype(np.float64)))
+    main_idx, e_idx = (x[n].reshape(T, stride).astype(np.int64) for n in ("d_indices", "extra_d_indices"))
+    merged = np.full((T, 2 * k), -1, dtype=np.int64)
+    lens = np.zeros(T, dtype=np.int32)
+    e_rows = x["extra_k"].reshape(-1, rows.shape[1])
+    for t in range(T):
+        m = [int(i) for i in main_idx[t, :x["topk_lengths"][t]]]
+        e = [int(i) for i in e_idx[t, :x["extra_topk_lengths"][t]]]
+        copies = []
+        for i in e:
+            if i != -1:
+                rows[spare[len(copies) + 16 * t]] = e_rows[i].astype(np.float32)
+            copies.append(-1 if i == -1 else int(spare[len(copies) + 16 * t]))
+        merged[t, :len(m) + len(copies)] = m + copies
+        lens[t] = len(m) + len(copies)
+    q = dict(x, d_indices=merged.reshape(-1).astype(np.int32), topk_lengths=lens)
+    for n in ("extra_k", "extra_scales", "extra_d_indices", "extra_topk_lengths"):
+        del q[n]
+    p2 = dict(p, sparse=2 * k)
+    del p2["extra"]
+    q["d_indices"] = np.concatenate([merged, np.full((T, 3), -1)], axis=1).reshape(-1).astype(np.int32)
+    np.testing.assert_allclose(spec.reference(q, p2)["out"], with_extra, rtol=1e-12, atol=1e-14)

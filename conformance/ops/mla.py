@@ -17,7 +17,8 @@
                        m / n / k scale granularity, default 1x128x128), `eps` (default 1e-6) and
                        `mask` (MAX's mask_str: causal, default, or null); `sparse=k` (default 0)
                        MAX's sparse_mla: each new token attends only its top-k slots (d_indices
-                       with indices_stride, per-token topk_lengths, -1 padding)
+                       with indices_stride, per-token topk_lengths, -1 padding); with it `extra=1`
+                       MAX's second cache: FP8 rows, own indices / lengths / scales, one softmax
 - `mla.schedule`       FlashMLA's split scheduler (get_mla_metadata), bit-exact int32 rows:
                        conformance/ops/mla_schedule.py, registered here
 
@@ -392,7 +393,49 @@ def _fused_inputs(p, dtype, dist, rng):
         x["attn_sink"] = dt.round_to(rng.standard_normal(p["b"] if per_batch else h) * 2.0, "fp32")
     if p.get("sparse", 0):  # drawn last: the dense cases' draws above are unchanged
         x.update(_fused_sparse_inputs(p, rng, cache, table, cl, n))
+    if p.get("extra", 0):  # after the sparse draws: those are unchanged
+        x.update(_fused_extra_inputs(p, rng, int(n.sum())))
     return x
+
+
+EXTRA_PAGES = 3  # the second cache: two pages of rows and a spare page of NaN codes
+
+
+def _fused_extra_inputs(p, rng, T):
+    """extra=1 (MAX's second cache of the sparse mode): extra_k (3, 64, 1, 576) e4m3 codes with extra_scales
+    (3, 64, 5) float32 (refimpl.mla.dequantize_latent_rows: one per 128 latent channels and one for the rope
+    part, per row). Each row's five groups are drawn as `normal` times 10^U(-1, 1) (scales a decade or two
+    apart: a kernel using a neighbour's scale is far off), quantized at amax / 448. extra_d_indices at the main
+    list's stride: k random rows of the two live pages, about 1 in 8 -1; extra_topk_lengths ~ U[0, k], the
+    second token's 0 (it attends the main list only). Entries past a length and in the stride's extra columns
+    name the spare page's NaN rows, and every live row that no used entry names is NaN too."""
+    import ml_dtypes
+
+    k, stride = p["sparse"], fused_stride(p)
+    n_live = (EXTRA_PAGES - 1) * PAGE
+    widths = [128] * (D_C // 128) + [D_R]
+    x = np.clip(rng.standard_normal((n_live, D)) / 10.0, -1.0, 1.0)
+    x *= np.repeat(10.0 ** rng.uniform(-1.0, 1.0, (n_live, len(widths))), widths, axis=1)
+    amax = np.maximum.reduceat(np.abs(x), np.cumsum([0] + widths[:-1]), axis=1)
+    scales = np.ones((EXTRA_PAGES * PAGE, len(widths)), dtype=np.float32)
+    scales[:n_live] = (amax / 448.0).astype(np.float32)
+    codes = np.full((EXTRA_PAGES * PAGE, D), np.nan, dtype=np.float64)
+    codes[:n_live] = x / np.repeat(scales[:n_live].astype(np.float64), widths, axis=1)
+    idx = np.full((T, stride), -1, dtype=np.int64)
+    for t in range(T):  # the layout: which extra rows token t lists
+        idx[t, :k] = rng.permutation(n_live)[:k] if k <= n_live else rng.integers(0, n_live, k)
+    idx[:, :k][rng.random((T, k)) < 0.125] = -1
+    lens = rng.integers(0, k + 1, T)
+    lens[1:2] = 0
+    used = (idx != -1) & (np.arange(stride)[None, :] < lens[:, None])
+    keep = np.zeros(EXTRA_PAGES * PAGE, dtype=bool)
+    keep[idx[used]] = True
+    codes[~keep] = np.nan  # the spare page and every unselected row
+    pad = np.arange(stride)[None, :] >= lens[:, None]
+    idx[pad] = rng.integers(n_live, EXTRA_PAGES * PAGE, int(pad.sum()))
+    return {"extra_k": codes.astype(ml_dtypes.float8_e4m3fn).reshape(EXTRA_PAGES, PAGE, 1, D),
+            "extra_scales": scales.reshape(EXTRA_PAGES, PAGE, len(widths)),
+            "extra_d_indices": idx.reshape(-1).astype(np.int32), "extra_topk_lengths": lens.astype(np.int32)}
 
 
 def fused_stride(p: dict[str, Any]) -> int:
@@ -435,6 +478,8 @@ def _fused_sparse_inputs(p, rng, cache, table, cl, n):
 
 
 def _fused_check(p: dict[str, Any]) -> str | None:
+    if p.get("extra", 0) and not p.get("sparse", 0):
+        return "extra=1 needs sparse=k > 0 (MAX's second cache is attended through its own top-k list)"
     if p.get("sparse", 0) and not fused_causal(p):
         return f"mask={p['mask']} needs sparse=0 (with sparse=k the indices choose each token's keys, no mask applies)"
     if p.get("sink_shape", "head") != "head" and not p["sink"]:
@@ -462,8 +507,9 @@ def fused_sparse_args(x: dict, p: dict[str, Any]) -> dict:
     """decode_fused_fp8's sparse keywords of a case (none when sparse=0): golden and kernels take the same."""
     if not p.get("sparse", 0):
         return {}
+    extra = ("extra_k", "extra_scales", "extra_d_indices", "extra_topk_lengths") if p.get("extra", 0) else ()
     return {"d_indices": x["d_indices"], "indices_stride": fused_stride(p), "topk": p["sparse"],
-            "topk_lengths": x["topk_lengths"]}
+            "topk_lengths": x["topk_lengths"], **{k: x[k] for k in extra}}
 
 
 def _fused_ref(x, p, absolute=False):
@@ -500,7 +546,7 @@ def _fused_acc(p, output):
         return D_C  # the RMSNorm's sum of squares
     if output == "q":
         return 2  # rope.rope's: a rotated element sums two products (judged by its error model, _fused_mag)
-    keys = p.get("sparse", 0) or p["kv"] + 2  # sparse: a token's top-k keys at most
+    keys = p.get("sparse", 0) * (1 + p.get("extra", 0)) or p["kv"] + 2  # sparse: its top-k keys (x 2: extra)
     return D_C + keys + D  # the 512-term FP8 matmul after a softmax over the keys of 576-dim dots
 
 
@@ -570,7 +616,10 @@ DECODE_FUSED_FP8 = OpSpec(
         sparse=Int(0, 2048, edges=(0, 1, 16), doc="MAX's sparse_mla: k > 0 gives each new token a top-k list of "
                                                   "cache slots (d_indices, indices_stride k + 3, topk_lengths per "
                                                   "token, -1 padding) and attends only those; 0: dense"),
-    ), {"qrope": 0, "sink_shape": "head", "gran": "1x128x128", "eps": "1e-6", "mask": "causal", "sparse": 0}),
+        extra=OneOf(0, 1, doc="sparse only: MAX's second cache (extra_k, e4m3 rows with per-row scales, its own "
+                              "top-k list and lengths), attended jointly with the main list (one softmax)"),
+    ), {"qrope": 0, "sink_shape": "head", "gran": "1x128x128", "eps": "1e-6", "mask": "causal", "sparse": 0,
+        "extra": 0}),
     make_inputs=_fused_inputs,
     check=_fused_check,
     output_shapes=_fused_shapes,
