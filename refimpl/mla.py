@@ -30,6 +30,8 @@ Conventions (OPS.md mla; research/attention-semantics.md sections 1, 2, 4.1, 5):
 - Sinks (FlashMLA sparse decode, MAX's combine): a natural-log logit per query head in the
   scaled domain, in the output's denominator only; the returned LSE excludes it; +inf gives O = 0.
   MAX's fused branch also takes one per request (`sink_per="batch"`), shared by its heads.
+- MAX's sparse mode of the fused branch (sparse_mla, `d_indices=`): each new token is one query row over
+  its listed slots, as sparse decode (-1 and entries past topk_lengths[t] skipped, no causal mask).
 
 Error model (`absolute=True` on decode, decode_sparse and decode_fused_fp8; refimpl/attention.py's, issue 31):
 the outputs' magnitudes instead, each the root-sum-square of the magnitudes of the terms it sums:
@@ -277,13 +279,62 @@ def decode_sparse(q: NDArray, kv_cache: NDArray, indices: NDArray, topk_length: 
 
 # --------------------------------------------------------------------------- MAX fused FP8 branch
 
+def _sparse_list(d_indices: NDArray, stride: int, topk: int, topk_lengths: NDArray, T: int, n_slots: int,
+                 what: str = "") -> tuple[I64, NDArray]:
+    """(idx (T, topk), used (T, topk)) of a sparse index list: token t's entries d_indices[t * stride:][:topk],
+    used where k < topk_lengths[t] and the entry is not -1 (checked inside [0, n_slots))."""
+    if topk_lengths is None or not 0 < topk <= stride:
+        raise ValueError(f"sparse mode needs {what}topk_lengths and 0 < topk ({topk}) <= indices_stride ({stride})")
+    flat = np.asarray(d_indices, dtype=np.int64).reshape(-1)
+    if flat.size < T * stride:
+        raise ValueError(f"{what}d_indices holds {flat.size} entries, T x indices_stride = {T * stride} needed")
+    idx = flat[:T * stride].reshape(T, stride)[:, :topk]
+    kl = np.asarray(topk_lengths, dtype=np.int64).reshape(T)
+    if ((kl < 0) | (kl > topk)).any():
+        raise ValueError(f"{what}topk_lengths must lie in [0, topk = {topk}]")
+    used = (idx != -1) & (np.arange(topk)[None, :] < kl[:, None])  # T, topk
+    if ((idx[used] < 0) | (idx[used] >= n_slots)).any():
+        raise ValueError(f"used {what}d_indices outside the cache's {n_slots} slots (and not -1)")
+    return idx, used
+
+
+def dequantize_latent_rows(codes: NDArray, scales: NDArray, d_c: int = 512, tile: int = 128) -> F64:
+    """Rows of an FP8 latent cache, float64 (exact): codes (..., d_c + d_r) e4m3 times their row's scales
+    (..., d_c / tile + 1) float32: one per `tile` latent channels, the last for the rope part."""
+    c = as_f64(codes)
+    widths = [tile] * (d_c // tile) + [c.shape[-1] - d_c]
+    return c * np.repeat(np.asarray(scales, dtype=np.float64), widths, axis=-1)
+
+
+def _sparse_latent(q: F64, rows: F64, d_indices: NDArray, stride: int, topk: int, topk_lengths: NDArray,
+                   scale: float, d_c: int, sink: NDArray | None, extra: tuple | None = None) -> F64:
+    """o_latent (T, H, d_c) of MAX's sparse mode: token t of q (T, H, d) over rows[slot] for its used slots
+    (d_indices[t * stride + k], k < topk_lengths[t], != -1); sink (H,), (T, 1, 1) (per token) or None.
+    extra: (extra_rows (n, d) float64 dequantized, extra_d_indices, extra_topk_lengths): the second cache's used
+    slots join the keys (same stride and topk), one softmax over both lists."""
+    T = q.shape[0]
+    idx, used = _sparse_list(d_indices, stride, topk, topk_lengths, T, rows.shape[0])
+    kv = np.where(used[..., None], rows[np.where(used, idx, 0)], 0.0)  # T, topk, d: unused rows never read
+    if extra is not None:
+        e_rows, e_idx, e_len = extra
+        e_idx, e_used = _sparse_list(e_idx, stride, topk, e_len, T, e_rows.shape[0], "extra_")
+        kv = np.concatenate([kv, np.where(e_used[..., None], e_rows[np.where(e_used, e_idx, 0)], 0.0)], axis=1)
+        used = np.concatenate([used, e_used], axis=1)
+    s = np.einsum("thd,tkd->thk", q, kv)[:, :, None] * float(scale)  # T, H, 1, keys
+    p, _, _ = _softmax(s, used[:, None], sink)
+    return np.einsum("thk,tkc->thc", p[:, :, 0], kv[..., :d_c])
+
+
 def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray, gamma: NDArray, epsilon: float,
                      w_uk: NDArray, w_uk_scale: NDArray, w_uv: NDArray, w_uv_scale: NDArray,
                      kv_cache: NDArray, block_table: NDArray, cache_lengths: NDArray, scale: float, *,
                      attn_sink: NDArray | None = None, causal: bool = True,
                      granularity: tuple[int, int, int] = (1, 128, 128),
                      scale_ub: float = 1200.0, absolute: bool = False, q_inplace: bool = False,
-                     sink_per: str = "head") -> tuple[F64, F64] | tuple[F64, F64, F64]:
+                     sink_per: str = "head", d_indices: NDArray | None = None, indices_stride: int = 0,
+                     topk: int = 0, topk_lengths: NDArray | None = None, extra_k: NDArray | None = None,
+                     extra_scales: NDArray | None = None, extra_d_indices: NDArray | None = None,
+                     extra_topk_lengths: NDArray | None = None) -> tuple[F64, F64] | tuple[F64, F64, F64]:
     """MAX's `mla_decode_branch_fp8` (modular/modular max/kernels/src/nn/attention/gpu/mla_graph.mojo).
 
     q: (T, H, dn + d_r) ragged new tokens, dn = 128 (q_nope), d_r = 64 (q_rope)
@@ -299,6 +350,19 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
     sink_per: "head" (attn_sink (H,), one sink per query head) or "batch" (attn_sink (b,): request r's sink,
         shared by all its heads and tokens: MAX's per-batch attention sink)
     granularity: (m, n, k) scale granularity (1, 128, 128); scale_ub: activation amax bound (1200)
+    d_indices, indices_stride, topk, topk_lengths: MAX's sparse mode (sparse_mla), None for dense.
+        d_indices: (>= T * indices_stride,) int, new token t's list at d_indices[t * indices_stride:][:topk],
+        flat cache slots block * page + offset (FlashMLA's sparse convention); topk_lengths: (T,) int,
+        token t uses its first topk_lengths[t] <= topk <= indices_stride entries, -1 among them padding.
+        Step 3 then attends token t over exactly its used slots of the updated cache (no causal mask, no
+        block table: the indices choose the keys, a slot listed twice counts twice, as decode_sparse);
+        a token with no used slot gets o_latent = 0 (with or without sink), so out = 0.
+    extra_k, extra_scales, extra_d_indices, extra_topk_lengths: MAX's second cache of the sparse mode, None
+        for none. extra_k: (num_blocks', page, [1,] d) e4m3 codes, extra_scales: (num_blocks' * page,
+        d_c / 128 + 1) float32 (`dequantize_latent_rows`: a scale per 128 latent channels, one for the
+        rope part, per row); token t's extra list at extra_d_indices[t * indices_stride:][:topk] with
+        extra_topk_lengths[t], flat slots of extra_k as d_indices of kv_cache. Its used rows (never written)
+        join the main list's keys: one softmax over both, values their first d_c dims.
     returns: out (T, H, dv) float64, cache_after (kv_cache's shape) float64
     absolute: out's magnitudes instead of out, sqrt(sum_c a_c^2 w_nc^2) over step 4's dequantized FP8
     terms (the activation codes of the exact o_latent); cache_after is returned as it is (no model)
@@ -373,8 +437,17 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
             raise ValueError(f"attn_sink of shape {np.shape(sink)} is not sink_per={sink_per!r}'s "
                              f"({H},) per head or ({b},) per request")
         sink = np.asarray(sink, dtype=np.float64).reshape(-1, 1, 1) if sink_per == "batch" else sink
-    o_lat, _ = _attend_rows(q_pad, after[slot], keep, scale, d_c, sink)  # b, n_max, H, d_c
-    o_lat = o_lat[ok]  # T, H, d_c in token order
+    if d_indices is not None:  # sparse_mla: token t over its own top-k slots
+        extra = None
+        if extra_k is not None:
+            e_rows, _ = _rows(extra_k, convert=False)
+            extra = (dequantize_latent_rows(e_rows, np.reshape(extra_scales, (e_rows.shape[0], -1)), d_c),
+                     extra_d_indices, extra_topk_lengths)
+        o_lat = _sparse_latent(q_full, after, d_indices, indices_stride, topk, topk_lengths, scale, d_c,
+                               None if sink is None else (sink[req] if sink_per == "batch" else sink), extra)
+    else:
+        o_lat, _ = _attend_rows(q_pad, after[slot], keep, scale, d_c, sink)  # b, n_max, H, d_c
+        o_lat = o_lat[ok]  # T, H, d_c in token order
     out = bmm_fp8(o_lat.transpose(1, 0, 2), w_uv,
                   np.reshape(w_uv_scale, (H, -1, -(-d_c // kg))), granularity, scale_ub, absolute=absolute)  # H, T, dv
     if q_inplace:

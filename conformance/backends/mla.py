@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 from kernel_parity.conformance.backends import mla_schedule as _schedule
 from kernel_parity.conformance.backends._torch import to_torch
-from kernel_parity.conformance.ops.mla import DV, FUSED_SCALE, SCALES, fused_causal, fused_eps, fused_granularity
+from kernel_parity.conformance.ops.mla import (DV, FUSED_SCALE, SCALES, fused_causal, fused_eps, fused_granularity,
+                                              fused_sparse_args)
 
 
 def _fused_args(t: dict, p: dict) -> tuple:
@@ -64,14 +65,17 @@ def triton_ops(device: str) -> dict[str, Callable]:
 
 
 def triton_supports() -> dict[str, Callable]:
-    """The Triton fused FP8 branch quantizes in DeepSeek's groups (1 token x 128 channels, 128 x 128 weight blocks)
-    and masks causally."""
+    """The Triton fused FP8 branch quantizes in DeepSeek's groups (1 token x 128 channels, 128 x 128 weight blocks),
+    masks causally and attends densely (no sparse_mla index list)."""
     def fused(case) -> str | None:
         if fused_granularity(case.p) != (1, 128, 128):
             return (f"the Triton mla.decode_fused_fp8 kernel takes the (1, 128, 128) scale granularity only "
                     f"(gran={case.p['gran']})")
         if not fused_causal(case.p):
             return f"the Triton mla.decode_fused_fp8 kernel masks causally only (mask={case.p['mask']})"
+        if case.p.get("sparse", 0):
+            return (f"the Triton mla.decode_fused_fp8 kernel attends densely only (sparse={case.p['sparse']}): its "
+                    f"attention walks the block table and this step's fp32 rows, not an index list")
         return None
 
     return {"mla.decode_fused_fp8": fused}
@@ -115,7 +119,8 @@ def torch_ops(device: str) -> dict[str, Callable]:
         qrope = bool(case.p.get("qrope", 0))
         o, cache = k.decode_fused_fp8(*_fused_args(t, case.p), attn_sink=t.get("attn_sink"), inplace=True,
                                       q_inplace=qrope, sink_per=case.p.get("sink_shape", "head"),
-                                      granularity=fused_granularity(case.p), causal=fused_causal(case.p))
+                                      granularity=fused_granularity(case.p), causal=fused_causal(case.p),
+                                      **fused_sparse_args(t, case.p))
         oo = out.torch("out", device)
         oo.copy_(o)
         return {"out": oo, "kv_cache": cache, **({"q": t["q"]} if qrope else {})}

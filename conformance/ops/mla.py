@@ -15,7 +15,10 @@
                        acc_len 2); without it q must stay untouched; `sink_shape` (default head):
                        sinks per query head, or per request (MAX's per-batch sink); `gran` (MAX's
                        m / n / k scale granularity, default 1x128x128), `eps` (default 1e-6) and
-                       `mask` (MAX's mask_str: causal, default, or null)
+                       `mask` (MAX's mask_str: causal, default, or null); `sparse=k` (default 0)
+                       MAX's sparse_mla: each new token attends only its top-k slots (d_indices
+                       with indices_stride, per-token topk_lengths, -1 padding); with it `extra=1`
+                       MAX's second cache: FP8 rows, own indices / lengths / scales, one softmax
 - `mla.schedule`       FlashMLA's split scheduler (get_mla_metadata), bit-exact int32 rows:
                        conformance/ops/mla_schedule.py, registered here
 
@@ -388,10 +391,97 @@ def _fused_inputs(p, dtype, dist, rng):
     if p["sink"]:  # one per head, or (sink_shape=batch) one per request, shared by its heads (MAX's)
         per_batch = p.get("sink_shape", "head") == "batch"
         x["attn_sink"] = dt.round_to(rng.standard_normal(p["b"] if per_batch else h) * 2.0, "fp32")
+    if p.get("sparse", 0):  # drawn last: the dense cases' draws above are unchanged
+        x.update(_fused_sparse_inputs(p, rng, cache, table, cl, n))
+    if p.get("extra", 0):  # after the sparse draws: those are unchanged
+        x.update(_fused_extra_inputs(p, rng, int(n.sum())))
     return x
 
 
+EXTRA_PAGES = 3  # the second cache: two pages of rows and a spare page of NaN codes
+
+
+def _fused_extra_inputs(p, rng, T):
+    """extra=1 (MAX's second cache of the sparse mode): extra_k (3, 64, 1, 576) e4m3 codes with extra_scales
+    (3, 64, 5) float32 (refimpl.mla.dequantize_latent_rows: one per 128 latent channels and one for the rope
+    part, per row). Each row's five groups are drawn as `normal` times 10^U(-1, 1) (scales a decade or two
+    apart: a kernel using a neighbour's scale is far off), quantized at amax / 448. extra_d_indices at the main
+    list's stride: k random rows of the two live pages, about 1 in 8 -1; extra_topk_lengths ~ U[0, k], the
+    second token's 0 (it attends the main list only). Entries past a length and in the stride's extra columns
+    name the spare page's NaN rows, and every live row that no used entry names is NaN too."""
+    import ml_dtypes
+
+    k, stride = p["sparse"], fused_stride(p)
+    n_live = (EXTRA_PAGES - 1) * PAGE
+    widths = [128] * (D_C // 128) + [D_R]
+    x = np.clip(rng.standard_normal((n_live, D)) / 10.0, -1.0, 1.0)
+    x *= np.repeat(10.0 ** rng.uniform(-1.0, 1.0, (n_live, len(widths))), widths, axis=1)
+    amax = np.maximum.reduceat(np.abs(x), np.cumsum([0] + widths[:-1]), axis=1)
+    scales = np.ones((EXTRA_PAGES * PAGE, len(widths)), dtype=np.float32)
+    scales[:n_live] = (amax / 448.0).astype(np.float32)
+    codes = np.full((EXTRA_PAGES * PAGE, D), np.nan, dtype=np.float64)
+    codes[:n_live] = x / np.repeat(scales[:n_live].astype(np.float64), widths, axis=1)
+    idx = np.full((T, stride), -1, dtype=np.int64)
+    for t in range(T):  # the layout: which extra rows token t lists
+        idx[t, :k] = rng.permutation(n_live)[:k] if k <= n_live else rng.integers(0, n_live, k)
+    idx[:, :k][rng.random((T, k)) < 0.125] = -1
+    lens = rng.integers(0, k + 1, T)
+    lens[1:2] = 0
+    used = (idx != -1) & (np.arange(stride)[None, :] < lens[:, None])
+    keep = np.zeros(EXTRA_PAGES * PAGE, dtype=bool)
+    keep[idx[used]] = True
+    codes[~keep] = np.nan  # the spare page and every unselected row
+    pad = np.arange(stride)[None, :] >= lens[:, None]
+    idx[pad] = rng.integers(n_live, EXTRA_PAGES * PAGE, int(pad.sum()))
+    return {"extra_k": codes.astype(ml_dtypes.float8_e4m3fn).reshape(EXTRA_PAGES, PAGE, 1, D),
+            "extra_scales": scales.reshape(EXTRA_PAGES, PAGE, len(widths)),
+            "extra_d_indices": idx.reshape(-1).astype(np.int32), "extra_topk_lengths": lens.astype(np.int32)}
+
+
+def fused_stride(p: dict[str, Any]) -> int:
+    """MAX's indices_stride of a sparse case: topk + 3, so a kernel stepping rows by topk reads other entries."""
+    return p["sparse"] + 3
+
+
+def _fused_sparse_inputs(p, rng, cache, table, cl, n):
+    """sparse=k (MAX's sparse_mla): d_indices (T x (k + 3),) and topk_lengths (T,). Token t at position p of
+    request r lists a random subset (random order, far apart) of its request's slots 0..p (its own new row
+    and the step's earlier ones among them), about 1 in 8 entries -1; topk_lengths[t] ~ U[0, k], the first
+    token's k, the third's 0 (a row that attends nothing: out 0). Entries past topk_lengths[t] and in the
+    stride's 3 extra columns name NaN slots (a kernel reading them fails), and every cached row that no used
+    entry names and no new token owns is set to NaN: a kernel attending a slot it was not given fails."""
+    k, stride = p["sparse"], fused_stride(p)
+    T = int(n.sum())
+    req = np.repeat(np.arange(p["b"]), n)
+    pos = cl[req] + np.arange(T) - np.concatenate([[0], np.cumsum(n)])[req]
+    flat = cache.reshape(-1, D)
+    idx = np.full((T, stride), -1, dtype=np.int64)
+    for t in range(T):  # the layout: which slots token t lists
+        tok = np.arange(int(pos[t]) + 1)
+        pick = rng.permutation(table[req[t], tok // PAGE].astype(np.int64) * PAGE + tok % PAGE)[:k]
+        idx[t, :pick.size] = pick
+    idx[:, :k][rng.random((T, k)) < 0.125] = -1
+    lens = rng.integers(0, k + 1, T)
+    lens[:1] = k
+    lens[2:3] = 0
+    used = (idx != -1) & (np.arange(stride)[None, :] < lens[:, None])
+    new = table[req, pos // PAGE].astype(np.int64) * PAGE + pos % PAGE
+    live = ~np.isnan(flat[:, 0].astype(np.float64))
+    keep = np.zeros(flat.shape[0], dtype=bool)
+    keep[idx[used]] = True
+    keep[new] = True
+    flat[live & ~keep] = np.nan  # unselected cached rows: poison
+    nan_slots = np.flatnonzero(np.isnan(flat[:, 0].astype(np.float64)))
+    pad = np.arange(stride)[None, :] >= lens[:, None]
+    idx[pad] = rng.choice(nan_slots, int(pad.sum()))
+    return {"d_indices": idx.reshape(-1).astype(np.int32), "topk_lengths": lens.astype(np.int32)}
+
+
 def _fused_check(p: dict[str, Any]) -> str | None:
+    if p.get("extra", 0) and not p.get("sparse", 0):
+        return "extra=1 needs sparse=k > 0 (MAX's second cache is attended through its own top-k list)"
+    if p.get("sparse", 0) and not fused_causal(p):
+        return f"mask={p['mask']} needs sparse=0 (with sparse=k the indices choose each token's keys, no mask applies)"
     if p.get("sink_shape", "head") != "head" and not p["sink"]:
         return f"sink_shape={p['sink_shape']} needs sink=1 (without a sink there is no sink shape)"
     return None
@@ -413,12 +503,22 @@ def fused_eps(p: dict[str, Any]) -> float:
     return float(p.get("eps", "1e-6"))
 
 
+def fused_sparse_args(x: dict, p: dict[str, Any]) -> dict:
+    """decode_fused_fp8's sparse keywords of a case (none when sparse=0): golden and kernels take the same."""
+    if not p.get("sparse", 0):
+        return {}
+    extra = ("extra_k", "extra_scales", "extra_d_indices", "extra_topk_lengths") if p.get("extra", 0) else ()
+    return {"d_indices": x["d_indices"], "indices_stride": fused_stride(p), "topk": p["sparse"],
+            "topk_lengths": x["topk_lengths"], **{k: x[k] for k in extra}}
+
+
 def _fused_ref(x, p, absolute=False):
     got = refimpl.mla.decode_fused_fp8(
         x["q"], x["input_row_offsets"], x["freqs_cis"], x["gamma"], fused_eps(p), x["w_uk"], x["w_uk_scale"],
         x["w_uv"], x["w_uv_scale"], x["kv_cache"], x["block_table"], x["cache_lengths"], FUSED_SCALE,
         attn_sink=x.get("attn_sink"), absolute=absolute, q_inplace=bool(p.get("qrope", 0)),
-        sink_per=p.get("sink_shape", "head"), granularity=fused_granularity(p), causal=fused_causal(p))
+        sink_per=p.get("sink_shape", "head"), granularity=fused_granularity(p), causal=fused_causal(p),
+        **fused_sparse_args(x, p))
     return dict(zip(("out", "kv_cache", "q"), got))
 
 
@@ -446,7 +546,8 @@ def _fused_acc(p, output):
         return D_C  # the RMSNorm's sum of squares
     if output == "q":
         return 2  # rope.rope's: a rotated element sums two products (judged by its error model, _fused_mag)
-    return D_C + p["kv"] + 2 + D  # the 512-term FP8 matmul after a softmax over the keys of 576-dim dots
+    keys = p.get("sparse", 0) * (1 + p.get("extra", 0)) or p["kv"] + 2  # sparse: its top-k keys (x 2: extra)
+    return D_C + keys + D  # the 512-term FP8 matmul after a softmax over the keys of 576-dim dots
 
 
 # `out` is judged like an attention output: its elements sum 512 products with cancellation
@@ -485,7 +586,8 @@ FUSED_BASELINE = Tier(
 def _fused_flops(p: dict[str, Any]) -> float:
     """The attention (each new token over its request's keys, FlashMLA's count) and the two FP8 bmms."""
     cl, n = _fused_layout(p)
-    return (2.0 * p["hq"] * float(((cl + n) * n).sum()) * (D + DV)
+    keys = float(n.sum()) * p["sparse"] if p.get("sparse", 0) else float(((cl + n) * n).sum())
+    return (2.0 * p["hq"] * keys * (D + DV)
             + 2.0 * int(n.sum()) * p["hq"] * (DN * D_C + D_C * DV_HEAD))
 
 
@@ -511,7 +613,13 @@ DECODE_FUSED_FP8 = OpSpec(
         eps=OneOf("1e-6", "1e-2", doc="the RMSNorm epsilon (1e-6: DeepSeek-V3's; 1e-2 is about a row's mean square)"),
         mask=OneOf("causal", "null", doc="MAX's mask_str: causal (key j <= the token's position) or null (every key "
                                          "of the request, this step's later tokens included)"),
-    ), {"qrope": 0, "sink_shape": "head", "gran": "1x128x128", "eps": "1e-6", "mask": "causal"}),
+        sparse=Int(0, 2048, edges=(0, 1, 16), doc="MAX's sparse_mla: k > 0 gives each new token a top-k list of "
+                                                  "cache slots (d_indices, indices_stride k + 3, topk_lengths per "
+                                                  "token, -1 padding) and attends only those; 0: dense"),
+        extra=OneOf(0, 1, doc="sparse only: MAX's second cache (extra_k, e4m3 rows with per-row scales, its own "
+                              "top-k list and lengths), attended jointly with the main list (one softmax)"),
+    ), {"qrope": 0, "sink_shape": "head", "gran": "1x128x128", "eps": "1e-6", "mask": "causal", "sparse": 0,
+        "extra": 0}),
     make_inputs=_fused_inputs,
     check=_fused_check,
     output_shapes=_fused_shapes,

@@ -224,8 +224,11 @@ def decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis
                      block_table: torch.Tensor, cache_lengths: torch.Tensor, scale: float, *,
                      attn_sink: torch.Tensor | None = None, causal: bool = True,
                      granularity: tuple[int, int, int] = (1, 128, 128), scale_ub: float = 1200.0,
-                     inplace: bool = False, q_inplace: bool = False, sink_per: str = "head"
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     inplace: bool = False, q_inplace: bool = False, sink_per: str = "head",
+                     d_indices: torch.Tensor | None = None, indices_stride: int = 0, topk: int = 0,
+                     topk_lengths: torch.Tensor | None = None, extra_k: torch.Tensor | None = None,
+                     extra_scales: torch.Tensor | None = None, extra_d_indices: torch.Tensor | None = None,
+                     extra_topk_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """MAX's `mla_decode_branch_fp8`, eager, in q.dtype; arguments and order as refimpl/mla.py.
 
     q (T, H, dn + d_r), input_row_offsets (b + 1,), freqs_cis (max_seq_len, d_r), gamma (d_c,),
@@ -242,6 +245,11 @@ def decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis
     sink_per: "head" (attn_sink (H,)) or "batch" (attn_sink (b,), request r's sink shared by its heads, MAX's).
     q_inplace: q[..., dn:] is left holding its rotation (step 2's, in q.dtype), as MAX's fused_qk_rope leaves
     q; the rotation is formed before it is written (q_nope was read in step 1).
+    d_indices (flat, int), indices_stride, topk, topk_lengths (T,): MAX's sparse mode (refimpl/mla.py): step 3
+    attends token t over its first topk_lengths[t] slots d_indices[t * indices_stride:][:topk] (-1 skipped),
+    as `decode_sparse` with one query row per token. extra_k (e4m3 rows) with extra_scales (a float32 scale per
+    row and 128 latent channels, one for the rope part), extra_d_indices, extra_topk_lengths: MAX's second cache,
+    its rows dequantized to the dtype and appended to each token's keys (one softmax over both lists).
     """
     dt = q.dtype
     off = input_row_offsets.to(q.device).long()
@@ -290,8 +298,31 @@ def decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis
     keep = ok[:, :, None] & valid[:, None, :]
     if causal:
         keep = keep & (torch.arange(s_k, device=q.device)[None, None, :] <= (cl[:, None] + t)[:, :, None])
-    kv = _gather(after, slot, keep.any(dim=1))
-    sinks = attn_sink if attn_sink is None or sink_per == "head" else attn_sink.view(b, 1, 1, 1)  # r's, every head
-    o_lat, _ = _attend(q_pad, kv, keep, scale, d_c, sinks, lse=False)  # b, n_max, H, d_c
-    out = _bmm_fp8(o_lat[ok].transpose(0, 1), w_uv, w_uv_scale, granularity, scale_ub)  # H, T, dv
+    if d_indices is not None:  # sparse_mla: each token one query row over its own top-k slots
+        if topk_lengths is None or not 0 < topk <= indices_stride:
+            raise ValueError(f"sparse mode needs topk_lengths and 0 < topk ({topk}) <= indices_stride "
+                             f"({indices_stride})")
+        idx = d_indices.to(q.device).long().reshape(-1)[:T * indices_stride].view(T, indices_stride)[:, :topk]
+        used = (idx != -1) & (torch.arange(topk, device=q.device)[None, :] < topk_lengths.to(q.device).long()[:, None])
+        kv = _gather(after, torch.where(used, idx, 0), used)  # T, topk, d
+        if extra_k is not None:  # the second cache's rows, dequantized to the dtype, join the keys
+            e_rows = extra_k.reshape(-1, extra_k.shape[-1])
+            sc = extra_scales.to(q.device).float().reshape(e_rows.shape[0], -1)
+            widths = torch.tensor([128] * (d_c // 128) + [d_r], device=q.device)
+            e_deq = (e_rows.float() * sc.repeat_interleave(widths, dim=1)).to(dt)
+            e_idx = extra_d_indices.to(q.device).long().reshape(-1)[:T * indices_stride].view(T, indices_stride)
+            e_idx = e_idx[:, :topk]
+            e_len = extra_topk_lengths.to(q.device).long()
+            e_used = (e_idx != -1) & (torch.arange(topk, device=q.device)[None, :] < e_len[:, None])
+            kv = torch.cat([kv, _gather(e_deq, torch.where(e_used, e_idx, 0), e_used)], dim=1)
+            used = torch.cat([used, e_used], dim=1)
+        sinks = attn_sink if attn_sink is None or sink_per == "head" else attn_sink[req].view(T, 1, 1, 1)
+        o_lat, _ = _attend(q_full[:, None], kv, used[:, None], scale, d_c, sinks, lse=False)  # T, 1, H, d_c
+        o_lat = o_lat[:, 0]
+    else:
+        kv = _gather(after, slot, keep.any(dim=1))
+        sinks = attn_sink if attn_sink is None or sink_per == "head" else attn_sink.view(b, 1, 1, 1)  # r's, each head
+        o_lat, _ = _attend(q_pad, kv, keep, scale, d_c, sinks, lse=False)  # b, n_max, H, d_c
+        o_lat = o_lat[ok]
+    out = _bmm_fp8(o_lat.transpose(0, 1), w_uv, w_uv_scale, granularity, scale_ub)  # H, T, dv
     return out.transpose(0, 1), after.view(kv_cache.shape)
