@@ -53,10 +53,10 @@ def _attention_shape(p):
     return {**p, "hq": hq, "d": d, "dpad": dpad, "epad": epad, "cap": last + p["cap"] % 3, "wo_layout": wo_layout}
 
 
-# The parameters added for seed audit S7, S11, S4 at their defaults (one value: no draw, so the examples of the
+# The parameters added for seed audit S7, S11, S4, S1 at their defaults (one value: no draw, so the examples of the
 # tests that predate them are unchanged); SEED draws them (the tables grow by rope_off).
 ATTN = dict(e=(8, 100), hkv=(1, 3), hq=(0, 3), d=(0, 19), dpad=(0, 4), epad=(0, 4), cap=(0, 2), rope_off=[0],
-            qkv=["separate"], wo_layout=["flat"], transform=_attention_shape)
+            qkv=["separate"], wo_layout=["flat"], wk=[""], wv=[""], transform=_attention_shape)
 SEED = dict(rope_off=[0, 1, 4096], qkv=["separate", "fused"], wo_layout=["flat", "head_major"])
 
 

@@ -206,8 +206,8 @@ def attention_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Ge
         "x": dt.round_to(x, dtype),
         "gamma": g,
         "wq": stored(p["wqkv"], wq),
-        "wk": stored(p["wqkv"], wk),
-        "wv": stored(p["wqkv"], wv),
+        "wk": stored(p.get("wk") or p["wqkv"], wk),  # S1: each projection in its own format (default wqkv's)
+        "wv": stored(p.get("wv") or p["wqkv"], wv),
         "wo": (np.ascontiguousarray(wo.reshape(ae, hq, ad).transpose(1, 0, 2), dtype=np.float32)  # Wo[h][aE][a_d]
                if p.get("wo_layout") == "head_major" else stored(p["wo"], wo)),
         "k_cache": history(rng, hkv, cap, d, ad, start, k_head),
