@@ -1,5 +1,5 @@
 """Seed audit S1 for the attention blocks: each of W_q, W_k, W_v in its own format (`wk`, `wv` beside `wqkv`: the
-seed's wq_dt, wk_dt, wv_dt).
+seed's wq_dt, wk_dt, wv_dt), K-quants (q4_k, q6_k) among them, with Q8_K activations on the L2 path.
 
 The contract (refimpl/blocks.py): every projection is dequantized (L1) or takes its activations quantized (L2)
 by its own format. `wk` / `wv` default to "" (wqkv's format): the older ids, inputs and goldens are unchanged.
@@ -13,7 +13,7 @@ import pytest
 from kernel_parity.conformance import ops, suites
 from kernel_parity.conformance.errors import UsageError
 from kernel_parity.conformance.runner import Prepared
-from kernel_parity.refimpl import quant
+from kernel_parity.refimpl import blocks as ref, quant
 
 P = dict(e=64, epad=0, hq=4, hkv=2, d=16, dpad=16, t=3, start=2, cap=6, wqkv="q5_0", wo="q8_0", bias=1, obias=1,
          residual=1, style="half", theta=10000, eps="1e-6", gemma=0)
@@ -58,7 +58,9 @@ def test_each_projection_is_stored_and_read_in_its_own_format():
 
 
 @pytest.mark.parametrize("bad, what", [(dict(wk="q4_1"), "wk"), (dict(qkv="fused", wv="f32"), "fused"),
-                                       (dict(e=48, wqkv="f32", wk="q8_0"), "wk=q8_0")])
+                                       (dict(e=48, wqkv="f32", wk="q8_0"), "wk=q8_0"),
+                                       (dict(wqkv="q4_k"), "wqkv=q4_k needs aE"),
+                                       (dict(e=250, epad=22, wqkv="f32", wv="q6_k"), "multiple of its block of 256")])
 def test_bad_params_are_usage_errors(bad, what):
     with pytest.raises(UsageError, match=what):
         ops.make_case(PREFILL, "cpu", "fp32", dict(P, **bad), "normal", 1)
@@ -97,3 +99,23 @@ def test_ci_runs_three_formats_in_one_block(op):
     got = {b for bs, p in _ci_params(op) if len({p["wqkv"], p.get("wk") or p["wqkv"], p.get("wv") or p["wqkv"]}) == 3
            for b in bs}
     assert got >= {"cpu", "torch"}
+
+
+def test_k_quant_projections_take_q8k_activations_in_c_as_the_l2_golden():
+    """blocks.c's K-quant projections (Q8_K activations, integer sub-block sums) beside a Q8_0 one: each projection
+    is the golden's L2 (`emulated`) value to double rounding, and not the L1 one (the activation quantization
+    shows)."""
+    from kernel_parity.kernels.cpu import blocks as cb
+
+    p = dict(P, e=256, wqkv="q4_k", wk="q6_k", wv="q8_0")
+    x = _prepared(PREFILL, p, dist="blocks").inputs
+    ws = [("q4_k", x["wq"]), ("q6_k", x["wk"]), ("q8_0", x["wv"])]
+    got = cb.attention_prefill(x["x"], x["gamma"], 1e-6, *ws, ("q8_0", x["wo"]), x["k_cache"].copy(),
+                               x["v_cache"].copy(), x["cos"], x["sin"], P["start"], n=256, h_q=P["hq"],
+                               h_kv=P["hkv"], d=P["d"], bq=x["bq"], bk=x["bk"], bv=x["bv"])
+    nrm = got["norm"].astype(np.float64)
+    for name, w, b in zip("qkv", ws, (x["bq"], x["bk"], x["bv"])):
+        l2 = ref.project(nrm, ref.Weight(*w), b, reference="emulated").reshape(got[name].shape)
+        l1 = ref.project(nrm, ref.Weight(*w), b).reshape(got[name].shape)
+        np.testing.assert_allclose(got[name], l2, rtol=1e-6, atol=1e-6, err_msg=name)
+        assert np.abs(l2 - l1).max() > 1e-4 * np.abs(l1).max(), name

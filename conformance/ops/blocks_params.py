@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 import kernel_parity.refimpl.blocks as ref
-from kernel_parity.conformance.ops.blocks_inputs import EPS, MLP_WFMTS, THETAS, WFMTS, block_of
+from kernel_parity.conformance.ops.blocks_inputs import EPS, MLP_WFMTS, QKV_WFMTS, THETAS, WFMTS, block_of
 from kernel_parity.conformance.params import Defaults, Int, OneOf, Schema
 from kernel_parity.conformance.spec import Diagnosis
 
@@ -26,7 +26,8 @@ HEADS = dict(
 )
 ATTN = dict(
     cap=Int(1, 1 << 20, edges=(64, 128, 2048), doc="cache capacity in tokens (and RoPE table rows)"),
-    wqkv=OneOf(*WFMTS, doc="Q/K/V weight format (the seed's wq_dt)"),
+    wqkv=OneOf(*QKV_WFMTS, doc="Q/K/V weight format (the seed's wq_dt; W_k's and W_v's unless wk / wv); K-quants "
+               "(S1) take Q8_K activations and aE a multiple of 256"),
     wo=OneOf(*WFMTS, doc="W_o format (the seed's wo_dt)"),
     bias=OneOf(0, 1, doc="Q/K/V biases bq, bk, bv (Qwen2)"),
     obias=OneOf(0, 1, doc="output projection bias bo"),
@@ -45,8 +46,8 @@ ATTN_NEW = dict(
               "W_qkv / b_qkv (inputs wqkv, bqkv: rows of the q heads, then k, then v)"),
     wo_layout=OneOf("flat", "head_major", doc="W_o (aE, h_q a_d), or (S4) the seed's fp32 per-head Wo[h][aE][a_d] "
                     "summed over heads, the bias once (the backward's dwo per head)"),
-    wk=OneOf("", *WFMTS, doc="W_k's own format (S1: the seed's wk_dt); \"\" = wqkv's"),
-    wv=OneOf("", *WFMTS, doc="W_v's own format (S1: the seed's wv_dt); \"\" = wqkv's"),
+    wk=OneOf("", *QKV_WFMTS, doc="W_k's own format (S1: the seed's wk_dt); \"\" = wqkv's"),
+    wv=OneOf("", *QKV_WFMTS, doc="W_v's own format (S1: the seed's wv_dt); \"\" = wqkv's"),
 )
 ATTN_DEFAULTS = {"rope_off": 0, "qkv": "separate", "wo_layout": "flat", "wk": "", "wv": ""}
 PROJ_PARAM = {"wq": "wqkv", "wk": "wk", "wv": "wv"}
