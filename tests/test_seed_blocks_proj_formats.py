@@ -1,5 +1,6 @@
 """Seed audit S1 for the attention blocks: each of W_q, W_k, W_v in its own format (`wk`, `wv` beside `wqkv`: the
-seed's wq_dt, wk_dt, wv_dt), K-quants (q4_k, q6_k) among them, with Q8_K activations on the L2 path.
+seed's wq_dt, wk_dt, wv_dt), K-quants (q4_k, q6_k; Q8_K activations on the L2 path) and Q4_0 / Q4_1 / Q5_1 (Q8_0,
+Q8_1) among them.
 
 The contract (refimpl/blocks.py): every projection is dequantized (L1) or takes its activations quantized (L2)
 by its own format. `wk` / `wv` default to "" (wqkv's format): the older ids, inputs and goldens are unchanged.
@@ -57,7 +58,7 @@ def test_each_projection_is_stored_and_read_in_its_own_format():
     assert not np.allclose(gm["v"], gs["v"], rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("bad, what", [(dict(wk="q4_1"), "wk"), (dict(qkv="fused", wv="f32"), "fused"),
+@pytest.mark.parametrize("bad, what", [(dict(wk="q2_k"), "wk"), (dict(qkv="fused", wv="f32"), "fused"),
                                        (dict(e=48, wqkv="f32", wk="q8_0"), "wk=q8_0"),
                                        (dict(wqkv="q4_k"), "wqkv=q4_k needs aE"),
                                        (dict(e=250, epad=22, wqkv="f32", wv="q6_k"), "multiple of its block of 256")])
@@ -71,13 +72,14 @@ def test_the_backward_takes_one_qkv_format():
         ops.make_case(BWD, "cpu", "fp32", dict(P, wqkv="f32", wo="f32", **MIXED), "normal", 1)
 
 
-def test_c_kernel_reads_each_projection_in_its_own_format():
-    """blocks.c with W_k in Q8_0 and W_v in fp32 beside a Q5_0 W_q: k is the Q8_0 projection (L1: the weights
-    dequantized), v the fp32 one, to double rounding."""
+@pytest.mark.parametrize("fmts", [("q5_0", "q8_0", "f32"), ("q4_0", "q4_1", "q5_1")])
+def test_c_kernel_reads_each_projection_in_its_own_format(fmts):
+    """blocks.c with W_q, W_k, W_v in three formats: k and v are their own formats' projections (L1: the weights
+    dequantized, Q4_1 / Q5_1 with their mins), to double rounding."""
     from kernel_parity.kernels.cpu import blocks as cb
 
-    x = _prepared(PREFILL, dict(P, **MIXED)).inputs
-    ws = [("q5_0", x["wq"]), ("q8_0", x["wk"]), ("f32", x["wv"])]
+    x = _prepared(PREFILL, dict(P, wqkv=fmts[0], wk=fmts[1], wv=fmts[2])).inputs
+    ws = list(zip(fmts, (x["wq"], x["wk"], x["wv"])))
     got = cb.attention_prefill(x["x"], x["gamma"], 1e-6, *ws, ("q8_0", x["wo"]), x["k_cache"].copy(),
                                x["v_cache"].copy(), x["cos"], x["sin"], P["start"], n=P["e"], h_q=P["hq"],
                                h_kv=P["hkv"], d=P["d"], bq=x["bq"], bk=x["bk"], bv=x["bv"],
@@ -101,17 +103,18 @@ def test_ci_runs_three_formats_in_one_block(op):
     assert got >= {"cpu", "torch"}
 
 
-def test_k_quant_projections_take_q8k_activations_in_c_as_the_l2_golden():
-    """blocks.c's K-quant projections (Q8_K activations, integer sub-block sums) beside a Q8_0 one: each projection
-    is the golden's L2 (`emulated`) value to double rounding, and not the L1 one (the activation quantization
-    shows)."""
+@pytest.mark.parametrize("e, fmts", [(256, ("q4_k", "q6_k", "q8_0")), (64, ("q4_1", "q5_1", "q4_0"))])
+def test_quantized_projections_take_their_activation_formats_in_c_as_the_l2_golden(e, fmts):
+    """blocks.c's K-quant projections (Q8_K activations, integer sub-block sums) and Q4_1 / Q5_1 ones (Q8_1, the
+    min times the stored block sum) beside a Q8_0 / Q4_0 one: each projection is the golden's L2 (`emulated`)
+    value to double rounding, and not the L1 one (the activation quantization shows)."""
     from kernel_parity.kernels.cpu import blocks as cb
 
-    p = dict(P, e=256, wqkv="q4_k", wk="q6_k", wv="q8_0")
+    p = dict(P, e=e, wqkv=fmts[0], wk=fmts[1], wv=fmts[2])
     x = _prepared(PREFILL, p, dist="blocks").inputs
-    ws = [("q4_k", x["wq"]), ("q6_k", x["wk"]), ("q8_0", x["wv"])]
+    ws = list(zip(fmts, (x["wq"], x["wk"], x["wv"])))
     got = cb.attention_prefill(x["x"], x["gamma"], 1e-6, *ws, ("q8_0", x["wo"]), x["k_cache"].copy(),
-                               x["v_cache"].copy(), x["cos"], x["sin"], P["start"], n=256, h_q=P["hq"],
+                               x["v_cache"].copy(), x["cos"], x["sin"], P["start"], n=e, h_q=P["hq"],
                                h_kv=P["hkv"], d=P["d"], bq=x["bq"], bk=x["bk"], bv=x["bv"])
     nrm = got["norm"].astype(np.float64)
     for name, w, b in zip("qkv", ws, (x["bq"], x["bk"], x["bv"])):

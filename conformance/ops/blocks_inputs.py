@@ -48,7 +48,8 @@ import kernel_parity.refimpl.rope  # noqa: F401
 from kernel_parity.conformance import dtypes as dt
 
 WFMTS = ("f32", "q8_0", "q5_0")  # attention projections (the seed's wq_dt / wo_dt)
-QKV_WFMTS = (*WFMTS, "q4_k", "q6_k")  # W_q, W_k, W_v also in K-quants (S1: Q8_K activations, aE % 256 == 0)
+# W_q, W_k, W_v also (S1) in K-quants (Q8_K activations, aE % 256 == 0) and Q4_0 / Q4_1 / Q5_1 (Q8_0, Q8_1)
+QKV_WFMTS = (*WFMTS, "q4_k", "q6_k", "q4_0", "q4_1", "q5_1")
 MLP_WFMTS = ("f32", "q8_0", "q5_0", "q4_k", "q6_k")  # the seed's MLP weight types
 EPS = ("1e-6", "1e-5", "1")  # as in case ids; 1 is the large eps
 THETAS = (10000, 500000, 1000000)

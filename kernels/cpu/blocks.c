@@ -21,8 +21,9 @@
  *
  * Projections: a weight row in fp32, or GGML blocks (quant.h). Quantized weights take the activation row
  * rounded to fp32 and quantized by ggml's reference quantizer of their vec_dot type (Q8_0 for
- * q4_0 q5_0 q8_0 iq4_nl, Q8_K for the K-quants), as ggml's CPU dot products and the seed do; each block's
- * integer dot is exact (int32), and (d_w d_a) isum (- (dmin d_a) msum) is formed and summed in double.
+ * q4_0 q5_0 q8_0 iq4_nl, Q8_1 for q4_1 q5_1, Q8_K for the K-quants), as ggml's CPU dot products and the seed
+ * do; each block's integer dot is exact (int32), and (d_w d_a) isum (- (dmin d_a) msum, + m_w s_a) is formed
+ * and summed in double.
  * That is the gemm family's L2 (`emulated`) reference. With `quant_acts = 0` the activations are not
  * quantized and every weight is dequantized in double instead (L1, `dequant`: the same kernel without
  * the activation quantization).
@@ -102,6 +103,7 @@ static int wfmt_of(int64_t type, int64_t k, int quant_acts, wfmt *f) {
     switch (type) {
     case QT_F32: f->act = QT_F32; f->qk = 1; f->nbytes = 4; break;
     case QT_Q4_0: case QT_Q5_0: case QT_Q8_0: case QT_IQ4_NL: f->act = QT_Q8_0; break;
+    case QT_Q4_1: case QT_Q5_1: f->act = QT_Q8_1; break;   /* ggml's vec_dot_type (S1: the attention's Q/K/V) */
     case QT_Q2_K: case QT_Q3_K: case QT_Q4_K: case QT_Q5_K: case QT_Q6_K: f->act = QT_Q8_K; break;
     default: return KP_ERR_DTYPE;
     }
@@ -135,7 +137,7 @@ static void *alloc_zero(size_t n) {
 
 /* Buffers for activation rows of up to k elements (NULL fields when out of memory: arow_ok). */
 static arow arow_alloc(int64_t k) {
-    const size_t nb = (size_t)(k / 32 + 1), qb = (size_t)(k / 32 * 34 > k / 256 * 292 ? k / 32 * 34 : k / 256 * 292);
+    const size_t nb = (size_t)(k / 32 + 1), qb = (size_t)(k / 32 * 36 > k / 256 * 292 ? k / 32 * 36 : k / 256 * 292);
     const size_t qb_a = (qb + 63) / 64 * 64, qc_a = ((size_t)k + 63) / 64 * 64;
     arow a = {QT_F32, NULL, NULL, NULL, NULL, NULL, NULL};
     uint8_t *m = alloc_zero(qb_a + qc_a + nb * 8 + 64);
@@ -164,6 +166,8 @@ static void act_prepare(int act, const double *x, int64_t k, float *tmp, arow *a
             a->da[b] = qt_f16(a->qb + 34 * b);
             memcpy(a->qc + 32 * b, a->qb + 34 * b + 2, 32);
         }
+    } else if (act == QT_Q8_1) {
+        qt_quantize_q8_1(tmp, a->qb, k / 32);
     } else {
         qt_quantize_q8_k(tmp, a->qb, k / 256);
     }
@@ -325,6 +329,21 @@ static double dot_b32(int type, const uint8_t *w, int nbytes, const uint8_t *a, 
     return acc;
 }
 
+/* Q4_1 / Q5_1 x Q8_1 (36-byte blocks: fp16 d, fp16 s = fp16(d sum c), 32 codes): term (d_w d_a) isum + m_w s_a,
+ * in double, as ggml's vec_dot_q4_1_q8_1 (and the golden: refimpl/gemm.py). */
+static double dot_b32m(int type, const uint8_t *w, int nbytes, const uint8_t *a, int64_t nb) {
+    qt_decoded dw;
+    double acc = 0.0;
+    for (int64_t b = 0; b < nb; b++, w += nbytes, a += 36) {
+        qt_decode(type, w, &dw);
+        const int8_t *ca = (const int8_t *)(a + 4);
+        int32_t s = 0;
+        for (int j = 0; j < 32; j++) s += (int32_t)dw.c[j] * ca[j];
+        acc += (double)(dw.d * qt_f16(a)) * (double)s + (double)dw.m * (double)qt_f16(a + 2);
+    }
+    return acc;
+}
+
 /* K-quants x Q8_K: isum = sum_s sc_s sum_{i in s} (c_i - off) q_i, msum = sum_s mn_s bsum_s (ggml's bsums),
  * term (d_w d_a) isum - (dmin d_a) msum in double (d_a is Q8_K's fp32 d: d_w d_a exact in double). */
 static double dot_kq(int type, const uint8_t *w, int nbytes, const uint8_t *a, int64_t nsb) {
@@ -357,7 +376,7 @@ static double dot_dequant(int type, const uint8_t *w, int nbytes, int qk, const 
         qt_decode(type, w, &dw);
         for (int i = 0; i < qk; i++) {
             double c = (double)((int32_t)dw.c[i] - off);
-            double val = qk == 32 ? (double)dw.d * c : (double)dw.d * dw.sc[i / 16] * c - (double)dw.m * dw.mn[i / 16];
+            double val = qk == 32 ? (double)dw.d * c + (double)dw.m : (double)dw.d * dw.sc[i / 16] * c - (double)dw.m * dw.mn[i / 16];
             acc += val * x[i];
         }
     }
@@ -374,6 +393,7 @@ KP_INLINE double dot_at(const wfmt *f, const uint8_t *wr, const arow *a) {
         return r;
     }
     if (f->act == QT_Q8_0) return dot_b32(f->type, wr, f->nbytes, a->qb, a->qsum, f->k / 32);
+    if (f->act == QT_Q8_1) return dot_b32m(f->type, wr, f->nbytes, a->qb, f->k / 32);
     return dot_kq(f->type, wr, f->nbytes, a->qb, f->k / 256);
 }
 

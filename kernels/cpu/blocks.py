@@ -24,7 +24,7 @@ qkv (attention): "separate", or "fused": wq is the seed's one W_qkv ((h_q + 2 h_
     heads, then k, then v, and bq b_qkv likewise (wk, wv, bk, bv None)
 out: a dict of preallocated stage outputs (any subset; the rest are allocated)
 quantize_activations: True (production, the `emulated` L2 arithmetic: activations quantized to Q8_0 /
-    Q8_K for integer block dots) or False (the same kernels with the weights dequantized: L1)
+    Q8_1 / Q8_K for integer block dots) or False (the same kernels with the weights dequantized: L1)
 returns: {stage name: array} (refimpl/blocks.py's names and shapes, the caches excepted)
 
 Conventions and precision: blocks.c's header (fp32 storage, double arithmetic). Launchers raise
@@ -43,7 +43,7 @@ from kernel_parity.kernels.cpu.quant import FORMATS
 
 __all__ = ["WEIGHT_FORMATS", "attention_decode", "attention_prefill", "isa", "mlp", "outproj_mlp"]
 
-WEIGHT_FORMATS = ("f32", "q4_0", "q5_0", "q8_0", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+WEIGHT_FORMATS = ("f32", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 STYLES = {"half": 0, "interleaved": 1}
 QKV_LAYOUTS = ("separate", "fused")
 _F32 = np.dtype(np.float32)
