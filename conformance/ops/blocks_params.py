@@ -163,8 +163,8 @@ def weights_of(x: dict[str, np.ndarray], p: dict[str, Any], *names: str) -> list
     """The named weights; with qkv=fused "wq" is W_qkv (input wqkv), "wk" and "wv" None (ref.qkv_sections)."""
     if p.get("qkv") == "fused":
         x = {**x, "wq": x["wqkv"]}
-    fmt = {"wq": p.get("wqkv"), "wk": p.get("wk") or p.get("wqkv"), "wv": p.get("wv") or p.get("wqkv"), "wo": p.get("wo"), "w1": p.get("w1"),
-           "w2": p.get("w2")}
+    fmt = {"wq": p.get("wqkv"), "wk": p.get("wk") or p.get("wqkv"), "wv": p.get("wv") or p.get("wqkv"),
+           "wo": p.get("wo"), "w1": p.get("w1"), "w2": p.get("w2")}  # S1: W_k, W_v default to wqkv's format
     if p.get("wo_layout") == "head_major":
         fmt["wo"] = "f32_heads"
     fused = p.get("qkv") == "fused"

@@ -16,8 +16,9 @@
  * tables (max_seq, d/2), W1's first I rows the gate. Every array is C-contiguous. RoPE's position is the slot
  * plus rope_off (o: the seed's rope_pos_offset beside token_index); the cache write and the causal mask count
  * slots. wq, wk, wv each have their own format (wqkv_type, wk_type, wv_type: the seed's wq_dt, wk_dt, wv_dt, S1),
- * each with its own activation quantization. With qkv_fused, wq / bq are the seed's one W_qkv / b_qkv (rows: q heads, then k, then v); with wo_heads,
- * W_o is fp32 per head [hq][aE][a_d] (the attention blocks and outproj_mlp), the bias added once.
+ * each with its own activation quantization. With qkv_fused, wq / bq are the seed's one W_qkv / b_qkv (rows: q
+ * heads, then k, then v); with wo_heads, W_o is fp32 per head [hq][aE][a_d] (the attention blocks and
+ * outproj_mlp), the bias added once.
  *
  * Projections: a weight row in fp32, or GGML blocks (quant.h). Quantized weights take the activation row
  * rounded to fp32 and quantized by ggml's reference quantizer of their vec_dot type (Q8_0 for
@@ -376,7 +377,8 @@ static double dot_dequant(int type, const uint8_t *w, int nbytes, int qk, const 
         qt_decode(type, w, &dw);
         for (int i = 0; i < qk; i++) {
             double c = (double)((int32_t)dw.c[i] - off);
-            double val = qk == 32 ? (double)dw.d * c + (double)dw.m : (double)dw.d * dw.sc[i / 16] * c - (double)dw.m * dw.mn[i / 16];
+            double val = qk == 32 ? (double)dw.d * c + (double)dw.m   /* m: Q4_1 / Q5_1's min, else 0 */
+                                  : (double)dw.d * dw.sc[i / 16] * c - (double)dw.m * dw.mn[i / 16];
             acc += val * x[i];
         }
     }
