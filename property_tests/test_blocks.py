@@ -53,10 +53,11 @@ def _attention_shape(p):
     return {**p, "hq": hq, "d": d, "dpad": dpad, "epad": epad, "cap": last + p["cap"] % 3, "wo_layout": wo_layout}
 
 
-# The parameters added for seed audit S7, S11, S4 at their defaults (one value: no draw, so the examples of the
+# The parameters added for seed audit S7, S11, S4, S1 at their defaults (one value: no draw, so the examples of the
 # tests that predate them are unchanged); SEED draws them (the tables grow by rope_off).
 ATTN = dict(e=(8, 100), hkv=(1, 3), hq=(0, 3), d=(0, 19), dpad=(0, 4), epad=(0, 4), cap=(0, 2), rope_off=[0],
-            qkv=["separate"], wo_layout=["flat"], transform=_attention_shape)
+            qkv=["separate"], wo_layout=["flat"], wk=[""], wv=[""], wqkv=["f32", "q8_0", "q5_0"],
+            transform=_attention_shape)  # wqkv: the formats before S1's K-quants (the draws unchanged)
 SEED = dict(rope_off=[0, 1, 4096], qkv=["separate", "fused"], wo_layout=["flat", "head_major"])
 
 
@@ -149,16 +150,18 @@ TRITON_SMALL = dict(wqkv=["f32", "q8_0"], wo=["f32", "q8_0"], w1=["f32", "q8_0"]
 
 @pytest.mark.parity_backends("triton")
 @TRITON_FEW
-@given(case=cases("blocks.attention_decode", pos=(0, 70), **{**ATTN, "e": (8, 64)},
-                  **{k: v for k, v in TRITON_SMALL.items() if k in ("wqkv", "wo")}))
+@given(case=cases("blocks.attention_decode", pos=(0, 70), **{**ATTN, "e": (8, 64),
+                                                           **{k: v for k, v in TRITON_SMALL.items()
+                                                              if k in ("wqkv", "wo")}}))
 def test_triton_attention_decode(parity, backend, case):
     parity.check(case.with_backend(backend))
 
 
 @pytest.mark.parity_backends("triton")
 @TRITON_FEW
-@given(case=cases("blocks.attention_prefill", t=(1, 9), start=(0, 70), **{**ATTN, "e": (8, 64)},
-                  **{k: v for k, v in TRITON_SMALL.items() if k in ("wqkv", "wo")}))
+@given(case=cases("blocks.attention_prefill", t=(1, 9), start=(0, 70), **{**ATTN, "e": (8, 64),
+                                                                      **{k: v for k, v in TRITON_SMALL.items()
+                                                                         if k in ("wqkv", "wo")}}))
 def test_triton_attention_prefill(parity, backend, case):
     parity.check(case.with_backend(backend))
 
@@ -191,7 +194,7 @@ def test_decode_of_the_last_token_equals_the_prefill_row(parity, backend, case):
 
 @pytest.mark.parity_backends("triton")
 @settings(max_examples=2)
-@given(case=cases("blocks.attention_prefill", **LAST_TOKEN, wqkv=["f32", "q8_0"], wo=["f32", "q8_0"]))
+@given(case=cases("blocks.attention_prefill", **{**LAST_TOKEN, "wqkv": ["f32", "q8_0"]}, wo=["f32", "q8_0"]))
 def test_triton_decode_of_the_last_token_equals_the_prefill_row(parity, backend, case):
     _decode_the_last_token(parity, case.with_backend(backend))
 
@@ -326,7 +329,7 @@ def _backward_case(op: str, data, triton: bool = False, **fmts):
     else:
         bounds = dict(t=(1, 9), start=(0, 40), **{**ATTN, "e": (8, 64)})
         fmts = {k: v for k, v in {**(TRITON_BWD if triton else {}), **fmts}.items() if k in ("wqkv", "wo")}
-    return data.draw(cases(op, **bounds, **fmts))
+    return data.draw(cases(op, **{**bounds, **fmts}))
 
 
 @pytest.mark.parity_backends("triton")
@@ -338,7 +341,7 @@ def test_triton_mlp_backward(parity, backend, case):
 
 @pytest.mark.parity_backends("triton")
 @TRITON_FEW
-@given(case=cases(ATTN_BWD, t=(1, 9), start=(0, 40), **{**ATTN, "e": (8, 64)}, wqkv=TRITON_BWD["wqkv"],
+@given(case=cases(ATTN_BWD, t=(1, 9), start=(0, 40), **{**ATTN, "e": (8, 64), "wqkv": TRITON_BWD["wqkv"]},
                   wo=TRITON_BWD["wo"]))
 def test_triton_attention_prefill_backward(parity, backend, case):
     parity.check(case.with_backend(backend))

@@ -47,7 +47,8 @@ def _attention_args(case, t: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     p = case.p
     start = p["pos"] if "pos" in p else p["start"]
     fused = p.get("qkv") == "fused"  # the seed's one W_qkv / b_qkv, passed as wq / bq (wk, wv, bk, bv None)
-    wqkv = ((p["wqkv"], t["wqkv"]), None, None) if fused else tuple((p["wqkv"], t[n]) for n in ("wq", "wk", "wv"))
+    wqkv = (((p["wqkv"], t["wqkv"]), None, None) if fused
+            else tuple((p.get(n) or p["wqkv"], t[n]) for n in ("wq", "wk", "wv")))  # S1: wk, wv their own formats
     args = (t["x"], t["gamma"], float(p["eps"]), *wqkv, (_wo_fmt(p), t["wo"]), t["k_cache"], t["v_cache"], t["cos"],
             t["sin"], start)
     kw = dict(n=p["e"], h_q=p["hq"], h_kv=p["hkv"], d=p["d"], style=p["style"], gemma=bool(p["gemma"]),
@@ -298,7 +299,7 @@ def triton_claims() -> dict[str, Any]:
 
 def triton_supports() -> dict[str, Callable]:
     def check(case) -> str | None:
-        fmts = [case.p[k] for k in ("wqkv", "wo", "w1", "w2") if k in case.p]
+        fmts = [case.p[k] for k in ("wqkv", "wk", "wv", "wo", "w1", "w2") if case.p.get(k)]
         bad = sorted({f for f in fmts if f not in TRITON_FORMATS})
         if bad:
             return (f"the Triton blocks take {', '.join(TRITON_FORMATS)} weights (the Triton GEMMs' GGML formats "

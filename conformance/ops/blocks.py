@@ -22,10 +22,12 @@ Triton and torch paths (weights dequantized, float products) L1. The intermediat
 pipeline order (`stages`): a failing record names the first stage that diverges. The caches are
 in-place outputs: only the new tokens' rows may change.
 
-The attention blocks take three parameters added later, with defaults (older ids and inputs unchanged):
+The attention blocks take parameters added later, with defaults (older ids and inputs unchanged):
 `rope_off` (seed audit S7, the seed's rope_pos_offset: RoPE at rope_off + slot, the caches and the mask by
-slot), `qkv` (S11: `fused` is the seed's one W_qkv / b_qkv, inputs `wqkv`, `bqkv`, q heads then k then v) and
-`wo_layout` (S4: `head_major` is the seed's fp32 per-head Wo[h][aE][a_d], as outproj_mlp's; dwo per head).
+slot), `qkv` (S11: `fused` is the seed's one W_qkv / b_qkv, inputs `wqkv`, `bqkv`, q heads then k then v),
+`wo_layout` (S4: `head_major` is the seed's fp32 per-head Wo[h][aE][a_d], as outproj_mlp's; dwo per head) and
+`wk`, `wv` (S1: W_k's and W_v's own formats, the seed's wk_dt / wv_dt; "" is wqkv's). W_q, W_k, W_v also take
+the K-quants q4_k, q6_k (aE a multiple of 256; Q8_K activations on the L2 path); the backward one format.
 
 The whole-layer backward of the MLP and prefill attention blocks (`blocks.mlp_backward`,
 `blocks.attention_prefill_backward`) is specified in blocks_grad.py.

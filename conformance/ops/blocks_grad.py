@@ -34,6 +34,7 @@ from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.ops.blocks_inputs import ATTN_DISTS, DISTS, ROW_DISTS, attention_inputs, mlp_inputs
 from kernel_parity.conformance.ops.blocks_params import (ATTENTION_DIAGNOSES, GEMMA_DIAGNOSES, MLP_PARAMS,
                                                          PREFILL_PARAMS, ad, ae, ai, attention_kw, check_attention,
+                                                         check_attention_backward,
                                                          check_mlp, mlp_kw, weights_of)
 from kernel_parity.conformance.spec import OpSpec, Output
 from kernel_parity.conformance.tolerance import Override, Tol
@@ -310,7 +311,7 @@ ATTENTION_PREFILL_BACKWARD = OpSpec(
     tolerance=Tol(acc_len=_attention_acc, overrides=_SCALED + _LOGITS + _DBK_AGG + _PV, noise_k=3.0),
     dtypes=("fp32",),
     dists={k: DISTS[k] for k in ATTN_DISTS},
-    check=check_attention,
+    check=check_attention_backward,
     diagnoses=ATTENTION_DIAGNOSES,
     stages=ref.ATTENTION_GRAD_STAGES,
     doc="The prefill attention block's whole-layer backward (the seed's): out-projection (d_bo), causal GQA attention "

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 import kernel_parity.refimpl.blocks as ref
-from kernel_parity.conformance.ops.blocks_inputs import EPS, MLP_WFMTS, THETAS, WFMTS, block_of
+from kernel_parity.conformance.ops.blocks_inputs import EPS, MLP_WFMTS, QKV_WFMTS, THETAS, WFMTS, block_of
 from kernel_parity.conformance.params import Defaults, Int, OneOf, Schema
 from kernel_parity.conformance.spec import Diagnosis
 
@@ -26,7 +26,8 @@ HEADS = dict(
 )
 ATTN = dict(
     cap=Int(1, 1 << 20, edges=(64, 128, 2048), doc="cache capacity in tokens (and RoPE table rows)"),
-    wqkv=OneOf(*WFMTS, doc="Q/K/V weight format (the seed's wq_dt)"),
+    wqkv=OneOf(*QKV_WFMTS, doc="Q/K/V weight format (the seed's wq_dt; W_k's and W_v's unless wk / wv); K-quants "
+               "(S1) take Q8_K activations and aE a multiple of 256"),
     wo=OneOf(*WFMTS, doc="W_o format (the seed's wo_dt)"),
     bias=OneOf(0, 1, doc="Q/K/V biases bq, bk, bv (Qwen2)"),
     obias=OneOf(0, 1, doc="output projection bias bo"),
@@ -45,8 +46,16 @@ ATTN_NEW = dict(
               "W_qkv / b_qkv (inputs wqkv, bqkv: rows of the q heads, then k, then v)"),
     wo_layout=OneOf("flat", "head_major", doc="W_o (aE, h_q a_d), or (S4) the seed's fp32 per-head Wo[h][aE][a_d] "
                     "summed over heads, the bias once (the backward's dwo per head)"),
+    wk=OneOf("", *QKV_WFMTS, doc="W_k's own format (S1: the seed's wk_dt); \"\" = wqkv's"),
+    wv=OneOf("", *QKV_WFMTS, doc="W_v's own format (S1: the seed's wv_dt); \"\" = wqkv's"),
 )
-ATTN_DEFAULTS = {"rope_off": 0, "qkv": "separate", "wo_layout": "flat"}
+ATTN_DEFAULTS = {"rope_off": 0, "qkv": "separate", "wo_layout": "flat", "wk": "", "wv": ""}
+PROJ_PARAM = {"wq": "wqkv", "wk": "wk", "wv": "wv"}
+
+
+def proj_fmt(p: dict[str, Any], name: str) -> str:
+    """The format of projection wq / wk / wv (S1: wk, wv default to wqkv's)."""
+    return p.get(PROJ_PARAM[name]) or p["wqkv"]
 MLP = dict(
     i=Int(1, 1 << 16, edges=(256, 14336, 18944), doc="intermediate width I (gate and up each)"),
     w1=OneOf(*MLP_WFMTS, doc="fused gate/up weight format (2I, aE)"),
@@ -99,8 +108,25 @@ def check_attention(p: dict[str, Any]) -> str | None:
     last = p["pos"] + 1 if "pos" in p else p["start"] + p["t"]
     if last > p["cap"]:
         return f"the new tokens reach position {last - 1}, past the cache capacity cap={p['cap']}"
-    return (check_heads(p) or check_k("wqkv", p["wqkv"], ae(p), "aE = e + epad") or check_wo(p)
-            or check_wo_layout(p))
+    return (check_heads(p) or check_qkv_fmts(p) or check_wo(p) or check_wo_layout(p))
+
+
+def check_qkv_fmts(p: dict[str, Any]) -> str | None:
+    """Each of W_q, W_k, W_v in its own format (S1) over aE columns; one W_qkv has one format."""
+    if p.get("qkv") == "fused" and (p.get("wk") or p.get("wv")):
+        return "qkv=fused is one W_qkv in the format wqkv: wk and wv (per-projection formats) must be left unset"
+    for name in ("wq", "wk", "wv"):
+        err = check_k(PROJ_PARAM[name], proj_fmt(p, name), ae(p), "aE = e + epad")
+        if err:
+            return err
+    return None
+
+
+def check_attention_backward(p: dict[str, Any]) -> str | None:
+    """The backward's: the forward's, and one Q/K/V format (the per-projection formats are forward-only)."""
+    if p.get("wk") or p.get("wv"):
+        return "the attention backward takes one Q/K/V format (wqkv): wk and wv (S1) are forward-only, leave them unset"
+    return check_attention(p)
 
 
 def check_wo_layout(p: dict[str, Any]) -> str | None:
@@ -137,8 +163,8 @@ def weights_of(x: dict[str, np.ndarray], p: dict[str, Any], *names: str) -> list
     """The named weights; with qkv=fused "wq" is W_qkv (input wqkv), "wk" and "wv" None (ref.qkv_sections)."""
     if p.get("qkv") == "fused":
         x = {**x, "wq": x["wqkv"]}
-    fmt = {"wq": p.get("wqkv"), "wk": p.get("wqkv"), "wv": p.get("wqkv"), "wo": p.get("wo"), "w1": p.get("w1"),
-           "w2": p.get("w2")}
+    fmt = {"wq": p.get("wqkv"), "wk": p.get("wk") or p.get("wqkv"), "wv": p.get("wv") or p.get("wqkv"),
+           "wo": p.get("wo"), "w1": p.get("w1"), "w2": p.get("w2")}  # S1: W_k, W_v default to wqkv's format
     if p.get("wo_layout") == "head_major":
         fmt["wo"] = "f32_heads"
     fused = p.get("qkv") == "fused"

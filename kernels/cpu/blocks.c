@@ -15,13 +15,16 @@
  * reads kv head h / (h_q / h_kv) (= h * h_kv / h_q), RoPE pairs (i, i + d/2) or (2i, 2i + 1) from cos/sin
  * tables (max_seq, d/2), W1's first I rows the gate. Every array is C-contiguous. RoPE's position is the slot
  * plus rope_off (o: the seed's rope_pos_offset beside token_index); the cache write and the causal mask count
- * slots. With qkv_fused, wq / bq are the seed's one W_qkv / b_qkv (rows: q heads, then k, then v); with wo_heads,
- * W_o is fp32 per head [hq][aE][a_d] (the attention blocks and outproj_mlp), the bias added once.
+ * slots. wq, wk, wv each have their own format (wqkv_type, wk_type, wv_type: the seed's wq_dt, wk_dt, wv_dt, S1),
+ * each with its own activation quantization. With qkv_fused, wq / bq are the seed's one W_qkv / b_qkv (rows: q
+ * heads, then k, then v); with wo_heads, W_o is fp32 per head [hq][aE][a_d] (the attention blocks and
+ * outproj_mlp), the bias added once.
  *
  * Projections: a weight row in fp32, or GGML blocks (quant.h). Quantized weights take the activation row
  * rounded to fp32 and quantized by ggml's reference quantizer of their vec_dot type (Q8_0 for
- * q4_0 q5_0 q8_0 iq4_nl, Q8_K for the K-quants), as ggml's CPU dot products and the seed do; each block's
- * integer dot is exact (int32), and (d_w d_a) isum (- (dmin d_a) msum) is formed and summed in double.
+ * q4_0 q5_0 q8_0 iq4_nl, Q8_1 for q4_1 q5_1, Q8_K for the K-quants), as ggml's CPU dot products and the seed
+ * do; each block's integer dot is exact (int32), and (d_w d_a) isum (- (dmin d_a) msum, + m_w s_a) is formed
+ * and summed in double.
  * That is the gemm family's L2 (`emulated`) reference. With `quant_acts = 0` the activations are not
  * quantized and every weight is dequantized in double instead (L1, `dequant`: the same kernel without
  * the activation quantization).
@@ -78,6 +81,7 @@ typedef struct {                   /* mirrored by kernels/cpu/blocks.py (_Params
     const float *b1, *b2;          /* the MLP's biases (2 aI,) = b_gate | b_up and (ae,) = b_down, or NULL */
     int64_t ipad;                  /* the MLP's padding lanes per half: aI = inter + ipad */
     int64_t attn_heads;            /* outproj_mlp: x head-major (hq, t, ad), the seed's [h, T, a_d] (S5) */
+    int64_t wk_type, wv_type;      /* attention: W_k's and W_v's own formats (S1: wq's is wqkv_type) */
 } blk_params;
 
 /* ---- weights and activations ----------------------------------------------------------------------- */
@@ -100,6 +104,7 @@ static int wfmt_of(int64_t type, int64_t k, int quant_acts, wfmt *f) {
     switch (type) {
     case QT_F32: f->act = QT_F32; f->qk = 1; f->nbytes = 4; break;
     case QT_Q4_0: case QT_Q5_0: case QT_Q8_0: case QT_IQ4_NL: f->act = QT_Q8_0; break;
+    case QT_Q4_1: case QT_Q5_1: f->act = QT_Q8_1; break;   /* ggml's vec_dot_type (S1: the attention's Q/K/V) */
     case QT_Q2_K: case QT_Q3_K: case QT_Q4_K: case QT_Q5_K: case QT_Q6_K: f->act = QT_Q8_K; break;
     default: return KP_ERR_DTYPE;
     }
@@ -133,7 +138,7 @@ static void *alloc_zero(size_t n) {
 
 /* Buffers for activation rows of up to k elements (NULL fields when out of memory: arow_ok). */
 static arow arow_alloc(int64_t k) {
-    const size_t nb = (size_t)(k / 32 + 1), qb = (size_t)(k / 32 * 34 > k / 256 * 292 ? k / 32 * 34 : k / 256 * 292);
+    const size_t nb = (size_t)(k / 32 + 1), qb = (size_t)(k / 32 * 36 > k / 256 * 292 ? k / 32 * 36 : k / 256 * 292);
     const size_t qb_a = (qb + 63) / 64 * 64, qc_a = ((size_t)k + 63) / 64 * 64;
     arow a = {QT_F32, NULL, NULL, NULL, NULL, NULL, NULL};
     uint8_t *m = alloc_zero(qb_a + qc_a + nb * 8 + 64);
@@ -162,6 +167,8 @@ static void act_prepare(int act, const double *x, int64_t k, float *tmp, arow *a
             a->da[b] = qt_f16(a->qb + 34 * b);
             memcpy(a->qc + 32 * b, a->qb + 34 * b + 2, 32);
         }
+    } else if (act == QT_Q8_1) {
+        qt_quantize_q8_1(tmp, a->qb, k / 32);
     } else {
         qt_quantize_q8_k(tmp, a->qb, k / 256);
     }
@@ -323,6 +330,21 @@ static double dot_b32(int type, const uint8_t *w, int nbytes, const uint8_t *a, 
     return acc;
 }
 
+/* Q4_1 / Q5_1 x Q8_1 (36-byte blocks: fp16 d, fp16 s = fp16(d sum c), 32 codes): term (d_w d_a) isum + m_w s_a,
+ * in double, as ggml's vec_dot_q4_1_q8_1 (and the golden: refimpl/gemm.py). */
+static double dot_b32m(int type, const uint8_t *w, int nbytes, const uint8_t *a, int64_t nb) {
+    qt_decoded dw;
+    double acc = 0.0;
+    for (int64_t b = 0; b < nb; b++, w += nbytes, a += 36) {
+        qt_decode(type, w, &dw);
+        const int8_t *ca = (const int8_t *)(a + 4);
+        int32_t s = 0;
+        for (int j = 0; j < 32; j++) s += (int32_t)dw.c[j] * ca[j];
+        acc += (double)(dw.d * qt_f16(a)) * (double)s + (double)dw.m * (double)qt_f16(a + 2);
+    }
+    return acc;
+}
+
 /* K-quants x Q8_K: isum = sum_s sc_s sum_{i in s} (c_i - off) q_i, msum = sum_s mn_s bsum_s (ggml's bsums),
  * term (d_w d_a) isum - (dmin d_a) msum in double (d_a is Q8_K's fp32 d: d_w d_a exact in double). */
 static double dot_kq(int type, const uint8_t *w, int nbytes, const uint8_t *a, int64_t nsb) {
@@ -355,7 +377,8 @@ static double dot_dequant(int type, const uint8_t *w, int nbytes, int qk, const 
         qt_decode(type, w, &dw);
         for (int i = 0; i < qk; i++) {
             double c = (double)((int32_t)dw.c[i] - off);
-            double val = qk == 32 ? (double)dw.d * c : (double)dw.d * dw.sc[i / 16] * c - (double)dw.m * dw.mn[i / 16];
+            double val = qk == 32 ? (double)dw.d * c + (double)dw.m   /* m: Q4_1 / Q5_1's min, else 0 */
+                                  : (double)dw.d * dw.sc[i / 16] * c - (double)dw.m * dw.mn[i / 16];
             acc += val * x[i];
         }
     }
@@ -372,6 +395,7 @@ KP_INLINE double dot_at(const wfmt *f, const uint8_t *wr, const arow *a) {
         return r;
     }
     if (f->act == QT_Q8_0) return dot_b32(f->type, wr, f->nbytes, a->qb, a->qsum, f->k / 32);
+    if (f->act == QT_Q8_1) return dot_b32m(f->type, wr, f->nbytes, a->qb, f->k / 32);
     return dot_kq(f->type, wr, f->nbytes, a->qb, f->k / 256);
 }
 
@@ -420,6 +444,16 @@ static qkv_ptrs qkv_sections(const blk_params *P, const wfmt *f) {
         }
     }
     return s;
+}
+
+/* The formats of W_q, W_k, W_v (S1: each its own, the seed's wq_dt / wk_dt / wv_dt; with qkv_fused one W_qkv,
+ * wq's type), each over aE columns with its own activation format. */
+static int qkv_fmts(const blk_params *P, int qa, wfmt f[3]) {
+    const int64_t ty[3] = {P->wqkv_type, P->qkv_fused ? P->wqkv_type : P->wk_type,
+                           P->qkv_fused ? P->wqkv_type : P->wv_type};
+    int st = KP_OK;
+    for (int i = 0; i < 3 && st == KP_OK; i++) st = wfmt_of(ty[i], P->ae, qa, &f[i]);
+    return st;
 }
 
 /* RoPE of the first d lanes of one head row at position pos (tables of d / 2 columns), in place. */
@@ -565,8 +599,8 @@ static void wo_heads_rows(const float *w, const double *a, int64_t T, int64_t hq
 KP_INLINE int blocks_attention_decode_impl(const blk_params *P) {
     const int64_t ae = P->ae, hq = P->hq, hkv = P->hkv, ad = P->ad, d = P->d, G = hq / hkv, pos = P->start;
     const int qa = (int)P->quant_acts;
-    wfmt fq, fo;
-    int st = wfmt_of(P->wqkv_type, ae, qa, &fq);
+    wfmt fw[3], fo;   /* W_q, W_k, W_v (S1: each its own format and activation format) */
+    int st = qkv_fmts(P, qa, fw);
     if (st == KP_OK) st = wfmt_of(P->wo_type, hq * ad, qa, &fo);
     if (st != KP_OK) return st;
     const int64_t gk = G * ad;   /* W_o columns of one kv group: whole blocks when a_d is */
@@ -575,23 +609,23 @@ KP_INLINE int blocks_attention_decode_impl(const blk_params *P) {
     fg.k = gk;
     double *buf = alloc_zero(sizeof(double) * (size_t)(4 * ae + 3 * hq * ad + 2 * hkv * ad));
     float *tmp = alloc_zero(sizeof(float) * (size_t)(ae > gk ? ae : gk));
-    arow an = arow_alloc(ae), aa = arow_alloc(gk);
-    st = (buf && tmp && an.mem && aa.mem) ? KP_OK : KP_ERR_NOMEM;
+    arow an[3] = {arow_alloc(ae), arow_alloc(ae), arow_alloc(ae)}, aa = arow_alloc(gk);
+    st = (buf && tmp && an[0].mem && an[1].mem && an[2].mem && aa.mem) ? KP_OK : KP_ERR_NOMEM;
     if (st == KP_OK) {
         double *xd = buf, *nrm = xd + ae, *oacc = nrm + ae, *q = oacc + ae, *qr = q + hq * ad, *ao = qr + hq * ad,
                *kr = ao + hq * ad, *vr = kr + hkv * ad, *part = vr + hkv * ad;
         for (int64_t i = 0; i < ae; i++) xd[i] = (double)P->x[i];
         rmsnorm_row(xd, P->gamma, P->e, ae, P->eps, (int)P->gemma, nrm);
         store(P->norm, nrm, ae);
-        act_prepare(fq.act, nrm, ae, tmp, &an);   /* once: every Q/K/V row reads it */
+        for (int i = 0; i < 3; i++) act_prepare(fw[i].act, nrm, ae, tmp, &an[i]);   /* once per projection's format */
         const attn_dims A = {1, hq, hkv, ad, P->cap, pos, 1.0 / sqrt((double)d)};
-        const qkv_ptrs W = qkv_sections(P, &fq);
+        const qkv_ptrs W = qkv_sections(P, &fw[0]);
         const int64_t rpos = pos + P->rope_off;   /* RoPE's position; the slot is pos */
         for (int64_t g = 0; g < hkv && st == KP_OK; g++) {
             /* kv head g: its k and v rows, RoPE on k, both written at slot pos (padding cleared) */
             double *kg = kr + g * ad, *vg = vr + g * ad;
-            project_rows(&fq, W.w[1], g * ad, ad, &an, W.b[1], kg);
-            project_rows(&fq, W.w[2], g * ad, ad, &an, W.b[2], vg);
+            project_rows(&fw[1], W.w[1], g * ad, ad, &an[1], W.b[1], kg);
+            project_rows(&fw[2], W.w[2], g * ad, ad, &an[2], W.b[2], vg);
             store(P->k + g * ad, kg, ad);
             store(P->v + g * ad, vg, ad);
             rope_row(kg, P->cos, P->sin, rpos, d, (int)P->style);
@@ -602,7 +636,7 @@ KP_INLINE int blocks_attention_decode_impl(const blk_params *P) {
             for (int64_t hh = 0; hh < G; hh++) {
                 const int64_t h = g * G + hh;   /* query head h reads kv head h / G */
                 double *qh = q + h * ad, *qrh = qr + h * ad;
-                project_rows(&fq, W.w[0], h * ad, ad, &an, W.b[0], qh);
+                project_rows(&fw[0], W.w[0], h * ad, ad, &an[0], W.b[0], qh);
                 memcpy(qrh, qh, sizeof(double) * (size_t)ad);
                 rope_row(qrh, P->cos, P->sin, rpos, d, (int)P->style);
                 store(P->q + h * ad, qh, ad);
@@ -629,7 +663,7 @@ KP_INLINE int blocks_attention_decode_impl(const blk_params *P) {
                 P->out[n] = (float)o;
             }
     }
-    free(buf); free(tmp); free(an.mem); free(aa.mem);
+    free(buf); free(tmp); free(an[0].mem); free(an[1].mem); free(an[2].mem); free(aa.mem);
     return st;
 }
 
@@ -654,8 +688,8 @@ KP_INLINE int project_all(const wfmt *f, const void *w, const float *bias, const
 KP_INLINE int blocks_attention_prefill_impl(const blk_params *P) {
     const int64_t T = P->t, ae = P->ae, hq = P->hq, hkv = P->hkv, ad = P->ad, d = P->d;
     const int qa = (int)P->quant_acts;
-    wfmt fq, fo;
-    int st = wfmt_of(P->wqkv_type, ae, qa, &fq);
+    wfmt fw[3], fo;   /* W_q, W_k, W_v (S1: each its own format) */
+    int st = qkv_fmts(P, qa, fw);
     if (st == KP_OK) st = wfmt_of(P->wo_type, hq * ad, qa, &fo);
     if (st != KP_OK) return st;
     const int64_t nq = T * hq * ad, nkv = T * hkv * ad;
@@ -666,10 +700,10 @@ KP_INLINE int blocks_attention_prefill_impl(const blk_params *P) {
     for (int64_t i = 0; i < T * ae; i++) xd[i] = (double)P->x[i];
     for (int64_t t = 0; t < T; t++) rmsnorm_row(xd + t * ae, P->gamma, P->e, ae, P->eps, (int)P->gemma, nrm + t * ae);
     store(P->norm, nrm, T * ae);
-    const qkv_ptrs W = qkv_sections(P, &fq);
-    st = project_all(&fq, W.w[0], W.b[0], nrm, T, hq * ad, q);
-    if (st == KP_OK) st = project_all(&fq, W.w[1], W.b[1], nrm, T, hkv * ad, k);
-    if (st == KP_OK) st = project_all(&fq, W.w[2], W.b[2], nrm, T, hkv * ad, v);
+    const qkv_ptrs W = qkv_sections(P, &fw[0]);
+    st = project_all(&fw[0], W.w[0], W.b[0], nrm, T, hq * ad, q);
+    if (st == KP_OK) st = project_all(&fw[1], W.w[1], W.b[1], nrm, T, hkv * ad, k);
+    if (st == KP_OK) st = project_all(&fw[2], W.w[2], W.b[2], nrm, T, hkv * ad, v);
     if (st == KP_OK) {
         store(P->q, q, nq); store(P->k, k, nkv); store(P->v, v, nkv);
         memcpy(qr, q, sizeof(double) * (size_t)nq);

@@ -11,9 +11,9 @@ x: (aE,) decode, (T, aE) prefill / mlp;  attn (outproj_mlp): (T, h_q a_d), or (h
     attn_layout="head_major" (the seed's [h, T, a_d]);  residual: like x
 gamma: (aE,);  eps: RMSNorm epsilon;  n: the real embed dim E (lanes [n, aE) are padding, zero)
 a weight: (fmt, array): "f32" (N, K) float32, or a GGML format (`WEIGHT_FORMATS`) (N, K / block * nbytes)
-    uint8 rows of blocks; wq (h_q a_d, aE), wk, wv (h_kv a_d, aE), wo (aE, h_q a_d) or ("f32_heads",
-    (h_q, aE, a_d)) (outproj_mlp and the attention blocks), w1 (2aI, aE) gate rows first (up at row aI),
-    w2 (aE, aI)
+    uint8 rows of blocks; wq (h_q a_d, aE), wk, wv (h_kv a_d, aE) (each in its own format: S1), wo (aE, h_q a_d)
+    or ("f32_heads", (h_q, aE, a_d)) (outproj_mlp and the attention blocks), w1 (2aI, aE) gate rows first (up at
+    row aI), w2 (aE, aI)
 bq (h_q a_d,), bk, bv (h_kv a_d,), bo (aE,), b1 (2aI,) (b_gate | b_up), b2 (aE,) (b_down): or None
 inter: the MLP's real intermediate width I <= aI (None: aI); lanes [I, aI) of each half are padding: h
     carries them as projected, act's are cleared
@@ -24,7 +24,7 @@ qkv (attention): "separate", or "fused": wq is the seed's one W_qkv ((h_q + 2 h_
     heads, then k, then v, and bq b_qkv likewise (wk, wv, bk, bv None)
 out: a dict of preallocated stage outputs (any subset; the rest are allocated)
 quantize_activations: True (production, the `emulated` L2 arithmetic: activations quantized to Q8_0 /
-    Q8_K for integer block dots) or False (the same kernels with the weights dequantized: L1)
+    Q8_1 / Q8_K for integer block dots) or False (the same kernels with the weights dequantized: L1)
 returns: {stage name: array} (refimpl/blocks.py's names and shapes, the caches excepted)
 
 Conventions and precision: blocks.c's header (fp32 storage, double arithmetic). Launchers raise
@@ -43,7 +43,7 @@ from kernel_parity.kernels.cpu.quant import FORMATS
 
 __all__ = ["WEIGHT_FORMATS", "attention_decode", "attention_prefill", "isa", "mlp", "outproj_mlp"]
 
-WEIGHT_FORMATS = ("f32", "q4_0", "q5_0", "q8_0", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+WEIGHT_FORMATS = ("f32", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 STYLES = {"half": 0, "interleaved": 1}
 QKV_LAYOUTS = ("separate", "fused")
 _F32 = np.dtype(np.float32)
@@ -58,12 +58,13 @@ _lib: ctypes.CDLL | None = None
 
 _MLP_FIELDS = (("b1", _PTR), ("b2", _PTR), ("ipad", _I64))  # the MLP's biases and padding (appended)
 _ATTN_LAYOUT_FIELDS = (("attn_heads", _I64),)  # outproj_mlp's head-major attention output (appended, S5)
+_QKV_TYPE_FIELDS = (("wk_type", _I64), ("wv_type", _I64))  # W_k's, W_v's own formats (appended, S1)
 
 
 class _Params(ctypes.Structure):
     """blocks.c's blk_params, field for field."""
     _fields_ = [*((n, _I64) for n in _INTS + _ATTN_INTS), ("eps", _F64), *((n, _PTR) for n in _ARRAYS),
-                *_MLP_FIELDS, *_ATTN_LAYOUT_FIELDS]
+                *_MLP_FIELDS, *_ATTN_LAYOUT_FIELDS, *_QKV_TYPE_FIELDS]
 
 
 def _kernels() -> ctypes.CDLL:
@@ -202,12 +203,10 @@ def _attention(entry: str, x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos,
     if fused:  # the seed's one W_qkv / b_qkv as wq / bq: rows of the q heads, then k, then v
         if wk is not None or wv is not None or bk is not None or bv is not None:
             raise ValueError("qkv='fused' takes W_qkv as wq and b_qkv as bq: wk, wv, bk, bv must be None")
-        wqkv_types = {_weight("wq (W_qkv)", wq, (h_q + 2 * h_kv) * ad, ae)[0]}
-    else:
-        wqkv_types = {_weight(nm, w, rows, ae)[0] for nm, w, rows in (("wq", wq, h_q * ad), ("wk", wk, h_kv * ad),
-                                                                        ("wv", wv, h_kv * ad))}
-    if len(wqkv_types) != 1:
-        raise ValueError(f"wq, wk, wv must share one format, got {wq[0]}, {wk[0]}, {wv[0]}")
+        types = [_weight("wq (W_qkv)", wq, (h_q + 2 * h_kv) * ad, ae)[0]] * 3
+    else:  # each its own format (S1: the seed's wq_dt, wk_dt, wv_dt)
+        types = [_weight(nm, w, rows, ae)[0] for nm, w, rows in (("wq", wq, h_q * ad), ("wk", wk, h_kv * ad),
+                                                                   ("wv", wv, h_kv * ad))]
     wo_type, wo_heads = _wo(wo, ae, h_q, ad)
     if wo_type and ad % FORMATS[wo[0]][1]:
         raise ValueError(f"wo={wo[0]} quantizes the attention output per head: a_d = {ad} must be a multiple of "
@@ -218,8 +217,8 @@ def _attention(entry: str, x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos,
     res = _outputs(out, shapes)
     fields = dict(t=t, e=n, ae=ae, hq=h_q, hkv=h_kv, d=d, ad=ad, cap=cap, start=int(start), max_seq=max_seq,
                   style=STYLES[style], gemma=bool(gemma), quant_acts=bool(quantize_activations),
-                  wqkv_type=wqkv_types.pop(), wo_type=wo_type, wo_heads=wo_heads, eps=eps, rope_off=int(rope_off),
-                  qkv_fused=fused)
+                  wqkv_type=types[0], wk_type=types[1], wv_type=types[2], wo_type=wo_type, wo_heads=wo_heads, eps=eps,
+                  rope_off=int(rope_off), qkv_fused=fused)
     arrays = dict(x=x, gamma=gamma, wq=wq[1], wk=None if fused else wk[1], wv=None if fused else wv[1], wo=wo[1],
                   k_cache=k_cache, v_cache=v_cache, cos=cos, sin=sin,
                   bq=_optional("bq", bq, (((h_q + 2 * h_kv) if fused else h_q) * ad,)),
