@@ -232,11 +232,15 @@ def test_golden_split_independent_of_splits_and_equal_to_decode(case, other):
     kw = dict(causal=case.p["causal"], window=(case.p["wl"], case.p["wr"]), softcap=float(case.p["cap"]),
               sinks=x.get("sinks"))
     bt = x.get("block_table")  # page > 0: the split golden reads pages, plain decode their gathered cache
+    loc = x.get("cache_loc")  # rows > 0: sequence b's cache (or table row) is row cache_loc[b]
     o1, l1, *_ = ref.decode_split(x["q"], x["k_cache"], x["v_cache"], x["seqlens"], case.p["splits"], block_table=bt,
-                                  **kw)
-    o2, l2, *_ = ref.decode_split(x["q"], x["k_cache"], x["v_cache"], x["seqlens"], other, block_table=bt, **kw)
+                                  cache_loc=loc, **kw)
+    o2, l2, *_ = ref.decode_split(x["q"], x["k_cache"], x["v_cache"], x["seqlens"], other, block_table=bt,
+                                  cache_loc=loc, **kw)
+    if bt is not None and loc is not None:
+        bt, loc = bt[loc], None  # the sequences' own table rows; plain decode reads their gathered pages
     kc, vc = (x[n] if bt is None else ref.gather_pages(x[n], bt) for n in ("k_cache", "v_cache"))
-    o3, l3, _ = ref.decode(x["q"], kc, vc, x["seqlens"], **kw)
+    o3, l3, _ = ref.decode(x["q"], kc, vc, x["seqlens"], cache_loc=loc, **kw)
     for got, what in ((o2, "O with other splits"), (o3, "O of plain decode")):
         _close(got, o1, what)
     for got, what in ((l2, "LSE with other splits"), (l3, "LSE of plain decode")):
@@ -254,7 +258,7 @@ def test_golden_split_independent_of_partition(case):
     for part, blk, n in _partitions(p):
         bounds = x["split_bounds"] if part == "bounds" else None
         got[part] = ref.decode_split(x["q"], x["k_cache"], v, x["seqlens"], n, block=blk or None, bounds=bounds,
-                                     block_table=x.get("block_table"), **kw)
+                                     block_table=x.get("block_table"), cache_loc=x.get("cache_loc"), **kw)
     for part in ("block", "bounds"):
         _close(got[part][0], got["equal"][0], f"O with part={part}")
         _close(got[part][1], got["equal"][1], f"LSE with part={part}")
@@ -268,7 +272,7 @@ def test_golden_chunked_prefill_in_two_chunks_equals_one(case, cut):
     def golden(y):
         y = {k: (v.astype(np.float64) if v.dtype.kind not in "iu" else v) for k, v in y.items()}
         o, lse, _ = ref.chunked_prefill(y["q"], y["k_cache"], y["v_cache"], y["cu_seqlens_q"], y["hist"],
-                                        y.get("block_table"), sinks=y.get("sinks"), **kw)
+                                        y.get("block_table"), sinks=y.get("sinks"), cache_loc=y.get("cache_loc"), **kw)
         return {"o": o, "lse": lse}
 
     x = runs.inputs_of(case)
