@@ -2,8 +2,8 @@
 sparse decode, the naive (decompressed) form, MAX's fused FP8 branch, and (re-exported from
 mla_schedule) FlashMLA's split scheduler.
 
-Absorbed form (one KV head; `decode` takes h_kv, query head h reading kv head h // (h_q / h_kv));
-cache row j = [c_j (d_c = 512) ; k_pe_j (d_r = 64)], d = 576:
+Absorbed form (one KV head; `decode` and `decode_sparse` take h_kv: query head h reads kv head
+h // (h_q / h_kv)); cache row j = [c_j (d_c = 512) ; k_pe_j (d_r = 64)], d = 576:
     q_i   = [q_nope,i W_UK ; q_pe,i]                  per query head, (d,)   (`absorb`)
     s_ij  = scale * q_i . row_j
     LSE_i = ln sum_j exp(s_ij)                         natural log, over the visible keys
@@ -248,33 +248,58 @@ def decode_sparse(q: NDArray, kv_cache: NDArray, indices: NDArray, topk_length: 
                   d_v: int = 512, *, attn_sink: NDArray | None = None, absolute: bool = False) -> tuple[F64, F64]:
     """FlashMLA sparse decode: each query row attends to the cache slots its indices list.
 
-    q: (b, s_q, h_q, d); kv_cache: (num_blocks, page, [1,] d), viewed as (num_blocks * page, d); the
-        dequantized rows (FlashMLA's sparse decode stores 656-byte FP8 rows: adapters dequantize)
-    indices: (b, s_q, topk) (or (b, s_q, 1, topk)) int, slot = block_idx * page + offset; -1 = padding
-    topk_length: (b,) int or None; only the first topk_length[b] entries of request b's rows are used
+    q: (b, s_q, h_q, d); kv_cache: (num_blocks, page, h_kv, d) (or (num_blocks, page, d): h_kv = 1),
+        viewed as (num_blocks * page, h_kv, d); the dequantized rows (FlashMLA's sparse decode stores
+        656-byte FP8 rows: adapters dequantize)
+    indices: (b, s_q, h_kv, topk) int (FlashMLA's; or (b, s_q, topk) when h_kv = 1), slot = block_idx * page
+        + offset; -1 = padding. Query head h reads kv head k = h // (h_q / h_kv): k's own list
+        indices[:, :, k] over k's rows of the slots (h_q % h_kv == 0; DeepSeek's models have h_kv = 1)
+    topk_length: (b,) int or None; only the first topk_length[b] entries of request b's lists are used
     attn_sink: (h_q,) or None (see the module docstring)
     returns: o (b, s_q, h_q, d_v), lse (b, h_q, s_q) (without the sink); a row with no used index (0, -inf)
     A slot listed twice counts twice (its weight doubles). Used indices outside [0, num_slots) raise.
     absolute: their magnitudes instead (module docstring; a slot listed twice is two terms)
     """
     q = np.asarray(q, dtype=np.float64)
-    rows, _ = _rows(kv_cache)
+    rows, _ = _rows(kv_cache, heads=True)  # slots, h_kv, d
     b, s_q, h, d = q.shape
+    h_kv = rows.shape[1]
+    if rows.shape[2] != d or not 0 < d_v <= d:
+        raise ValueError(f"q dim {d}, cache dim {rows.shape[2]} and d_v {d_v} disagree")
+    if h % h_kv:
+        raise ValueError(f"h_q = {h} query heads must be a multiple of the cache's h_kv = {h_kv} kv heads")
+    g = h // h_kv  # query head h reads kv head h // g
     idx = np.asarray(indices, dtype=np.int64)
-    if idx.ndim == 4 and idx.shape[2] == 1:  # FlashMLA's (b, s_q, h_kv = 1, topk)
-        idx = idx[:, :, 0]
-    used = idx != -1
+    if idx.ndim == 3:
+        idx = idx[:, :, None]
+    if idx.ndim != 4 or idx.shape[:3] != (b, s_q, h_kv):
+        raise ValueError(f"indices {idx.shape} must be (b, s_q, h_kv, topk) = ({b}, {s_q}, {h_kv}, topk)")
+    used = idx != -1  # b, s_q, h_kv, topk
     if topk_length is not None:
-        used &= np.arange(idx.shape[-1])[None, None, :] < np.asarray(topk_length, dtype=np.int64).reshape(b, 1, 1)
+        used &= np.arange(idx.shape[-1]) < np.asarray(topk_length, dtype=np.int64).reshape(b, 1, 1, 1)
     if ((idx[used] < 0) | (idx[used] >= rows.shape[0])).any():
         raise ValueError(f"indices outside the cache's {rows.shape[0]} slots (and not -1)")
-    kv = np.where(used[..., None], rows[np.where(used, idx, 0)], 0.0)  # b, s_q, topk, d
-    s = np.einsum("bqhd,bqkd->bhqk", q, kv)
-    p, lse, mx = _softmax(float(scale) * s, used, attn_sink)
+    kv = rows[np.where(used, idx, 0), np.arange(h_kv)[:, None]]  # b, s_q, h_kv, topk, d: kv head k's rows
+    kv = np.where(used[..., None], kv, 0.0)
+    # (request, kv head) pairs as the batch: kv head k's g query heads over its own list and rows
+    kv = kv.transpose(0, 2, 1, 3, 4).reshape(b * h_kv, s_q, -1, d)
+    keep = used.transpose(0, 2, 1, 3).reshape(b * h_kv, s_q, -1)
+    qg = q.reshape(b, s_q, h_kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b * h_kv, s_q, g, d)
+    sink = attn_sink
+    if sink is not None and h_kv > 1:  # (h_q,) per head: (b h_kv, g, 1), as the pairs
+        sink = np.broadcast_to(np.asarray(sink, dtype=np.float64).reshape(1, h_kv, g, 1), (b, h_kv, g, 1))
+        sink = sink.reshape(b * h_kv, g, 1)
+    s = np.einsum("bqhd,bqkd->bhqk", qg, kv)
+    p, lse, mx = _softmax(float(scale) * s, keep, sink)
+
+    def heads(og: F64, lg: F64) -> tuple[F64, F64]:
+        return (og.reshape(b, h_kv, s_q, g, d_v).transpose(0, 2, 1, 3, 4).reshape(b, s_q, h, d_v),
+                lg.reshape(b, h, s_q))
+
     if absolute:  # the P V sum in squared form
         np.multiply(p, p, out=p)
-        return np.sqrt(np.einsum("bhqk,bqkd->bqhd", p, kv[..., :d_v] ** 2)), lse_magnitude(mx, lse)
-    return np.einsum("bhqk,bqkd->bqhd", p, kv[..., :d_v]), lse
+        return heads(np.sqrt(np.einsum("bhqk,bqkd->bqhd", p, kv[..., :d_v] ** 2)), lse_magnitude(mx, lse))
+    return heads(np.einsum("bhqk,bqkd->bqhd", p, kv[..., :d_v]), lse)
 
 
 # --------------------------------------------------------------------------- MAX fused FP8 branch

@@ -164,13 +164,16 @@ def kv_update(k_cache: NDArray, v_cache: NDArray, k_new: NDArray, v_new: NDArray
     k_new, v_new: (b, s_new, h_kv, d | d_v); pos: (b,) tokens already cached per sequence
     seq_len, seq_start: (b,) int, both or neither: TensorRT-LLM's ragged layout (refimpl/kvcache.py):
         k_new, v_new (total, h_kv, d | d_v), sequence b's tokens rows seq_start[b] .. + seq_len[b] - 1
-        (0: nothing written), token t of them rotated at pos[b] + t; q, if given, is (total, h_q, d) alike
+        (0: nothing written), token t of them rotated at pos[b] + t; q, if given, is TensorRT-LLM's flattened
+        (n_q, h_q, d) buffer (its [B*S, N, D]): sequence b's tokens rows seq_start[b] + t as k_new's, any
+        n_q >= every seq_start[b] + seq_len[b]; q_rope's rows no sequence owns are NaN (never written: any value)
     cos, sin: (max_seq, d/2) tables (rows indexed by absolute position)
     cache_loc: (b,) the cache / block-table row of sequence b (TensorRT-LLM's cache_loc; None: row b)
-    q: (b, s_new, h_q, d), h_q a multiple of h_kv, or None: TensorRT-LLM's update_kv_cache_rope_fusion
-       also rotates the queries, each token at its own position pos[b] + t (k's; never its cache slot)
+    q: (b, s_new, h_q, d) (ragged: (n_q, h_q, d), above), h_q a multiple of h_kv, or None: TensorRT-LLM's
+       update_kv_cache_rope_fusion also rotates the queries, each token at its own position pos[b] + t
+       (k's; never its cache slot nor its row of the flattened q)
     returns: (k_cache, v_cache) after the write, float64 (the old slots unchanged), and with q a third
-    array, q_rope (b, s_new, h_q, d): q rotated over its whole head dim like k
+    array, q_rope (like q): q rotated over its whole head dim like k
     absolute: the error model's magnitudes instead: the new k rows (and q_rope) as `rope`'s, every copied
     value (old slots, v) its |value|
     """
@@ -199,8 +202,19 @@ def kv_update(k_cache: NDArray, v_cache: NDArray, k_new: NDArray, v_new: NDArray
     if q is None:
         return kc, vc
     q = np.asarray(q, dtype=np.float64)
-    if q.shape[:-2] != k_new.shape[:-2] or q.shape[-1] != d or q.shape[-2] % max(h, 1):
+    if seq_len is not None:  # the flattened q: its own row count, the sequences' rows as k_new's
+        owned = np.zeros(q.shape[0] if q.ndim == 3 else 0, dtype=bool)
+        rows = np.asarray(seq_start, dtype=np.int64)[bi] + t
+        if q.ndim != 3 or q.shape[-1] != d or q.shape[-2] % max(h, 1) or (rows.size and rows.max() >= q.shape[0]):
+            raise ValueError(f"q {q.shape} must be (n_q, k * {h}, {d}) holding every sequence's rows "
+                             f"seq_start[b] + t (n_q > {rows.max(initial=-1)})")
+        owned[rows] = True
+        p = np.zeros(q.shape[0], dtype=np.int64)
+        p[rows] = np.asarray(pos, dtype=np.int64)[bi] + t
+    elif q.shape[:-2] != k_new.shape[:-2] or q.shape[-1] != d or q.shape[-2] % max(h, 1):
         raise ValueError(f"q {q.shape} must be k_new's {k_new.shape} with h_q = k * {h} heads")
     q_rope = rope(q.reshape(-1, q.shape[-2], d), cos, sin, p, style=style, rot=d,
                   absolute=absolute).reshape(q.shape)
+    if seq_len is not None:
+        q_rope[~owned] = np.nan  # TensorRT-LLM writes the sequences' rows only
     return kc, vc, q_rope

@@ -204,15 +204,15 @@ def test_kv_update_ragged_is_each_sequence_written_alone(layout):
     assert not np.array_equal(kc, x["k_cache"])  # written (and rotated: d of k, 12 of v)
 
 
-def test_kv_update_spec_ragged_defaults_and_refuses_q():
+def test_kv_update_spec_ragged_defaults_and_takes_q_as_the_flattened_buffer():
     from kernel_parity.conformance import ops
-    from kernel_parity.conformance.errors import UsageError
 
     p = dict(b=2, snew=3, hkv=2, d=16, smax=20, layout="contiguous")
     assert "tokens" not in ops.make_case("rope.kv_update", "cpu", "fp32", {**p, "tokens": "fixed", "dv": 0},
                                          "normal", 0).id
-    with pytest.raises(UsageError, match=r"hq=4 with tokens=ragged.*expected hq=0 with tokens=ragged"):
-        ops.make_case("rope.kv_update", "cpu", "fp32", {**p, "hq": 4, "tokens": "ragged"}, "normal", 0)
+    spec = ops.get("rope.kv_update")  # S13 / S14: q_rope's shape is the params' (b * snew, hq, d)
+    assert spec.output_shapes(spec.params.validate(spec.name, {**p, "hq": 4, "tokens": "ragged"}))["q_rope"] == \
+        (6, 4, 16)
 
 
 def test_cpu_kv_update_rejects_ragged_rows_outside_new():

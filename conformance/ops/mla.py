@@ -6,7 +6,9 @@
                        `hkv` (default 1, ids unchanged): FlashMLA's [blocks, 64, h_kv, 576] cache,
                        query head h on kv head h // (h_q / h_kv), each kv head's rows drawn apart
 - `mla.decode_sparse`  each query row attends to a top-k list of cache slots (-1 padding,
-                       per-request top-k lengths): DeepSeek's sparse MLA
+                       per-request top-k lengths): DeepSeek's sparse MLA; `hkv` (default 1, ids
+                       unchanged): FlashMLA's (b, s_q, h_kv, topk) indices, query head h on kv head
+                       h // (h_q / h_kv)'s own list over that head's rows
 - `mla.decode_fused_fp8`  Modular MAX's mla_decode_branch_fp8: RoPE and RMSNorm of the new cache
                        rows (in place: the cache after the call is an output), FP8 W_UK / W_UV
                        block-scaled matmuls around the decode; with `qrope` (default 0, ids
@@ -184,29 +186,32 @@ def _decode_mag(x, p):
 
 def _sparse_inputs(p, dtype, dist, rng):
     """Each request's rows list `topk` slots: a random subset of its visible tokens (all of them when
-    fewer), -1 for about 1 in 8 entries and past the end, and, past topk_length, slots of NaN rows."""
-    b, sq, k = p["b"], p["sq"], p["topk"]
+    fewer), -1 for about 1 in 8 entries and past the end, and, past topk_length, slots of NaN rows.
+    hkv > 1: FlashMLA's (b, s_q, h_kv, topk) indices, each kv head's own list over its own rows (drawn
+    apart); hkv = 1: (b, s_q, topk), the draws of before."""
+    b, sq, k, hkv = p["b"], p["sq"], p["topk"], p.get("hkv", 1)
     seqlens = _decode_lens(p)
-    cache, table = paged_latent_cache(rng, seqlens, dist, dtype)
+    cache, table = paged_latent_cache(rng, seqlens, dist, dtype, hkv=hkv)
     nan_slots = np.flatnonzero(np.isnan(cache[:, :, 0, 0].astype(np.float64)).reshape(-1))
-    idx = np.full((b, sq, k), -1, dtype=np.int32)
-    for i in range(b):  # per request: which of its tokens the top-k list names
+    idx = np.full((b, sq, hkv, k), -1, dtype=np.int32)
+    for i in range(b):  # per request: which of its tokens each kv head's top-k list names
         L = int(seqlens[i])
         tok = np.arange(L)
         slots = table[i, tok // PAGE].astype(np.int64) * PAGE + tok % PAGE
         for r in range(sq):
-            pick = rng.permutation(slots)[:k]
-            idx[i, r, :pick.size] = pick
+            for h in range(hkv):
+                pick = rng.permutation(slots)[:k]
+                idx[i, r, h, :pick.size] = pick
     idx[rng.random(idx.shape) < 0.125] = -1
     if p["topk_len"] == "ragged":
         topk_length = rng.integers(0, k + 1, b).astype(np.int32)
-        past = np.arange(k)[None, None, :] >= topk_length[:, None, None]
+        past = np.arange(k)[None, None, None, :] >= topk_length[:, None, None, None]
         if nan_slots.size:  # garbage past the length: a kernel that reads it gets NaN
-            idx[np.broadcast_to(past, idx.shape)] = rng.choice(nan_slots, int(past.sum() * sq))
+            idx[np.broadcast_to(past, idx.shape)] = rng.choice(nan_slots, int(past.sum() * sq * hkv))
     else:
         topk_length = np.full(b, k, dtype=np.int32)
     q = dt.round_to(_draw(rng, (b, sq, p["hq"], D), dist), dtype)
-    return {"q": q, "kv_cache": cache, "indices": idx, "topk_length": topk_length}
+    return {"q": q, "kv_cache": cache, "indices": idx[:, :, 0] if hkv == 1 else idx, "topk_length": topk_length}
 
 
 def _sparse_ref(x, p, absolute=False):
@@ -286,10 +291,15 @@ DECODE_SPARSE = OpSpec(
     golden=refimpl.mla.decode_sparse,
     reference=_sparse_ref,
     magnitude=_sparse_mag,
-    params=Schema(dict(HEADS, kv=Int(0, 1 << 17, edges=(64, 2048), doc="longest cached length"), lens=LENS,
-                       topk=Int(1, 2048, edges=(64, 128, 2048), doc="slots listed per query row"),
-                       topk_len=OneOf("full", "ragged", doc="per-request top-k lengths: all topk, or random"),
-                       scale=OneOf("head", "model", doc="576^-0.5 or DeepSeek-V3's 0.1352"))),
+    params=Defaults(dict(
+        HEADS, kv=Int(0, 1 << 17, edges=(64, 2048), doc="longest cached length"), lens=LENS,
+        topk=Int(1, 2048, edges=(64, 128, 2048), doc="slots listed per query row"),
+        topk_len=OneOf("full", "ragged", doc="per-request top-k lengths: all topk, or random"),
+        scale=OneOf("head", "model", doc="576^-0.5 or DeepSeek-V3's 0.1352"),
+        hkv=Int(1, 128, edges=(1, 2, 4), doc="latent KV heads (FlashMLA's h_kv; hq % hkv == 0): indices "
+                                             "(b, sq, hkv, topk), query head h on kv head h // (hq / hkv)'s list "
+                                             "and rows; 1: (b, sq, topk), ids unchanged")),
+        {"hkv": 1}),
     make_inputs=_sparse_inputs,
     output_shapes=_shapes,
     outputs=OUT,
@@ -298,7 +308,9 @@ DECODE_SPARSE = OpSpec(
     dists=DISTS,
     backends=("triton", "torch"),
     flops=_sparse_flops,
-    doc="DeepSeek sparse MLA decode: each query row attends to its top-k list of cache slots (-1 skipped).",
+    check=_check,
+    doc="DeepSeek sparse MLA decode: each query row attends to its top-k list of cache slots (-1 skipped); "
+        "hkv > 1: FlashMLA's h_kv latent heads, each with its own index lists and rows.",
 )
 
 # --------------------------------------------------------------------------- MAX's fused FP8 branch

@@ -29,8 +29,11 @@ pos[b] + t (never its cache slot), judged as k_cache's rotated rows are: rope.ro
 (table=theta), since the fp16 table is given. `tokens` = "ragged" and `dv` are kvcache.update's
 (defaults "fixed" and 0, ids unchanged): TensorRT-LLM's flattened new tokens (total, hkv, d) with
 seq_len / seq_start (zero-length sequences included), token t of sequence b rotated at pos[b] + t, and
-V's own head dim (v is only copied, so dv need not be even). q_rope's shape would depend on the drawn
-seq_len, so `hq` > 0 with `tokens` = "ragged" is refused (exit 2).
+V's own head dim (v is only copied, so dv need not be even). `hq` > 0 with `tokens` = "ragged" takes q as
+TensorRT-LLM's flattened [B*S, N, D] buffer: (b * snew, hq, d), a shape of the params (seq_len is drawn,
+its total is not: each seq_len <= snew), sequence b's tokens its rows seq_start[b] + t as k_new's, the rows
+past the total padding; q_rope is alike, the owned rows rotated at pos[b] + t (never at the row's flattened
+index), the padding rows any value (TensorRT-LLM writes the sequences' rows only; the golden's NaN there).
 """
 
 from __future__ import annotations
@@ -223,9 +226,9 @@ def _kv_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generato
     cos, sin = ref.tables(p["smax"], p["d"], 10000.0)
     out["table"] = np.stack([cos, sin], axis=-1).astype(np.float16)  # smax, d/2, 2
     if p.get("hq", 0):  # drawn last: the inputs of a case without q are those it always had
-        q = rng.standard_normal((p["b"], p["snew"], p["hq"], p["d"]))
+        q = rng.standard_normal(_q_shape(p))  # ragged: the (b * snew, hq, d) buffer, padding rows drawn too
         if dist == "heads":
-            q *= 10.0 ** rng.uniform(-3.0, 3.0, (1, 1, p["hq"], 1))
+            q *= 10.0 ** rng.uniform(-3.0, 3.0, (1,) * (q.ndim - 2) + (p["hq"], 1))
         out["q"] = dt.round_to(q, dtype)
     return out
 
@@ -256,16 +259,21 @@ def _kv_check(p: dict[str, Any]) -> str | None:
         return f"d={p['d']} must be even (rotary pairs)"
     if p.get("hq", 0) % p["hkv"]:
         return f"hq={p['hq']} query heads must be a multiple of hkv={p['hkv']} (expected hq=0, no q, or k * hkv)"
-    if p.get("hq", 0) and p.get("tokens", "fixed") == "ragged":
-        return (f"hq={p['hq']} with tokens=ragged: q_rope's shape would depend on the drawn seq_len "
-                f"(expected hq=0 with tokens=ragged)")
     return kv.UPDATE.check(p)
+
+
+def _q_shape(p: dict[str, Any]) -> tuple[int, ...]:
+    """q's and q_rope's shape: (b, snew, hq, d), or with tokens=ragged TensorRT-LLM's flattened buffer
+    (b * snew, hq, d): every sequence's seq_len <= snew tokens back to back, then padding rows."""
+    if p.get("tokens", "fixed") == "ragged":
+        return (p["b"] * p["snew"], p["hq"], p["d"])
+    return (p["b"], p["snew"], p["hq"], p["d"])
 
 
 def _kv_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     out = kv.UPDATE.output_shapes(p)
     if p.get("hq", 0):
-        out["q_rope"] = (p["b"], p["snew"], p["hq"], p["d"])
+        out["q_rope"] = _q_shape(p)
     return out
 
 
@@ -284,7 +292,9 @@ KV_UPDATE = OpSpec(
     output_shapes=_kv_shapes,
     outputs={"k_cache": Output("test", doc="K cache after the write: new rows rotated at pos[b] + t, old rows untouched"),
              "v_cache": Output("test", exact=True, doc="V cache after the write (unrotated, bit-exact)"),
-             "q_rope": Output("test", doc="q rotated at pos[b] + t (hq > 0 only)")},
+             "q_rope": Output("test", nan_is_any=True,
+                              doc="q rotated at pos[b] + t (hq > 0 only); tokens=ragged: the (b * snew, hq, d) "
+                                  "buffer, any value in the rows past the sequences' tokens")},
     tolerance=Tol(acc_len=lambda p, o: 2, baseline=BASELINE_TIER),
     dists=DISTS,
     magnitude=_kv_mag,

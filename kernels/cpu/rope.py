@@ -19,9 +19,10 @@ kv_update: TensorRT-LLM's fused write, in place: k_new rotated at position pos[i
       int32 rows, checked) or row i without cache_loc (rows = b). With q (b, s_new, h_q, d), h_q a
       multiple of h, the queries are rotated too, each token at its position pos[i] + t (TensorRT-LLM's
       update_kv_cache_rope_fusion), into q_out (like q; allocated when None), which is returned.
-      seq_len, seq_start (b,) int32, both or neither: TensorRT-LLM's ragged layout, k_new / v_new / q
-      (total, h, d | dv) and sequence i's tokens rows seq_start[i] : seq_start[i] + seq_len[i] (checked
-      to lie inside them). v_new / v_cache may have their own head dim dv (copied, never rotated).
+      seq_len, seq_start (b,) int32, both or neither: TensorRT-LLM's ragged layout, k_new / v_new
+      (total, h, d | dv) and q (n_q, h_q, d), TensorRT-LLM's flattened [B*S, N, D] buffer of any n_q rows;
+      sequence i's tokens rows seq_start[i] : seq_start[i] + seq_len[i] of each (checked to lie inside
+      them); q_out's other rows are not written. v_new / v_cache may have their own head dim dv (copied, never rotated).
       Writes must fit, table rows cover every position, written pages lie in the cache and no two
       writes share a slot: ValueError before anything is written.
 
@@ -253,7 +254,11 @@ def kv_update(k_cache: np.ndarray, v_cache: np.ndarray, k_new: np.ndarray, v_new
     sq = sqo = (0, 0, 0)
     if q is not None:
         check_array("q", q, k_new.ndim, "(total, h_q, d)" if ragged else "(b, s_new, h_q, d)", (k_cache.dtype,))
-        if q.shape[:-2] != k_new.shape[:-2] or q.shape[-1] != d or (h and q.shape[-2] % h):
+        if ragged:  # TensorRT-LLM's flattened q buffer: its own row count, the sequences' rows as k_new's
+            if q.shape[-1] != d or (h and q.shape[-2] % h) or (b and int((first + n).max()) > q.shape[0]):
+                raise ValueError(f"q {q.shape} must be (n_q, k * {h}, {d}) holding every sequence's rows "
+                                 f"seq_start[i] : seq_start[i] + seq_len[i]")
+        elif q.shape[:-2] != k_new.shape[:-2] or q.shape[-1] != d or (h and q.shape[-2] % h):
             raise ValueError(f"q {q.shape} must be k_new's {k_new.shape} with k * {h} query heads")
         if q_out is None:
             q_out = np.empty(q.shape, dtype=q.dtype)
@@ -279,7 +284,7 @@ def kv_update(k_cache: np.ndarray, v_cache: np.ndarray, k_new: np.ndarray, v_new
         0 if cache_loc is None else element_strides("cache_loc", cache_loc)[0],
         None if seq_len is None else seq_len.ctypes.data, None if seq_start is None else seq_start.ctypes.data,
         None if q is None else q.ctypes.data, *sq, None if q is None else q_out.ctypes.data, *sqo,
-        0 if q is None else q.shape[2],
+        0 if q is None else q.shape[-2],
         cos.ctypes.data, sin.ctypes.data, dtype_code(cos.dtype), s_row, s_col, STYLES[style],
         None if block_table is None else block_table.ctypes.data, *bt_strides, page, b, s_new, h, d, dv)
     check_status(status, "rope_kv_update_kernel")

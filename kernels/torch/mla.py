@@ -149,27 +149,39 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, s
 def decode_sparse(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
                   topk_length: torch.Tensor | None, scale: float, d_v: int = 512, *,
                   attn_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (b, s_q, h_q, d), indices (b, s_q, topk) (or (b, s_q, 1, topk)) flat slots, -1 padding,
-    topk_length (b,) or None -> o (b, s_q, h_q, d_v) in q.dtype, lse (b, h_q, s_q) float32."""
-    rows, _ = _rows(kv_cache)
+    """q (b, s_q, h_q, d), kv_cache (num_blocks, page, h_kv, d), indices (b, s_q, h_kv, topk) (or
+    (b, s_q, topk) when h_kv = 1) flat slots, -1 padding, topk_length (b,) or None -> o (b, s_q, h_q, d_v)
+    in q.dtype, lse (b, h_q, s_q) float32. Query head h reads kv head h // (h_q / h_kv): its list, its rows."""
+    rows, _ = _rows(kv_cache, heads=True)  # slots, h_kv, d
     b, s_q, h, d = q.shape
-    if rows.shape[1] != d or not 0 < d_v <= d:
-        raise ValueError(f"q dim {d}, cache dim {rows.shape[1]} and d_v {d_v} disagree")
+    h_kv = rows.shape[1]
+    if rows.shape[2] != d or not 0 < d_v <= d:
+        raise ValueError(f"q dim {d}, cache dim {rows.shape[2]} and d_v {d_v} disagree")
+    if h % h_kv:
+        raise ValueError(f"h_q = {h} query heads must be a multiple of the cache's h_kv = {h_kv} kv heads")
+    g = h // h_kv
     idx = indices.to(q.device).long()
-    if idx.ndim == 4 and idx.shape[2] == 1:  # FlashMLA's (b, s_q, h_kv = 1, topk)
-        idx = idx[:, :, 0]
-    used = idx != -1
+    if idx.ndim == 3:
+        idx = idx[:, :, None]
+    if idx.ndim != 4 or tuple(idx.shape[:3]) != (b, s_q, h_kv):
+        raise ValueError(f"indices {tuple(indices.shape)} must be (b, s_q, h_kv, topk) = ({b}, {s_q}, {h_kv}, topk)")
+    used = idx != -1  # b, s_q, h_kv, topk
     if topk_length is not None:
         k = torch.arange(idx.shape[-1], device=q.device)
-        used = used & (k[None, None, :] < topk_length.to(q.device).long().reshape(b, 1, 1))
+        used = used & (k < topk_length.to(q.device).long().reshape(b, 1, 1, 1))
     if ((idx < 0) | (idx >= rows.shape[0]))[used].any():
         raise ValueError(f"indices outside the cache's {rows.shape[0]} slots (and not -1)")
-    kv = _gather(rows, torch.where(used, idx, 0), used)  # b, s_q, topk, d
-    s = (q @ kv.transpose(-1, -2)) * scale  # b, s_q, h, topk in q.dtype
-    p = _softmax_dtype(s, used[:, :, None, :], attn_sink)
-    o = p @ kv[..., :d_v]  # b, s_q, h, d_v
-    s32 = (q.float() @ kv.float().transpose(-1, -2)) * scale
-    lse = torch.logsumexp(s32.masked_fill(~used[:, :, None, :], float("-inf")), dim=-1)
+    heads = torch.arange(h_kv, device=q.device)[:, None]
+    kv = torch.where(used[..., None], rows[torch.where(used, idx, 0), heads],
+                     torch.zeros((), dtype=rows.dtype, device=rows.device))  # b, s_q, h_kv, topk, d
+    qg = q.reshape(b, s_q, h_kv, g, d)  # kv head k's g query heads over its own list
+    keep = used[:, :, :, None, :]
+    s = (qg @ kv.transpose(-1, -2)) * scale  # b, s_q, h_kv, g, topk in q.dtype
+    sinks = None if attn_sink is None else attn_sink.reshape(h_kv, g, 1)
+    p = _softmax_dtype(s, keep, sinks)
+    o = (p @ kv[..., :d_v]).reshape(b, s_q, h, d_v)
+    s32 = (qg.float() @ kv.float().transpose(-1, -2)) * scale
+    lse = torch.logsumexp(s32.masked_fill(~keep, float("-inf")), dim=-1).reshape(b, s_q, h)
     return o, lse.permute(0, 2, 1)
 
 

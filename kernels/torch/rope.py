@@ -115,8 +115,9 @@ def kv_update(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
     k_cache, v_cache: (rows, s_max, h, d) or (num_blocks, page, h, d) with block_table (rows, max_blocks);
     k_new, v_new: (b, s_new, h, d); pos: (b,); table: (max_seq, d/2, 2) (cos, sin) pairs;
     cache_loc: (b,) each sequence's cache / block-table row (TensorRT-LLM; None: row b).
-    Ragged (TensorRT-LLM's flattened tokens): k_new, v_new, q (total, h, d | dv) with seq_len, seq_start (b,);
-    v's head dim dv may differ from k's (v is only copied)."""
+    Ragged (TensorRT-LLM's flattened tokens): k_new, v_new (total, h, d | dv) with seq_len, seq_start (b,), q
+    (n_q, h_q, d) its flattened buffer (sequence b's rows seq_start[b] + t as new's; q_out's other rows are not
+    written); v's head dim dv may differ from k's (v is only copied)."""
     h, d = k_new.shape[-2:]
     if seq_len is not None:  # each flattened row's position: pos of its sequence plus its index in it
         n = seq_len.to(pos.device).long()
@@ -134,6 +135,13 @@ def kv_update(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
     _cache_update(v_cache, v_new, pos, block_table=block_table, cache_loc=cache_loc, **rag)
     if q is None:
         return None
+    if seq_len is not None:  # the flattened q buffer: the sequences' rows only, each at its token's position
+        rows = seq_start.to(pos.device).long()[bi] + t
+        cq, sq = _cos_sin(pos.long()[bi] + t, d, table=table)
+        if q_out is None:
+            q_out = torch.empty_like(q)
+        q_out[rows] = _rotate(q[rows], cq, sq, style)
+        return q_out
     q_rot = _rotate(q.reshape(-1, q.shape[-2], d), c, s, style).reshape(q.shape)
     if q_out is None:
         return q_rot

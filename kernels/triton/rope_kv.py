@@ -4,8 +4,9 @@
     slot(b, p) = (r, p) contiguous, (block_table[r, p // page], p % page) paged
     r = cache_loc[b] (TensorRT-LLM's row indirection), or b without cache_loc
     with q:           q_out[b, t] = RoPE(q[b, t], p)  (update_kv_cache_rope_fusion's q, every query head)
-    ragged (seq_len, seq_start): k_new, v_new, q (total, h_kv, d | d_v); [b, t] above is row seq_start[b] + t,
-                      t < seq_len[b] (TensorRT-LLM's flattened tokens); v's head dim d_v may differ from d
+    ragged (seq_len, seq_start): k_new, v_new (total, h_kv, d | d_v), q (n_q, h_q, d) (TensorRT-LLM's
+                      flattened [B*S, N, D] buffers); [b, t] above is row seq_start[b] + t, t < seq_len[b],
+                      q_out's other rows untouched; v's head dim d_v may differ from d
 
 Conventions (OPS.md, layers; golden refimpl/rope.py kv_update, refimpl/kvcache.py update): k is
 rotated over its whole head dim with half-split pairs ("interleaved as [2, D//2]" in TensorRT-LLM's
@@ -93,9 +94,10 @@ def _rope_kv_update_kernel(
              m_rows, v_dim, offs_p, mask_p, cos, sin, HALF, ROTATE=False,
              BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_P=BLOCK_P, BLOCK_Q=BLOCK_DV)
     if ROPE_Q:  # the queries of every group, at the tokens' positions p
+        q_t = t64  # ragged: the flattened q's rows of this sequence, as new's
         for g in range(0, q_groups):
             qh = g * n_heads + offs_h
-            _kv_rows(Q_ptr, b * stride_q_b + t64 * stride_q_t + (qh * stride_q_h)[None, :],
+            _kv_rows(Q_ptr, b * stride_q_b + q_t * stride_q_t + (qh * stride_q_h)[None, :],
                      QO_ptr, b * stride_qo_b + t64 * stride_qo_t + (qh * stride_qo_h)[None, :],
                      m_rows, head_dim, offs_p, mask_p, cos, sin, HALF, ROTATE=True,
                      BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_P=BLOCK_P, BLOCK_Q=2 * BLOCK_P)
@@ -121,8 +123,9 @@ def kv_update(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
        pos[b] + t too (TensorRT-LLM's update_kv_cache_rope_fusion) into q_out (like q; allocated when
        None), which is returned (None without q)
     seq_len, seq_start: (b,) int32 contiguous, both or neither: TensorRT-LLM's ragged layout, k_new, v_new
-       (and q) (total, h_kv, d | d_v), sequence b's tokens rows seq_start[b] : seq_start[b] + seq_len[b] (in
-       range: not checked); max_len >= every seq_len (default: total, no device sync)
+       (total, h_kv, d | d_v) and q (n_q, h_q, d), its flattened [B*S, N, D] buffer of any n_q rows: sequence
+       b's tokens rows seq_start[b] : seq_start[b] + seq_len[b] of each (in range: not checked), q_out's
+       other rows not written; max_len >= every seq_len (default: k_new's rows, no device sync)
     v_new, v_cache may have their own head dim d_v (TensorRT-LLM's V_D_HEAD): v is only copied.
     The caller guarantees that the writes fit, that pos[b] + s_new <= max_seq, and that no two
     sequences share a written page (not checked: that would sync the device).
@@ -177,11 +180,11 @@ def kv_update(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
         raise ValueError(f"k_cache batch {k_cache.shape[0]} != k_new batch {b} (contiguous layout)")
     rope_q = q is not None
     if rope_q:
-        if not isinstance(q, torch.Tensor) or q.dim() != k_new.dim() or tuple(q.shape[:-2]) != tuple(k_new.shape[:-2]) \
-                or q.shape[-1] != d or (h and q.shape[-2] % h) or q.dtype != k_cache.dtype \
+        if not isinstance(q, torch.Tensor) or q.dim() != k_new.dim() \
+                or (not ragged and tuple(q.shape[:-2]) != tuple(k_new.shape[:-2])) or q.shape[-1] != d or (h and q.shape[-2] % h) or q.dtype != k_cache.dtype \
                 or q.device != k_cache.device or (d > 1 and q.stride(-1) != 1):
-            raise ValueError(f"q must be k_new's {tuple(k_new.shape[:-2])} x (k * {h}, {d}) {k_cache.dtype} tensor "
-                             f"on {k_cache.device} with last-dim stride 1")
+            raise ValueError(f"q must be {'(n_q,)' if ragged else tuple(k_new.shape[:-2])} x (k * {h}, {d}) "
+                             f"{k_cache.dtype} tensor on {k_cache.device} with last-dim stride 1")
         if q_out is None:
             q_out = torch.empty_like(q)
         if tuple(q_out.shape) != tuple(q.shape) or q_out.dtype != q.dtype or q_out.device != q.device \
