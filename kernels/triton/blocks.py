@@ -264,7 +264,8 @@ def outproj_mlp(attn: torch.Tensor, residual: torch.Tensor, wo: Weight, gamma: t
 def layer(x: torch.Tensor, gamma: torch.Tensor, eps: float, wq: Weight, wk: Weight, wv: Weight, wo: Weight,
           k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
           gamma2: torch.Tensor, w1: Weight, w2: Weight, *, n: int, h_q: int, h_kv: int, d: int, bq=None, bk=None,
-          bv=None, bo=None, style: str = "half", gemma: bool = False, out: dict | None = None) -> dict[str, torch.Tensor]:
+          bv=None, bo=None, style: str = "half", gemma: bool = False,
+          out: dict | None = None) -> dict[str, torch.Tensor]:
     """A whole layer (seed audit S9) of the Triton blocks: `attention_prefill` (its W_o output pre, before the
     residual), h1 = pre + x (_add_kernel), then `mlp` on h1 (gamma2). Returns the attention's stages ("out" left
     out), "h1", "norm2", "h", "act", "down", "out". No saved scores: the attention is chunked_prefill's online
