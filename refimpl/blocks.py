@@ -101,6 +101,8 @@ MLP_STAGES = ("norm", "h", "act", "down")
 OUTPROJ_MLP_STAGES = ("proj", "h1", "norm", "h", "act", "down")
 MLP_GRAD_STAGES = ("dact", "dh", "dnorm")
 ATTENTION_GRAD_STAGES = ("dattn", "dq_rope", "dk_rope", "dv", "dq", "dk", "dnorm")
+LAYER_STAGES = ("norm", "q", "k", "v", "q_rope", "k_rope", "attn", "h1", "norm2", "h", "act", "down")
+CTX_ALIGN = 16  # the saved scores' rows: start + T slots padded to a multiple of 16 floats (64 bytes)
 
 
 class Weight(NamedTuple):
@@ -375,6 +377,74 @@ def attn_rows(attn: NDArray, layout: str) -> F64:
     return a.transpose(1, 0, 2).reshape(t, h * ad)
 
 
+def context_window(live: int) -> int:
+    """The saved scores' row length ctx (the seed's aligned_context_window): the live slots start + T rounded up
+    to a multiple of CTX_ALIGN (16 floats, one 64-byte line; the seed's own rounding is not in our notes)."""
+    return -(-live // CTX_ALIGN) * CTX_ALIGN
+
+
+def layer(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: Weight, wv: Weight, wo: Weight, k_cache: NDArray,
+          v_cache: NDArray, cos: NDArray, sin: NDArray, start: int, gamma2: NDArray, w1: Weight, w2: Weight, *,
+          n: int, h_q: int, h_kv: int, d: int, bq: NDArray | None = None, bk: NDArray | None = None,
+          bv: NDArray | None = None, bo: NDArray | None = None, style: str = "half", gemma: bool = False,
+          reference: str = "dequant", absolute: bool = False, scores: bool = False) -> dict[str, F64]:
+    """A whole transformer layer over T tokens in cache slots start .. start + T - 1 (seed audit S9): the
+    attention block, then the MLP block, pre-norm with the residual stream x.
+
+        h1  = attention_prefill(x, gamma, ..., residual=x)["out"] = x + attn W_o^T (+ bo)
+        out = mlp(h1, gamma2, eps, w1, w2)["out"]                  = h1 + down(SwiGLU(RMSNorm2(h1)))
+
+    The seed's split (mega_fused_attention_prefill, then mega_fused_outproj_mlp_prefill with the attention output
+    and residual = x) is the same math: outproj_mlp's h1 = attn W_o^T (+ bo) + residual is attention_prefill's
+    out with residual x, its MLP the `mlp` on h1; the layer composes attention_prefill (W_o and the residual
+    inside) and mlp. One eps and gemma for both norms (the model's); the MLP without biases or padding.
+
+    arguments: `attention_prefill`'s (separate Q/K/V), and gamma2 (aE,), w1 (2I, aE) gate rows first, w2 (aE, I)
+    returns: {"norm", "q", "k", "v", "q_rope", "k_rope", "attn", "k_cache", "v_cache": attention_prefill's;
+              "h1": (T, aE) the attention block's output; "norm2", "h", "act", "down", "out": mlp's on h1}, and
+              with scores "scores": (h_q, T, ctx) the attention's softmax probabilities P, the buffer the seed's
+              backward reads (ctx = context_window(start + T)): P[h, t, j] for slots j <= start + t, 0 on the
+              masked slots and on the padding lanes [start + T, ctx)
+    absolute: the error model's magnitudes (module docstring) instead, "norm" left out: attention_prefill's
+    (h1 its out), the mlp's with h1 computed (norm2 blended as outproj_mlp's norm); scores: P sqrt(1 + c_j^2 +
+    sum_l P_l^2 c_l^2), c_j^2 = (q_rope^2 . k_j^2) / d the RSS of logit j's terms (dP_j = P_j (ds_j - sum_l
+    P_l ds_l), each ds ~ the logit's terms' size), 0 where P is
+    """
+    x = np.asarray(x, dtype=np.float64)
+    t = x.shape[0]
+    live = start + t
+    akw = dict(n=n, h_q=h_q, h_kv=h_kv, d=d, bq=bq, bk=bk, bv=bv, bo=bo, residual=x, style=style, gemma=gemma,
+               reference=reference)
+    if absolute:
+        val, mags, at = _attention_pass(x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, **akw)
+        _, mm = _mlp_pass(val["out"], mags["out"], gamma2, eps, w1, w2, n=n, b1=None, b2=None, inter=None,
+                          gemma=gemma, reference=reference)
+        res = {k: m for k, m in mags.items() if k not in ("norm", "out")}
+        res.update(h1=mags["out"], norm2=mm["norm"], **{k: mm[k] for k in ("h", "act", "down", "out")})
+        res = {k: np.sqrt(m.sq, out=m.sq) for k, m in res.items()}
+        if scores:
+            qg = np.square(_grouped(val["q_rope"], h_kv))  # h_kv, G T, a_d
+            c2 = qg @ np.square(val["k_cache"][:, :live]).transpose(0, 2, 1) / d  # h_kv, G T, live
+            p = at.p
+            res["scores"] = _context(p * np.sqrt(1.0 + c2 + np.sum(p * p * c2, axis=-1, keepdims=True)), h_q, t)
+        return res
+    a = attention_prefill(x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, **akw)
+    m = mlp(a["out"], gamma2, eps, w1, w2, n=n, gemma=gemma, reference=reference)
+    res = {k: v for k, v in a.items() if k != "out"}
+    res.update(h1=a["out"], norm2=m["norm"], **{k: m[k] for k in ("h", "act", "down", "out")})
+    if scores:
+        res["scores"] = _context(_probabilities(a["q_rope"], a["k_cache"][:, :live], start, d), h_q, t)
+    return res
+
+
+def _context(p: F64, h_q: int, t: int) -> F64:
+    """Grouped rows (h_kv, G T, live) as the saved scores (h_q, T, ctx), lanes [live, ctx) zero."""
+    live = p.shape[-1]
+    out = np.zeros((h_q, t, context_window(live)))
+    out[..., :live] = p.reshape(h_q, t, live)
+    return out
+
+
 # -- backward ---------------------------------------------------------------------------------------------
 def dense(w: Weight, k: int) -> F64:
     """The (N, K) float64 values of a Weight of K columns (dequantized; "f32_heads" flattened)."""
@@ -635,14 +705,27 @@ class _Attn(NamedTuple):
 def _attention_mag(q: F64, kc: F64, vc: F64, vm: _Mag, start: int, d: int) -> _Attn:
     """Bottom-right causal attention of q (T, h_q, a_d) over the live cache slots kc, vc (h_kv, live, a_d), and
     its magnitude sqrt(sum_j P_j^2 V_j^2), V blended (own: the keys) with vm (the stored history's |value|)."""
-    t, (hkv, live, ad) = q.shape[0], kc.shape
+    live = kc.shape[1]
+    p = _probabilities(q, kc, start, d)
+    return _Attn(p, p @ vc, _Mag((p * p) @ _blend(vc, vm, float(live)), live + vm.n))
+
+
+def _keep(t: int, g: int, live: int, start: int) -> NDArray:
+    """(G T, live) bottom-right causal mask of the grouped rows (row r T + t sees slots j <= start + t)."""
+    tok = np.arange(g * t) % t
+    return np.arange(live)[None, :] <= start + tok[:, None]
+
+
+def _probabilities(q: F64, kc: F64, start: int, d: int) -> F64:
+    """The softmax probabilities P (h_kv, G T, live) of q (T, h_q, a_d) over the live slots kc (h_kv, live, a_d)
+    (grouped rows, `_grouped`), bottom-right causal, scale 1/sqrt(d); 0 where masked."""
+    t, (hkv, live, _) = q.shape[0], kc.shape
     qg = _grouped(q, hkv)
-    tok = np.arange(qg.shape[1]) % t
-    keep = np.arange(live)[None, :] <= start + tok[:, None]  # G T, live
+    keep = _keep(t, qg.shape[1] // t, live, start)
     s = np.where(keep, qg @ kc.transpose(0, 2, 1) / math.sqrt(d), -np.inf)  # h_kv, G T, live
     p = np.exp(s - s.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
-    return _Attn(p, p @ vc, _Mag((p * p) @ _blend(vc, vm, float(live)), live + vm.n))
+    return p
 
 
 def _attention_pass(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: Weight, wv: Weight, wo: Weight,

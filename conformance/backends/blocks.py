@@ -7,6 +7,9 @@ reference each claims.
 - triton: kernels/triton/blocks.py: each block composed of our Triton kernels (weights dequantized in
           registers, float products): claims `dequant` (L1)
 - torch:  kernels/torch/blocks.py: eager, stage by stage, weights dequantized: claims `dequant` (L1)
+`blocks.layer` (S9) composes each backend's attention and MLP blocks (C: blocks_layer in blocks.c; torch, Triton:
+their `layer`); its saved scores come from the backend's own attention (C: its logits, final max and sum; torch:
+the eager softmax), and the Triton layer, whose chunked_prefill never forms P, declares scores=1 unsupported.
 The whole-layer backward (`blocks.mlp_backward`, `blocks.attention_prefill_backward`; one reference, L1):
 cpu kernels/cpu/blocks_bwd.c (the seed's fp32 backward stage kernels), torch autograd through the eager
 forward in fp32, triton kernels/triton/blocks_bwd.py (a composition of the families' Triton backward
@@ -19,9 +22,9 @@ from typing import Any, Callable
 
 from kernel_parity.conformance.backends._torch import to_torch
 
-DECODE, PREFILL, MLP, OUTPROJ_MLP = ("blocks.attention_decode", "blocks.attention_prefill", "blocks.mlp",
-                                     "blocks.outproj_mlp")
-OPS = (DECODE, PREFILL, MLP, OUTPROJ_MLP)
+DECODE, PREFILL, MLP, OUTPROJ_MLP, LAYER = ("blocks.attention_decode", "blocks.attention_prefill", "blocks.mlp",
+                                            "blocks.outproj_mlp", "blocks.layer")
+OPS = (DECODE, PREFILL, MLP, OUTPROJ_MLP, LAYER)
 MLP_BWD, PREFILL_BWD = "blocks.mlp_backward", "blocks.attention_prefill_backward"
 SAVED_MLP = ("norm", "rstd", "h", "act")
 SAVED_ATTENTION = ("norm", "rstd", "q_rope", "k_rope", "v", "attn")
@@ -56,6 +59,21 @@ def _attention_args(case, t: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     if fused:
         kw["bq"] = t.get("bqkv")
     return args, kw
+
+
+LAYER_STAGES = ("norm", "q", "k", "v", "q_rope", "k_rope", "attn", "h1", "norm2", "h", "act", "down", "out")
+
+
+def _layer_args(case, t: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """The whole layer's (S9) arguments: the attention block's (no residual: it is x), then gamma2, w1, w2."""
+    p = case.p
+    args, kw = _attention_args(case, t)
+    kw = {k: v for k, v in kw.items() if k not in ("residual", "rope_off", "qkv")}
+    return (*args, t["gamma2"], (p["w1"], t["w1"]), (p["w2"], t["w2"])), kw
+
+
+def _layer_names(p: dict[str, Any]) -> tuple[str, ...]:
+    return LAYER_STAGES + (("scores",) if p.get("scores", 0) else ())
 
 
 def _mlp_kw(p: dict[str, Any], t: dict[str, Any]) -> dict[str, Any]:
@@ -107,8 +125,15 @@ def _torch_path(device: str, module: str) -> dict[str, Callable]:
 
         return run
 
+    def layer(case, inputs, out):
+        t = {k: to_torch(v, device) for k, v in inputs.items()}
+        args, kw = _layer_args(case, t)
+        ctx = out.torch("scores", device).shape[-1] if case.p.get("scores", 0) else 0
+        res = importlib.import_module(module).layer(*args, **kw, scores_ctx=ctx)
+        return {**_torch_results(out, device, res), "k_cache": t["k_cache"], "v_cache": t["v_cache"]}
+
     return {DECODE: attention("attention_decode"), PREFILL: attention("attention_prefill"),
-            MLP: rows("mlp", _mlp_args), OUTPROJ_MLP: rows("outproj_mlp", _outproj_mlp_args)}
+            MLP: rows("mlp", _mlp_args), OUTPROJ_MLP: rows("outproj_mlp", _outproj_mlp_args), LAYER: layer}
 
 
 def torch_ops(device: str) -> dict[str, Callable]:
@@ -179,10 +204,18 @@ def cpu_ops() -> dict[str, Callable]:
 
         return run
 
+    def layer(case, inputs, out):
+        from kernel_parity.kernels.cpu import blocks as k
+
+        args, kw = _layer_args(case, inputs)
+        res = _numpy_results(out, _layer_names(case.p))
+        k.layer(*args, **kw, scores=bool(case.p.get("scores", 0)), out=res)
+        return {**res, "k_cache": inputs["k_cache"], "v_cache": inputs["v_cache"]}
+
     mlp_names = ("norm", "h", "act", "down", "out")
     return {DECODE: attention("attention_decode"), PREFILL: attention("attention_prefill"),
             MLP: rows("mlp", _mlp_args, mlp_names),
-            OUTPROJ_MLP: rows("outproj_mlp", _outproj_mlp_args, ("proj", "h1") + mlp_names),
+            OUTPROJ_MLP: rows("outproj_mlp", _outproj_mlp_args, ("proj", "h1") + mlp_names), LAYER: layer,
             MLP_BWD: _cpu_backward(MLP_BWD), PREFILL_BWD: _cpu_backward(PREFILL_BWD)}
 
 
@@ -260,10 +293,18 @@ def triton_ops(device: str) -> dict[str, Callable]:
 
         return run
 
+    def layer(case, inputs, out):
+        from kernel_parity.kernels.triton import blocks as k
+
+        t = {name: to_torch(v, device) for name, v in inputs.items()}
+        args, kw = _layer_args(case, t)
+        res = k.layer(*args, **kw, out={name: out.torch(name, device) for name in LAYER_STAGES})
+        return {**res, "k_cache": t["k_cache"], "v_cache": t["v_cache"]}
+
     mlp_names = ("norm", "h", "act", "down", "out")
     return {DECODE: attention("attention_decode"), PREFILL: attention("attention_prefill"),
             MLP: rows("mlp", _mlp_args, mlp_names),
-            OUTPROJ_MLP: rows("outproj_mlp", _outproj_mlp_args, ("proj", "h1") + mlp_names),
+            OUTPROJ_MLP: rows("outproj_mlp", _outproj_mlp_args, ("proj", "h1") + mlp_names), LAYER: layer,
             MLP_BWD: backward(MLP_BWD), PREFILL_BWD: backward(PREFILL_BWD)}
 
 
@@ -309,4 +350,10 @@ def triton_supports() -> dict[str, Callable]:
     def check_backward(case) -> str | None:
         return check(case) or _triton_backward_missing(case.op)
 
-    return {**{op: check for op in OPS}, MLP_BWD: check_backward, PREFILL_BWD: check_backward}
+    def check_layer(case) -> str | None:
+        if case.p.get("scores", 0):
+            return ("scores=1: the Triton attention (attention_chunked.chunked_prefill) is an online softmax that "
+                    "never materialises P, so the Triton layer has no saved scores to give")
+        return check(case)
+
+    return {**{op: check for op in OPS}, LAYER: check_layer, MLP_BWD: check_backward, PREFILL_BWD: check_backward}

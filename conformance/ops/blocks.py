@@ -12,6 +12,9 @@ verified stage by stage.
 - `blocks.outproj_mlp`        attention output -> output projection (flat, or fp32 per head) +
                               residual -> the MLP block (the seed's mega_fused_outproj_mlp_prefill);
                               `attn_layout=head_major`: the attention output as the seed's [h_q, T, a_d] (S5)
+- `blocks.layer`              a whole layer (S9): the prefill attention block with the residual x, then the
+                              MLP block on its output; `scores=1` adds the attention's softmax probabilities
+                              (h_q, T, ctx), the buffer the seed's backward reads (padding lanes zero)
 
 Goldens: refimpl/blocks.py, compositions of the family goldens. Two references, both recorded for
 every case: `dequant` (L1: every projection a float64 product with the dequantized weights) and
@@ -45,9 +48,10 @@ import numpy as np
 import kernel_parity.refimpl.blocks as ref
 from kernel_parity.conformance.ops.blocks_grad import GRAD_SPECS
 from kernel_parity.conformance.ops.blocks_inputs import (ATTN_DISTS, DISTS, ROW_DISTS, WFMTS, attention_inputs,
-                                                         mlp_inputs, outproj_mlp_inputs)
+                                                         layer_inputs, mlp_inputs, outproj_mlp_inputs)
 from kernel_parity.conformance.ops.blocks_params import (ATTENTION_DIAGNOSES, ATTN, DECODE_PARAMS, GEMMA_DIAGNOSES,
-                                                         HEADS, MLP, MLP_DEFAULTS, MLP_PARAMS, MODEL, PREFILL_PARAMS,
+                                                         HEADS, LAYER_PARAMS, MLP, MLP_DEFAULTS, MLP_PARAMS, MODEL,
+                                                         PREFILL_PARAMS, check_layer,
                                                          OUTPROJ_MLP_DEFAULTS, ad, ae, ai, attention_kw, attn_layout,
                                                          check_attention, check_mlp, check_outproj_mlp, mlp_kw,
                                                          weights_of)
@@ -303,4 +307,68 @@ OUTPROJ_MLP = OpSpec(
         "residual -> RMSNorm2 -> SwiGLU MLP -> + residual.",
 )
 
-SPECS = (ATTENTION_DECODE, ATTENTION_PREFILL, BLOCK_MLP, OUTPROJ_MLP, *GRAD_SPECS)
+
+# -- the whole layer (seed audit S9) -----------------------------------------------------------------------
+def _layer(reference: str, absolute: bool = False):
+    def fn(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+        return ref.layer(x["x"], x["gamma"], float(p["eps"]), *weights_of(x, p, "wq", "wk", "wv", "wo"), x["k_cache"],
+                         x["v_cache"], x["cos"], x["sin"], p["start"], x["gamma2"], *weights_of(x, p, "w1", "w2"),
+                         n=p["e"], h_q=p["hq"], h_kv=p["hkv"], d=p["d"], bq=x.get("bq"), bk=x.get("bk"),
+                         bv=x.get("bv"), bo=x.get("bo"), style=p["style"], gemma=bool(p["gemma"]),
+                         reference=reference, absolute=absolute, scores=bool(p.get("scores", 0)))
+
+    return fn
+
+
+def _layer_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    att = {k: v for k, v in _attention_shapes(p).items() if k != "out"}
+    mlp = _mlp_shapes(p)
+    shapes = {**att, "h1": mlp["out"], "norm2": mlp["norm"], **{k: mlp[k] for k in ("h", "act", "down", "out")}}
+    if p.get("scores", 0):
+        shapes["scores"] = (p["hq"], p["t"], ref.context_window(p["start"] + p["t"]))
+    return shapes
+
+
+def _layer_acc(p: dict[str, Any], output: str) -> int:
+    """The attention block's lengths (`_attention_acc`; h1 its out, the scores its attention's), then the MLP's
+    on top of h1's (`_mlp_acc` without a W_o)."""
+    if output in ATTENTION_OUT and output != "out":
+        return _attention_acc(p, output)
+    if output == "scores":
+        return _attention_acc(p, "attn")
+    h1 = _attention_acc(p, "out")
+    return h1 if output == "h1" else h1 + _mlp_acc(p, "norm" if output == "norm2" else output)
+
+
+LAYER_OUT = {
+    **{k: v for k, v in ATTENTION_OUT.items() if k != "out"},
+    "h1": Output("test", doc="the attention block's output: x + attn @ Wo^T (+ bo)"),
+    "norm2": Output("test", doc="RMSNorm2(h1) (gamma2), padding lanes zero"),
+    **{k: v for k, v in OUTPROJ_MLP_OUT.items() if k in ("h", "act", "down", "out")},
+    "scores": Output("test", doc="(scores=1) the attention's softmax probabilities P (h_q, T, ctx), ctx = start + T "
+                                 "rounded up to 16: the seed's aligned_context_window buffer; 0 on masked slots "
+                                 "and on the padding lanes"),
+}
+
+LAYER = OpSpec(
+    name="blocks.layer",
+    golden=ref.layer,
+    reference=_layer("dequant"),
+    reference_name="dequant",
+    references={"emulated": _layer("emulated")},
+    params=LAYER_PARAMS,
+    make_inputs=layer_inputs,
+    output_shapes=_layer_shapes,
+    outputs=LAYER_OUT,
+    magnitude=_layer("dequant", absolute=True),
+    tolerance=Tol(acc_len=_layer_acc, overrides=_LIMITS),
+    dtypes=("fp32",),
+    dists={k: DISTS[k] for k in ATTN_DISTS},
+    check=check_layer,
+    diagnoses=ATTENTION_DIAGNOSES,
+    stages=ref.LAYER_STAGES,
+    doc="A whole transformer layer (seed audit S9): the prefill attention block (residual x), then the MLP block "
+        "on its output; scores=1 adds the saved softmax probabilities (h_q, T, ctx).",
+)
+
+SPECS = (ATTENTION_DECODE, ATTENTION_PREFILL, BLOCK_MLP, OUTPROJ_MLP, LAYER, *GRAD_SPECS)

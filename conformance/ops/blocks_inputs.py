@@ -310,3 +310,13 @@ def outproj_mlp_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.
     out.update(mlp_weights(p, rng, dist, ae))
     out.update(mlp_biases(p, rng, ae))
     return out
+
+
+def layer_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The whole layer's (S9): the prefill attention block's inputs (its residual is x: no `r`), then the MLP
+    block's gamma2, w1, w2 drawn after them."""
+    ae = p["e"] + p["epad"]
+    out = attention_inputs({**p, "residual": 0}, dtype, dist, rng, p["t"], p["start"])
+    out["gamma2"] = gamma(rng, p["e"], ae, p["gemma"])
+    out.update(mlp_weights(p, rng, dist, ae))
+    return out

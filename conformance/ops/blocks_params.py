@@ -193,3 +193,16 @@ DECODE_PARAMS = Defaults(dict(MODEL, **HEADS, pos=Int(0, 1 << 20, edges=(0, 1, 6
                                                     doc="the token's slot (slots 0 .. pos attended)"), **ATTN,
                               **ATTN_NEW), ATTN_DEFAULTS)
 MLP_PARAMS = Defaults(dict(t=Int(1, 1 << 16, edges=(1, 2, 7), doc="tokens"), **MODEL, **MLP), MLP_DEFAULTS)
+# The whole layer (seed audit S9): the prefill attention block's parameters (separate Q/K/V, no rope_off: the
+# attention ops cover those), the MLP's (no biases or padding), and `scores`. A new op: its defaults are its own.
+LAYER_PARAMS = Defaults(dict(MODEL, **HEADS, t=PREFILL_PARAMS.params["t"], start=PREFILL_PARAMS.params["start"],
+                             **{k: v for k, v in ATTN.items() if k != "residual"},
+                             **{k: MLP[k] for k in ("i", "w1", "w2")},
+                             scores=OneOf(0, 1, doc="also output the attention's softmax probabilities (h_q, T, "
+                                                    "ctx): the saved scores the seed's backward reads")),
+                        {"scores": 0})
+
+
+def check_layer(p: dict[str, Any]) -> str | None:
+    """The attention block's constraints and the MLP's."""
+    return check_attention(p) or check_mlp(p)

@@ -82,6 +82,10 @@ typedef struct {                   /* mirrored by kernels/cpu/blocks.py (_Params
     int64_t ipad;                  /* the MLP's padding lanes per half: aI = inter + ipad */
     int64_t attn_heads;            /* outproj_mlp: x head-major (hq, t, ad), the seed's [h, T, a_d] (S5) */
     int64_t wk_type, wv_type;      /* attention: W_k's and W_v's own formats (S1: wq's is wqkv_type) */
+    const float *gamma2;           /* layer: the MLP block's RMSNorm weight (ae,) */
+    float *norm2;                  /* layer: the MLP block's normalised rows (t, ae) */
+    float *scores;                 /* attention (prefill, layer): P (hq, t, ctx) or NULL (S9) */
+    int64_t ctx;                   /* the scores' row length: start + t rounded up (aligned_context_window) */
 } blk_params;
 
 /* ---- weights and activations ----------------------------------------------------------------------- */
@@ -520,6 +524,8 @@ KP_INLINE void pv_rows(double *o, double alpha, const double *p, const double *v
 typedef struct {
     int64_t t, hq, hkv, ad, cap, start;
     double scale;
+    float *scores;                 /* P (hq, t, ctx) written when not NULL: the kernel's own logits, m and l */
+    int64_t ctx;
 } attn_dims;
 
 KP_INLINE int attend_group(const attn_dims *A, int64_t g, const double *qr, const float *kc, const float *vc,
@@ -529,6 +535,9 @@ KP_INLINE int attend_group(const attn_dims *A, int64_t g, const double *qr, cons
     if (!kb) return KP_ERR_NOMEM;
     double *vb = kb + KV_TILE * ad, *s = vb + KV_TILE * ad, *acc = s + Q_TILE * KV_TILE, *m = acc + Q_TILE * ad,
            *l = m + Q_TILE;
+    const int64_t nkeys = A->start + A->t;   /* the logits of a tile's rows, kept for the scores (S9) */
+    double *lg = A->scores ? alloc_zero(sizeof(double) * (size_t)(Q_TILE * nkeys)) : NULL;
+    if (A->scores && !lg) { free(kb); return KP_ERR_NOMEM; }
     for (int64_t r0 = 0; r0 < R; r0 += Q_TILE) {
         const int64_t rn = R - r0 < Q_TILE ? R - r0 : Q_TILE;
         const int64_t nk = A->start + (r0 + rn - 1) / G + 1;   /* keys of the tile's last token */
@@ -561,6 +570,7 @@ KP_INLINE int attend_group(const attn_dims *A, int64_t g, const double *qr, cons
                     sr[jj] = A->scale * dot_d(qv, kb + jj * ad, ad);
                     mt = sr[jj] > mt ? sr[jj] : mt;
                 }
+                if (lg) memcpy(lg + r * nkeys + j0, sr, sizeof(double) * (size_t)live);
                 const double mn = m[r] > mt ? m[r] : mt, alpha = exp(m[r] - mn);
                 double lt = 0.0;
                 for (int64_t jj = 0; jj < live; jj++) {
@@ -576,9 +586,15 @@ KP_INLINE int attend_group(const attn_dims *A, int64_t g, const double *qr, cons
             const int64_t tok = (r0 + r) / G, h = g * G + (r0 + r) % G;
             double *dst = ao + (tok * A->hq + h) * ad;
             for (int64_t i = 0; i < ad; i++) dst[i] = acc[r * ad + i] / l[r];
+            if (lg) {   /* P = exp(s - m) / l with the row's final max and sum; masked slots and padding 0 */
+                float *sc = A->scores + (h * A->t + tok) * A->ctx;
+                const int64_t seen = A->start + tok + 1;
+                for (int64_t j = 0; j < seen; j++) sc[j] = (float)(exp(lg[r * nkeys + j] - m[r]) / l[r]);
+                for (int64_t j = seen; j < A->ctx; j++) sc[j] = 0.0f;
+            }
         }
     }
-    free(kb);
+    free(kb); free(lg);
     return KP_OK;
 }
 
@@ -618,7 +634,7 @@ KP_INLINE int blocks_attention_decode_impl(const blk_params *P) {
         rmsnorm_row(xd, P->gamma, P->e, ae, P->eps, (int)P->gemma, nrm);
         store(P->norm, nrm, ae);
         for (int i = 0; i < 3; i++) act_prepare(fw[i].act, nrm, ae, tmp, &an[i]);   /* once per projection's format */
-        const attn_dims A = {1, hq, hkv, ad, P->cap, pos, 1.0 / sqrt((double)d)};
+        const attn_dims A = {1, hq, hkv, ad, P->cap, pos, 1.0 / sqrt((double)d), NULL, 0};
         const qkv_ptrs W = qkv_sections(P, &fw[0]);
         const int64_t rpos = pos + P->rope_off;   /* RoPE's position; the slot is pos */
         for (int64_t g = 0; g < hkv && st == KP_OK; g++) {
@@ -685,7 +701,9 @@ KP_INLINE int project_all(const wfmt *f, const void *w, const float *bias, const
     return st;
 }
 
-KP_INLINE int blocks_attention_prefill_impl(const blk_params *P) {
+/* The prefill attention block; od (T, aE), when not NULL, receives attn W_o^T (+ b_o) in double, before the
+ * residual (the layer's h1 is built from it). */
+KP_INLINE int attention_prefill_rows(const blk_params *P, double *od) {
     const int64_t T = P->t, ae = P->ae, hq = P->hq, hkv = P->hkv, ad = P->ad, d = P->d;
     const int qa = (int)P->quant_acts;
     wfmt fw[3], fo;   /* W_q, W_k, W_v (S1: each its own format) */
@@ -722,7 +740,7 @@ KP_INLINE int blocks_attention_prefill_impl(const blk_params *P) {
                 write_row(kr + (t * hkv + g) * ad, P->k_cache + (g * P->cap + pos) * ad, d, ad);
                 write_row(v + (t * hkv + g) * ad, P->v_cache + (g * P->cap + pos) * ad, d, ad);
             }
-        const attn_dims A = {T, hq, hkv, ad, P->cap, P->start, 1.0 / sqrt((double)d)};
+        const attn_dims A = {T, hq, hkv, ad, P->cap, P->start, 1.0 / sqrt((double)d), P->scores, P->ctx};
         for (int64_t g = 0; g < hkv && st == KP_OK; g++)
             st = attend_group(&A, g, qr, P->k_cache, P->v_cache, kr, v, ao);
     }
@@ -735,9 +753,12 @@ KP_INLINE int blocks_attention_prefill_impl(const blk_params *P) {
     }
     if (st == KP_OK)
         for (int64_t i = 0; i < T * ae; i++) P->out[i] = (float)(P->res ? o[i] + (double)P->res[i] : o[i]);
+    if (st == KP_OK && od) memcpy(od, o, sizeof(double) * (size_t)(T * ae));
     free(buf);
     return st;
 }
+
+KP_INLINE int blocks_attention_prefill_impl(const blk_params *P) { return attention_prefill_rows(P, NULL); }
 
 KP_MULTIVERSION(blocks_attention_prefill, (const blk_params *P), (P))
 
@@ -822,3 +843,31 @@ KP_INLINE int blocks_outproj_mlp_impl(const blk_params *P) {
 }
 
 KP_MULTIVERSION(blocks_outproj_mlp, (const blk_params *P), (P))
+
+/* ---- the whole layer (seed audit S9) -------------------------------------------------------------------- */
+
+/* The prefill attention block (its stages; `out` the pre-residual output in h1's buffer), then h1 = that + x
+ * (double) and the MLP block on h1 (gamma2, norm2; the mlp's h, act, down, out): the two blocks above,
+ * composed, h1 handed over in double. */
+KP_INLINE int blocks_layer_impl(const blk_params *P) {
+    const int64_t n = P->t * P->ae;
+    double *pre = alloc_zero(sizeof(double) * (size_t)(2 * n));
+    if (!pre) return KP_ERR_NOMEM;
+    double *h1 = pre + n;
+    blk_params A = *P;
+    A.res = NULL;
+    A.out = P->h1;
+    int st = attention_prefill_rows(&A, pre);
+    if (st == KP_OK) {
+        for (int64_t i = 0; i < n; i++) h1[i] = pre[i] + (double)P->x[i];
+        store(P->h1, h1, n);
+        blk_params M = *P;
+        M.gamma = P->gamma2;
+        M.norm = P->norm2;
+        st = mlp_rows(&M, h1);
+    }
+    free(pre);
+    return st;
+}
+
+KP_MULTIVERSION(blocks_layer, (const blk_params *P), (P))

@@ -41,7 +41,7 @@ import numpy as np
 from kernel_parity.kernels.cpu.loader import check_status, load
 from kernel_parity.kernels.cpu.quant import FORMATS
 
-__all__ = ["WEIGHT_FORMATS", "attention_decode", "attention_prefill", "isa", "mlp", "outproj_mlp"]
+__all__ = ["WEIGHT_FORMATS", "attention_decode", "attention_prefill", "isa", "layer", "mlp", "outproj_mlp"]
 
 WEIGHT_FORMATS = ("f32", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 STYLES = {"half": 0, "interleaved": 1}
@@ -59,19 +59,21 @@ _lib: ctypes.CDLL | None = None
 _MLP_FIELDS = (("b1", _PTR), ("b2", _PTR), ("ipad", _I64))  # the MLP's biases and padding (appended)
 _ATTN_LAYOUT_FIELDS = (("attn_heads", _I64),)  # outproj_mlp's head-major attention output (appended, S5)
 _QKV_TYPE_FIELDS = (("wk_type", _I64), ("wv_type", _I64))  # W_k's, W_v's own formats (appended, S1)
+_LAYER_FIELDS = (("gamma2", _PTR), ("norm2", _PTR), ("scores", _PTR), ("ctx", _I64))  # the layer (appended, S9)
 
 
 class _Params(ctypes.Structure):
     """blocks.c's blk_params, field for field."""
     _fields_ = [*((n, _I64) for n in _INTS + _ATTN_INTS), ("eps", _F64), *((n, _PTR) for n in _ARRAYS),
-                *_MLP_FIELDS, *_ATTN_LAYOUT_FIELDS, *_QKV_TYPE_FIELDS]
+                *_MLP_FIELDS, *_ATTN_LAYOUT_FIELDS, *_QKV_TYPE_FIELDS, *_LAYER_FIELDS]
 
 
 def _kernels() -> ctypes.CDLL:
     global _lib
     if _lib is None:
         lib = load("blocks")
-        for name in ("blocks_attention_decode", "blocks_attention_prefill", "blocks_mlp", "blocks_outproj_mlp"):
+        for name in ("blocks_attention_decode", "blocks_attention_prefill", "blocks_mlp", "blocks_outproj_mlp",
+                     "blocks_layer"):
             fn = getattr(lib, name)
             fn.argtypes = [ctypes.POINTER(_Params)]
             fn.restype = ctypes.c_int
@@ -167,7 +169,7 @@ def _wo(wo: Any, ae: int, h_q: int, ad: int) -> tuple[int, int]:
 
 def _attention(entry: str, x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, *, n, h_q, h_kv, d,
                bq, bk, bv, bo, residual, style, gemma, quantize_activations, out, decode: bool, rope_off: int = 0,
-               qkv: str = "separate") -> dict[str, np.ndarray]:
+               qkv: str = "separate", layer: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
     if not isinstance(x, np.ndarray) or x.ndim != (1 if decode else 2):
         raise ValueError(f"x must be a float32 array ({'aE' if decode else 'T, aE'}), got "
                          f"{getattr(x, 'shape', type(x).__name__)}")
@@ -214,6 +216,8 @@ def _attention(entry: str, x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos,
     lead = () if decode else (t,)
     shapes = {"norm": (*lead, ae), "q": (*lead, h_q, ad), "k": (*lead, h_kv, ad), "v": (*lead, h_kv, ad),
               "q_rope": (*lead, h_q, ad), "k_rope": (*lead, h_kv, ad), "attn": (*lead, h_q, ad), "out": (*lead, ae)}
+    if layer is not None:  # the whole layer (S9): the MLP block's stages and fields beside the attention's
+        shapes.update(layer["shapes"])
     res = _outputs(out, shapes)
     fields = dict(t=t, e=n, ae=ae, hq=h_q, hkv=h_kv, d=d, ad=ad, cap=cap, start=int(start), max_seq=max_seq,
                   style=STYLES[style], gemma=bool(gemma), quant_acts=bool(quantize_activations),
@@ -225,6 +229,9 @@ def _attention(entry: str, x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos,
                   bk=_optional("bk", bk, (h_kv * ad,)),
                   bv=_optional("bv", bv, (h_kv * ad,)), bo=_optional("bo", bo, (ae,)),
                   res=_optional("residual", residual, x.shape), **res)
+    if layer is not None:
+        fields.update(layer["fields"])
+        arrays.update(layer["arrays"])
     _run(entry, fields, arrays)
     return res
 
@@ -339,4 +346,44 @@ def outproj_mlp(attn: np.ndarray, residual: np.ndarray, wo, gamma: np.ndarray, e
     fields.update(hq=hq, ad=ad, wo_type=wo_type, wo_heads=heads, attn_heads=int(attn_layout == "head_major"))
     _run("blocks_outproj_mlp", fields, dict(x=attn, res=residual, wo=wo[1], bo=_optional("bo", bo, (ae,)),
                                             **arrays, **res))
+    return res
+
+
+def context_window(live: int) -> int:
+    """The saved scores' row length: the live slots start + T rounded up to 16 floats (refimpl.blocks')."""
+    return -(-live // 16) * 16
+
+
+def layer(x: np.ndarray, gamma: np.ndarray, eps: float, wq, wk, wv, wo, k_cache: np.ndarray, v_cache: np.ndarray,
+          cos: np.ndarray, sin: np.ndarray, start: int, gamma2: np.ndarray, w1, w2, *, n: int, h_q: int, h_kv: int,
+          d: int, bq=None, bk=None, bv=None, bo=None, style: str = "half", gemma: bool = False,
+          quantize_activations: bool = True, scores: bool = False,
+          out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """A whole layer over x (T, aE) in slots start .. start + T - 1 (seed audit S9), blocks.c's blocks_layer: the
+    prefill attention block (stage by stage, its W_o output before the residual kept in double), h1 = that + x,
+    then the MLP block on h1 (gamma2, w1 gate rows first, w2; one eps and gemma).
+    returns the attention stages ("out" left out), "h1", "norm2", "h", "act", "down", "out", and with scores
+    "scores" (h_q, T, ctx = context_window(start + T)): the attention's own P (its logits, final max and sum),
+    0 on the masked slots and the padding lanes."""
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        raise ValueError(f"x must be a float32 array (T, aE), got {getattr(x, 'shape', type(x).__name__)}")
+    t, ae = x.shape
+    _array("gamma2", gamma2, (ae,))
+    i, ai = mlp_width(w1, None)
+    w1_type, _ = _weight("w1", w1, 2 * ai, ae)
+    w2_type, _ = _weight("w2", w2, ae, ai)
+    shapes = {"h1": (t, ae), "norm2": (t, ae), "h": (t, 2 * ai), "act": (t, ai), "down": (t, ae)}
+    ctx = context_window(int(start) + t)
+    if scores:
+        shapes["scores"] = (h_q, t, ctx)
+    names = ("h1", "norm2", "h", "act", "down", "scores")
+    extra = {k: v for k, v in (out or {}).items() if k in names}
+    main = {k: v for k, v in (out or {}).items() if k not in names}
+    res_extra = _outputs(extra, shapes)
+    spec = dict(shapes=shapes, fields=dict(inter=i, ipad=0, w1_type=w1_type, w2_type=w2_type, ctx=ctx),
+                arrays=dict(gamma2=gamma2, w1=w1[1], w2=w2[1], **res_extra))
+    res = _attention("blocks_layer", x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, n=n, h_q=h_q,
+                     h_kv=h_kv, d=d, bq=bq, bk=bk, bv=bv, bo=bo, residual=None, style=style, gemma=gemma,
+                     quantize_activations=quantize_activations, out={**main, **res_extra}, decode=False,
+                     layer=spec)
     return res

@@ -49,8 +49,10 @@ def keep_mask(s_q: int, s_k: int, q_lens: torch.Tensor, k_lens: torch.Tensor, ca
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
               causal: str = "none", window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
               sinks: torch.Tensor | None = None, q_lens: torch.Tensor | None = None,
-              k_lens: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (b, s_q, h_q, d), k (b, s_k, h_kv, d), v (b, s_k, h_kv, d_v) -> o (b, s_q, h_q, d_v), lse (b, h_q, s_q)."""
+              k_lens: torch.Tensor | None = None, keep: torch.Tensor | None = None,
+              probs: bool = False) -> tuple[torch.Tensor, ...]:
+    """q (b, s_q, h_q, d), k (b, s_k, h_kv, d), v (b, s_k, h_kv, d_v) -> o (b, s_q, h_q, d_v), lse (b, h_q, s_q);
+    probs: also the probabilities P (b, h_q, s_q, s_k) the output was formed from (0 where masked)."""
     b, s_q, h_q, d = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
     if h_q % h_kv:
@@ -64,9 +66,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     read = keep.any(dim=1)[:, :, None, None]  # b, s_k: keys some query reads; the rest may be NaN
     k = torch.where(read, k, torch.zeros((), dtype=k.dtype, device=dev)).repeat_interleave(h_q // h_kv, dim=2)
     v = torch.where(read, v, torch.zeros((), dtype=v.dtype, device=dev)).repeat_interleave(h_q // h_kv, dim=2)
-    o = _probabilities_times_v(q, k, v, keep, scale, softcap, sinks)
+    p = _probabilities(q, k, keep, scale, softcap, sinks)
+    o = torch.einsum("bhqk,bkhd->bqhd", p, v)
     lse = _lse_fp32(q, k, keep, scale, softcap)
-    return o, lse
+    return (o, lse, p) if probs else (o, lse)
 
 
 def _logits(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
@@ -74,7 +77,7 @@ def _logits(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float) -> t
     return softcap * torch.tanh(s / softcap) if softcap else s
 
 
-def _probabilities_times_v(q, k, v, keep, scale, softcap, sinks) -> torch.Tensor:
+def _probabilities(q, k, keep, scale, softcap, sinks) -> torch.Tensor:
     s = _logits(q, k, scale, softcap).masked_fill(~keep[:, None], float("-inf"))
     if sinks is not None:
         sink = sinks.to(s.dtype)[None, :, None, None].expand(*s.shape[:3], 1)
@@ -83,7 +86,7 @@ def _probabilities_times_v(q, k, v, keep, scale, softcap, sinks) -> torch.Tensor
     if sinks is None:
         live = keep.any(dim=-1)[:, None, :, None]  # b, 1, s_q, 1
         p = torch.where(live, p, torch.zeros((), dtype=p.dtype, device=p.device))
-    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+    return p
 
 
 def _lse_fp32(q, k, keep, scale, softcap) -> torch.Tensor:

@@ -88,12 +88,14 @@ def attention_prefill(x: torch.Tensor, gamma: torch.Tensor, eps: float, wq: Weig
                       start: int, *, n: int, h_q: int, h_kv: int, d: int, bq: torch.Tensor | None = None,
                       bk: torch.Tensor | None = None, bv: torch.Tensor | None = None, bo: torch.Tensor | None = None,
                       residual: torch.Tensor | None = None, style: str = "half",
-                      gemma: bool = False, rope_off: int = 0, qkv: str = "separate") -> dict[str, torch.Tensor]:
+                      gemma: bool = False, rope_off: int = 0, qkv: str = "separate",
+                      probs: bool = False) -> dict[str, torch.Tensor]:
     """x (T, aE) in cache slots start .. start + T - 1, rotated at positions rope_off + slot; the caches
     (h_kv, cap, a_d) are written in place. qkv="fused": wq is the seed's W_qkv, bq b_qkv (wk, wv, bk, bv None).
 
     returns {"norm", "q", "k", "v", "q_rope", "k_rope", "attn", "out"} (refimpl.blocks.attention_prefill's
-    shapes; the caches are the arguments themselves)."""
+    shapes; the caches are the arguments themselves); probs: also "p" (h_q, T, start + T), the attention's
+    softmax probabilities (0 on the masked slots)."""
     t = x.shape[0]
     ad = k_cache.shape[-1]
     if qkv == "fused":
@@ -108,13 +110,15 @@ def attention_prefill(x: torch.Tensor, gamma: torch.Tensor, eps: float, wq: Weig
     write_cache(k_cache, k_rope, start, d)
     write_cache(v_cache, v, start, d)
     live = start + t
-    o, _ = tattn.attention(q_rope[None], k_cache[:, :live].transpose(0, 1)[None], v_cache[:, :live].transpose(0, 1)[None],
-                           scale=1.0 / math.sqrt(d), causal="bottom_right")
+    o, _, p = tattn.attention(q_rope[None], k_cache[:, :live].transpose(0, 1)[None],
+                              v_cache[:, :live].transpose(0, 1)[None], scale=1.0 / math.sqrt(d), causal="bottom_right",
+                              probs=True)
     attn = o[0]
     out = project(attn.reshape(t, h_q * ad), wo, bo)
     if residual is not None:
         out = out + residual
-    return {"norm": nrm, "q": q, "k": k, "v": v, "q_rope": q_rope, "k_rope": k_rope, "attn": attn, "out": out}
+    res = {"norm": nrm, "q": q, "k": k, "v": v, "q_rope": q_rope, "k_rope": k_rope, "attn": attn, "out": out}
+    return {**res, "p": p[0]} if probs else res
 
 
 def attention_decode(x: torch.Tensor, *args, residual: torch.Tensor | None = None, **kw) -> dict[str, torch.Tensor]:
@@ -160,3 +164,25 @@ def outproj_mlp(attn: torch.Tensor, residual: torch.Tensor, wo: Weight, gamma: t
     proj = project(attn, wo, bo)
     h1 = proj + residual
     return {"proj": proj, "h1": h1, **mlp(h1, gamma, eps, w1, w2, n=n, b1=b1, b2=b2, inter=inter, gemma=gemma)}
+
+
+def layer(x: torch.Tensor, gamma: torch.Tensor, eps: float, wq: Weight, wk: Weight, wv: Weight, wo: Weight,
+          k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
+          gamma2: torch.Tensor, w1: Weight, w2: Weight, *, n: int, h_q: int, h_kv: int, d: int,
+          bq: torch.Tensor | None = None, bk: torch.Tensor | None = None, bv: torch.Tensor | None = None,
+          bo: torch.Tensor | None = None, style: str = "half", gemma: bool = False,
+          scores_ctx: int = 0) -> dict[str, torch.Tensor]:
+    """A whole layer (seed audit S9): `attention_prefill` (its output pre before the residual), h1 = pre + x,
+    then `mlp` on h1 (gamma2). returns the attention's stages ("out" left out), "h1", "norm2", "h", "act", "down",
+    "out"; scores_ctx > 0: also "scores" (h_q, T, scores_ctx), the attention's own P, lanes past start + T zero."""
+    a = attention_prefill(x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, n=n, h_q=h_q, h_kv=h_kv,
+                          d=d, bq=bq, bk=bk, bv=bv, bo=bo, style=style, gemma=gemma, probs=scores_ctx > 0)
+    pre = a.pop("out")  # attn W_o^T (+ bo): the attention block before its residual
+    h1 = pre + x
+    m = mlp(h1, gamma2, eps, w1, w2, n=n, gemma=gemma)
+    res = {**{k: v for k, v in a.items() if k != "p"}, "h1": h1, "norm2": m["norm"],
+           **{k: m[k] for k in ("h", "act", "down", "out")}}
+    if scores_ctx:
+        p = a["p"]
+        res["scores"] = torch.nn.functional.pad(p, (0, scores_ctx - p.shape[-1]))
+    return res

@@ -259,3 +259,27 @@ def outproj_mlp(attn: torch.Tensor, residual: torch.Tensor, wo: Weight, gamma: t
     rest = mlp(o["h1"], gamma, eps, w1, w2, n=n, b1=b1, b2=b2, inter=inter, gemma=gemma,
                out={k: v for k, v in o.items() if k not in ("proj", "h1")})
     return {"proj": o["proj"], "h1": o["h1"], **rest}
+
+
+def layer(x: torch.Tensor, gamma: torch.Tensor, eps: float, wq: Weight, wk: Weight, wv: Weight, wo: Weight,
+          k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
+          gamma2: torch.Tensor, w1: Weight, w2: Weight, *, n: int, h_q: int, h_kv: int, d: int, bq=None, bk=None,
+          bv=None, bo=None, style: str = "half", gemma: bool = False,
+          out: dict | None = None) -> dict[str, torch.Tensor]:
+    """A whole layer (seed audit S9) of the Triton blocks: `attention_prefill` (its W_o output pre, before the
+    residual), h1 = pre + x (_add_kernel), then `mlp` on h1 (gamma2). Returns the attention's stages ("out" left
+    out), "h1", "norm2", "h", "act", "down", "out". No saved scores: the attention is chunked_prefill's online
+    softmax, which never materialises P."""
+    t, ae = x.shape
+    o = dict(out or {})
+    names = ("norm", "q", "k", "v", "q_rope", "k_rope", "attn")
+    pre = torch.empty_like(x)
+    a = attention_prefill(x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, n=n, h_q=h_q, h_kv=h_kv,
+                          d=d, bq=bq, bk=bk, bv=bv, bo=bo, style=style, gemma=gemma,
+                          out={**{k: o[k] for k in names if k in o}, "out": pre})
+    h1 = _outputs(o, {"h1": (t, ae)}, x)["h1"]
+    add(pre, x, h1)
+    m = mlp(h1, gamma2, eps, w1, w2, n=n, gemma=gemma,
+            out={**{k: o[k] for k in ("h", "act", "down", "out") if k in o}, **({"norm": o["norm2"]} if "norm2" in o
+                                                                                  else {})})
+    return {**{k: a[k] for k in names}, "h1": h1, "norm2": m["norm"], **{k: m[k] for k in ("h", "act", "down", "out")}}
