@@ -148,9 +148,20 @@ def _judge_output(case: Case, spec: Any, prep: Any, name: str, got: Any, ev: Evi
     lim = spec.tolerance.limits(name, tol_dtype, case.p, tier)
     mags = getattr(prep, "magnitudes", None) or {}
     mag = mags.get(name)
+    comp = mags.get(name + layers.COMPUTE_SUFFIX)
     if mag is not None and name in ev.excluded:  # as the golden: excluded elements judged against |golden|
         mag = np.where(np.broadcast_to(mask, np.shape(mag)), 0.0, mag)
+    term = None
+    if comp is not None:  # the error model's compute-precision term (tolerance.with_compute_term)
+        if name in ev.excluded:
+            comp = np.where(np.broadcast_to(mask, np.shape(comp)), 0.0, comp)
+        term = layers.with_compute_term(ref, mag, comp, lim.rtol)
+        mag = term.mag
     cmp = compare(got, ref, want_dtype, lim, tol_dtype, magnitude=mag)
+    if term is not None:  # cond without the term; the aggregate limits add its own allowance
+        bb = cmp.metrics.get("sum_sq_ref", 0.0)
+        cmp.metrics["cond"] = term.base_sq / bb if bb > 0 else 1.0
+        cmp.metrics["compute_sq"] = term.compute_sq
     if cmp.anomaly_mismatch:
         structure.append(cmp.anomaly_detail)
     j.layers["structure"] = LayerResult(not structure, "; ".join(structure))  # layer 1

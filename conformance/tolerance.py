@@ -13,7 +13,13 @@ Layers (each one's outcome is recorded per output):
               aggregate limits times max(1, cond / COND_RANDOM), cond = sum m^2 / sum b^2 (1 for a
               well-conditioned output, ~1.5 for sums of random-sign terms: today's limits for both;
               more where the golden is a cancellation of larger terms, which no limit on |b| sees);
-              the noise layer's floor then scales with max m instead of max |b|
+              the noise layer's floor then scales with max m instead of max |b|.
+              A compute-precision term (`<output>@fp32` beside the output's magnitude: E, the
+              error a kernel's fp32 arithmetic adds is ~u32 E, u32 = 2^-24, whatever the output's
+              dtype; the logits' rounding carried through P, ~u32 |s| per probability) joins in
+              quadrature as COMPUTE_K u32 E / rtol: m = sqrt(max(|b|, magnitude)^2 + (K u32 E /
+              rtol)^2), so the bound gains ~K u32 E, in fp32 and 16-bit outputs alike; cond leaves
+              it out, and the aggregate limits add the cos_diff / nmse of COMPUTE_K_AGG u32 E
               The aggregate limits have an absolute floor derived from the elementwise one: they
               never fail an output whose RMS error is at most AGG_FLOOR * atol (the absolute part),
               so an output that passes elementwise by orders of magnitude (one LSE value off by
@@ -73,6 +79,47 @@ GOLDEN_SELF_CHECK = Limits(atol=1e-12, rtol=1e-11)
 
 # Aggregate floor: RMS error <= AGG_FLOOR * atol passes cos_diff and nmse (see layer 3 above).
 AGG_FLOOR = 0.1
+
+# The compute-precision term of the error model (layer 3, docstring): an op's magnitude function may
+# return `<output>@fp32` = E beside the output, the absolute error its fp32 compute adds being ~u32 E
+# (P's relative error from a logit's rounding, ~u32 sigma, carried through the sums that read P; sigma is
+# a per-logit scale: on the blocks' fp32 pipeline the measured |ds| / (u32 sigma) is 0.14-0.15 RMS, 0.40-0.42
+# at the 99th percentile and 0.66-0.90 at the largest, normal and `heads` inputs alike). Elementwise it
+# joins the magnitude in quadrature as COMPUTE_K u32 E / rtol (dividing by the output's rtol makes it
+# dtype-independent: a bf16 output's bound grows by the same absolute ~K u32 E as an fp32 one's); the
+# aggregate limits do not scale with it through cond (an ordinary output keeps its limits) but gain the
+# cos_diff / nmse of an error of COMPUTE_K_AGG u32 E on every element (`compute_sq`, 3x the measured RMS).
+COMPUTE_SUFFIX = "@fp32"
+U32 = 2.0 ** -24
+COMPUTE_K = 2.0
+COMPUTE_K_AGG = 0.5
+
+
+@dataclass
+class ComputeTerm:
+    """An output's magnitudes with its compute-precision term joined (`mag`, elementwise), and the sums the
+    aggregate limits take: sum max(|golden|, magnitude)^2 (cond without the term) and sum (K_AGG u32 E)^2."""
+
+    mag: np.ndarray
+    base_sq: float
+    compute_sq: float
+
+
+def with_compute_term(ref: np.ndarray, mag: np.ndarray | None, comp: np.ndarray, rtol: float) -> ComputeTerm:
+    """sqrt(max(|ref|, mag)^2 + (COMPUTE_K u32 E / rtol)^2) per element, 0 where the golden is not finite
+    (those elements are judged by class), with the sums of `ComputeTerm`."""
+    r = np.asarray(ref, dtype=np.float64)
+    fin = np.isfinite(r)
+    base = np.where(fin, np.abs(r), 0.0)
+    if mag is not None:
+        base = np.maximum(base, np.where(fin, np.asarray(mag, dtype=np.float64).reshape(r.shape), 0.0))
+    e = np.where(fin, np.asarray(comp, dtype=np.float64).reshape(r.shape), 0.0)
+    base_sq = float(np.sum(base * base))
+    compute_sq = float(np.sum(np.square(COMPUTE_K_AGG * U32 * e)))
+    if rtol <= 0:
+        return ComputeTerm(base, base_sq, compute_sq)
+    t = (COMPUTE_K * U32 / rtol) * e
+    return ComputeTerm(np.sqrt(base * base + t * t), base_sq, compute_sq)
 TIERS = ("production", "baseline")
 LIMIT_FIELDS = ("atol", "rtol", "cos_diff", "nmse", "atol_max_eps", "atol_acc", "agg_acc")  # what an Override may set
 
@@ -210,13 +257,14 @@ def aggregate_limits(m: dict[str, float], lim: Limits) -> tuple[float | None, fl
     # = 1.48 for a Gaussian z) with no cancellation at all; only cond beyond COND_RANDOM scales them,
     # so an ordinary output keeps today's limits
     cond = max(1.0, m.get("cond", 1.0) / COND_RANDOM)
+    extra = m.get("compute_sq", 0.0)  # the compute-precision term's (COMPUTE_K_AGG), on top
     cos = nmse = None
     if lim.cos_diff is not None:
         denom = m.get("sum_sq_both", 0.0)
-        cos = max(lim.cos_diff * cond, floor_sq / denom) if denom > 0 else math.inf
+        cos = max(lim.cos_diff * cond, floor_sq / denom) + extra / denom if denom > 0 else math.inf
     if lim.nmse is not None:
         bb = m.get("sum_sq_ref", 0.0)
-        nmse = max(lim.nmse * cond, floor_sq / bb) if bb > 0 else math.inf
+        nmse = max(lim.nmse * cond, floor_sq / bb) + extra / bb if bb > 0 else math.inf
     return cos, nmse
 
 

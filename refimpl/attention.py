@@ -175,6 +175,24 @@ def lse_magnitude(mx: F64, lse: F64) -> F64:
     return np.where(live, np.sqrt(mx * mx + ln_s * ln_s + rounds * rounds), 0.0)
 
 
+def logit_error_sq(p: F64, sigma2: F64, v: F64, o: F64) -> F64:
+    """The compute-precision term of a P V sum, squared: sum_j P_j^2 sigma_j^2 (v_j - O)^2 per row and lane.
+
+    A logit's fp32 rounding, ~u32 sigma_j (sigma_j^2 = s_j^2 + the RSS of its terms squared, weighted by the
+    roundings behind them), is a relative error of P_j; normalized, dP_j = P_j (ds_j - sum_l P_l ds_l), so O
+    moves by sum_j P_j ds_j (v_j - O). p, sigma2: (..., R, J); v: (..., J, d_v); o: (..., R, d_v). Rows of one
+    key (v_j = O) and one-hot rows carry nothing. The error model's `<output>@fp32` (conformance/tolerance.py).
+    The row's largest P enters as its own term w (v_max - O)^2: expanded through the matmuls, a one-hot row
+    of huge logits (sigma^2 ~ 1e24) would leave eps64 sigma^2 v^2 of cancellation instead of 0."""
+    w = p * p * sigma2
+    j = np.argmax(p, axis=-1)[..., None]  # (..., R, 1)
+    w_max = np.take_along_axis(w, j, axis=-1)
+    np.put_along_axis(w, j, 0.0, axis=-1)
+    e2 = w @ (v * v) - 2.0 * o * (w @ v) + o * o * np.sum(w, axis=-1, keepdims=True)
+    np.maximum(e2, 0.0, out=e2)
+    return e2 + w_max * np.square(np.take_along_axis(v, j, axis=-2) - o)
+
+
 def _read_only_kept(x: NDArray, keep: NDArray) -> F64:
     """x (b, s_k, h, d) as float64 with every key no query keeps zeroed (it may hold NaN poison)."""
     read = keep.any(axis=1)[:, :, None, None]  # b, s_k, 1, 1

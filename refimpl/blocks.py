@@ -75,9 +75,16 @@ input: act's cond ~2.2 where the RSS of random-sign terms gives ~1.5). Inputs as
 and L = 0; the cache's stored history and its new rows side by side, each with its own. Nonlinear factors
 enter with their values (rstd, the gain, P, silu(g), cos / sin), their sensitivities where an operand is
 computed: silu'(g) (silu''(g) in the backward) and RMSNorm's of a computed input (g rstd (dx_i - xhat_i
-mean(xhat dx))). P enters with its value: its sensitivity to the logits' rounding (dP_j = P_j (ds_j - sum_l
-P_l ds_l), ~eps32 |s|) is left to the specs' overrides -- modelled, it put dv's cond at 2.5 .. 4.6 on
-ordinary inputs with the QKV biases (E s^2 ~ 2 .. 4), past what the RSS of random-sign terms gives. Backward:
+mean(xhat dx))). P enters with its value in the magnitudes; its sensitivity to the logits' fp32 rounding
+(dP_j = P_j (ds_j - sum_l P_l ds_l), |ds_j| ~ u32 sigma_j) is a separate compute-precision term per output,
+`<output>@fp32` (conformance/tolerance.py: it widens the elementwise bound by ~2 u32 E whatever the rtol, and
+the aggregate limits by their own allowance, not through cond -- folded into the magnitudes it had put dv's
+cond at 2.5 .. 4.6 on ordinary inputs): sigma^2 = s^2 + (d + L_q + L_k) (q^2 . k^2) / d (`_logit_sigma2`;
+against an fp32 emulation of the pipeline |ds| / (u32 sigma) is 0.14 RMS, at most 0.90), attn's E^2 =
+sum_j P_j^2 sigma_j^2 (V_j - O)^2, then linearly (squared) through W_o, the residual and, in the layer, the
+MLP block. Backward: P recomputed from the fp32 LSE carries sigma_ij^2 + L_i^2 + sum_l P_il^2 sigma_il^2 (no
+normalization cancels the common part): dv's E^2 = (P^2 that)^T dO^2, dS's = dS^2 that + P^2 (dO^2 . E_O^2),
+then through K, Q, RoPE, the three projections, RMSNorm and the weight gradients. Backward:
 the same rules on the VJP's terms, the forward's magnitudes for the activations it reads (a kernel may
 recompute them); dS = P (dP - D) carries P^2 (M_dP^2 + M_D^2) where dP - D cancels. Every magnitude is
 float64, vectorised as the golden (the weights squared a block of rows at a time: no second (N, K) copy).
@@ -96,6 +103,7 @@ from kernel_parity.refimpl import attention, attention_grad, gemm, kvcache, mlp 
 
 F64 = NDArray[np.float64]
 REFERENCES = ("dequant", "emulated")
+COMPUTE = "@fp32"  # an output's compute-precision term (conformance/tolerance.py COMPUTE_SUFFIX)
 ATTENTION_STAGES = ("norm", "q", "k", "v", "q_rope", "k_rope", "attn")
 MLP_STAGES = ("norm", "h", "act", "down")
 OUTPROJ_MLP_STAGES = ("proj", "h1", "norm", "h", "act", "down")
@@ -226,8 +234,10 @@ def attention_prefill(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: We
     if absolute:
         kw = dict(n=n, h_q=h_q, h_kv=h_kv, d=d, bq=bq, bk=bk, bv=bv, bo=bo, residual=residual, style=style,
                   gemma=gemma, reference=reference, rope_off=rope_off)
-        _, mags, _ = _attention_pass(x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, **kw)
-        return {k: np.sqrt(m.sq, out=m.sq) for k, m in mags.items() if k != "norm"}
+        _, mags, at = _attention_pass(x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, **kw)
+        comp = _attention_comp(at, np.shape(x)[0], wo, h_q)
+        return {**{k: np.sqrt(m.sq, out=m.sq) for k, m in mags.items() if k != "norm"},
+                **{k + COMPUTE: np.sqrt(e) for k, e in comp.items()}}
     x = np.asarray(x, dtype=np.float64)
     t, ae = x.shape
     ad = np.shape(k_cache)[-1]
@@ -417,11 +427,16 @@ def layer(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: Weight, wv: We
                reference=reference)
     if absolute:
         val, mags, at = _attention_pass(x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, **akw)
-        _, mm = _mlp_pass(val["out"], mags["out"], gamma2, eps, w1, w2, n=n, b1=None, b2=None, inter=None,
-                          gemma=gemma, reference=reference)
+        mv, mm = _mlp_pass(val["out"], mags["out"], gamma2, eps, w1, w2, n=n, b1=None, b2=None, inter=None,
+                           gemma=gemma, reference=reference)
         res = {k: m for k, m in mags.items() if k not in ("norm", "out")}
         res.update(h1=mags["out"], norm2=mm["norm"], **{k: mm[k] for k in ("h", "act", "down", "out")})
         res = {k: np.sqrt(m.sq, out=m.sq) for k, m in res.items()}
+        ac = _attention_comp(at, t, wo, h_q)
+        mc = _mlp_comp(mv, val["out"], ac["out"], gamma2, eps, w1, w2, n=n, inter=None, gemma=gemma)
+        comp = {"attn": ac["attn"], "h1": ac["out"], "norm2": mc["norm"], **{k: mc[k] for k in ("h", "act", "down",
+                                                                                              "out")}}
+        res.update({k + COMPUTE: np.sqrt(e) for k, e in comp.items()})
         if scores:
             qg = np.square(_grouped(val["q_rope"], h_kv))  # h_kv, G T, a_d
             c2 = qg @ np.square(val["k_cache"][:, :live]).transpose(0, 2, 1) / d  # h_kv, G T, live
@@ -700,14 +715,83 @@ class _Attn(NamedTuple):
     p: F64  # probabilities (h_kv, G T, live), 0 where masked
     o: F64  # the output (h_kv, G T, a_d)
     om: _Mag
+    s2: F64  # sigma^2 (h_kv, G T, live): a logit's fp32 error in units of u32, squared (`_logit_sigma2`)
+    oc: F64  # the output's compute-precision term squared (h_kv, G T, a_d): sum_j P_j^2 sigma_j^2 (V_j - O)^2
 
 
-def _attention_mag(q: F64, kc: F64, vc: F64, vm: _Mag, start: int, d: int) -> _Attn:
+def _logit_sigma2(q: F64, qm: _Mag, kc: F64, km: _Mag, start: int, d: int) -> F64:
+    """sigma^2 (h_kv, G T, live) of each scaled logit s = q.k / sqrt(d): its fp32 error is ~u32 sigma, sigma^2 =
+    s^2 (its own rounding) + (d + L_q + L_k) (qm^2 . km^2) / d (the RSS of its terms, weighted by the roundings
+    behind them: the dot's d and q's, k's accumulated lengths)."""
+    hkv = kc.shape[0]
+    qg, qg2 = _grouped(q, hkv), _grouped(qm.sq, hkv)
+    s = qg @ kc.transpose(0, 2, 1) / math.sqrt(d)
+    return s * s + (d + qm.n + km.n) * (qg2 @ km.sq.transpose(0, 2, 1)) / d
+
+
+def _attention_mag(q: F64, kc: F64, vc: F64, vm: _Mag, start: int, d: int, qm: _Mag, km: _Mag) -> _Attn:
     """Bottom-right causal attention of q (T, h_q, a_d) over the live cache slots kc, vc (h_kv, live, a_d), and
-    its magnitude sqrt(sum_j P_j^2 V_j^2), V blended (own: the keys) with vm (the stored history's |value|)."""
+    its magnitude sqrt(sum_j P_j^2 V_j^2), V blended (own: the keys) with vm (the stored history's |value|); the
+    compute-precision term of P's sensitivity to the logits' rounding (attention.logit_error_sq) from q's and
+    the keys' magnitudes qm, km."""
     live = kc.shape[1]
     p = _probabilities(q, kc, start, d)
-    return _Attn(p, p @ vc, _Mag((p * p) @ _blend(vc, vm, float(live)), live + vm.n))
+    o = p @ vc
+    s2 = _logit_sigma2(q, qm, kc, km, start, d)
+    return _Attn(p, o, _Mag((p * p) @ _blend(vc, vm, float(live)), live + vm.n), s2,
+                 attention.logit_error_sq(p, s2, vc, o))
+
+
+def _sq_project(e2: F64, w: F64) -> F64:
+    """An absolute error's squared form through a @ W^T: e2 (M, K) @ (W^2)^T, W (N, K)."""
+    sq = np.empty((e2.shape[0], w.shape[0]))
+    for lo, w2 in _squared_rows(w):
+        sq[:, lo:lo + len(w2)] = (w2 @ e2.T).T
+    return sq
+
+
+def _sq_back(e2: F64, w: F64) -> F64:
+    """An absolute error's squared form through dy @ W: e2 (M, N) @ W^2, W (N, K)."""
+    sq = np.zeros((e2.shape[0], w.shape[1]))
+    for lo, w2 in _squared_rows(w):
+        sq += (w2.T @ e2[:, lo:lo + len(w2)].T).T
+    return sq
+
+
+def _attention_comp(at: _Attn, t: int, wo: Weight, h_q: int) -> dict[str, F64]:
+    """The compute-precision terms squared of the attention block's outputs: attn's, and out's through W_o."""
+    attn = _ungrouped(at.oc, t)
+    return {"attn": attn, "out": _sq_project(attn.reshape(t, -1), dense(wo, h_q * attn.shape[-1]))}
+
+
+def _rms_comp(x: F64, e2: F64, gamma: NDArray, eps: float, n: int, gemma: bool) -> F64:
+    """RMSNorm's output error (squared) from an absolute error e2 of its input x: g^2 rstd^2 (e2 + xhat^2
+    sum(xhat^2 e2) / n^2) on the n real lanes (dy = g rstd (dx - xhat mean(xhat dx)))."""
+    r2 = np.square(_rstd(x, eps, n))[..., None]
+    xh2 = np.square(x[..., :n]) * r2
+    out = np.zeros_like(x)
+    ek = e2[..., :n]
+    out[..., :n] = _gain2(gamma, n, gemma) * r2 * (ek + xh2 * np.sum(xh2 * ek, axis=-1, keepdims=True) / (n * n))
+    return out
+
+
+def _mlp_comp(val: dict[str, F64], x: F64, e2: F64, gamma: NDArray, eps: float, w1: Weight, w2: Weight, *, n: int,
+              inter: int | None, gemma: bool) -> dict[str, F64]:
+    """The MLP block's stages' compute-precision terms squared from its input's (e2; x its value): RMSNorm's,
+    the projections' (squared weights), SwiGLU's derivative (silu'(g) up, silu(g)), and the residual's."""
+    ae = x.shape[-1]
+    nrm = _rms_comp(x, e2, gamma, eps, n, gemma)
+    h = _sq_project(nrm, dense(w1, ae))
+    ai = h.shape[-1] // 2
+    (gate, up), (eg, eu) = _gate_up(val["h"], inter), _gate_up(h, inter)
+    act = _lanes(np.square(mlp_ref.silu_grad(gate) * up) * eg + np.square(mlp_ref.silu(gate)) * eu, ai)
+    down = _sq_project(act, dense(w2, ai))
+    return {"norm": nrm, "h": h, "act": act, "down": down, "out": e2 + down}
+
+
+def _logits_of(qg: F64, kc: F64, d: int) -> F64:
+    """The scaled logits (h_kv, G T, live) of grouped queries qg over keys kc (h_kv, live, a_d)."""
+    return qg @ kc.transpose(0, 2, 1) / math.sqrt(d)
 
 
 def _keep(t: int, g: int, live: int, start: int) -> NDArray:
@@ -751,8 +835,9 @@ def _attention_pass(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: Weig
         val[name] = _write(cache, val[new], start, d)
         mag[name] = _Mag(_write(np.square(np.asarray(cache, dtype=np.float64)), mag[new].sq, start, d), mag[new].n)
     vm = mag["v_cache"]
+    km = mag["k_cache"]
     at = _attention_mag(val["q_rope"], val["k_cache"][:, :live], val["v_cache"][:, :live],
-                        _Mag(vm.sq[:, :live], vm.n), start, d)
+                        _Mag(vm.sq[:, :live], vm.n), start, d, mag["q_rope"], _Mag(km.sq[:, :live], km.n))
     val["attn"], mag["attn"] = _ungrouped(at.o, t), _Mag(_ungrouped(at.om.sq, t), at.om.n)
     out, om = _project_mag(val["attn"].reshape(t, -1), _Mag(mag["attn"].sq.reshape(t, -1), at.om.n), wo, bo,
                            reference)
@@ -854,7 +939,21 @@ def _attention_backward_mag(x: F64, gamma: NDArray, eps: float, wq: Weight, wk: 
                          rows + max(n_ds, qm.n)),
              "dv": (p.transpose(0, 2, 1) @ do, p2.transpose(0, 2, 1) @ _blend(do, _Mag(do2, ldo), float(rows)),
                     rows + ldo)}
+    # compute-precision terms (squared): P recomputed as exp(s - L) with the fp32 LSE carries each logit's
+    # sigma^2, L's own rounding L^2 and the forward's sum_l P_l^2 sigma_l^2 (no normalization cancels them)
+    sl = np.where(_keep(t, rows // t, live, start), _logits_of(qg, kc, d), -np.inf)  # every row sees slot 0
+    mx = np.max(sl, axis=-1, keepdims=True)
+    lse = mx + np.log(np.sum(np.exp(sl - mx), axis=-1, keepdims=True))
+    eps2 = at.s2 + lse * lse + np.sum(p2 * at.s2, axis=-1, keepdims=True)
+    w2 = p2 * eps2
+    ed = np.sum(dos * at.oc, axis=-1, keepdims=True)  # D = dO . O through O's own term
+    eds = s2d * eps2 + p2 * ed
+    comp = {"dq_rope": eds @ np.square(kc) / d, "dk_rope": eds.transpose(0, 2, 1) @ np.square(qg) / d,
+            "dv": w2.transpose(0, 2, 1) @ dos}
     real = (np.arange(ad) < d).astype(np.float64)
+    cg = {}
+    for name, e in comp.items():
+        cg[name] = _ungrouped(e, t) if name == "dq_rope" else e[:, start:].transpose(1, 0, 2) * real
     g, m = {}, {}
     for name, (v, s, nn) in grads.items():
         if name == "dq_rope":
@@ -867,6 +966,7 @@ def _attention_backward_mag(x: F64, gamma: NDArray, eps: float, wq: Weight, wk: 
         src = f"{name}_rope"
         g[name] = rope.rope_backward(g[src], cos, sin, pos, style=style, rot=d, at="first")
         m[name] = _Mag(_rope_sq(_blend(g[src], m[src], 1.0), cos, sin, pos, style, d), m[src].n + 1.0)
+        cg[name] = _rope_sq(cg[src], cos, sin, pos, style, d)
     own = float((h_q + 2 * h_kv) * ad)  # dnorm sums the three projections' terms
     dnorm, sq = np.zeros((t, ae)), np.zeros((t, ae))
     for name, w in (("dq", wq), ("dk", wk), ("dv", wv)):
@@ -875,6 +975,12 @@ def _attention_backward_mag(x: F64, gamma: NDArray, eps: float, wq: Weight, wk: 
         dnorm, sq = dnorm + pv, sq + ps
     dnm = _Mag(sq, own + max(m[k].n for k in ("dq", "dk", "dv")))
     dx, dgam = _rms_backward_mag(x, gamma, eps, n, gemma, dnorm, dnm, t)
+    cg["dnorm"] = sum(_sq_back(cg[k].reshape(t, -1), dense(w, ae)) for k, w in (("dq", wq), ("dk", wk), ("dv", wv)))
+    cg["dx"] = _rms_comp(x, cg["dnorm"], gamma, eps, n, gemma)
+    xh2 = np.square(x[..., :n]) * np.square(_rstd(x, eps, n))[..., None]
+    cg["dgamma"] = np.zeros(ae)
+    cg["dgamma"][:n] = np.sum(cg["dnorm"][..., :n] * xh2, axis=0)
+    cg["dwo"] = wo_grad(wo, d2.T @ _ungrouped(at.oc, t).reshape(t, -1))
     out = {"dattn": _ungrouped(do2, t), **{k: v.sq for k, v in m.items()}, "dnorm": dnm.sq, "dx": dx,
            "dgamma": dgam, "dwo": wo_grad(wo, d2.T @ _blend(val["attn"].reshape(t, -1),
                                                         _Mag(mag["attn"].sq.reshape(t, -1), mag["attn"].n), float(t)))}
@@ -883,8 +989,11 @@ def _attention_backward_mag(x: F64, gamma: NDArray, eps: float, wq: Weight, wk: 
         dy, mm = g[f"d{name}"].reshape(t, -1), m[f"d{name}"]
         sub = _Mag(mm.sq.reshape(t, -1), mm.n)
         out[f"dw{name}"] = _weight_grad_sq(dy, sub, n2, float(t + n))
+        cg[f"dw{name}"] = cg[f"d{name}"].reshape(t, -1).T @ n2
         if b is not None:
             out[f"db{name}"] = np.sum(_blend(dy, sub, float(t)), axis=0)
+            cg[f"db{name}"] = np.sum(cg[f"d{name}"].reshape(t, -1), axis=0)
     if bo is not None:
         out["dbo"] = np.sum(d2, axis=0)
-    return {k: np.sqrt(v, out=v) for k, v in fused_grads(qkv, out).items()}  # in place: dW is (N, K)
+    out = {k: np.sqrt(v, out=v) for k, v in fused_grads(qkv, out).items()}  # in place: dW is (N, K)
+    return {**out, **{k + COMPUTE: np.sqrt(v, out=v) for k, v in fused_grads(qkv, cg).items()}}

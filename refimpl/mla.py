@@ -44,7 +44,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from kernel_parity.refimpl.attention import lse_magnitude
+from kernel_parity.refimpl.attention import logit_error_sq, lse_magnitude
 from kernel_parity.refimpl.mla_fp8 import as_f64, bmm_fp8, rms_norm, rope_interleaved
 from kernel_parity.refimpl.mla_schedule import check_schedule, partitions, schedule, sm_parts
 from kernel_parity.refimpl.threads import on_threads
@@ -135,10 +135,15 @@ def _attend_rows(q: F64, kv: F64, keep: NDArray, scale: float, d_v: int,
         kv[~keep.any(axis=1)] = 0.0
     else:
         kv = np.where(keep.any(axis=1)[..., None], kv, 0.0)
-    s = (q.transpose(0, 2, 1, 3).reshape(b, h * s_q, d) @ kv.transpose(0, 2, 1)).reshape(b, h, s_q, -1)
+    qr = q.transpose(0, 2, 1, 3).reshape(b, h * s_q, d)
+    s = (qr @ kv.transpose(0, 2, 1)).reshape(b, h, s_q, -1)
     s *= float(scale)
+    if absolute == COMPUTE:  # sigma^2 before the softmax overwrites s
+        s2 = s * s + d * float(scale) ** 2 * (np.square(qr) @ np.square(kv).transpose(0, 2, 1)).reshape(s.shape)
     p, lse, mx = _softmax(s, keep, sink)  # b, h, s_q, s_k
     values = kv[..., :d_v]
+    if absolute == COMPUTE:
+        return _compute_terms(p.reshape(b, h * s_q, -1), s2.reshape(b, h * s_q, -1), values, h, s_q)
     if absolute:  # the P V sum in squared form (p is this call's own array)
         np.multiply(p, p, out=p)
         values = values * values
@@ -146,6 +151,18 @@ def _attend_rows(q: F64, kv: F64, keep: NDArray, scale: float, d_v: int,
     if absolute:
         return np.sqrt(o).transpose(0, 2, 1, 3), lse_magnitude(mx, lse)
     return o.transpose(0, 2, 1, 3), lse
+
+
+COMPUTE = "compute"  # `absolute=COMPUTE`: the compute-precision terms (conformance/tolerance.py) instead
+
+
+def _compute_terms(p: F64, s2: F64, values: F64, h: int, s_q: int) -> tuple[F64, F64]:
+    """(O's, the LSE's) compute-precision terms of rows p (B, h s_q, s_k) over values (B, s_k, d_v), sigma^2 s2
+    of the logits: sqrt(attention.logit_error_sq) (b, s_q, h, d_v) and sqrt(sum_j P_j^2 sigma_j^2) (b, h, s_q)."""
+    b = p.shape[0]
+    o = p @ values
+    e2 = logit_error_sq(p, s2, values, o).reshape(b, h, s_q, -1)
+    return np.sqrt(e2).transpose(0, 2, 1, 3), np.sqrt(np.sum(p * p * s2, axis=-1)).reshape(b, h, s_q)
 
 
 def _decode_keep(lengths: I64, s_q: int, s_k: int, causal: bool, valid: NDArray) -> NDArray:
@@ -290,12 +307,18 @@ def decode_sparse(q: NDArray, kv_cache: NDArray, indices: NDArray, topk_length: 
         sink = np.broadcast_to(np.asarray(sink, dtype=np.float64).reshape(1, h_kv, g, 1), (b, h_kv, g, 1))
         sink = sink.reshape(b * h_kv, g, 1)
     s = np.einsum("bqhd,bqkd->bhqk", qg, kv)
+    if absolute == COMPUTE:  # sigma^2 of the scaled logits
+        s2 = float(scale) ** 2 * (s * s + d * np.einsum("bqhd,bqkd->bhqk", qg * qg, kv * kv))
     p, lse, mx = _softmax(float(scale) * s, keep, sink)
 
     def heads(og: F64, lg: F64) -> tuple[F64, F64]:
         return (og.reshape(b, h_kv, s_q, g, d_v).transpose(0, 2, 1, 3, 4).reshape(b, s_q, h, d_v),
                 lg.reshape(b, h, s_q))
 
+    if absolute == COMPUTE:
+        pr, vv = p.transpose(0, 2, 1, 3), kv[..., :d_v]  # B, s_q, g, k: each query row over its own list
+        e2 = logit_error_sq(pr, s2.transpose(0, 2, 1, 3), vv, pr @ vv)  # B, s_q, g, d_v
+        return heads(np.sqrt(e2), np.sqrt(np.sum(p * p * s2, axis=-1)))
     if absolute:  # the P V sum in squared form
         np.multiply(p, p, out=p)
         return heads(np.sqrt(np.einsum("bhqk,bqkd->bqhd", p, kv[..., :d_v] ** 2)), lse_magnitude(mx, lse))

@@ -14,7 +14,7 @@ from kernel_parity.conformance.case import Case
 from kernel_parity.conformance.metrics import compare
 from kernel_parity.conformance.runner import Runner
 from kernel_parity.conformance.spec import float64_view
-from kernel_parity.conformance.tolerance import Override, Tol, numeric_layer
+from kernel_parity.conformance.tolerance import COMPUTE_SUFFIX, Override, Tol, numeric_layer
 from kernel_parity.refimpl import mlp as mlp_ref
 from kernel_parity.refimpl import norm
 
@@ -163,6 +163,8 @@ def test_an_ordinary_case_keeps_its_limits(op, params):
     assert rec.verdict == "pass", rec.message
     assert cap["magnitudes"]
     for name in cap["magnitudes"]:
+        if name.endswith(COMPUTE_SUFFIX):  # a compute-precision term beside its output's magnitude
+            continue
         assert rec.outputs[name].metrics["cond"] < 2.0, (name, rec.outputs[name].metrics["cond"])
 
 

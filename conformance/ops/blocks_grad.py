@@ -150,7 +150,8 @@ def _attention_mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.
     g = ref.attention_prefill_backward(x["x"], x["gamma"], float(p["eps"]), *weights_of(x, p, "wq", "wk", "wv", "wo"),
                                        x["k_cache"], x["v_cache"], x["cos"], x["sin"], p["start"], x["dout"], **kw,
                                        absolute=True)
-    return {k: g[k] for k in attention_grad_shapes(p) if k != "dr"}
+    keys = [k for k in attention_grad_shapes(p) if k != "dr"]
+    return {name: g[name] for k in keys for name in (k, k + ref.COMPUTE) if name in g}  # with the compute terms
 
 
 def attention_grad_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
