@@ -4,7 +4,7 @@ top-k cache slots its d_indices row lists (indices_stride, per-token topk_length
 The golden's sparse mode is checked against its dense mode (a list of exactly a token's causal keys gives the
 dense causal result), the poisoned inputs against what they promise (every entry a kernel must not use names a
 NaN row, a token of length 0 gets out 0), the param's default keeps older ids and draws, and mask=null with
-sparse is a one-line usage error; Triton declares sparse unsupported.
+sparse is a one-line usage error. The Triton kernel's sparse mode: tests/test_mla_fused_sparse.py.
 """
 
 from __future__ import annotations
@@ -87,13 +87,6 @@ def test_the_inputs_poison_every_entry_a_kernel_must_not_use():
     assert live.sum() <= len(np.unique(idx[used])) + T  # every other cached row: NaN
     out = spec.reference(x, p)["out"]
     assert np.isfinite(out).all() and not out[2].any() and np.abs(out[lens > 0]).min(axis=(1, 2)).max() > 0
-
-
-def test_triton_declares_sparse_unsupported():
-    from kernel_parity.conformance.backends import Registry
-
-    case = ops.parse_case(CASE.format(sink=0, extra=",sparse=16").replace("/torch/", "/triton/"))
-    assert "attends densely only (sparse=16)" in Registry().get("triton").supports(case)
 
 
 # ---- the second cache (extra=1) ----------------------------------------------------------------------

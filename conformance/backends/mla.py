@@ -57,7 +57,7 @@ def triton_ops(device: str) -> dict[str, Callable]:
         t = {k: to_torch(v, device) for k, v in inputs.items()}
         qrope = bool(case.p.get("qrope", 0))  # writes t["kv_cache"], and with qrope t["q"]'s rope part
         mla_decode_fused_fp8(*_fused_args(t, case.p), attn_sink=t.get("attn_sink"), out=o, q_inplace=qrope,
-                             sink_per=case.p.get("sink_shape", "head"))
+                             sink_per=case.p.get("sink_shape", "head"), **fused_sparse_args(t, case.p))
         return {"out": o, "kv_cache": t["kv_cache"], **({"q": t["q"]} if qrope else {})}
 
     return {"mla.decode": decode, "mla.decode_sparse": sparse, "mla.decode_fused_fp8": fused_fp8,
@@ -65,17 +65,14 @@ def triton_ops(device: str) -> dict[str, Callable]:
 
 
 def triton_supports() -> dict[str, Callable]:
-    """The Triton fused FP8 branch quantizes in DeepSeek's groups (1 token x 128 channels, 128 x 128 weight blocks),
-    masks causally and attends densely (no sparse_mla index list)."""
+    """The Triton fused FP8 branch quantizes in DeepSeek's groups (1 token x 128 channels, 128 x 128 weight blocks)
+    and masks causally (or, sparse, attends each token's index list)."""
     def fused(case) -> str | None:
         if fused_granularity(case.p) != (1, 128, 128):
             return (f"the Triton mla.decode_fused_fp8 kernel takes the (1, 128, 128) scale granularity only "
                     f"(gran={case.p['gran']})")
         if not fused_causal(case.p):
             return f"the Triton mla.decode_fused_fp8 kernel masks causally only (mask={case.p['mask']})"
-        if case.p.get("sparse", 0):
-            return (f"the Triton mla.decode_fused_fp8 kernel attends densely only (sparse={case.p['sparse']}): its "
-                    f"attention walks the block table and this step's fp32 rows, not an index list")
         return None
 
     return {"mla.decode_fused_fp8": fused}

@@ -29,6 +29,14 @@ Four launches:
    streaming its keys once: the cached keys through `_mla_attend_split3`, the new tokens' rows
    through `_mla_attend` with IEEE dots.
 4. `_mla_fused_bmm_fp8_kernel` for out, as 2.
+MAX's sparse mode (sparse_mla, `d_indices=`) replaces 3 by `_mla_fused_sparse_kernel`, one program per
+(new token, block of 16 heads): no mask, no block table; the token's index list is read a 32-key tile at a
+time (its first topk_lengths[t] entries, -1 skipped) and the listed rows gathered. Launch 1 also writes a
+slot -> token map (-1 elsewhere, one int32 per cache slot), so a listed slot holding one of this step's
+rows attends its fp32 row of step 1 (IEEE dots, as 3's new keys) and every other slot its cached row
+(the three-part split, as 3's cached keys). MAX's second cache (`extra_k`, e4m3 rows with a float32
+scale per row and 128 channels, the rope part its own) joins the same online softmax through its own
+list and lengths: its rows dequantized in fp32 (code x scale, one rounding), IEEE dots.
 
 Where it rounds (the golden computes in float64):
 - RMSNorm in fp64 (the golden's operations in its order), rounded to fp32; the RoPE of the cache
@@ -45,6 +53,9 @@ Where it rounds (the golden computes in float64):
   float32(o_lat) (q_nope's are the inputs themselves), and its e4m3 codes are the golden's except
   at true rounding ties. (Rounding the golden's o_lat to bf16, as MAX stores it, moves 2.2% of
   its codes on the ci cases, each by one e4m3 step of that element, felt in all of out's row.)
+- Sparse: the listed cached rows as 3's, this step's as 3's new keys; the second cache's rows are code x
+  scale rounded once to fp32 (the golden's are exact), met by IEEE fp32 dots (on a GPU the FMA path:
+  that list costs the IEEE form's time per key, the main list the split's).
 - Products of e4m3 codes are exact, their 128-term block sums and the scale products fp32; out is
   rounded once, to q's dtype.
 Cost on an H100 (benchmarks/gpu_mla.py, fused section, b = 128, one new token): the split keeps
@@ -97,24 +108,32 @@ def _rope_pairs(pair, D_R: tl.constexpr):
 
 
 @triton.jit
-def _mla_fused_rope_norm_kernel(
-    Q_ptr, Off_ptr, CL_ptr, BT_ptr, F_ptr, G_ptr, KV_ptr, New_ptr, QF_ptr,
-    b, H, eps_hi, eps_lo,
-    stride_qt, stride_qh, stride_bt_b, stride_bt_p, stride_f, stride_kb, stride_ks, stride_new_t,
-    stride_qf_t, stride_qf_h,
-    PAGE: tl.constexpr, DN: tl.constexpr, D_C: tl.constexpr, D_R: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, Q_INPLACE: tl.constexpr = False,
-):
-    t = tl.program_id(0)
-    # The token's request: how many requests end at or before it (empty requests included).
+def _token_request(Off_ptr, b, t, BLOCK_B: tl.constexpr):
+    """The request of new token t: how many requests end at or before it (empty requests included)."""
     r = tl.full([], 0, tl.int32)
     for c0 in range(1, b + 1, BLOCK_B):
         offs_b = c0 + tl.arange(0, BLOCK_B)
         ends = tl.load(Off_ptr + offs_b, mask=offs_b <= b, other=0)
         r += tl.sum(((ends <= t) & (offs_b <= b)).to(tl.int32))
+    return r
+
+
+@triton.jit
+def _mla_fused_rope_norm_kernel(
+    Q_ptr, Off_ptr, CL_ptr, BT_ptr, F_ptr, G_ptr, KV_ptr, New_ptr, QF_ptr, Map_ptr,
+    b, H, eps_hi, eps_lo,
+    stride_qt, stride_qh, stride_bt_b, stride_bt_p, stride_f, stride_kb, stride_ks, stride_new_t,
+    stride_qf_t, stride_qf_h,
+    PAGE: tl.constexpr, DN: tl.constexpr, D_C: tl.constexpr, D_R: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, Q_INPLACE: tl.constexpr = False, SLOT_MAP: tl.constexpr = False,
+):
+    t = tl.program_id(0)
+    r = _token_request(Off_ptr, b, t, BLOCK_B)
     pos = tl.load(CL_ptr + r) + t - tl.load(Off_ptr + r)
     page = tl.load(BT_ptr + r.to(tl.int64) * stride_bt_b + (pos // PAGE) * stride_bt_p)
     row = KV_ptr + page.to(tl.int64) * stride_kb + (pos % PAGE) * stride_ks
+    if SLOT_MAP:  # the sparse mode's slot -> new token map (its flat slot block * page + offset)
+        tl.store(Map_ptr + page.to(tl.int64) * PAGE + pos % PAGE, t)
     new_row = New_ptr + t.to(tl.int64) * stride_new_t
 
     # RMSNorm of the latent in fp64, the golden's own operations in its order (512 values a token:
@@ -323,6 +342,95 @@ def _mla_fused_attend_kernel(
     tl.store(o_rows[:, None] + offs_dv[None, :], o, mask=mask_m[:, None])
 
 
+@triton.jit
+def _mla_fused_sparse_kernel(
+    QF_ptr, New_ptr, KV_ptr, Map_ptr, O_ptr, Off_ptr, Sink_ptr, Idx_ptr, Len_ptr,
+    EK_ptr, ES_ptr, EIdx_ptr, ELen_ptr,
+    H, b, n_m, topk, idx_stride, qk_scale,
+    stride_qf_t, stride_qf_h, stride_new_t, stride_kb, stride_ks, stride_o_t, stride_o_h, stride_ek, stride_es,
+    HAS_SINK: tl.constexpr, SINK_BATCH: tl.constexpr, HAS_EXTRA: tl.constexpr, PAGE: tl.constexpr,
+    D_V: tl.constexpr, D_PE: tl.constexpr, GROUP_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr, SPLIT3: tl.constexpr,
+):
+    """MAX's sparse_mla: one program per (new token, block of its heads), one online softmax over the token's
+    used slots of the updated cache (its list d_indices[t * idx_stride:][:topk], the first topk_lengths[t]
+    entries, -1 skipped) and, with HAS_EXTRA, the used rows of the second (e4m3) cache, dequantized in fp32."""
+    pid = tl.program_id(0)
+    t = pid // n_m
+    offs_m = (pid % n_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < H
+    offs_dv = tl.arange(0, D_V)
+    offs_pe = tl.arange(0, D_PE)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_rows = QF_ptr + t.to(tl.int64) * stride_qf_t + offs_m * stride_qf_h
+    q_nope = tl.load(q_rows[:, None] + offs_dv[None, :], mask=mask_m[:, None], other=0.0)
+    q_pe = tl.load(q_rows[:, None] + D_V + offs_pe[None, :], mask=mask_m[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)
+    if SPLIT3:
+        q1, q2, q3 = _split3(q_nope, KV_ptr.dtype.element_ty)
+        p1, p2, p3 = _split3(q_pe, KV_ptr.dtype.element_ty)
+
+    # The main list: cached rows in their 16-bit dtype (split3, as the dense kernel's cached keys); a
+    # slot that is one of this step's new rows (Map: slot -> token, -1 elsewhere) attends its fp32 row
+    # of step 1 (IEEE dots), as the dense kernel's new keys.
+    n_len = tl.minimum(tl.maximum(tl.load(Len_ptr + t), 0), topk)
+    idx_row = Idx_ptr + t.to(tl.int64) * idx_stride
+    for start_n in range(0, n_len, BLOCK_N):
+        cols = start_n + offs_n
+        idx = tl.load(idx_row + cols, mask=cols < n_len, other=-1)
+        live = (cols < n_len) & (idx != -1)
+        slot = tl.where(live, idx, 0)
+        tok = tl.load(Map_ptr + slot, mask=live, other=-1)
+        old = live & (tok < 0)
+        rows = (slot // PAGE).to(tl.int64) * stride_kb + (slot % PAGE) * stride_ks
+        kn = tl.load(KV_ptr + rows[:, None] + offs_dv[None, :], mask=old[:, None], other=0.0)
+        kp = tl.load(KV_ptr + rows[:, None] + D_V + offs_pe[None, :], mask=old[:, None], other=0.0)
+        if SPLIT3:
+            m_i, l_i, acc = _mla_attend_split3(q1, q2, q3, p1, p2, p3, kn, kp, old, m_i, l_i, acc, qk_scale)
+        else:
+            m_i, l_i, acc = _mla_attend(q_nope, q_pe, kn.to(tl.float32), kp.to(tl.float32), kn.to(tl.float32),
+                                        old, offs_n, offs_n, m_i, l_i, acc, qk_scale, False, False, "ieee")
+        new = live & (tok >= 0)
+        if tl.max(new.to(tl.int32), axis=0) > 0:  # this step's rows among the tile's keys
+            nrows = tl.where(new, tok, 0).to(tl.int64) * stride_new_t
+            kn = tl.load(New_ptr + nrows[:, None] + offs_dv[None, :], mask=new[:, None], other=0.0)
+            kp = tl.load(New_ptr + nrows[:, None] + D_V + offs_pe[None, :], mask=new[:, None], other=0.0)
+            m_i, l_i, acc = _mla_attend(q_nope, q_pe, kn, kp, kn, new, offs_n, offs_n, m_i, l_i, acc, qk_scale,
+                                        False, False, "ieee")
+
+    if HAS_EXTRA:  # the second cache: e4m3 codes times their row's scale per GROUP_C channels (the
+        # rope part's own), dequantized in fp32 (one rounding of an exact 4 x 24-bit product), IEEE dots
+        e_len = tl.minimum(tl.maximum(tl.load(ELen_ptr + t), 0), topk)
+        e_row = EIdx_ptr + t.to(tl.int64) * idx_stride
+        for start_n in range(0, e_len, BLOCK_N):
+            cols = start_n + offs_n
+            idx = tl.load(e_row + cols, mask=cols < e_len, other=-1)
+            live = (cols < e_len) & (idx != -1)
+            slot = tl.where(live, idx, 0).to(tl.int64)
+            scs = ES_ptr + slot * stride_es
+            sn = tl.load(scs[:, None] + (offs_dv // GROUP_C)[None, :], mask=live[:, None], other=0.0)
+            sp = tl.load(scs + D_V // GROUP_C, mask=live, other=0.0)
+            kn = tl.load(EK_ptr + slot[:, None] * stride_ek + offs_dv[None, :], mask=live[:, None], other=0.0)
+            kp = tl.load(EK_ptr + slot[:, None] * stride_ek + D_V + offs_pe[None, :], mask=live[:, None], other=0.0)
+            kn = kn.to(tl.float32) * sn
+            kp = kp.to(tl.float32) * sp[:, None]
+            m_i, l_i, acc = _mla_attend(q_nope, q_pe, kn, kp, kn, live, offs_n, offs_n, m_i, l_i, acc, qk_scale,
+                                        False, False, "ieee")
+
+    if HAS_SINK:  # as the dense kernel's; a token with no used key gets O = 0 (l = +inf, or 0 -> 1)
+        if SINK_BATCH:  # the token's request's sink, shared by its heads
+            r = _token_request(Off_ptr, b, t, BLOCK_B)
+            sink = tl.load(Sink_ptr + r + 0 * offs_m, mask=mask_m, other=0.0).to(tl.float32)
+        else:  # (heads past H: 0, not -inf, whose -inf - -inf of an empty list would be NaN; never stored)
+            sink = tl.load(Sink_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)
+        l_i = l_i + tl.exp2(sink * 1.4426950408889634 - m_i)
+    o = tl.math.div_rn(acc, tl.where(l_i > 0.0, l_i, 1.0)[:, None])
+    o_rows = O_ptr + t.to(tl.int64) * stride_o_t + offs_m * stride_o_h
+    tl.store(o_rows[:, None] + offs_dv[None, :], o, mask=mask_m[:, None])
+
+
 def _bmm_fp8(a: torch.Tensor, w: torch.Tensor, sw: tuple, c: torch.Tensor) -> None:
     """c[t, h, n] = bmm_fp8(a[t, h, :], w[h]) for (T, H, K) a and (T, H, N) c; sw = (ptr, strides)."""
     T, H, K = a.shape
@@ -354,13 +462,52 @@ def _weight(w, w_scale, shape: tuple, what: str, device) -> tuple:
                      f"{tuple(getattr(w_scale, 'shape', ()))}")
 
 
+def _sparse_args(what, T, d_c, d, dev, d_indices, stride, topk, lengths, extra_k, extra_scales, extra_idx,
+                 extra_lengths) -> tuple | None:
+    """Checks the sparse mode's arguments; None when dense, else (d_indices, topk_lengths, extra rows (n, d),
+    extra scales (n, d_c / 128 + 1), extra_d_indices, extra_topk_lengths), the extra four None without it."""
+    if d_indices is None:
+        if extra_k is not None:
+            raise ValueError(f"{what}: extra_k (MAX's second cache) needs the sparse mode (d_indices)")
+        return None
+
+    def index(t, name, n):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device != dev or t.numel() < n:
+            raise ValueError(f"{what}: {name} must be an int32 tensor on {dev} of >= {n} entries, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        return t.reshape(-1)
+
+    if not (isinstance(topk, int) and isinstance(stride, int) and 0 < topk <= stride):
+        raise ValueError(f"{what}: sparse mode needs 0 < topk ({topk!r}) <= indices_stride ({stride!r})")
+    idx, lens = index(d_indices, "d_indices", T * stride), index(lengths, "topk_lengths", T)
+    if extra_k is None:
+        return idx, lens, None, None, None, None
+    if not isinstance(extra_k, torch.Tensor) or extra_k.dtype != torch.float8_e4m3fn or extra_k.device != dev \
+            or extra_k.shape[-1] != d or not extra_k.is_contiguous():
+        raise ValueError(f"{what}: extra_k must be a contiguous (num_blocks, page, [1,] {d}) float8_e4m3fn tensor "
+                         f"on {dev}, got {getattr(extra_k, 'dtype', '')} {tuple(getattr(extra_k, 'shape', ()))}")
+    e_k = extra_k.reshape(-1, d)
+    n_g = d_c // GROUP + 1
+    if not isinstance(extra_scales, torch.Tensor) or extra_scales.dtype != torch.float32 \
+            or extra_scales.device != dev or extra_scales.numel() != e_k.shape[0] * n_g:
+        got = f"{getattr(extra_scales, 'dtype', '')} {tuple(getattr(extra_scales, 'shape', ()))}"
+        raise ValueError(f"{what}: extra_scales must be a float32 tensor on {dev} of ({e_k.shape[0]}, {n_g}) "
+                         f"scales, got {got}")
+    return (idx, lens, e_k, extra_scales.reshape(e_k.shape[0], n_g),
+            index(extra_idx, "extra_d_indices", T * stride), index(extra_lengths, "extra_topk_lengths", T))
+
+
 def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis: torch.Tensor,
                          gamma: torch.Tensor, epsilon: float, w_uk: torch.Tensor, w_uk_scale: torch.Tensor,
                          w_uv: torch.Tensor, w_uv_scale: torch.Tensor, kv_cache: torch.Tensor,
                          block_table: torch.Tensor, cache_lengths: torch.Tensor, scale: float, *,
                          attn_sink: torch.Tensor | None = None, out: torch.Tensor | None = None,
                          max_new_tokens: int | None = None, q_inplace: bool = False,
-                         sink_per: str = "head") -> torch.Tensor:
+                         sink_per: str = "head", d_indices: torch.Tensor | None = None, indices_stride: int = 0,
+                         topk: int = 0, topk_lengths: torch.Tensor | None = None,
+                         extra_k: torch.Tensor | None = None, extra_scales: torch.Tensor | None = None,
+                         extra_d_indices: torch.Tensor | None = None,
+                         extra_topk_lengths: torch.Tensor | None = None) -> torch.Tensor:
     """MAX's mla_decode_branch_fp8; writes the new tokens' cache rows in place (and, with q_inplace, q's
     rope part: MAX's fused_qk_rope leaves q rotated).
 
@@ -379,6 +526,16 @@ def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs
     max_new_tokens: >= every request's new-token count (None: read from the offsets, a sync on a GPU)
     q_inplace: q[..., dn:] overwritten with its rotation at the token's position (rounded once to q's dtype;
         the attention uses the fp32 rotation); q[..., :dn] is only read. False: q is only read
+    d_indices, indices_stride, topk, topk_lengths: MAX's sparse mode (sparse_mla; None: dense). d_indices
+        (>= T * indices_stride,) int32, token t's list d_indices[t * indices_stride:][:topk], flat slots
+        block * page + offset of kv_cache; topk_lengths (T,) int32: token t uses its first topk_lengths[t]
+        entries (clamped to [0, topk]), -1 skipped. No causal mask, no block table in the attention (the
+        indices choose the keys); a listed slot holding one of this step's rows attends its fp32 row.
+    extra_k, extra_scales, extra_d_indices, extra_topk_lengths: MAX's second cache (sparse only): extra_k
+        (num_blocks', page', [1,] d) float8_e4m3fn, contiguous rows; extra_scales (num_blocks' page',
+        d_c / 128 + 1) float32 (or any shape of that many rows), a scale per row and 128 latent channels, the
+        last for the rope part; its list and lengths as d_indices / topk_lengths (same stride and topk),
+        flat rows of extra_k. Its used rows join the token's keys in the same online softmax.
     returns: out
     """
     what = "mla_decode_fused_fp8"
@@ -436,8 +593,12 @@ def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs
     elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (T, H, dv) or out.dtype != q.dtype \
             or out.device != dev or (out.numel() and out.stride(-1) != 1):
         raise ValueError(f"{what}: out must be a ({T}, {H}, {dv}) {q.dtype} tensor on {dev} with last-dim stride 1")
+    sparse = _sparse_args(what, T, d_c, d, dev, d_indices, indices_stride, topk, topk_lengths, extra_k,
+                          extra_scales, extra_d_indices, extra_topk_lengths)
     if T == 0 or H == 0:
         return out
+    if max_new_tokens is None and sparse is not None:
+        max_new_tokens = T  # sizes nothing in the sparse mode
     if max_new_tokens is None:
         max_new_tokens = int((input_row_offsets[1:] - input_row_offsets[:-1]).max()) if b else 0
     if not isinstance(max_new_tokens, int) or not 0 <= max_new_tokens <= T:
@@ -450,18 +611,39 @@ def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs
     new_rows = torch.empty((T, d), dtype=torch.float32, device=dev)
     q_full = torch.empty((T, H, d), dtype=torch.float32, device=dev)
     o_lat = torch.empty((T, H, d_c), dtype=torch.float32, device=dev)
+    # sparse: slot -> this step's token (written by the first launch), -1 for every other slot
+    slot_map = torch.full((kv_cache.shape[0] * page,), -1, dtype=torch.int32, device=dev) if sparse else q_full
+    block_b = min(1024, triton.next_power_of_2(max(b, 1)))
 
     _mla_fused_rope_norm_kernel[(T,)](
-        q, input_row_offsets, cache_lengths, block_table, freqs_cis, gamma, kv_cache, new_rows, q_full,
+        q, input_row_offsets, cache_lengths, block_table, freqs_cis, gamma, kv_cache, new_rows, q_full, slot_map,
         b, H, eps_hi, float(epsilon) - eps_hi,
         q.stride(0), q.stride(1), *block_table.stride(), freqs_cis.stride(0), stride_kb, stride_ks,
         new_rows.stride(0), q_full.stride(0), q_full.stride(1),
-        PAGE=page, DN=dn, D_C=d_c, D_R=d_r, BLOCK_B=min(1024, triton.next_power_of_2(max(b, 1))),
-        BLOCK_H=min(ROPE_HEADS, triton.next_power_of_2(H)), Q_INPLACE=bool(q_inplace), num_warps=4,
+        PAGE=page, DN=dn, D_C=d_c, D_R=d_r, BLOCK_B=block_b,
+        BLOCK_H=min(ROPE_HEADS, triton.next_power_of_2(H)), Q_INPLACE=bool(q_inplace), SLOT_MAP=sparse is not None,
+        num_warps=4,
     )
     _bmm_fp8(q[..., :dn], w_uk, s_uk, q_full[..., :d_c])
     cfg_m, cfg_n, warps, stages, precision = ATTEND_CONFIG
     split3 = precision == "split3" and kv_cache.dtype != torch.float32
+    if sparse is not None:
+        idx, lens, e_k, e_s, e_idx, e_len = sparse
+        n_m = triton.cdiv(H, cfg_m)
+        _mla_fused_sparse_kernel[(T * n_m,)](
+            q_full, new_rows, kv_cache, slot_map, o_lat, input_row_offsets,
+            attn_sink if attn_sink is not None else q_full, idx, lens,
+            *((e_k, e_s, e_idx, e_len) if e_k is not None else (q_full, q_full, idx, lens)),
+            H, b, n_m, int(topk), int(indices_stride), float(scale) * LOG2E,
+            q_full.stride(0), q_full.stride(1), new_rows.stride(0), stride_kb, stride_ks,
+            o_lat.stride(0), o_lat.stride(1), e_k.stride(0) if e_k is not None else 0,
+            e_s.stride(0) if e_s is not None else 0,
+            HAS_SINK=attn_sink is not None, SINK_BATCH=sink_per == "batch", HAS_EXTRA=e_k is not None, PAGE=page,
+            D_V=d_c, D_PE=d_r, GROUP_C=GROUP, BLOCK_M=cfg_m, BLOCK_N=cfg_n, BLOCK_B=block_b, SPLIT3=split3,
+            num_warps=warps,
+        )
+        _bmm_fp8(o_lat, w_uv, s_uv, out)
+        return out
     block_m = min(cfg_m, max(16, triton.next_power_of_2(max_new_tokens * H)))
     n_m = max(1, triton.cdiv(max_new_tokens * H, block_m))
     _mla_fused_attend_kernel[(b * n_m,)](
