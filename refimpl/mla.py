@@ -382,7 +382,8 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
                      sink_per: str = "head", d_indices: NDArray | None = None, indices_stride: int = 0,
                      topk: int = 0, topk_lengths: NDArray | None = None, extra_k: NDArray | None = None,
                      extra_scales: NDArray | None = None, extra_d_indices: NDArray | None = None,
-                     extra_topk_lengths: NDArray | None = None) -> tuple[F64, F64] | tuple[F64, F64, F64]:
+                     extra_topk_lengths: NDArray | None = None, fp8: str = "e4m3",
+                     scale_dtype: str = "fp32") -> tuple[F64, F64] | tuple[F64, F64, F64]:
     """MAX's `mla_decode_branch_fp8` (modular/modular max/kernels/src/nn/attention/gpu/mla_graph.mojo).
 
     q: (T, H, dn + d_r) ragged new tokens, dn = 128 (q_nope), d_r = 64 (q_rope)
@@ -398,6 +399,10 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
     sink_per: "head" (attn_sink (H,), one sink per query head) or "batch" (attn_sink (b,): request r's sink,
         shared by all its heads and tokens: MAX's per-batch attention sink)
     granularity: (m, n, k) scale granularity (1, 128, 128); scale_ub: activation amax bound (1200)
+    fp8, scale_dtype: MAX's fp8_dtype / fp8_scale_dtype, "e4m3" (float8_e4m3fn) or "e5m2" and "fp32" or "bf16":
+        w_uk / w_uv hold codes of that format and scales of that dtype (read as stored), and both
+        activations are quantized to them (mla_fp8.quantize_act: a bf16 scale is rounded before its
+        reciprocal is taken, so the codes are those of the stored scale)
     d_indices, indices_stride, topk, topk_lengths: MAX's sparse mode (sparse_mla), None for dense.
         d_indices: (>= T * indices_stride,) int, new token t's list at d_indices[t * indices_stride:][:topk],
         flat cache slots block * page + offset (FlashMLA's sparse convention); topk_lengths: (T,) int,
@@ -467,7 +472,8 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
         empty = np.zeros((0, H, np.shape(w_uv)[1])), rows.reshape(np.shape(kv_cache)).copy()
         return (*empty, q_after) if q_inplace else empty
     q_lat = bmm_fp8(q[..., :dn].transpose(1, 0, 2), w_uk,
-                    np.reshape(w_uk_scale, (H, -1, -(-dn // kg))), granularity, scale_ub)  # H, T, d_c
+                    np.reshape(np.asarray(w_uk_scale, dtype=np.float32), (H, -1, -(-dn // kg))), granularity,
+                    scale_ub, fp8=fp8, scale_dtype=scale_dtype)  # H, T, d_c
     q_full = np.concatenate([q_lat.transpose(1, 0, 2), rope_interleaved(q[..., dn:], f[pos][:, None])], axis=-1)
     after = rows.copy()
     after[new, :d_c] = rms_norm(rows[new, :d_c], gamma, epsilon)
@@ -497,7 +503,8 @@ def decode_fused_fp8(q: NDArray, input_row_offsets: NDArray, freqs_cis: NDArray,
         o_lat, _ = _attend_rows(q_pad, after[slot], keep, scale, d_c, sink)  # b, n_max, H, d_c
         o_lat = o_lat[ok]  # T, H, d_c in token order
     out = bmm_fp8(o_lat.transpose(1, 0, 2), w_uv,
-                  np.reshape(w_uv_scale, (H, -1, -(-d_c // kg))), granularity, scale_ub, absolute=absolute)  # H, T, dv
+                  np.reshape(np.asarray(w_uv_scale, dtype=np.float32), (H, -1, -(-d_c // kg))), granularity, scale_ub,
+                  absolute=absolute, fp8=fp8, scale_dtype=scale_dtype)  # H, T, dv
     if q_inplace:
         return out.transpose(1, 0, 2), after.reshape(np.shape(kv_cache)), q_after
     return out.transpose(1, 0, 2), after.reshape(np.shape(kv_cache))

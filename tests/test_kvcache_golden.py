@@ -220,3 +220,40 @@ def test_metadata_params_are_checked():
         ops.make_case("kvcache.metadata", "cpu", "fp32", {**base, "graph": 3}, "normal", 0)
     with pytest.raises(UsageError, match=r"maxb=8 .*graph=9"):
         ops.make_case("kvcache.metadata", "cpu", "fp32", {**base, "graph": 9}, "normal", 0)
+
+
+def test_metadata_triton_kernel_is_the_golden():
+    """kernels/triton/kvcache.py `metadata` in the interpreter: the spec's inputs with and without CUDA-graph padding,
+    a batch of zero lengths only, and buffers past one block (the cumsum carried across blocks); a graph smaller
+    than the batch and a wrong buffer are refused."""
+    from kernel_parity.conformance.backends.triton_prep import interpreter_ready, prepare_environment
+
+    prepare_environment()
+    torch = pytest.importorskip("torch")
+    if interpreter_ready():
+        pytest.skip(interpreter_ready())
+    from kernel_parity.kernels.triton import kvcache as tk
+
+    spec = ops.get("kvcache.metadata")
+    rng = np.random.default_rng(5)
+    cases = []
+    for seed, graph in ((0, 0), (1, 16), (2, 9)):
+        p = spec.params.validate(spec.name, dict(b=7, maxb=16, graph=graph, snew=4, smax=50))
+        x = spec.make_inputs(p, "fp32", "normal", np.random.default_rng(seed))
+        cases.append((x["seq_len"], x["input_pos"], x["cache_loc"], graph))
+    zero = np.zeros(6, dtype=np.int32)
+    cases += [(zero, zero + 5, zero + 3, 0), (zero, zero + 5, zero + 3, 4)]
+    n = rng.integers(0, 4, 2600).astype(np.int32)
+    n[2400:] = 0
+    n[2399] = 2
+    cases.append((n, rng.integers(0, 10**6, 2600).astype(np.int32), rng.integers(0, 10**6, 2600).astype(np.int32),
+                  2500))
+    for seq_len, pos, loc, graph in cases:
+        want = ref.metadata(seq_len, pos, loc, graph=graph)
+        got = tk.metadata(*(torch.from_numpy(a.copy()) for a in (seq_len, pos, loc)), graph=graph)
+        assert all(np.array_equal(g.numpy(), w) for g, w in zip(got, want)), (seq_len.size, graph)
+    t = [torch.from_numpy(a.copy()) for a in cases[0][:3]]
+    with pytest.raises(ValueError, match=r"graph of 3 rows \(expected >= 7\)"):
+        tk.metadata(*t, graph=3)
+    with pytest.raises(ValueError, match="input_pos must be a contiguous"):
+        tk.metadata(t[0], t[1].long(), t[2])

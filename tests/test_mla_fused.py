@@ -50,8 +50,10 @@ CASES = {  # op-spec params
 }
 
 
-def _case(name: str, dtype: str, seed: int = 0, dist: str = "normal") -> dict[str, np.ndarray]:
-    return DECODE_FUSED_FP8.make_inputs(CASES[name], dtype, dist, np.random.default_rng(seed))
+def _case(name: str, dtype: str, seed: int = 0, dist: str = "normal", **fmt) -> dict[str, np.ndarray]:
+    """fmt: fp8= / scale_dtype= (MAX's fp8_dtype / fp8_scale_dtype), the spec's defaults otherwise."""
+    p = DECODE_FUSED_FP8.params.validate(DECODE_FUSED_FP8.name, {**CASES[name], **fmt})
+    return DECODE_FUSED_FP8.make_inputs(p, dtype, dist, np.random.default_rng(seed))
 
 
 def _run(x: dict[str, np.ndarray], **kw) -> tuple[np.ndarray, np.ndarray]:
@@ -65,10 +67,12 @@ def _run(x: dict[str, np.ndarray], **kw) -> tuple[np.ndarray, np.ndarray]:
 
 def _golden(x: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     g = float64_view(x)
+    fmt = {"fp8": "e5m2" if x["w_uk"].dtype.name == "float8_e5m2" else "e4m3",
+           "scale_dtype": "bf16" if x["w_uk_scale"].dtype.name == "bfloat16" else "fp32"}
     return refimpl.mla.decode_fused_fp8(g["q"], g["input_row_offsets"], g["freqs_cis"], g["gamma"], FUSED_EPS,
-                                        g["w_uk"], g["w_uk_scale"], g["w_uv"], g["w_uv_scale"], g["kv_cache"],
+                                        x["w_uk"], g["w_uk_scale"], x["w_uv"], g["w_uv_scale"], g["kv_cache"],
                                         g["block_table"], g["cache_lengths"], FUSED_SCALE,
-                                        attn_sink=g.get("attn_sink"))
+                                        attn_sink=g.get("attn_sink"), **fmt)
 
 
 def assert_fused(x: dict[str, np.ndarray], dtype: str, request, out: np.ndarray, cache: np.ndarray) -> None:
@@ -109,6 +113,13 @@ def test_fused_fp32_is_the_golden_to_fp32_accuracy(request, name):
     assert_fused(x, "fp32", request, *_run(x))
 
 
+def test_fused_fp8_and_scale_dtypes_match_golden(request):
+    """MAX's fp8_dtype / fp8_scale_dtype, read from w_uk / w_uk_scale: e5m2 codes, bf16 scales (the activation
+    scales rounded to bf16 before the codes are formed); each alone is a ci case."""
+    x = _case("ragged", "bf16", seed=4, fp8="e5m2", scale_dtype="bf16")
+    assert_fused(x, "bf16", request, *_run(x))
+
+
 def test_fused_zero_q_nope_group_quantizes_to_zero(request):
     x = _case("ragged", "bf16", seed=2)
     x["q"][0, :, :128] = 0  # scale 0, codes 0, q_lat 0 for that token (MAX's zero reciprocal)
@@ -126,7 +137,8 @@ def test_fused_three_dim_cache_strided_out_and_explicit_max_new_tokens(request):
     assert_fused(x, "bf16", request, out, cache[:, :, None])
 
 
-@pytest.mark.parametrize("bad", ["w_uk_dtype", "w_uv_scale_shape", "cache_dtype", "granularity"])
+@pytest.mark.parametrize("bad", ["w_uk_dtype", "w_uv_scale_shape", "cache_dtype", "granularity", "w_uv_format",
+                                 "w_uv_scale_dtype"])
 def test_fused_refuses_bad_inputs(bad):
     x = _case("one", "bf16")
     t = {k: to_torch(v.copy(), DEV) for k, v in x.items()}
@@ -136,6 +148,10 @@ def test_fused_refuses_bad_inputs(bad):
         t["w_uv_scale"] = t["w_uv_scale"][:, :, :2]
     elif bad == "cache_dtype":
         t["kv_cache"] = t["kv_cache"].float()
+    elif bad == "w_uv_format":  # MAX's one fp8_dtype: W_UV's codes in W_UK's format
+        t["w_uv"] = t["w_uv"].float().to(torch.float8_e5m2)
+    elif bad == "w_uv_scale_dtype":  # and one fp8_scale_dtype
+        t["w_uv_scale"] = t["w_uv_scale"].to(torch.bfloat16)
     else:  # q_nope of 96 channels: not a whole 128-channel scale group
         t["q"] = t["q"][..., 32:]
     with pytest.raises(ValueError, match="mla_decode_fused_fp8"):

@@ -2,6 +2,7 @@
 branch) and refimpl/mla_schedule.py (FlashMLA's split scheduler), against independent float64
 computations and the other goldens (refimpl.attention, refimpl.combine, refimpl.quant_fp)."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -501,3 +502,65 @@ def test_paged_cache_pages_are_one_calls_draws(dtype):
         used.update(table[i, :k].tolist())
     spare = sorted(set(range(cache.shape[0])) - used)
     assert len(spare) == 2 and np.isnan(cache[spare].astype(np.float32)).all()
+
+
+def test_activation_quant_formats_reduce_to_the_default_and_round_the_scale_first():
+    """fp8 / scale_dtype (MAX's fp8_dtype / fp8_scale_dtype): the general path at (e4m3, fp32) is the default
+    path bit for bit; bf16 scales are bf16 values of bf16(amax) / 448 and the codes are x * (1 / s) of that
+    stored scale; e5m2 codes at 57344, saturating above scale_ub."""
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((2, 3, 256)) * 10.0 ** rng.uniform(-2, 2, (2, 3, 1))
+    x[0, 1, :128] = 0.0  # a zero group: scale 0, codes 0 in every format
+    x[1, 2, 0] = 5000.0  # above scale_ub: saturates
+    q0, s0 = mla_fp8.quantize_act(x)
+    xp = np.asarray(x, dtype=np.float32)
+    q1, s1 = mla_fp8._quantize_act_fmt(xp, 3, 1, 128, 1200.0, "e4m3", "fp32")
+    assert np.array_equal(q0.view(np.uint8), q1.view(np.uint8)) and np.array_equal(s0, s1)
+    for fmt, fmax in (("e4m3", 448.0), ("e5m2", 57344.0)):
+        q, s = mla_fp8.quantize_act(x, fp8=fmt, scale_dtype="bf16")
+        assert q.dtype.name == {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}[fmt]
+        amax = np.minimum(np.abs(xp).reshape(2, 3, 2, 128).max(-1).astype(ml_dtypes.bfloat16).astype(np.float32),
+                          np.float32(1200.0))
+        want_s = (amax / np.float32(fmax)).astype(ml_dtypes.bfloat16).astype(np.float32)
+        assert np.array_equal(s, want_s) and s[0, 1, 0] == 0
+        with np.errstate(divide="ignore"):
+            r = np.where(want_s > 0, np.float32(1.0) / want_s, np.float32(0.0))
+        want_q = qf.fp8_encode(xp * np.repeat(r, 128, axis=-1), fmt, saturate=True)
+        assert np.array_equal(q.view(np.uint8), want_q.view(np.uint8))
+        assert q[1, 2, 0].astype(np.float32) == fmax
+    q5, s5 = mla_fp8.quantize_act(x, fp8="e5m2")  # fp32 scales: the default's, over 57344
+    assert np.array_equal(s5, np.minimum(np.abs(xp).reshape(2, 3, 2, 128).max(-1), np.float32(1200.0))
+                          / np.float32(57344.0))
+    with pytest.raises(ValueError, match="fp8 must be one of"):
+        mla_fp8.quantize_act(x, fp8="e4m3fnuz")
+    with pytest.raises(ValueError, match="scale_dtype must be one of"):
+        mla_fp8.quantize_act(x, scale_dtype="fp16")
+
+
+def test_fused_formats_read_the_stored_weights_and_keep_the_older_ids():
+    """The golden with fp8=e5m2 / scale_dtype=bf16 is the composition over the stored e5m2 codes and bf16 scales;
+    the default params keep every older case id; a weight of the wrong format is refused."""
+    from kernel_parity.conformance import ops
+
+    spec = ops.get("mla.decode_fused_fp8")
+    base = dict(b=3, new=2, hq=2, kv=64, lens="ragged", sink=0)
+    for extra in ({}, {"fp8": "e4m3", "scale_dtype": "fp32"}):
+        case = ops.make_case(spec.name, "torch", "bf16", {**base, **extra}, "normal", 0)
+        assert case.id == "mla.decode_fused_fp8/torch/bf16/b=3,new=2,hq=2,kv=64,lens=ragged,sink=0/normal/seed=0"
+    p = spec.params.validate(spec.name, {**base, "fp8": "e5m2", "scale_dtype": "bf16"})
+    x = spec.make_inputs(p, "bf16", "normal", np.random.default_rng(3))
+    assert x["w_uk"].dtype.name == "float8_e5m2" and x["w_uk_scale"].dtype == ml_dtypes.bfloat16
+    g = x
+    args = (g["q"], g["input_row_offsets"], g["freqs_cis"], g["gamma"], 1e-6, g["w_uk"], g["w_uk_scale"], g["w_uv"],
+            g["w_uv_scale"], g["kv_cache"], g["block_table"], g["cache_lengths"], 0.1)
+    out, _ = mla.decode_fused_fp8(*args, fp8="e5m2", scale_dtype="bf16")
+    q = np.asarray(g["q"], dtype=np.float64)
+    H = q.shape[1]
+    q_lat = mla_fp8.bmm_fp8(q[..., :128].transpose(1, 0, 2), g["w_uk"], g["w_uk_scale"].astype(np.float32),
+                            fp8="e5m2", scale_dtype="bf16")
+    w = mla_fp8.dequantize(g["w_uk"], g["w_uk_scale"].astype(np.float32), 128, 128)
+    qa, sa = mla_fp8.quantize_act(q[..., :128].transpose(1, 0, 2), fp8="e5m2", scale_dtype="bf16")
+    _close(q_lat, mla_fp8.dequantize(qa, sa, 1, 128) @ w.transpose(0, 2, 1), "e5m2 / bf16 q_lat")
+    assert out.shape == (q.shape[0], H, 128) and np.isfinite(out).all()
+    with pytest.raises(ValueError, match="fp8='e4m3' wants float8_e4m3fn"):
+        mla.decode_fused_fp8(*args)

@@ -67,7 +67,8 @@ def _to_torch(a: np.ndarray, device: Any) -> Any:
     if base.dtype != a.dtype:  # a reinterpreting view (int32 words of a uint32 buffer): move a's own copy
         a = base = a.copy()
     d = dt.of_array(a)
-    if d.np.kind == "V":  # bf16, fp8 (ml_dtypes types): move the bits, view them as torch's type
+    if d.np.kind == "V" or d.np.type.__module__ == "ml_dtypes":  # bf16, fp8 (ml_dtypes types; e5m2's kind is
+        # "f", not "V"): move the bits, view them as torch's type
         if d.torch_name is None:
             raise TypeError(f"torch has no dtype for {d.name}")
         t = torch.from_numpy(np.ascontiguousarray(base).view(_SIGNED[d.np.itemsize])).to(device)

@@ -1,5 +1,5 @@
-"""Adapters binding the KV-cache write kernels of each built-in backend to `kvcache.update`, and the C and
-torch host metadata step to `kvcache.metadata` (TensorRT-LLM's prepare_fused_mha_metadata).
+"""Adapters binding the KV-cache write kernels of each built-in backend to `kvcache.update`, and the C,
+torch and Triton metadata step to `kvcache.metadata` (TensorRT-LLM's prepare_fused_mha_metadata).
 
 The kernels write in place, so each adapter first copies the old cache into the poisoned output
 buffer (harness work, outside what is judged) and lets the kernel append K and V there. A case
@@ -41,7 +41,15 @@ def triton_ops(device: str) -> dict[str, Callable]:
 
         return update
 
-    return {"kvcache.update": _torch_run(device, kernel)}
+    def metadata(case, inputs, out):
+        from kernel_parity.kernels.triton.kvcache import metadata as meta
+
+        bufs = tuple(out.torch(n, device) for n in META_OUTPUTS)
+        meta(*(to_torch(inputs[k], device) for k in ("seq_len", "input_pos", "cache_loc")), graph=case.p["graph"],
+             out=bufs)
+        return dict(zip(META_OUTPUTS, bufs))
+
+    return {"kvcache.update": _torch_run(device, kernel), "kvcache.metadata": metadata}
 
 
 def torch_ops(device: str) -> dict[str, Callable]:

@@ -80,6 +80,7 @@ CLASSES = {
     "bias": "the bias left out or added twice",
     "scale-index": "a block's scale taken from the neighbouring block",
     "zero-point": "an int4 zero point off by one (GPTQ v1 stores zero - 1)",
+    "fp8-format": "FP8 codes of one format decoded as another's (e5m2 bytes read as e4m3)",
     "amax-floor": "the FP8 activation amax floor (1e-4) left out: an all-zero group divides by 0",
     # MLA
     "v-aliasing": "MLA values not the first d_v dims of the key rows (V loaded from elsewhere in the row)",

@@ -231,7 +231,7 @@ METADATA = OpSpec(
              "cache_loc": Output("int32", exact=True, doc="real rows' cache_loc, the last real row's on padding"),
              "seq_start": Output("int32", exact=True, doc="exclusive cumsum of seq_len")},
     tolerance=Tol(noise_k=None), dtypes=("fp32",), dists={"normal": "seq_len, input_pos, cache_loc as above"},
-    check=_meta_check, baseline=None, backends=("cpu", "torch"),
+    check=_meta_check, baseline=None, backends=("cpu", "torch", "triton"),
     doc="TensorRT-LLM's host metadata: sequences from zero-padded buffers, seq_start the exclusive cumsum, "
         "CUDA-graph padding rows inert; exact integers.",
 )

@@ -20,7 +20,9 @@
                        `mask` (MAX's mask_str: causal, default, or null); `sparse=k` (default 0)
                        MAX's sparse_mla: each new token attends only its top-k slots (d_indices
                        with indices_stride, per-token topk_lengths, -1 padding); with it `extra=1`
-                       MAX's second cache: FP8 rows, own indices / lengths / scales, one softmax
+                       MAX's second cache: FP8 rows, own indices / lengths / scales, one softmax;
+                       `fp8` (MAX's fp8_dtype: e4m3, default, or e5m2) and `scale_dtype` (MAX's
+                       fp8_scale_dtype: fp32, default, or bf16), ids unchanged
 - `mla.schedule`       FlashMLA's split scheduler (get_mla_metadata), bit-exact int32 rows:
                        conformance/ops/mla_schedule.py, registered here
 
@@ -44,6 +46,7 @@ import numpy as np
 from kernel_parity import refimpl
 import kernel_parity.refimpl.mla  # noqa: F401  (refimpl.mla below)
 import kernel_parity.refimpl.quant  # noqa: F401  (refimpl.quant below)
+import kernel_parity.refimpl.mla_fp8  # noqa: F401  (refimpl.mla_fp8 below)
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.ops.attention import BASELINE_TIER, attention_tolerance
 from kernel_parity.conformance.inputs import normal_quantiles, table_words
@@ -343,14 +346,18 @@ def _fused_layout(p: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _fp8_heads(rng: np.random.Generator, h: int, n: int, k: int, spread: bool = False, ng: int = 128,
-               kg: int = 128) -> tuple[np.ndarray, np.ndarray]:
+               kg: int = 128, fmt: tuple[str, str] = ("e4m3", "fp32")) -> tuple[np.ndarray, np.ndarray]:
     """(h, n, k) e4m3 weights from N(0, W_SIGMA) by refimpl.quant.fp8_quantize per (ng x kg) block of
     each head (128 x 128: DeepSeek's), and their (h, n / ng, k / kg) float32 scales; spread: each 128 x 128
-    block of each head times 10^U(-1, 1) first (`blockscale`)."""
+    block of each head times 10^U(-1, 1) first (`blockscale`). fmt (the `fp8`, `scale_dtype` params) other
+    than (e4m3, fp32): the same draws quantized by refimpl.mla_fp8.quantize_weight (e5m2 codes at amax / 57344,
+    bf16 scales rounded before the codes are formed; the scales then a bfloat16 array)."""
     def head() -> tuple[np.ndarray, np.ndarray]:
         w = rng.standard_normal((n, k)) * W_SIGMA
         if spread:
             w = w * 10.0 ** np.repeat(np.repeat(rng.uniform(-1.0, 1.0, (n // 128, k // 128)), 128, 0), 128, 1)
+        if fmt != ("e4m3", "fp32"):
+            return refimpl.mla_fp8.quantize_weight(w, ng, kg, *fmt)
         return refimpl.quant.fp8_quantize(w, ng, kg)
 
     q, s = zip(*(head() for _ in range(h)))
@@ -393,8 +400,9 @@ def _fused_inputs(p, dtype, dist, rng):
     q = dt.round_to(_draw(rng, (int(off[-1]), h, DN + D_R), base), dtype)
     gamma = dt.round_to(1.0 + 0.1 * rng.standard_normal(D_C), "fp32")  # fp32: see FUSED_GAMMA above
     _, ng, kg = fused_granularity(p)
-    w_uk, s_uk = _fp8_heads(rng, h, D_C, DN, spread=dist == "blockscale", ng=ng, kg=kg)
-    w_uv, s_uv = _fp8_heads(rng, h, DV_HEAD, D_C, spread=dist == "blockscale", ng=ng, kg=kg)
+    fmt = fused_formats(p)
+    w_uk, s_uk = _fp8_heads(rng, h, D_C, DN, spread=dist == "blockscale", ng=ng, kg=kg, fmt=fmt)
+    w_uv, s_uv = _fp8_heads(rng, h, DV_HEAD, D_C, spread=dist == "blockscale", ng=ng, kg=kg, fmt=fmt)
     if dist == "blockscale":
         q = dt.round_to(q.astype(np.float64) * 10.0 ** rng.uniform(0.0, 2.0, (1, h, 1)), dtype)
     elif dist == "tinynorm":  # the new tokens' rows: request i's tokens at positions cl_i .. cl_i + n_i - 1
@@ -513,6 +521,11 @@ def fused_granularity(p: dict[str, Any]) -> tuple[int, int, int]:
     return m, n, k
 
 
+def fused_formats(p: dict[str, Any]) -> tuple[str, str]:
+    """(fp8, scale_dtype) of a case: MAX's fp8_dtype and fp8_scale_dtype (e4m3 and fp32, DeepSeek's, by default)."""
+    return p.get("fp8", "e4m3"), p.get("scale_dtype", "fp32")
+
+
 def fused_causal(p: dict[str, Any]) -> bool:
     """MAX's mask_str of the `mask` param: causal (default) or null (every key of the request)."""
     return p.get("mask", "causal") == "causal"
@@ -538,7 +551,7 @@ def _fused_ref(x, p, absolute=False):
         x["w_uv"], x["w_uv_scale"], x["kv_cache"], x["block_table"], x["cache_lengths"], FUSED_SCALE,
         attn_sink=x.get("attn_sink"), absolute=absolute, q_inplace=bool(p.get("qrope", 0)),
         sink_per=p.get("sink_shape", "head"), granularity=fused_granularity(p), causal=fused_causal(p),
-        **fused_sparse_args(x, p))
+        **fused_sparse_args(x, p), **dict(zip(("fp8", "scale_dtype"), fused_formats(p))))
     return dict(zip(("out", "kv_cache", "q"), got))
 
 
@@ -638,8 +651,13 @@ DECODE_FUSED_FP8 = OpSpec(
                                                   "token, -1 padding) and attends only those; 0: dense"),
         extra=OneOf(0, 1, doc="sparse only: MAX's second cache (extra_k, e4m3 rows with per-row scales, its own "
                               "top-k list and lengths), attended jointly with the main list (one softmax)"),
+        fp8=OneOf("e4m3", "e5m2", doc="MAX's fp8_dtype: the codes of W_UK, W_UV and both quantized activations "
+                                      "(e4m3fn: DeepSeek's; e5m2, max 57344: the generalisation)"),
+        scale_dtype=OneOf("fp32", "bf16", doc="MAX's fp8_scale_dtype: the weights' stored block scales and the "
+                                              "activations' dynamic scales (bf16: amax and the scale rounded to "
+                                              "bf16, the codes formed with the rounded scale)"),
     ), {"qrope": 0, "sink_shape": "head", "gran": "1x128x128", "eps": "1e-6", "mask": "causal", "sparse": 0,
-        "extra": 0}),
+        "extra": 0, "fp8": "e4m3", "scale_dtype": "fp32"}),
     make_inputs=_fused_inputs,
     check=_fused_check,
     output_shapes=_fused_shapes,

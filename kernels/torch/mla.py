@@ -187,15 +187,38 @@ def decode_sparse(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor
 
 # --------------------------------------------------------------------------- MAX fused FP8 branch
 
-def _quantize_act(x: torch.Tensor, m_gran: int, k_gran: int, scale_ub: float) -> torch.Tensor:
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def _quantize_act_fmt(xp: torch.Tensor, M: int, m_gran: int, k_gran: int, scale_ub: float, fp8: torch.dtype,
+                      scale_dtype: torch.dtype) -> torch.Tensor:
+    """_quantize_act in another format / scale dtype (MAX's compute_dynamic_fp8_scale in the scale dtype:
+    amax cast to it, min with ub and / max finite in it; 1 / s in float32 from the stored scale)."""
+    B, mp, K = xp.shape
+    xb = xp.view(B, mp // m_gran, m_gran, K // k_gran, k_gran)
+    amax = xb.abs().amax(dim=(2, 4)).to(scale_dtype)
+    s = (torch.minimum(amax, torch.tensor(scale_ub, dtype=scale_dtype, device=xp.device)) / _FP8_MAX[fp8]).to(
+        scale_dtype).float()
+    recip = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)[:, :, None, :, None]
+    fmax = _FP8_MAX[fp8]
+    q = (xb * recip).clamp(-fmax, fmax).to(fp8)
+    return (q.float() * s[:, :, None, :, None]).view(B, mp, K)[:, :M]
+
+
+def _quantize_act(x: torch.Tensor, m_gran: int, k_gran: int, scale_ub: float,
+                  fp8: torch.dtype = torch.float8_e4m3fn, scale_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """MAX's dynamic activation quantization, dequantized: x (B, M, K) -> q s (B, M, K) float32.
 
     s = min(amax, ub) / 448 per (m_gran rows x k_gran columns) group of one batch entry (float32,
-    no floor), q = e4m3(clamp(x * (1 / s))); a zero group stays zero (MAX's zero reciprocal)."""
+    no floor), q = e4m3(clamp(x * (1 / s))); a zero group stays zero (MAX's zero reciprocal).
+    fp8 / scale_dtype (MAX's fp8_dtype / fp8_scale_dtype, w_uk's and w_uk_scale's dtypes): e5m2 codes at
+    57344, bf16 scales rounded before the codes are formed (_quantize_act_fmt)."""
     B, M, K = x.shape
     mp = -(-M // m_gran) * m_gran
     xp = torch.zeros(B, mp, K, dtype=torch.float32, device=x.device)
     xp[:, :M] = x.float()  # groups never straddle two batch entries
+    if (fp8, scale_dtype) != (torch.float8_e4m3fn, torch.float32):
+        return _quantize_act_fmt(xp, M, m_gran, k_gran, scale_ub, fp8, scale_dtype)
     q, s = fp8_quantize_blocks(xp.reshape(B * mp, K), m_gran, k_gran, amax_floor=0.0, scale_ub=scale_ub,
                                reciprocal=True)
     full = s.repeat_interleave(m_gran, 0).repeat_interleave(k_gran, 1)[:, :K]  # B * mp, K
@@ -205,7 +228,7 @@ def _quantize_act(x: torch.Tensor, m_gran: int, k_gran: int, scale_ub: float) ->
 
 def _dequantize_weight(w: torch.Tensor, scale: torch.Tensor, n_gran: int, k_gran: int,
                        dtype: torch.dtype) -> torch.Tensor:
-    """w (B, N, K) e4m3 * scale[b, n // n_gran, k // k_gran] in float32, then `dtype`."""
+    """w (B, N, K) fp8 * scale[b, n // n_gran, k // k_gran] (float32 or bf16) in float32, then `dtype`."""
     B, N, K = w.shape
     s = scale.float().reshape(B, -(-N // n_gran), -(-K // k_gran))
     full = s.repeat_interleave(n_gran, 1).repeat_interleave(k_gran, 2)[:, :N, :K]
@@ -216,9 +239,13 @@ def _bmm_fp8(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, granularit
              scale_ub: float) -> torch.Tensor:
     """a (B, M, K) quantized as MAX does, times w (B, N, K)^T, both dequantized to a.dtype -> (B, M, N).
 
-    The eager form: operands dequantized to the dtype, one batched matmul in it (as gemm.py)."""
+    The eager form: operands dequantized to the dtype, one batched matmul in it (as gemm.py). The activation
+    is quantized in w's format with scales of w_scale's dtype (MAX's fp8_dtype / fp8_scale_dtype)."""
     mg, ng, kg = granularity
-    qa = _quantize_act(a, mg, kg, scale_ub).to(a.dtype)
+    if w.dtype not in _FP8_MAX or w_scale.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"fp8 weights must be float8_e4m3fn or float8_e5m2 with float32 or bfloat16 scales, got "
+                         f"{w.dtype} and {w_scale.dtype}")
+    qa = _quantize_act(a, mg, kg, scale_ub, w.dtype, w_scale.dtype).to(a.dtype)
     return qa @ _dequantize_weight(w, w_scale, ng, kg, a.dtype).transpose(1, 2)
 
 
@@ -244,7 +271,9 @@ def decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis
     """MAX's `mla_decode_branch_fp8`, eager, in q.dtype; arguments and order as refimpl/mla.py.
 
     q (T, H, dn + d_r), input_row_offsets (b + 1,), freqs_cis (max_seq_len, d_r), gamma (d_c,),
-    w_uk (H, d_c, dn) / w_uv (H, dv, d_c) e4m3 with block scales, kv_cache (num_blocks, page, [1,] d)
+    w_uk (H, d_c, dn) / w_uv (H, dv, d_c) e4m3 or e5m2 with float32 or bf16 block scales (MAX's fp8_dtype and
+    fp8_scale_dtype, read from w_uk / w_uk_scale: the activations are quantized in them),
+    kv_cache (num_blocks, page, [1,] d)
     in q.dtype, block_table (b, max_blocks), cache_lengths (b,)
     returns: out (T, H, dv) in q.dtype, cache_after (kv_cache's shape; kv_cache itself when inplace)
 

@@ -15,6 +15,12 @@ One program copies one token's (h_kv, d) slab: BLOCK_H heads x BLOCK_D values, 1
 (TensorRT-LLM's flattened tokens) launches max_len programs per sequence (new's row count unless
 given: no device sync); those past the sequence's seq_len return at once. K and V are separate calls,
 each with its own head dim (TensorRT-LLM's V_D_HEAD may differ from K's).
+
+`metadata` is TensorRT-LLM's host metadata step (prepare_fused_mha_metadata; golden
+refimpl/kvcache.py `metadata`) on the device: one program scans the (max_batch,) seq_len buffer for b
+(1 + the last non-zero length), then writes the m = graph or b output rows a block at a time: real
+rows copied, padding rows (b <= i < m) seq_len 0 with row b - 1's input_pos and cache_loc, seq_start
+the exclusive cumsum (tl.cumsum of the block, minus the row's own length, plus the earlier blocks' sum).
 """
 
 from __future__ import annotations
@@ -140,3 +146,82 @@ def check_cache_loc(cache_loc: torch.Tensor | None, b: int, device: torch.device
                                   or cache_loc.dtype != torch.int32 or cache_loc.device != device
                                   or (b > 1 and cache_loc.stride(0) != 1)):
         raise ValueError(f"cache_loc must be a contiguous ({b},) int32 tensor on {device}")
+
+
+META_BLOCK = 1024  # rows a metadata step handles per loop iteration
+
+
+@triton.jit
+def _kvcache_metadata_kernel(
+    SeqLen_ptr, Pos_ptr, Loc_ptr, OutLen_ptr, OutPos_ptr, OutLoc_ptr, OutStart_ptr, OutB_ptr, maxb, m,
+    BLOCK: tl.constexpr,
+):
+    # b = 1 + the last i with seq_len[i] > 0 (0 when none): trailing zeros are padding, interior zeros
+    # are zero-length sequences
+    b = 0
+    for r0 in range(0, maxb, BLOCK):
+        offs = r0 + tl.arange(0, BLOCK)
+        n = tl.load(SeqLen_ptr + offs, mask=offs < maxb, other=0)
+        b = tl.maximum(b, tl.max(tl.where(n > 0, offs + 1, 0), axis=0))
+    tl.store(OutB_ptr, b)
+    last = tl.maximum(b - 1, 0)
+    pos_last = tl.where(b > 0, tl.load(Pos_ptr + last), 0)  # what the padding rows repeat
+    loc_last = tl.where(b > 0, tl.load(Loc_ptr + last), 0)
+    carry = 0  # the seq_len sum of the earlier blocks
+    for r0 in range(0, m, BLOCK):
+        offs = r0 + tl.arange(0, BLOCK)
+        real = offs < b
+        n = tl.load(SeqLen_ptr + offs, mask=real, other=0)
+        pos = tl.where(real, tl.load(Pos_ptr + offs, mask=real, other=0), pos_last)
+        loc = tl.where(real, tl.load(Loc_ptr + offs, mask=real, other=0), loc_last)
+        start = carry + tl.cumsum(n, axis=0) - n  # exclusive
+        out = offs < m
+        tl.store(OutLen_ptr + offs, n, mask=out)
+        tl.store(OutPos_ptr + offs, pos, mask=out)
+        tl.store(OutLoc_ptr + offs, loc, mask=out)
+        tl.store(OutStart_ptr + offs, start, mask=out)
+        carry += tl.sum(n, axis=0)
+
+
+def metadata(seq_len: torch.Tensor, input_pos: torch.Tensor, cache_loc: torch.Tensor, *, graph: int = 0,
+             out: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
+    """TensorRT-LLM's prepare_fused_mha_metadata on (max_batch,) buffers -> (seq_len, input_pos, cache_loc,
+    seq_start), each (m,) int32: b = 1 + the last non-zero seq_len, m = graph or b, padding rows seq_len 0
+    with the last real row's input_pos and cache_loc, seq_start the exclusive cumsum (refimpl/kvcache.py).
+
+    seq_len, input_pos, cache_loc: contiguous (max_batch,) int32 tensors on one device; rows past b are
+        stale and never read
+    graph: the captured CUDA-graph batch size (>= b), or 0 (m = b)
+    out: four contiguous (m,) int32 tensors to write, or None (allocated; with graph = 0 that reads b
+        first, a device sync). b is read back after the step either way and checked against m.
+    """
+    dev = seq_len.device if isinstance(seq_len, torch.Tensor) else None
+    maxb = seq_len.shape[0] if isinstance(seq_len, torch.Tensor) and seq_len.dim() == 1 else -1
+    for name, a in (("seq_len", seq_len), ("input_pos", input_pos), ("cache_loc", cache_loc)):
+        if not isinstance(a, torch.Tensor) or tuple(a.shape) != (maxb,) or a.dtype != torch.int32 \
+                or a.device != dev or (maxb > 1 and a.stride(0) != 1):
+            raise ValueError(f"{name} must be a contiguous (max_batch,) int32 tensor on seq_len's device, like "
+                             f"seq_len, got {getattr(a, 'dtype', type(a).__name__)} {tuple(getattr(a, 'shape', ()))}")
+    if not isinstance(graph, int) or graph < 0:
+        raise ValueError(f"graph={graph!r} must be an int >= 0 (a captured batch size, or 0 for none)")
+    if out is None:
+        if graph:
+            m = graph
+        else:
+            nz = torch.nonzero(seq_len > 0)
+            m = int(nz[-1]) + 1 if nz.numel() else 0
+        out = tuple(torch.empty(m, dtype=torch.int32, device=dev) for _ in range(4))
+    m = out[0].shape[0] if len(out) == 4 and isinstance(out[0], torch.Tensor) and out[0].dim() == 1 else -1
+    if m < 0 or any(not isinstance(o, torch.Tensor) or tuple(o.shape) != (m,) or o.dtype != torch.int32
+                    or o.device != dev or (m > 1 and o.stride(0) != 1) for o in out):
+        raise ValueError(f"out must be four contiguous (m,) int32 tensors on {dev}")
+    if graph and m != graph:
+        raise ValueError(f"out has {m} rows, graph={graph} wants {graph}")
+    b_out = torch.empty(1, dtype=torch.int32, device=dev)
+    _kvcache_metadata_kernel[(1,)](seq_len, input_pos, cache_loc, *out, b_out, maxb, m,
+                                   BLOCK=min(META_BLOCK, triton.next_power_of_2(max(maxb, m, 1))), num_warps=4)
+    b = int(b_out)
+    if m < b or (not graph and m != b):
+        raise ValueError(f"the batch has {b} sequences: {'graph' if graph else 'out'} of {m} rows "
+                         f"(expected {'>= ' if graph else ''}{b})")
+    return out

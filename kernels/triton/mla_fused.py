@@ -7,6 +7,8 @@
     out    = bmm_fp8(o_lat, W_UV)                      per head: (T, d_c) x (dv, d_c)^T
     bmm_fp8(a, w): s = min(amax_G, 1200) / 448, qa = e4m3(clamp(a * (1 / s), +-448)), G = (1 token x 128
                    channels) of one head; C = sum_kb dot(qa, w)[kb] s_a[kb] s_w[n // 128, kb]
+                   (MAX's fp8_dtype / fp8_scale_dtype from w_uk's / w_uk_scale's dtypes: e5m2 codes at 57344;
+                   bf16 scales: amax and s rounded to bf16, 1 / s from the rounded s)
 
 Conventions (golden refimpl.mla.decode_fused_fp8, helpers refimpl/mla_fp8.py): q (T, H, dn + d_r) holds
 the ragged new tokens, request r's at input_row_offsets[r]:[r + 1]; request r's token t sits at
@@ -85,6 +87,9 @@ from .mla import _mla_attend
 
 GROUP = 128  # FP8 scale granularity (1, 128, 128): MAX's bmm supports only this one
 FP8_MAX = tl.constexpr(448.0)
+FP8_MAX_E5 = tl.constexpr(57344.0)  # e5m2's max finite (MAX's fp8_dtype float8_e5m2)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE_DTYPES = (torch.float32, torch.bfloat16)
 SCALE_UB = 1200.0  # MAX's activation amax bound in the MLA branch
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -189,7 +194,8 @@ def _mla_fused_bmm_fp8_kernel(
     A_ptr, W_ptr, SW_ptr, C_ptr, M, N, n_kb, scale_ub,
     stride_ab, stride_am, stride_ak, stride_wb, stride_wn, stride_wk, stride_swb, stride_swn, stride_swk,
     stride_cb, stride_cm, stride_cn,
-    GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8_E5: tl.constexpr = False,
+    SCALE_BF16: tl.constexpr = False,
 ):
     pid_b = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -208,12 +214,23 @@ def _mla_fused_bmm_fp8_kernel(
     for kb in range(0, n_kb):
         # MAX's dynamic quantization of one (token, 128 channels) group, in fp32: the scale and
         # its reciprocal IEEE-divided, x * (1 / s) rounded once, clamped, cast to nearest e4m3.
+        # FP8_E5 (MAX's fp8_dtype e5m2): max finite 57344, e5m2 codes; SCALE_BF16 (fp8_scale_dtype bf16):
+        # amax and the scale rounded to bf16 (as MAX computes it in the scale dtype), 1 / s from the stored value.
         a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0).to(tl.float32)
-        s_a = tl.math.div_rn(tl.minimum(tl.max(tl.abs(a), axis=1), scale_ub), FP8_MAX)
+        amax = tl.max(tl.abs(a), axis=1)
+        fmax = FP8_MAX_E5 if FP8_E5 else FP8_MAX
+        if SCALE_BF16:
+            amax = amax.to(tl.bfloat16).to(tl.float32)
+            s_a = tl.math.div_rn(tl.minimum(amax, scale_ub), fmax).to(tl.bfloat16).to(tl.float32)
+        else:
+            s_a = tl.math.div_rn(tl.minimum(amax, scale_ub), fmax)
         recip = tl.where(s_a > 0.0, tl.math.div_rn(1.0, tl.where(s_a > 0.0, s_a, 1.0)), 0.0)
-        qa = tl.minimum(tl.maximum(a * recip[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+        if FP8_E5:
+            qa = tl.minimum(tl.maximum(a * recip[:, None], -fmax), fmax).to(tl.float8e5)
+        else:
+            qa = tl.minimum(tl.maximum(a * recip[:, None], -fmax), fmax).to(tl.float8e4nv)
         qw = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
-        s_w = tl.load(sw_ptrs + kb * stride_swk, mask=mask_n, other=0.0)
+        s_w = tl.load(sw_ptrs + kb * stride_swk, mask=mask_n, other=0.0).to(tl.float32)
         # exact e4m3 products, one block's sum on the tensor cores, promoted to fp32 with both scales
         acc += tl.dot(qa, tl.trans(qw)) * (s_a[:, None] * s_w[None, :])
         a_ptrs += GROUP_K * stride_ak
@@ -439,26 +456,32 @@ def _bmm_fp8(a: torch.Tensor, w: torch.Tensor, sw: tuple, c: torch.Tensor) -> No
     _mla_fused_bmm_fp8_kernel[grid](
         a, w, sw[0], c, T, N, K // GROUP, SCALE_UB,
         a.stride(1), a.stride(0), a.stride(2), *w.stride(), *sw[1], c.stride(1), c.stride(0), c.stride(2),
-        GROUP_K=GROUP, BLOCK_M=BMM_BLOCK_M, BLOCK_N=BMM_BLOCK_N, num_warps=BMM_WARPS,
+        GROUP_K=GROUP, BLOCK_M=BMM_BLOCK_M, BLOCK_N=BMM_BLOCK_N, FP8_E5=w.dtype == torch.float8_e5m2,
+        SCALE_BF16=sw[0].dtype == torch.bfloat16, num_warps=BMM_WARPS,
     )
 
 
-def _weight(w, w_scale, shape: tuple, what: str, device) -> tuple:
-    """Checks an e4m3 (H, N, K) weight and its (H, N / 128, K / 128) (or flattened (H N / 128,
-    K / 128)) float32 scales; returns (scale tensor, its (b, n, k) strides)."""
+def _weight(w, w_scale, shape: tuple, what: str, device, fp8=None, scale_dtype=None) -> tuple:
+    """Checks an e4m3 or e5m2 (H, N, K) weight and its (H, N / 128, K / 128) (or flattened (H N / 128,
+    K / 128)) float32 or bf16 scales (of the dtypes fp8 / scale_dtype when given: w_uk's, which w_uv must
+    share, MAX's one fp8_dtype and fp8_scale_dtype); returns (scale tensor, its (b, n, k) strides)."""
     H, N, K = shape
-    if not isinstance(w, torch.Tensor) or w.dtype != torch.float8_e4m3fn or tuple(w.shape) != shape \
+    fp8s = FP8_DTYPES if fp8 is None else (fp8,)
+    if not isinstance(w, torch.Tensor) or w.dtype not in fp8s or tuple(w.shape) != shape \
             or w.device != device:
-        raise ValueError(f"mla_decode_fused_fp8: {what} must be a {shape} float8_e4m3fn tensor on {device}, got "
-                         f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
+        raise ValueError(f"mla_decode_fused_fp8: {what} must be a {shape} {'/'.join(str(f)[6:] for f in fp8s)} "
+                         f"tensor on {device}, got {getattr(w, 'dtype', type(w).__name__)} "
+                         f"{tuple(getattr(w, 'shape', ()))}")
     nb, kb = triton.cdiv(N, GROUP), K // GROUP
-    ok = isinstance(w_scale, torch.Tensor) and w_scale.dtype == torch.float32 and w_scale.device == device
+    sds = SCALE_DTYPES if scale_dtype is None else (scale_dtype,)
+    ok = isinstance(w_scale, torch.Tensor) and w_scale.dtype in sds and w_scale.device == device
     if ok and tuple(w_scale.shape) == (H, nb, kb):
         return w_scale, tuple(w_scale.stride())
     if ok and tuple(w_scale.shape) == (H * nb, kb):
         return w_scale, (w_scale.stride(0) * nb, w_scale.stride(0), w_scale.stride(1))
     raise ValueError(f"mla_decode_fused_fp8: {what}_scale must be a ({H}, {nb}, {kb}) (or ({H * nb}, {kb})) "
-                     f"float32 tensor on {device}, got {getattr(w_scale, 'dtype', type(w_scale).__name__)} "
+                     f"{'/'.join(str(d)[6:] for d in sds)} tensor on {device}, got "
+                     f"{getattr(w_scale, 'dtype', type(w_scale).__name__)} "
                      f"{tuple(getattr(w_scale, 'shape', ()))}")
 
 
@@ -515,8 +538,10 @@ def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs
     input_row_offsets: (b + 1,) int32, request r's tokens q[off[r]:off[r + 1]] (0 tokens allowed)
     freqs_cis: (max_seq_len, d_r) float, row p = [cos p w_0, sin p w_0, cos p w_1, ...]
     gamma: (d_c,) float RMSNorm weight; epsilon: RMSNorm eps
-    w_uk: (H, d_c, dn) float8_e4m3fn; w_uk_scale: (H, d_c / 128, dn / 128) float32 (or flattened)
-    w_uv: (H, dv, d_c) float8_e4m3fn; w_uv_scale: (H, ceil(dv / 128), d_c / 128) float32 (or flattened)
+    w_uk: (H, d_c, dn) float8_e4m3fn or float8_e5m2 (MAX's fp8_dtype, the activations' codes too);
+        w_uk_scale: (H, d_c / 128, dn / 128) float32 or bfloat16 (MAX's fp8_scale_dtype, the activation scales'
+        too) (or flattened)
+    w_uv: (H, dv, d_c) of w_uk's dtype; w_uv_scale: (H, ceil(dv / 128), d_c / 128) of w_uk_scale's (or flattened)
     kv_cache: (num_blocks, page, d_c + d_r) or (num_blocks, page, 1, d_c + d_r) in q's dtype, last-dim
         stride 1; d_c and d_r powers of two >= 16 (512, 64); the new tokens' rows hold the raw latent
     block_table: (b, max_blocks) int32; cache_lengths: (b,) int32, tokens cached before this step
@@ -573,7 +598,7 @@ def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs
         raise ValueError(f"{what}: w_uv must be a (H, dv, d_c) float8_e4m3fn tensor")
     dv = w_uv.shape[1]
     s_uk = _weight(w_uk, w_uk_scale, (H, d_c, dn), "w_uk", dev)
-    s_uv = _weight(w_uv, w_uv_scale, (H, dv, d_c), "w_uv", dev)
+    s_uv = _weight(w_uv, w_uv_scale, (H, dv, d_c), "w_uv", dev, w_uk.dtype, s_uk[0].dtype)
     b = (input_row_offsets.numel() - 1) if isinstance(input_row_offsets, torch.Tensor) else -1
     for name, t, shape in (("input_row_offsets", input_row_offsets, (b + 1,)), ("cache_lengths", cache_lengths, (b,)),
                            ("block_table", block_table, (b, None))):
