@@ -54,10 +54,11 @@ def _attention_shape(p):
 
 
 # The parameters added for seed audit S7, S11, S4, S1 at their defaults (one value: no draw, so the examples of the
-# tests that predate them are unchanged); SEED draws them (the tables grow by rope_off).
+# tests that predate them are unchanged); SEED draws them (the tables grow by rope_off). wqkv, wo: the formats
+# before S1's K-quants and Q4_x / Q5_1 (the draws unchanged).
 ATTN = dict(e=(8, 100), hkv=(1, 3), hq=(0, 3), d=(0, 19), dpad=(0, 4), epad=(0, 4), cap=(0, 2), rope_off=[0],
             qkv=["separate"], wo_layout=["flat"], wk=[""], wv=[""], wqkv=["f32", "q8_0", "q5_0"],
-            transform=_attention_shape)  # wqkv: the formats before S1's K-quants (the draws unchanged)
+            wo=["f32", "q8_0", "q5_0"], transform=_attention_shape)
 SEED = dict(rope_off=[0, 1, 4096], qkv=["separate", "fused"], wo_layout=["flat", "head_major"])
 
 
@@ -89,6 +90,7 @@ def _mlp_shape(p):
 
 
 MLP = dict(t=(1, 4), e=(8, 260), i=(1, 260), epad=(0, 4), ipad=(0, 40), transform=_mlp_shape)
+OLD_WO = ("f32", "q8_0", "q5_0")  # outproj_mlp's W_o formats before S1's (the draws unchanged)
 
 
 @pytest.mark.parity_backends("cpu", "torch")
@@ -140,7 +142,7 @@ def test_mlp(parity, backend, case):
 
 
 @pytest.mark.parity_backends("cpu", "torch")
-@given(case=cases("blocks.outproj_mlp", hq=(1, 4), d=(2, 40), dpad=(0, 4), **MLP))
+@given(case=cases("blocks.outproj_mlp", hq=(1, 4), d=(2, 40), dpad=(0, 4), **MLP, wo=list(OLD_WO)))
 def test_outproj_mlp(parity, backend, case):
     parity.check(case.with_backend(backend))
 
@@ -194,7 +196,7 @@ def test_decode_of_the_last_token_equals_the_prefill_row(parity, backend, case):
 
 @pytest.mark.parity_backends("triton")
 @settings(max_examples=2)
-@given(case=cases("blocks.attention_prefill", **{**LAST_TOKEN, "wqkv": ["f32", "q8_0"]}, wo=["f32", "q8_0"]))
+@given(case=cases("blocks.attention_prefill", **{**LAST_TOKEN, "wqkv": ["f32", "q8_0"], "wo": ["f32", "q8_0"]}))
 def test_triton_decode_of_the_last_token_equals_the_prefill_row(parity, backend, case):
     _decode_the_last_token(parity, case.with_backend(backend))
 
@@ -276,7 +278,7 @@ def test_attention_golden_is_the_composition_of_the_goldens(case, reference):
     _close("out", out + x["r"] if "r" in x else out, g["out"], case)
 
 
-@given(case=cases("blocks.outproj_mlp", hq=(1, 4), d=(2, 40), dpad=(0, 4), **MLP, backend="cpu"),
+@given(case=cases("blocks.outproj_mlp", hq=(1, 4), d=(2, 40), dpad=(0, 4), **MLP, wo=list(OLD_WO), backend="cpu"),
        reference=st.sampled_from(ref.REFERENCES))
 def test_mlp_golden_is_the_composition_of_the_goldens(case, reference):
     prep = Prepared(ops.get(case.op), case)
@@ -341,8 +343,8 @@ def test_triton_mlp_backward(parity, backend, case):
 
 @pytest.mark.parity_backends("triton")
 @TRITON_FEW
-@given(case=cases(ATTN_BWD, t=(1, 9), start=(0, 40), **{**ATTN, "e": (8, 64), "wqkv": TRITON_BWD["wqkv"]},
-                  wo=TRITON_BWD["wo"]))
+@given(case=cases(ATTN_BWD, t=(1, 9), start=(0, 40), **{**ATTN, "e": (8, 64), "wqkv": TRITON_BWD["wqkv"],
+                                                       "wo": TRITON_BWD["wo"]}))
 def test_triton_attention_prefill_backward(parity, backend, case):
     parity.check(case.with_backend(backend))
 

@@ -37,9 +37,11 @@ Conventions (OPS.md, layers; research/seed-systems.md §1):
   `reference` picks the gemm family's reference for every projection: "dequant" (L1: the weights
   dequantized, float64 products) or "emulated" (L2: each quantized projection's activations -- the
   normalised rows, the attention output, the SwiGLU activation -- rounded to float32 and quantized
-  to Q8_0 (Q8_0 / Q5_0 weights) or Q8_K (K-quants) as the production path does, integer block sums).
-  L2's quantization of the attention output before a quantized W_o is the seed's prefill step
-  (`quantize_attn_out_head_major_q8_0`); with a_d a multiple of 32 its Q8_0 blocks lie inside heads.
+  to the weight's ggml vec_dot format, Q8_0 (Q8_0 / Q5_0 / Q4_0 weights), Q8_1 (Q4_1 / Q5_1) or Q8_K
+  (K-quants), as the production path does, integer block sums). L2's quantization of the attention output
+  before a quantized W_o is the seed's prefill step (`quantize_attn_out_head_major_q8_0`); with a_d a
+  multiple of 32 its Q8_0 (Q8_1) blocks lie inside heads; a K-quant W_o's Q8_K blocks of 256 span heads
+  (seed audit S1: h_q a_d a multiple of 256).
 Everything else is float64; the golden never rounds an intermediate.
 
 Backward (OPS.md, backward; the seed's whole-layer backward): `mlp_backward` and

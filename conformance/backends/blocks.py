@@ -225,7 +225,8 @@ def cpu_claims() -> dict[str, Any]:
 
 def _cpu_backward(op: str) -> Callable:
     """kernels/cpu/blocks_bwd.c through its wrapper: the forward's arguments, the saved activations, dout."""
-    from kernel_parity.conformance.ops.blocks_grad import attention_grad_shapes, f32_block, mlp_grad_shapes
+    from kernel_parity.conformance.ops.blocks_grad import (ATTENTION_WEIGHTS, attention_grad_shapes, f32_block,
+                                                           mlp_grad_shapes)
 
     def run(case, inputs, out):
         from kernel_parity.kernels.cpu import blocks_bwd as k
@@ -238,7 +239,7 @@ def _cpu_backward(op: str) -> Callable:
         names = attention_grad_shapes(case.p)
         args, kw = _attention_args(case, inputs)
         return k.attention_prefill_backward(*args, inputs["dout"], **kw, **{n: inputs[n] for n in SAVED_ATTENTION},
-                                            weight_grads=f32_block(case.p, "wqkv", "wo"),
+                                            weight_grads=f32_block(case.p, *ATTENTION_WEIGHTS),
                                             out=_numpy_results(out, tuple(names)))
 
     return run
@@ -273,7 +274,8 @@ def triton_ops(device: str) -> dict[str, Callable]:
         return run
 
     def backward(op: str):
-        from kernel_parity.conformance.ops.blocks_grad import attention_grad_shapes, f32_block, mlp_grad_shapes
+        from kernel_parity.conformance.ops.blocks_grad import (ATTENTION_WEIGHTS, attention_grad_shapes, f32_block,
+                                                               mlp_grad_shapes)
 
         def run(case, inputs, out):
             from kernel_parity.kernels.triton import blocks_bwd as k
@@ -288,7 +290,7 @@ def triton_ops(device: str) -> dict[str, Callable]:
             names = attention_grad_shapes(case.p)
             args, kw = _attention_args(case, t)
             return k.attention_prefill_backward(*args, t["dout"], **kw, **{n: t[n] for n in (*SAVED_ATTENTION, "lse")},
-                                                weight_grads=f32_block(case.p, "wqkv", "wo"),
+                                                weight_grads=f32_block(case.p, *ATTENTION_WEIGHTS),
                                                 out={n: out.torch(n, device) for n in names})
 
         return run

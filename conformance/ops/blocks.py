@@ -19,7 +19,7 @@ verified stage by stage.
 Goldens: refimpl/blocks.py, compositions of the family goldens. Two references, both recorded for
 every case: `dequant` (L1: every projection a float64 product with the dequantized weights) and
 `emulated` (L2: each quantized projection's activations rounded to float32 and quantized to Q8_0 /
-Q8_K as the production path does, the gemm family's integer block sums). A backend claims the one
+Q8_1 / Q8_K as the production path does, the gemm family's integer block sums). A backend claims the one
 its kernels compute: the C kernels (integer block dots, ggml's activation quantizers) claim L2, the
 Triton and torch paths (weights dequantized, float products) L1. The intermediates are outputs in
 pipeline order (`stages`): a failing record names the first stage that diverges. The caches are
@@ -30,13 +30,18 @@ The attention blocks take parameters added later, with defaults (older ids and i
 slot), `qkv` (S11: `fused` is the seed's one W_qkv / b_qkv, inputs `wqkv`, `bqkv`, q heads then k then v),
 `wo_layout` (S4: `head_major` is the seed's fp32 per-head Wo[h][aE][a_d], as outproj_mlp's; dwo per head) and
 `wk`, `wv` (S1: W_k's and W_v's own formats, the seed's wk_dt / wv_dt; "" is wqkv's). W_q, W_k, W_v also take
-the K-quants q4_k, q6_k (aE a multiple of 256; Q8_K activations on the L2 path); the backward one format.
+the K-quants q4_k, q6_k (aE a multiple of 256; Q8_K activations on the L2 path) and q4_0, q4_1, q5_1
+(Q8_0, Q8_1). W_o takes the same formats (S1; outproj_mlp's flat W_o too): on the L2 path the attention
+output is quantized for W_o's own format, Q8_K over the whole row for a K-quant (h_q a_d a multiple of 256),
+Q8_1 for q4_1 / q5_1, Q8_0 per head otherwise (a_d a multiple of 32). The backward takes each projection in
+its own format, as the forward does.
 
 The whole-layer backward of the MLP and prefill attention blocks (`blocks.mlp_backward`,
 `blocks.attention_prefill_backward`) is specified in blocks_grad.py.
 
-Activations are fp32 (the seed's); quantized weight formats are Q8_0 / Q5_0 for the attention
-projections, and Q4_K / Q6_K / Q5_0 / Q8_0 for the MLP (K-quants need rows of multiples of 256).
+Activations are fp32 (the seed's); quantized weight formats are Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q5_1 / Q4_K / Q6_K
+for the attention projections (S1), and Q4_K / Q6_K / Q5_0 / Q8_0 for the MLP (K-quants need rows of multiples
+of 256).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ import numpy as np
 
 import kernel_parity.refimpl.blocks as ref
 from kernel_parity.conformance.ops.blocks_grad import GRAD_SPECS
-from kernel_parity.conformance.ops.blocks_inputs import (ATTN_DISTS, DISTS, ROW_DISTS, WFMTS, attention_inputs,
+from kernel_parity.conformance.ops.blocks_inputs import (ATTN_DISTS, DISTS, QKV_WFMTS, ROW_DISTS, attention_inputs,
                                                          layer_inputs, mlp_inputs, outproj_mlp_inputs)
 from kernel_parity.conformance.ops.blocks_params import (ATTENTION_DIAGNOSES, ATTN, DECODE_PARAMS, GEMMA_DIAGNOSES,
                                                          HEADS, LAYER_PARAMS, MLP, MLP_DEFAULTS, MLP_PARAMS, MODEL,
@@ -286,7 +291,7 @@ OUTPROJ_MLP = OpSpec(
     references={"emulated": _outproj_mlp_ref("emulated")},
     params=Defaults(dict(t=MLP_PARAMS.params["t"], **MODEL,
                          hq=HEADS["hq"], d=HEADS["d"], dpad=HEADS["dpad"],
-                         wo=OneOf(*WFMTS, doc="W_o format"),
+                         wo=OneOf(*QKV_WFMTS, doc="W_o format (S1: K-quants need h_q a_d a multiple of 256)"),
                          wo_layout=OneOf("flat", "head_major",
                                          doc="W_o (aE, h_q a_d), or the seed's fp32 per-head Wo[h][aE][a_d]"),
                          obias=ATTN["obias"], **MLP,

@@ -34,7 +34,6 @@ from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.ops.blocks_inputs import ATTN_DISTS, DISTS, ROW_DISTS, attention_inputs, mlp_inputs
 from kernel_parity.conformance.ops.blocks_params import (ATTENTION_DIAGNOSES, GEMMA_DIAGNOSES, MLP_PARAMS,
                                                          PREFILL_PARAMS, ad, ae, ai, attention_kw, check_attention,
-                                                         check_attention_backward,
                                                          check_mlp, mlp_kw, weights_of)
 from kernel_parity.conformance.spec import OpSpec, Output
 from kernel_parity.conformance.tolerance import Override, Tol
@@ -58,7 +57,8 @@ def _rstd(x: dict[str, np.ndarray], p: dict[str, Any], rows: np.ndarray) -> np.n
 
 
 def f32_block(p: dict[str, Any], *names: str) -> bool:
-    return all(p[n] == "f32" for n in names)
+    """Every named weight float32 (the weight gradients' condition); wk / wv unset (S1) are wqkv's."""
+    return all((p.get(n) or p["wqkv"]) == "f32" for n in names)
 
 
 # -- mlp ----------------------------------------------------------------------------------------------------
@@ -154,11 +154,14 @@ def _attention_mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.
     return {name: g[name] for k in keys for name in (k, k + ref.COMPUTE) if name in g}  # with the compute terms
 
 
+ATTENTION_WEIGHTS = ("wqkv", "wk", "wv", "wo")  # the attention block's weight formats (wk, wv: S1)
+
+
 def attention_grad_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     t, e, a, hq, hkv = p["t"], ae(p), ad(p), p["hq"], p["hkv"]
     shapes = {"dattn": (t, hq, a), "dq_rope": (t, hq, a), "dk_rope": (t, hkv, a), "dv": (t, hkv, a),
               "dq": (t, hq, a), "dk": (t, hkv, a), "dnorm": (t, e), "dx": (t, e)}
-    if f32_block(p, "wqkv", "wo"):
+    if f32_block(p, *ATTENTION_WEIGHTS):
         shapes.update(dgamma=(e,), dwq=(hq * a, e), dwk=(hkv * a, e), dwv=(hkv * a, e),
                       dwo=(hq, e, a) if p.get("wo_layout") == "head_major" else (e, hq * a))
         if p["bias"]:
@@ -312,7 +315,7 @@ ATTENTION_PREFILL_BACKWARD = OpSpec(
     tolerance=Tol(acc_len=_attention_acc, overrides=_SCALED + _LOGITS + _DBK_AGG + _PV, noise_k=3.0),
     dtypes=("fp32",),
     dists={k: DISTS[k] for k in ATTN_DISTS},
-    check=check_attention_backward,
+    check=check_attention,  # S1: W_q, W_k, W_v each in its own format, as the forward takes them
     diagnoses=ATTENTION_DIAGNOSES,
     stages=ref.ATTENTION_GRAD_STAGES,
     doc="The prefill attention block's whole-layer backward (the seed's): out-projection (d_bo), causal GQA attention "

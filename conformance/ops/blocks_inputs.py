@@ -32,7 +32,7 @@ Positions are parameters: decode at pos around the 64-key tiles (63, 64, 65) and
 `rope_off` (seed audit S7) extends the cos/sin tables to cap + rope_off rows (the other cases' tables are
 unchanged); `qkv=fused` (S11) gives the same draws as inputs `wqkv` (and `bqkv`): wq's, wk's, wv's rows
 (biases) concatenated, q heads first; `wo_layout=head_major` (S4) the same W_o as (h_q, aE, a_d) float32;
-`wk` / `wv` (S1) the same W_k / W_v draws stored in their own formats.
+`wk` / `wv` (S1) the same W_k / W_v draws stored in their own formats (W_o's draw in any of them: `wo`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ import kernel_parity.refimpl.rope  # noqa: F401
 from kernel_parity.conformance import dtypes as dt
 
 WFMTS = ("f32", "q8_0", "q5_0")  # attention projections (the seed's wq_dt / wo_dt)
-# W_q, W_k, W_v also (S1) in K-quants (Q8_K activations, aE % 256 == 0) and Q4_0 / Q4_1 / Q5_1 (Q8_0, Q8_1)
+# W_q, W_k, W_v and W_o also (S1) in K-quants (Q8_K activations, aE % 256 == 0; W_o's h_q a_d % 256 == 0) and
+# Q4_0 / Q4_1 / Q5_1 (Q8_0, Q8_1 activations)
 QKV_WFMTS = (*WFMTS, "q4_k", "q6_k", "q4_0", "q4_1", "q5_1")
 MLP_WFMTS = ("f32", "q8_0", "q5_0", "q4_k", "q6_k")  # the seed's MLP weight types
 EPS = ("1e-6", "1e-5", "1")  # as in case ids; 1 is the large eps

@@ -28,7 +28,8 @@ ATTN = dict(
     cap=Int(1, 1 << 20, edges=(64, 128, 2048), doc="cache capacity in tokens (and RoPE table rows)"),
     wqkv=OneOf(*QKV_WFMTS, doc="Q/K/V weight format (the seed's wq_dt; W_k's and W_v's unless wk / wv); K-quants "
                "(S1) take Q8_K activations and aE a multiple of 256"),
-    wo=OneOf(*WFMTS, doc="W_o format (the seed's wo_dt)"),
+    wo=OneOf(*QKV_WFMTS, doc="W_o format (the seed's wo_dt); K-quants (S1) take Q8_K activations and h_q a_d a "
+             "multiple of 256, Q4_1 / Q5_1 Q8_1"),
     bias=OneOf(0, 1, doc="Q/K/V biases bq, bk, bv (Qwen2)"),
     obias=OneOf(0, 1, doc="output projection bias bo"),
     residual=OneOf(0, 1, doc="add the residual r to the output"),
@@ -98,7 +99,11 @@ def check_heads(p: dict[str, Any]) -> str | None:
 
 
 def check_wo(p: dict[str, Any]) -> str | None:
-    if p["wo"] != "f32" and ad(p) % 32:
+    b = block_of(p["wo"])
+    if b == 256 and (p["hq"] * ad(p)) % 256:  # S1: a K-quant W_o's blocks (and Q8_K's) span heads
+        return (f"wo={p['wo']} quantizes the attention output row in 256-blocks (Q8_K): h_q a_d = {p['hq']} x "
+                f"{ad(p)} = {p['hq'] * ad(p)} must be a multiple of 256")
+    if b == 32 and ad(p) % 32:
         return (f"wo={p['wo']} quantizes the attention output per head in 32-blocks: a_d = d + dpad = {ad(p)} "
                 f"must be a multiple of 32")
     return None
@@ -120,13 +125,6 @@ def check_qkv_fmts(p: dict[str, Any]) -> str | None:
         if err:
             return err
     return None
-
-
-def check_attention_backward(p: dict[str, Any]) -> str | None:
-    """The backward's: the forward's, and one Q/K/V format (the per-projection formats are forward-only)."""
-    if p.get("wk") or p.get("wv"):
-        return "the attention backward takes one Q/K/V format (wqkv): wk and wv (S1) are forward-only, leave them unset"
-    return check_attention(p)
 
 
 def check_wo_layout(p: dict[str, Any]) -> str | None:

@@ -18,7 +18,8 @@
  * slots. wq, wk, wv each have their own format (wqkv_type, wk_type, wv_type: the seed's wq_dt, wk_dt, wv_dt, S1),
  * each with its own activation quantization. With qkv_fused, wq / bq are the seed's one W_qkv / b_qkv (rows: q
  * heads, then k, then v); with wo_heads, W_o is fp32 per head [hq][aE][a_d] (the attention blocks and
- * outproj_mlp), the bias added once.
+ * outproj_mlp), the bias added once. W_o takes the same formats (S1), its activation (the attention row) quantized
+ * for its own format.
  *
  * Projections: a weight row in fp32, or GGML blocks (quant.h). Quantized weights take the activation row
  * rounded to fp32 and quantized by ggml's reference quantizer of their vec_dot type (Q8_0 for
@@ -43,7 +44,8 @@
  * once, then per kv head g: its k and v rows (projection, bias, RoPE, the cache write), its query heads'
  * q rows, their attention over the cache in KV_TILE-key tiles (online softmax, scores for all the group's
  * heads per key row, so each cached K/V row is read once per call), the group's attention output
- * quantized and folded into out through W_o's columns of the group. Each weight byte and each cached row
+ * quantized and folded into out through W_o's columns of the group (a K-quant W_o, whose 256-blocks may span
+ * groups: after the last group, over the whole row). Each weight byte and each cached row
  * is read once; the intermediates (a few KB) stay in L1/L2 and are also written to the stage outputs
  * (the seed's debug mode does the same).
  * blocks_attention_prefill, blocks_mlp and blocks_outproj_mlp run the same stages one after the other over
@@ -619,13 +621,15 @@ KP_INLINE int blocks_attention_decode_impl(const blk_params *P) {
     int st = qkv_fmts(P, qa, fw);
     if (st == KP_OK) st = wfmt_of(P->wo_type, hq * ad, qa, &fo);
     if (st != KP_OK) return st;
-    const int64_t gk = G * ad;   /* W_o columns of one kv group: whole blocks when a_d is */
-    if ((G * ad) % fo.qk) return KP_ERR_SHAPE;
+    const int64_t gk = G * ad, K = hq * ad;   /* W_o columns of one kv group: whole blocks when a_d is */
+    /* W_o folded in per group when the group's columns are whole blocks of its format (32-blocks: a_d a multiple
+     * of 32); otherwise (a K-quant's 256-blocks spanning groups, S1) after every group, over the whole row */
+    const int grouped = !P->wo_heads && gk % fo.qk == 0;
     wfmt fg = fo;                /* W_o restricted to a group's columns: gk of them, rows row_bytes apart */
     fg.k = gk;
     double *buf = alloc_zero(sizeof(double) * (size_t)(4 * ae + 3 * hq * ad + 2 * hkv * ad));
-    float *tmp = alloc_zero(sizeof(float) * (size_t)(ae > gk ? ae : gk));
-    arow an[3] = {arow_alloc(ae), arow_alloc(ae), arow_alloc(ae)}, aa = arow_alloc(gk);
+    float *tmp = alloc_zero(sizeof(float) * (size_t)(ae > K ? ae : K));
+    arow an[3] = {arow_alloc(ae), arow_alloc(ae), arow_alloc(ae)}, aa = arow_alloc(K);
     st = (buf && tmp && an[0].mem && an[1].mem && an[2].mem && aa.mem) ? KP_OK : KP_ERR_NOMEM;
     if (st == KP_OK) {
         double *xd = buf, *nrm = xd + ae, *oacc = nrm + ae, *q = oacc + ae, *qr = q + hq * ad, *ao = qr + hq * ad,
@@ -665,11 +669,17 @@ KP_INLINE int blocks_attention_decode_impl(const blk_params *P) {
             /* W_o: out += W_o[:, the group's columns] . attn_group, the group's output quantized first */
             if (P->wo_heads) {   /* fp32 Wo[h][aE][a_d] (S4): the group's heads' rows */
                 wo_heads_rows((const float *)P->wo, ao, 1, hq, ae, ad, g * G, G, NULL, part);
-            } else {
+            } else if (grouped) {
                 act_prepare(fo.act, ao + g * gk, gk, tmp, &aa);
                 project_rows(&fg, (const uint8_t *)P->wo + g * (gk / fo.qk * fo.nbytes), 0, ae, &aa, NULL, part);
+            } else {
+                continue;
             }
             for (int64_t n = 0; n < ae; n++) oacc[n] += part[n];
+        }
+        if (st == KP_OK && !P->wo_heads && !grouped) {   /* W_o over the whole attention row (its format's act) */
+            act_prepare(fo.act, ao, K, tmp, &aa);
+            project_rows(&fo, P->wo, 0, ae, &aa, NULL, oacc);
         }
         if (st == KP_OK)
             for (int64_t n = 0; n < ae; n++) {
@@ -746,8 +756,8 @@ KP_INLINE int attention_prefill_rows(const blk_params *P, double *od) {
     }
     if (st == KP_OK) {
         store(P->attn, ao, nq);
-        /* the attention output quantized to Q8_0 for a quantized W_o (the seed's
-         * quantize_attn_out_head_major_q8_0), then the output projection (fp32 per head: wo_heads) */
+        /* the attention output quantized for a quantized W_o (Q8_0: the seed's quantize_attn_out_head_major_q8_0;
+         * Q8_1 for q4_1 q5_1, Q8_K for the K-quants: S1), then the output projection (fp32 per head: wo_heads) */
         if (P->wo_heads) wo_heads_rows((const float *)P->wo, ao, T, hq, ae, ad, 0, hq, P->bo, o);
         else st = project_all(&fo, P->wo, P->bo, ao, T, ae, o);
     }

@@ -12,6 +12,7 @@ x: (aE,) decode, (T, aE) prefill / mlp;  attn (outproj_mlp): (T, h_q a_d), or (h
 gamma: (aE,);  eps: RMSNorm epsilon;  n: the real embed dim E (lanes [n, aE) are padding, zero)
 a weight: (fmt, array): "f32" (N, K) float32, or a GGML format (`WEIGHT_FORMATS`) (N, K / block * nbytes)
     uint8 rows of blocks; wq (h_q a_d, aE), wk, wv (h_kv a_d, aE) (each in its own format: S1), wo (aE, h_q a_d)
+    (any of them: a K-quant W_o needs h_q a_d a multiple of 256, a 32-block one a_d a multiple of 32)
     or ("f32_heads", (h_q, aE, a_d)) (outproj_mlp and the attention blocks), w1 (2aI, aE) gate rows first (up at
     row aI), w2 (aE, aI)
 bq (h_q a_d,), bk, bv (h_kv a_d,), bo (aE,), b1 (2aI,) (b_gate | b_up), b2 (aE,) (b_down): or None
@@ -209,10 +210,9 @@ def _attention(entry: str, x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos,
     else:  # each its own format (S1: the seed's wq_dt, wk_dt, wv_dt)
         types = [_weight(nm, w, rows, ae)[0] for nm, w, rows in (("wq", wq, h_q * ad), ("wk", wk, h_kv * ad),
                                                                    ("wv", wv, h_kv * ad))]
-    wo_type, wo_heads = _wo(wo, ae, h_q, ad)
-    if wo_type and ad % FORMATS[wo[0]][1]:
-        raise ValueError(f"wo={wo[0]} quantizes the attention output per head: a_d = {ad} must be a multiple of "
-                         f"{FORMATS[wo[0]][1]}")
+    wo_type, wo_heads = _wo(wo, ae, h_q, ad)  # a K-quant's 256-blocks over h_q a_d (S1): _weight checks it
+    if wo_type and FORMATS[wo[0]][1] == 32 and ad % 32:
+        raise ValueError(f"wo={wo[0]} quantizes the attention output per head: a_d = {ad} must be a multiple of 32")
     lead = () if decode else (t,)
     shapes = {"norm": (*lead, ae), "q": (*lead, h_q, ad), "k": (*lead, h_kv, ad), "v": (*lead, h_kv, ad),
               "q_rope": (*lead, h_q, ad), "k_rope": (*lead, h_kv, ad), "attn": (*lead, h_q, ad), "out": (*lead, ae)}

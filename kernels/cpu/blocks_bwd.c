@@ -18,7 +18,8 @@
  *                   the group's query heads; lanes [d, a_d) zero: the cache write cleared them)
  *     bwd_rope      dq, dk = the rotary pairs of dq_rope, dk_rope rotated by the negated angle
  *     bwd_qkv       dnorm = dq Wq + dk Wk + dv Wv,  dW = dY^T norm,  d_bq, d_bk, d_bv = sum_t dY (qkv_fused: the
- *                   row sections of one W_qkv, dW_qkv and db_qkv: q heads, then k, then v)
+ *                   row sections of one W_qkv, dW_qkv and db_qkv: q heads, then k, then v; otherwise Wq, Wk, Wv
+ *                   each in its own format, wqkv_type, wk_type, wv_type: S1)
  *     bwd_rmsnorm   dx, dgamma as above
  * Saved activations (the forward's, fp32): norm, rstd, h, act (mlp); norm, rstd, q_rope, k_rope, v, attn
  * (attention). Conventions as blocks.c (OPS.md, layers): aligned rows (statistics over the n real lanes,
@@ -52,6 +53,7 @@ typedef struct {                   /* mirrored by kernels/cpu/blocks_bwd.py (_Pa
     float *dx, *dgamma, *dwq, *dwk, *dwv, *dwo, *dw1, *dw2, *dbq, *dbk, *dbv, *dbo, *dr;   /* or NULL */
     float *db1, *db2;              /* the MLP's bias gradients (2 aI,), (ae,), or NULL */
     int64_t ipad;                  /* the MLP's padding lanes per half: aI = inter + ipad */
+    int64_t wk_type, wv_type;      /* attention: W_k's and W_v's own formats (S1: wq's is wqkv_type) */
 } bwd_params;
 
 /* ---- residual, RMSNorm, SwiGLU, RoPE ------------------------------------------------------------------ */
@@ -243,6 +245,8 @@ KP_INLINE int blocks_attention_prefill_backward_impl(const bwd_params *P) {
         bwd_rope(P->dk_rope + t * hkv * ad, hkv, ad, P->d, P->cos, P->sin, pos, (int)P->style, P->dk + t * hkv * ad);
     }
     const int type = (int)P->wqkv_type;   /* QKV: three projections' dX summed into dnorm */
+    const int ty[3] = {type, P->qkv_fused ? type : (int)P->wk_type,   /* each its own format (S1) */
+                       P->qkv_fused ? type : (int)P->wv_type};
     const void *w[3] = {P->wq, P->wk, P->wv};
     float *dw[3] = {P->dwq, P->dwk, P->dwv}, *db[3] = {P->dbq, P->dbk, P->dbv};
     if (P->qkv_fused) {   /* the seed's one W_qkv (and dW_qkv, db_qkv): rows of the q heads, then k, then v */
@@ -253,9 +257,9 @@ KP_INLINE int blocks_attention_prefill_backward_impl(const bwd_params *P) {
             db[i] = P->dbq ? P->dbq + off[i] : NULL;
         }
     }
-    st = bwd_linear(type, w[0], P->norm, P->dq, T, hq * ad, ae, P->dnorm, 0, dw[0], db[0]);
-    if (st == KP_OK) st = bwd_linear(type, w[1], P->norm, P->dk, T, hkv * ad, ae, P->dnorm, 1, dw[1], db[1]);
-    if (st == KP_OK) st = bwd_linear(type, w[2], P->norm, P->dv, T, hkv * ad, ae, P->dnorm, 1, dw[2], db[2]);
+    st = bwd_linear(ty[0], w[0], P->norm, P->dq, T, hq * ad, ae, P->dnorm, 0, dw[0], db[0]);
+    if (st == KP_OK) st = bwd_linear(ty[1], w[1], P->norm, P->dk, T, hkv * ad, ae, P->dnorm, 1, dw[1], db[1]);
+    if (st == KP_OK) st = bwd_linear(ty[2], w[2], P->norm, P->dv, T, hkv * ad, ae, P->dnorm, 1, dw[2], db[2]);
     if (st != KP_OK) return st;
     bwd_rmsnorm(P->x, P->gamma, P->rstd, P->dnorm, T, P->e, ae, (int)P->gemma, P->dx, P->dgamma);
     return KP_OK;

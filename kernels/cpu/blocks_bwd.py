@@ -8,8 +8,8 @@ kernels, fp32, run in reverse pipeline order.
                         dgamma, dW, db of every projection, dr = dout
 
 Arrays (all float32 and C-contiguous unless said; no copy is made): the forward's (kernels/cpu/blocks.py's
-names and shapes: x (T, aE), gamma, the weights as (fmt, array) pairs, the biases, the caches holding the
-history (h_kv, cap, a_d), cos / sin) plus the forward's saved activations
+names and shapes: x (T, aE), gamma, the weights as (fmt, array) pairs (wq, wk, wv each in its own format: S1),
+the biases, the caches holding the history (h_kv, cap, a_d), cos / sin) plus the forward's saved activations
     mlp: norm (T, aE), rstd (T,), h (T, 2aI), act (T, aI) (lanes [I, aI) of each half padding: `inter`)
     attention: norm (T, aE), rstd (T,), q_rope (T, h_q, a_d), k_rope, v (T, h_kv, a_d), attn (T, h_q, a_d)
 and the cotangent dout (T, aE).
@@ -43,12 +43,13 @@ _lib: ctypes.CDLL | None = None
 
 
 _MLP_FIELDS = (("db1", _PTR), ("db2", _PTR), ("ipad", _I64))  # the MLP's bias gradients and padding (appended)
+_QKV_TYPE_FIELDS = (("wk_type", _I64), ("wv_type", _I64))  # W_k's, W_v's own formats (appended, S1)
 
 
 class _Params(ctypes.Structure):
     """blocks_bwd.c's bwd_params, field for field."""
     _fields_ = [*((n, _I64) for n in _INTS + _ATTN_INTS), ("eps", _F64), *((n, _PTR) for n in _ARRAYS),
-                *_MLP_FIELDS]
+                *_MLP_FIELDS, *_QKV_TYPE_FIELDS]
 
 
 def _kernels() -> ctypes.CDLL:
@@ -156,13 +157,11 @@ def attention_prefill_backward(x: np.ndarray, gamma: np.ndarray, eps: float, wq,
         raise ValueError("qkv='fused' takes W_qkv as wq and b_qkv as bq: wk, wv, bk, bv must be None")
     sections = (("wq (W_qkv)", wq, rows),) if fused else (("wq", wq, h_q * ad), ("wk", wk, h_kv * ad),
                                                            ("wv", wv, h_kv * ad))
-    types = {_weight(nm, w, n_rows, ae)[0] for nm, w, n_rows in sections}
-    if len(types) != 1:
-        raise ValueError(f"wq, wk, wv must share one format, got {wq[0]}, {wk[0]}, {wv[0]}")
-    wqkv_type = types.pop()
+    types = [_weight(nm, w, n_rows, ae)[0] for nm, w, n_rows in sections] * (3 if fused else 1)  # each its own (S1)
     wo_type, wo_heads = _wo(wo, ae, h_q, ad)
-    if weight_grads and (wqkv_type or wo_type):
-        raise ValueError(f"weight gradients need float32 weights, got wq={wq[0]}, wo={wo[0]}")
+    if weight_grads and (any(types) or wo_type):
+        raise ValueError(f"weight gradients need float32 weights, got wq={wq[0]}, "
+                         f"{'' if fused else f'wk={wk[0]}, wv={wv[0]}, '}wo={wo[0]}")
     for name, a, shape in (("dout", dout, (t, ae)), ("norm", norm, (t, ae)), ("rstd", rstd, (t,)),
                            ("q_rope", q_rope, (t, h_q, ad)), ("k_rope", k_rope, (t, h_kv, ad)), ("v", v, (t, h_kv, ad)),
                            ("attn", attn, (t, h_q, ad))):
@@ -185,7 +184,8 @@ def attention_prefill_backward(x: np.ndarray, gamma: np.ndarray, eps: float, wq,
                       for k, v in shapes.items() if k not in ("dwk", "dwv")}
     res = _outputs(out, shapes)
     fields = dict(t=t, e=n, ae=ae, hq=h_q, hkv=h_kv, d=d, ad=ad, cap=cap, start=int(start), max_seq=cos.shape[0],
-                  style=STYLES[style], gemma=bool(gemma), wqkv_type=wqkv_type, wo_type=wo_type, eps=eps,
+                  style=STYLES[style], gemma=bool(gemma), wqkv_type=types[0], wk_type=types[1], wv_type=types[2],
+                  wo_type=wo_type, eps=eps,
                   rope_off=int(rope_off), qkv_fused=fused, wo_heads=wo_heads)
     grads = {("dwq" if k == "dwqkv" else "dbq" if k == "dbqkv" else k): v for k, v in res.items()}
     _run("blocks_attention_prefill_backward", fields,
