@@ -14,6 +14,10 @@ The whole-layer backward (`blocks.mlp_backward`, `blocks.attention_prefill_backw
 cpu kernels/cpu/blocks_bwd.c (the seed's fp32 backward stage kernels), torch autograd through the eager
 forward in fp32, triton kernels/triton/blocks_bwd.py (a composition of the families' Triton backward
 kernels: gemm_bwd, norm_backward, mlp, rope, attention_bwd; a skip naming any that is missing).
+`blocks.layer_backward` (S9) composes each backend's two block backwards (C: blocks_layer_backward; torch:
+autograd through `layer`; Triton: blocks_bwd.layer_backward); scores=1 gives the forward's P, which the C
+kernel reads in place of recomputing it and torch's `layer` uses forward and backward (`_SavedProbs`); the
+Triton attention backward recomputes P from the LSE and declares scores=1 unsupported.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ slot), `qkv` (S11: `fused` is the seed's one W_qkv / b_qkv, inputs `wqkv`, `bqkv
 the K-quants q4_k, q6_k (aE a multiple of 256; Q8_K activations on the L2 path); the backward one format.
 
 The whole-layer backward of the MLP and prefill attention blocks (`blocks.mlp_backward`,
-`blocks.attention_prefill_backward`) is specified in blocks_grad.py.
+`blocks.attention_prefill_backward`) and of the whole layer (`blocks.layer_backward`, S9: the saved scores
+as an optional input) is specified in blocks_grad.py.
 
 Activations are fp32 (the seed's); quantized weight formats are Q8_0 / Q5_0 for the attention
 projections, and Q4_K / Q6_K / Q5_0 / Q8_0 for the MLP (K-quants need rows of multiples of 256).

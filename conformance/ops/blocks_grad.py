@@ -3,6 +3,8 @@ C-Kernel-Engine backward of an MLP block and of a prefill attention block, judge
 
 - `blocks.mlp_backward`                the VJP of `blocks.mlp` for the cotangent of its output
 - `blocks.attention_prefill_backward`  the VJP of `blocks.attention_prefill`; the cache history is a constant
+- `blocks.layer_backward`              the VJP of `blocks.layer` (seed audit S9): the MLP block's on h1, then the
+                                       attention block's for dh1 (the residual x: dx = RMSNorm's dx + dh1)
 
 Each takes its forward's params (the same Schema: the ids mirror the forward's) and dists. Inputs: the
 forward's, built by its builder from the same generator; then the activations a backward kernel keeps
@@ -18,6 +20,16 @@ then dx; for a block whose weights are all float32 also dgamma and the weight gr
 the biases, and dr = dout of the residual). A quantized weight means its dequantized values (L1) and has
 no gradient: with one, dx is the only final output. Golden: refimpl.blocks.mlp_backward /
 attention_prefill_backward, compositions of the family VJPs.
+
+`blocks.layer_backward` takes `blocks.layer`'s params (Schema and ids as the forward's) with `scores`
+(default 0: a kernel recomputes P; 1: the input `scores` (h_q, T, ctx) is the forward's P, ctx = start + T
+rounded up to 16, 0 on masked slots and padding lanes, and a kernel reads it instead). Inputs: the forward's
+(layer_inputs), both blocks' saved activations (the attention's as above with lse; the MLP's on h1: h1,
+norm2, rstd2, h, act), dout, then (scores=1) the golden's P in fp32. Outputs: the MLP block's gradients
+under names that do not clash (dact, dh, dnorm2, dh1 = RMSNorm2's dx + dout; dgamma2, dw1, dw2 for float32
+W1, W2), the attention block's (as attention_prefill_backward's, no dr: its residual is x) and dx = the
+attention's RMSNorm dx + dh1. Golden refimpl.blocks.layer_backward; magnitudes and reduction lengths the two
+blocks' composed (`_layer_grad_acc`), the overrides the two ops' (the MLP's renamed).
 """
 
 from __future__ import annotations
@@ -391,13 +403,11 @@ def layer_grad_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def _layer_grad_acc(p: dict[str, Any], output: str) -> int:
-    """The MLP block's lengths (`_mlp_acc`) on top of the forward's up to h1 (blocks._attention_acc's "out":
-    a kernel may recompute it); the attention block's (`_attention_acc`) on top of the MLP's dh1; dx the
+    """The MLP block's lengths (`_mlp_acc`) on top of the forward's up to h1 (blocks.py's _attention_acc of
+    "out": a kernel may recompute it); the attention block's (`_attention_acc`) on top of the MLP's dh1; dx the
     longer of its two terms' (the attention's RMSNorm dx, after dh1)."""
-    from kernel_parity.conformance.ops.blocks import _attention_acc as forward_acc
-
     mlp_name = {v: k for k, v in ref.LAYER_MLP_GRADS.items()}
-    h1 = forward_acc(p, "out")
+    h1 = p["e"] + ae(p) + p["start"] + p["t"] + ad(p) + p["hq"] * ad(p)  # the norm, Q/K/V, the attention, W_o
     if output in mlp_name:
         return h1 + _mlp_acc(_mlp_part(p), mlp_name[output])
     return h1 + _mlp_acc(_mlp_part(p), "dx") + _attention_acc(_attention_part(p), output)

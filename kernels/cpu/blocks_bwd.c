@@ -20,6 +20,8 @@
  *     bwd_qkv       dnorm = dq Wq + dk Wk + dv Wv,  dW = dY^T norm,  d_bq, d_bk, d_bv = sum_t dY (qkv_fused: the
  *                   row sections of one W_qkv, dW_qkv and db_qkv: q heads, then k, then v)
  *     bwd_rmsnorm   dx, dgamma as above
+ *   layer (S9): the MLP's on h1 (its dx is dh1), the attention's for dout = dh1, then dx += dh1; with `scores`
+ *               (the forward's P [hq][t][ctx]) bwd_attention reads P instead of recomputing it
  * Saved activations (the forward's, fp32): norm, rstd, h, act (mlp); norm, rstd, q_rope, k_rope, v, attn
  * (attention). Conventions as blocks.c (OPS.md, layers): aligned rows (statistics over the n real lanes,
  * padding lanes of dx and dgamma zero), aligned heads, head-major caches (h_kv, cap, a_d), query head h

@@ -5,7 +5,9 @@ kernels, fp32, run in reverse pipeline order.
                         dgamma, dW1 = dh^T norm, dW2 = dout^T act, db1 = sum dh, db2 = sum dout
     attention_prefill_backward:  dattn = dout W_o -> (dq_rope, dk_rope, dv) of the causal GQA attention over
                         history + chunk -> dq, dk (RoPE^T) -> dnorm = dq Wq + dk Wk + dv Wv -> dx (RMSNorm);
-                        dgamma, dW, db of every projection, dr = dout
+                        dgamma, dW, db of every projection, dr = dout; `scores` the forward's P (S9)
+    layer_backward:     the whole layer (S9): mlp_backward on h1 -> dh1, attention_prefill_backward for dh1,
+                        dx += dh1 (one C call, blocks_layer_backward)
 
 Arrays (all float32 and C-contiguous unless said; no copy is made): the forward's (kernels/cpu/blocks.py's
 names and shapes: x (T, aE), gamma, the weights as (fmt, array) pairs, the biases, the caches holding the

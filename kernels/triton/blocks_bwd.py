@@ -9,6 +9,7 @@
                 (attention_bwd.prefill_backward, bottom-right causal, from the saved O and LSE) -> the new
                 keys' rows, lanes [d, a_d) zero -> dq, dk (rope.rope_backward) -> dnorm = dq Wq + dk Wk + dv Wv,
                 dW, db (gemm_bwd) -> dx, dgamma (norm_backward.rms_norm_backward);  dr = dout
+    layer (S9): mlp on h1 -> dh1, attention for dh1, dx += dh1 (blocks.add); no saved scores (P from the LSE)
 
 Conventions as kernels/triton/blocks.py (refimpl/blocks.py; OPS.md, layers and backward): aligned rows and
 heads, head-major caches (h_kv, cap, a_d) holding the history (read, never written: the keys and values of
