@@ -111,6 +111,10 @@ MLP_STAGES = ("norm", "h", "act", "down")
 OUTPROJ_MLP_STAGES = ("proj", "h1", "norm", "h", "act", "down")
 MLP_GRAD_STAGES = ("dact", "dh", "dnorm")
 ATTENTION_GRAD_STAGES = ("dattn", "dq_rope", "dk_rope", "dv", "dq", "dk", "dnorm")
+LAYER_GRAD_STAGES = ("dact", "dh", "dnorm2", "dh1") + ATTENTION_GRAD_STAGES
+# the MLP block's gradients in the layer's backward: mlp_backward's names, renamed where the attention's clash
+LAYER_MLP_GRADS = {"dact": "dact", "dh": "dh", "dnorm": "dnorm2", "dx": "dh1", "dgamma": "dgamma2", "dw1": "dw1",
+                   "dw2": "dw2"}
 LAYER_STAGES = ("norm", "q", "k", "v", "q_rope", "k_rope", "attn", "h1", "norm2", "h", "act", "down")
 CTX_ALIGN = 16  # the saved scores' rows: start + T slots padded to a multiple of 16 floats (64 bytes)
 
@@ -579,6 +583,49 @@ def attention_prefill_backward(x: NDArray, gamma: NDArray, eps: float, wq: Weigh
     if residual is not None:
         out["dr"] = dout.copy()
     return fused_grads(qkv, out)
+
+
+def layer_backward(x: NDArray, gamma: NDArray, eps: float, wq: Weight, wk: Weight, wv: Weight, wo: Weight,
+                   k_cache: NDArray, v_cache: NDArray, cos: NDArray, sin: NDArray, start: int, gamma2: NDArray,
+                   w1: Weight, w2: Weight, dout: NDArray, *, n: int, h_q: int, h_kv: int, d: int,
+                   bq: NDArray | None = None, bk: NDArray | None = None, bv: NDArray | None = None,
+                   bo: NDArray | None = None, style: str = "half", gemma: bool = False,
+                   absolute: bool = False) -> dict[str, F64]:
+    """VJP of `layer` (seed audit S9; the dequantized weights: L1) for the cotangent dout of its output; the
+    cache history is a constant. The two blocks' VJPs composed, the MLP's first:
+
+        g   = mlp_backward(h1, gamma2, eps, w1, w2, dout)   h1 = the attention block's output (`layer`'s)
+        dh1 = g["dx"]                                      = RMSNorm2's dx + dout (the MLP's residual)
+        a   = attention_prefill_backward(x, ..., dh1, residual=x)
+        dx  = a["dx"] + dh1                                 RMSNorm's dx + the attention's residual (dr = dh1)
+
+    The saved scores (`layer`'s scores=1) are P itself: the VJP is the same whether a kernel recomputes P or
+    reads it; only the rounding differs.
+    arguments: `layer`'s, and dout (T, aE) the cotangent of out
+    returns: the MLP's (LAYER_MLP_GRADS: "dact", "dh", "dnorm2", "dh1", "dgamma2", "dw1", "dw2"), then the
+    attention's ("dattn", "dq_rope", "dk_rope", "dv", "dq", "dk", "dnorm", "dgamma", "dwq", "dwk", "dwv", "dwo",
+    "dbq", "dbk", "dbv", "dbo" for the biases given) and "dx" (T, aE)
+    absolute: the error model's magnitudes, the two blocks' composed: the MLP's at the golden h1 (taken as
+    stored), the attention's for the golden dh1 (taken as stored: dh1's own rounding enters the specs' acc
+    lengths, not these magnitudes), dx = sqrt(M_dx,attention^2 + M_dh1^2)
+    """
+    x, dout = np.asarray(x, dtype=np.float64), np.asarray(dout, dtype=np.float64)
+    akw = dict(n=n, h_q=h_q, h_kv=h_kv, d=d, bq=bq, bk=bk, bv=bv, bo=bo, residual=x, style=style, gemma=gemma)
+    h1 = attention_prefill(x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, **akw)["out"]
+    m = mlp_backward(h1, gamma2, eps, w1, w2, dout, n=n, gemma=gemma)
+    dh1 = m["dx"]
+    a = attention_prefill_backward(x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, dh1, **akw)
+    res = {LAYER_MLP_GRADS[k]: v for k, v in m.items()}
+    res.update({k: v for k, v in a.items() if k not in ("dx", "dr")})
+    res["dx"] = a["dx"] + dh1
+    if absolute:
+        mm = mlp_backward(h1, gamma2, eps, w1, w2, dout, n=n, gemma=gemma, absolute=True)
+        am = attention_prefill_backward(x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, dh1, **akw,
+                                        absolute=True)
+        res = {LAYER_MLP_GRADS[k]: v for k, v in mm.items()}
+        res.update({k: v for k, v in am.items() if k != "dx"})
+        res["dx"] = np.sqrt(np.square(am["dx"]) + np.square(mm["dx"]))
+    return res
 
 
 # -- the error model (absolute=True; module docstring) ---------------------------------------------------

@@ -14,6 +14,10 @@ The whole-layer backward (`blocks.mlp_backward`, `blocks.attention_prefill_backw
 cpu kernels/cpu/blocks_bwd.c (the seed's fp32 backward stage kernels), torch autograd through the eager
 forward in fp32, triton kernels/triton/blocks_bwd.py (a composition of the families' Triton backward
 kernels: gemm_bwd, norm_backward, mlp, rope, attention_bwd; a skip naming any that is missing).
+`blocks.layer_backward` (S9) composes each backend's two block backwards (C: blocks_layer_backward; torch:
+autograd through `layer`; Triton: blocks_bwd.layer_backward); scores=1 gives the forward's P, which the C
+kernel reads in place of recomputing it and torch's `layer` uses forward and backward (`_SavedProbs`); the
+Triton attention backward recomputes P from the LSE and declares scores=1 unsupported.
 """
 
 from __future__ import annotations
@@ -25,15 +29,17 @@ from kernel_parity.conformance.backends._torch import to_torch
 DECODE, PREFILL, MLP, OUTPROJ_MLP, LAYER = ("blocks.attention_decode", "blocks.attention_prefill", "blocks.mlp",
                                             "blocks.outproj_mlp", "blocks.layer")
 OPS = (DECODE, PREFILL, MLP, OUTPROJ_MLP, LAYER)
-MLP_BWD, PREFILL_BWD = "blocks.mlp_backward", "blocks.attention_prefill_backward"
+MLP_BWD, PREFILL_BWD, LAYER_BWD = "blocks.mlp_backward", "blocks.attention_prefill_backward", "blocks.layer_backward"
 SAVED_MLP = ("norm", "rstd", "h", "act")
 SAVED_ATTENTION = ("norm", "rstd", "q_rope", "k_rope", "v", "attn")
 # stage gradient -> the forward tensor (kernels/torch/blocks.py's stage outputs) whose gradient it is
 MLP_GRAD_OF = {"dact": "act", "dh": "h", "dnorm": "norm"}
 ATTENTION_GRAD_OF = {"dattn": "attn", "dq_rope": "q_rope", "dk_rope": "k_rope", "dv": "v", "dq": "q", "dk": "k",
                      "dnorm": "norm"}
+LAYER_GRAD_OF = {"dact": "act", "dh": "h", "dnorm2": "norm2", "dh1": "h1",
+                 **{k: v for k, v in ATTENTION_GRAD_OF.items()}}
 # final gradient -> the input it differentiates
-INPUT_OF = {"dx": "x", "dgamma": "gamma", "dw1": "w1", "dw2": "w2", "dwq": "wq", "dwk": "wk", "dwv": "wv", "dwo": "wo",
+INPUT_OF = {"dgamma2": "gamma2", "dx": "x", "dgamma": "gamma", "dw1": "w1", "dw2": "w2", "dwq": "wq", "dwk": "wk", "dwv": "wv", "dwo": "wo",
             "dbq": "bq", "dbk": "bk", "dbv": "bv", "dbo": "bo", "dr": "r", "db1": "b1", "db2": "b2",
             "dwqkv": "wqkv", "dbqkv": "bqkv"}
 ATTENTION_STAGES = ("norm", "q", "k", "v", "q_rope", "k_rope", "attn", "out")
@@ -70,6 +76,19 @@ def _layer_args(case, t: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     args, kw = _attention_args(case, t)
     kw = {k: v for k, v in kw.items() if k not in ("residual", "rope_off", "qkv")}
     return (*args, t["gamma2"], (p["w1"], t["w1"]), (p["w2"], t["w2"])), kw
+
+
+SAVED_LAYER_MLP = {"norm2": "norm2", "rstd2": "rstd2", "h": "h", "act": "act", "h1": "h1"}
+
+
+def _layer_backward_kw(case, t: dict[str, Any]) -> dict[str, Any]:
+    """layer_backward's keywords beyond the forward's: the saved activations, the scores (scores=1) and which
+    blocks' weight gradients the case has (float32 blocks)."""
+    from kernel_parity.conformance.ops.blocks_grad import f32_block
+
+    saved = {n: t[n] for n in (*SAVED_ATTENTION, *SAVED_LAYER_MLP)}
+    return dict(**saved, scores=t["scores"] if case.p.get("scores", 0) else None,
+                attention_grads=f32_block(case.p, "wqkv", "wo"), mlp_grads=f32_block(case.p, "w1", "w2"))
 
 
 def _layer_names(p: dict[str, Any]) -> tuple[str, ...]:
@@ -138,7 +157,8 @@ def _torch_path(device: str, module: str) -> dict[str, Callable]:
 
 def torch_ops(device: str) -> dict[str, Callable]:
     ops = _torch_path(device, "kernel_parity.kernels.torch.blocks")
-    ops.update({MLP_BWD: _torch_backward(device, MLP_BWD), PREFILL_BWD: _torch_backward(device, PREFILL_BWD)})
+    ops.update({MLP_BWD: _torch_backward(device, MLP_BWD), PREFILL_BWD: _torch_backward(device, PREFILL_BWD),
+                LAYER_BWD: _torch_backward(device, LAYER_BWD)})
     return ops
 
 
@@ -146,14 +166,15 @@ def _torch_backward(device: str, op: str) -> Callable:
     """Autograd through the eager forward (kernels/torch/blocks.py) in fp32: the stage gradients are those of
     the forward's stage tensors, the final ones those of the inputs (the float32 weights' only for a block
     whose weights are all float32). The caches are copied: the forward writes the new rows into them."""
-    from kernel_parity.conformance.ops.blocks_grad import attention_grad_shapes, mlp_grad_shapes
+    from kernel_parity.conformance.ops.blocks_grad import attention_grad_shapes, layer_grad_shapes, mlp_grad_shapes
 
     def run(case, inputs, out):
         import torch
 
         from kernel_parity.kernels.torch import blocks as k
 
-        shapes = (mlp_grad_shapes if op == MLP_BWD else attention_grad_shapes)(case.p)
+        shapes = {MLP_BWD: mlp_grad_shapes, PREFILL_BWD: attention_grad_shapes,
+                  LAYER_BWD: layer_grad_shapes}[op](case.p)
         t = {name: to_torch(v, device) for name, v in inputs.items()}
         for name in ("k_cache", "v_cache"):
             if name in t:
@@ -163,6 +184,10 @@ def _torch_backward(device: str, op: str) -> Callable:
             if op == MLP_BWD:
                 args, kw = _mlp_args(case, t)
                 res, stage_of = k.mlp(*args, **kw), MLP_GRAD_OF
+            elif op == LAYER_BWD:  # scores=1: the attention reads the given P, forward and backward
+                args, kw = _layer_args(case, t)
+                res = k.layer(*args, **kw, scores_in=t["scores"] if case.p.get("scores", 0) else None)
+                stage_of = LAYER_GRAD_OF
             else:
                 args, kw = _attention_args(case, t)
                 res, stage_of = k.attention_prefill(*args, **kw), ATTENTION_GRAD_OF
@@ -216,7 +241,17 @@ def cpu_ops() -> dict[str, Callable]:
     return {DECODE: attention("attention_decode"), PREFILL: attention("attention_prefill"),
             MLP: rows("mlp", _mlp_args, mlp_names),
             OUTPROJ_MLP: rows("outproj_mlp", _outproj_mlp_args, ("proj", "h1") + mlp_names), LAYER: layer,
-            MLP_BWD: _cpu_backward(MLP_BWD), PREFILL_BWD: _cpu_backward(PREFILL_BWD)}
+            MLP_BWD: _cpu_backward(MLP_BWD), PREFILL_BWD: _cpu_backward(PREFILL_BWD), LAYER_BWD: _cpu_layer_backward}
+
+
+def _cpu_layer_backward(case, inputs, out):
+    """kernels/cpu/blocks_bwd.c's blocks_layer_backward: the two blocks' C backward composed (S9)."""
+    from kernel_parity.conformance.ops.blocks_grad import layer_grad_shapes
+    from kernel_parity.kernels.cpu import blocks_bwd as k
+
+    args, kw = _layer_args(case, inputs)
+    return k.layer_backward(*args, inputs["dout"], **kw, **_layer_backward_kw(case, inputs),
+                            out=_numpy_results(out, tuple(layer_grad_shapes(case.p))))
 
 
 def cpu_claims() -> dict[str, Any]:
@@ -295,6 +330,15 @@ def triton_ops(device: str) -> dict[str, Callable]:
 
         return run
 
+    def layer_backward(case, inputs, out):
+        from kernel_parity.conformance.ops.blocks_grad import layer_grad_shapes
+        from kernel_parity.kernels.triton import blocks_bwd as k
+
+        t = {name: to_torch(v, device) for name, v in inputs.items()}
+        args, kw = _layer_args(case, t)
+        kw.update({n: v for n, v in _layer_backward_kw(case, t).items() if n != "scores"}, lse=t["lse"])
+        return k.layer_backward(*args, t["dout"], **kw, out={n: out.torch(n, device) for n in layer_grad_shapes(case.p)})
+
     def layer(case, inputs, out):
         from kernel_parity.kernels.triton import blocks as k
 
@@ -307,7 +351,7 @@ def triton_ops(device: str) -> dict[str, Callable]:
     return {DECODE: attention("attention_decode"), PREFILL: attention("attention_prefill"),
             MLP: rows("mlp", _mlp_args, mlp_names),
             OUTPROJ_MLP: rows("outproj_mlp", _outproj_mlp_args, ("proj", "h1") + mlp_names), LAYER: layer,
-            MLP_BWD: backward(MLP_BWD), PREFILL_BWD: backward(PREFILL_BWD)}
+            MLP_BWD: backward(MLP_BWD), PREFILL_BWD: backward(PREFILL_BWD), LAYER_BWD: layer_backward}
 
 
 # The Triton backward kernels the composition of each block's backward takes beyond gemm_bwd.py's projections
@@ -317,6 +361,7 @@ TRITON_BACKWARD_STAGES = {
     PREFILL_BWD: (("norm_backward", "rms_norm_backward"), ("rope", "rope_backward"),
                   ("attention_bwd", "prefill_backward")),
 }
+TRITON_BACKWARD_STAGES[LAYER_BWD] = TRITON_BACKWARD_STAGES[PREFILL_BWD] + TRITON_BACKWARD_STAGES[MLP_BWD][1:]
 
 
 def _triton_backward_missing(op: str) -> str | None:
@@ -358,4 +403,11 @@ def triton_supports() -> dict[str, Callable]:
                     "never materialises P, so the Triton layer has no saved scores to give")
         return check(case)
 
-    return {**{op: check for op in OPS}, LAYER: check_layer, MLP_BWD: check_backward, PREFILL_BWD: check_backward}
+    def check_layer_backward(case) -> str | None:
+        if case.p.get("scores", 0):
+            return ("scores=1: the Triton attention backward (attention_bwd.prefill_backward) recomputes P from the "
+                    "saved LSE and takes no saved scores")
+        return check_backward(case)
+
+    return {**{op: check for op in OPS}, LAYER: check_layer, MLP_BWD: check_backward, PREFILL_BWD: check_backward,
+            LAYER_BWD: check_layer_backward}

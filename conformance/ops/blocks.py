@@ -37,7 +37,8 @@ Q8_1 for q4_1 / q5_1, Q8_0 per head otherwise (a_d a multiple of 32). The backwa
 its own format, as the forward does.
 
 The whole-layer backward of the MLP and prefill attention blocks (`blocks.mlp_backward`,
-`blocks.attention_prefill_backward`) is specified in blocks_grad.py.
+`blocks.attention_prefill_backward`) and of the whole layer (`blocks.layer_backward`, S9: the saved scores
+as an optional input) is specified in blocks_grad.py.
 
 Activations are fp32 (the seed's); quantized weight formats are Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q5_1 / Q4_K / Q6_K
 for the attention projections (S1), and Q4_K / Q6_K / Q5_0 / Q8_0 for the MLP (K-quants need rows of multiples

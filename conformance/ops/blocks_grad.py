@@ -3,6 +3,8 @@ C-Kernel-Engine backward of an MLP block and of a prefill attention block, judge
 
 - `blocks.mlp_backward`                the VJP of `blocks.mlp` for the cotangent of its output
 - `blocks.attention_prefill_backward`  the VJP of `blocks.attention_prefill`; the cache history is a constant
+- `blocks.layer_backward`              the VJP of `blocks.layer` (seed audit S9): the MLP block's on h1, then the
+                                       attention block's for dh1 (the residual x: dx = RMSNorm's dx + dh1)
 
 Each takes its forward's params (the same Schema: the ids mirror the forward's) and dists. Inputs: the
 forward's, built by its builder from the same generator; then the activations a backward kernel keeps
@@ -18,10 +20,21 @@ then dx; for a block whose weights are all float32 also dgamma and the weight gr
 the biases, and dr = dout of the residual). A quantized weight means its dequantized values (L1) and has
 no gradient: with one, dx is the only final output. Golden: refimpl.blocks.mlp_backward /
 attention_prefill_backward, compositions of the family VJPs.
+
+`blocks.layer_backward` takes `blocks.layer`'s params (Schema and ids as the forward's) with `scores`
+(default 0: a kernel recomputes P; 1: the input `scores` (h_q, T, ctx) is the forward's P, ctx = start + T
+rounded up to 16, 0 on masked slots and padding lanes, and a kernel reads it instead). Inputs: the forward's
+(layer_inputs), both blocks' saved activations (the attention's as above with lse; the MLP's on h1: h1,
+norm2, rstd2, h, act), dout, then (scores=1) the golden's P in fp32. Outputs: the MLP block's gradients
+under names that do not clash (dact, dh, dnorm2, dh1 = RMSNorm2's dx + dout; dgamma2, dw1, dw2 for float32
+W1, W2), the attention block's (as attention_prefill_backward's, no dr: its residual is x) and dx = the
+attention's RMSNorm dx + dh1. Golden refimpl.blocks.layer_backward; magnitudes and reduction lengths the two
+blocks' composed (`_layer_grad_acc`), the overrides the two ops' (the MLP's renamed).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -31,9 +44,11 @@ import kernel_parity.refimpl.attention as attention_ref
 import kernel_parity.refimpl.blocks as ref
 import kernel_parity.refimpl.norm as norm_ref
 from kernel_parity.conformance import dtypes as dt
-from kernel_parity.conformance.ops.blocks_inputs import ATTN_DISTS, DISTS, ROW_DISTS, attention_inputs, mlp_inputs
-from kernel_parity.conformance.ops.blocks_params import (ATTENTION_DIAGNOSES, GEMMA_DIAGNOSES, MLP_PARAMS,
-                                                         PREFILL_PARAMS, ad, ae, ai, attention_kw, check_attention,
+from kernel_parity.conformance.ops.blocks_inputs import (ATTN_DISTS, DISTS, ROW_DISTS, attention_inputs, layer_inputs,
+                                                         mlp_inputs)
+from kernel_parity.conformance.ops.blocks_params import (ATTENTION_DIAGNOSES, GEMMA_DIAGNOSES, LAYER_PARAMS,
+                                                         MLP_PARAMS, PREFILL_PARAMS, ad, ae, ai, attention_kw,
+                                                         check_attention, check_layer,
                                                          check_mlp, mlp_kw, weights_of)
 from kernel_parity.conformance.spec import OpSpec, Output
 from kernel_parity.conformance.tolerance import Override, Tol
@@ -322,4 +337,123 @@ ATTENTION_PREFILL_BACKWARD = OpSpec(
         "over history + chunk, RoPE, QKV (d_bq, d_bk, d_bv), RMSNorm (d_gamma); the cache history a constant.",
 )
 
-GRAD_SPECS = (MLP_BACKWARD, ATTENTION_PREFILL_BACKWARD)
+
+# -- the whole layer (seed audit S9) ---------------------------------------------------------------------------
+SAVED_LAYER = ("norm", "rstd", "q_rope", "k_rope", "v", "attn", "lse", "h1", "norm2", "rstd2", "h", "act")
+
+
+def _layer_weights(x: dict[str, np.ndarray], p: dict[str, Any]) -> tuple:
+    return tuple(weights_of(x, p, "wq", "wk", "wv", "wo"))
+
+
+def _layer_kw(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, Any]:
+    return dict(n=p["e"], h_q=p["hq"], h_kv=p["hkv"], d=p["d"], bq=x.get("bq"), bk=x.get("bk"), bv=x.get("bv"),
+                bo=x.get("bo"), style=p["style"], gemma=bool(p["gemma"]))
+
+
+def _layer_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The forward's inputs (blocks_inputs.layer_inputs), the saved activations of both blocks (the attention
+    block's as attention_prefill_backward's, with its natural-log lse; the MLP's on h1: h1, norm2, rstd2, h,
+    act), dout from the same generator; with scores=1 the golden's P (h_q, T, ctx) (`layer`'s scores)."""
+    t, start = p["t"], p["start"]
+    x = layer_inputs(p, dtype, dist, rng)
+    x64 = {k: (v if v.dtype == np.uint8 else v.astype(np.float64)) for k, v in x.items()}
+    fwd = ref.layer(x64["x"], x64["gamma"], float(p["eps"]), *_layer_weights(x64, p), x64["k_cache"], x64["v_cache"],
+                    x64["cos"], x64["sin"], start, x64["gamma2"], *weights_of(x64, p, "w1", "w2"), **_layer_kw(x64, p),
+                    scores=bool(p.get("scores", 0)))
+    live = start + t
+    _, lse, _ = attention_ref.attention(fwd["q_rope"][None], fwd["k_cache"][:, :live].transpose(1, 0, 2)[None],
+                                        fwd["v_cache"][:, :live].transpose(1, 0, 2)[None],
+                                        scale=1.0 / math.sqrt(p["d"]), causal="bottom_right")
+    rstd2 = norm_ref.rms_norm(fwd["h1"], x64["gamma2"], float(p["eps"]), n=p["e"], gemma=bool(p["gemma"]))["rstd"]
+    saved = _fp32({"norm": fwd["norm"], "rstd": _rstd(x64, p, x64["x"]), "q_rope": fwd["q_rope"],
+                   "k_rope": fwd["k_rope"], "v": fwd["v"], "attn": fwd["attn"], "lse": lse[0], "h1": fwd["h1"],
+                   "norm2": fwd["norm2"], "rstd2": rstd2, "h": fwd["h"], "act": fwd["act"]})
+    out = {**x, **saved, "dout": _cotangent(rng, t, p, dtype)}
+    if p.get("scores", 0):
+        out["scores"] = _fp32({"scores": fwd["scores"]})["scores"]
+    return out
+
+
+def _layer_golden(absolute: bool):
+    def fn(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
+        g = ref.layer_backward(x["x"], x["gamma"], float(p["eps"]), *_layer_weights(x, p), x["k_cache"],
+                               x["v_cache"], x["cos"], x["sin"], p["start"], x["gamma2"],
+                               *weights_of(x, p, "w1", "w2"), x["dout"], **_layer_kw(x, p), absolute=absolute)
+        keys = layer_grad_shapes(p)  # with the attention's compute-precision terms (`<output>@fp32`)
+        return {name: g[name] for k in keys for name in ((k, k + ref.COMPUTE) if absolute else (k,)) if name in g}
+
+    return fn
+
+
+def _mlp_part(p: dict[str, Any]) -> dict[str, Any]:
+    """The MLP block's params within the layer's (no biases, no padding of I)."""
+    return {**p, "bias": 0, "ipad": 0}
+
+
+def _attention_part(p: dict[str, Any]) -> dict[str, Any]:
+    """The attention block's params within the layer's (its residual is x)."""
+    return {**p, "residual": 1}
+
+
+def layer_grad_shapes(p: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The MLP block's gradients first (renamed: ref.LAYER_MLP_GRADS), then the attention block's, then dx; the
+    weight gradients of each block whose weights are all float32 (the attention's, then the MLP's)."""
+    mlp = mlp_grad_shapes(_mlp_part(p))
+    att = attention_grad_shapes(_attention_part(p))
+    shapes = {ref.LAYER_MLP_GRADS[k]: mlp[k] for k in ("dact", "dh", "dnorm", "dx")}
+    shapes.update({k: v for k, v in att.items() if k != "dr"})
+    shapes["dx"] = shapes.pop("dx")
+    shapes.update({ref.LAYER_MLP_GRADS[k]: mlp[k] for k in ("dgamma", "dw1", "dw2") if k in mlp})
+    return shapes
+
+
+def _layer_grad_acc(p: dict[str, Any], output: str) -> int:
+    """The MLP block's lengths (`_mlp_acc`) on top of the forward's up to h1 (blocks.py's _attention_acc of
+    "out": a kernel may recompute it); the attention block's (`_attention_acc`) on top of the MLP's dh1; dx the
+    longer of its two terms' (the attention's RMSNorm dx, after dh1)."""
+    mlp_name = {v: k for k, v in ref.LAYER_MLP_GRADS.items()}
+    h1 = p["e"] + ae(p) + p["start"] + p["t"] + ad(p) + p["hq"] * ad(p)  # the norm, Q/K/V, the attention, W_o
+    if output in mlp_name:
+        return h1 + _mlp_acc(_mlp_part(p), mlp_name[output])
+    return h1 + _mlp_acc(_mlp_part(p), "dx") + _attention_acc(_attention_part(p), output)
+
+
+LAYER_OUT = {
+    **{ref.LAYER_MLP_GRADS[k]: Output("test", doc=f"the MLP block's {k}: {MLP_OUT[k].doc}")
+       for k in ("dact", "dh", "dnorm")},
+    "dh1": Output("test", doc="the gradient of h1 (the attention block's output): RMSNorm2's dx + dout"),
+    **{k: v for k, v in ATTENTION_OUT.items() if k not in ("dx", "dr", "dwqkv", "dbqkv")},
+    "dx": Output("test", doc="the attention's RMSNorm dx of dnorm + dh1 (the residual), padding lanes zero"),
+    "dgamma2": Output("test", doc="RMSNorm2's gamma2 gradient: sum over rows of dnorm2 x rstd2 (float32 W1, W2)"),
+    "dw1": MLP_OUT["dw1"], "dw2": MLP_OUT["dw2"],
+}
+
+
+def _renamed(overrides: tuple[Override, ...]) -> tuple[Override, ...]:
+    """The MLP backward's overrides under the layer's names (dnorm -> dnorm2, dx -> dh1, dgamma -> dgamma2)."""
+    return tuple(dataclasses.replace(o, output=ref.LAYER_MLP_GRADS[o.output]) for o in overrides
+                 if o.output in ref.LAYER_MLP_GRADS)
+
+
+LAYER_BACKWARD = OpSpec(
+    name="blocks.layer_backward",
+    golden=ref.layer_backward,
+    reference=_layer_golden(False),
+    params=LAYER_PARAMS,
+    make_inputs=_layer_inputs,
+    output_shapes=layer_grad_shapes,
+    outputs=LAYER_OUT,
+    magnitude=_layer_golden(True),
+    tolerance=Tol(acc_len=_layer_grad_acc,
+                  overrides=_renamed(_SCALED_MLP + _MLP_AGG) + _SCALED + _LOGITS + _DBK_AGG + _PV, noise_k=3.0),
+    dtypes=("fp32",),
+    dists={k: DISTS[k] for k in ATTN_DISTS},
+    check=check_layer,
+    diagnoses=ATTENTION_DIAGNOSES,
+    stages=ref.LAYER_GRAD_STAGES,
+    doc="The whole layer's backward (seed audit S9): the MLP block's (on h1), then the attention block's for dh1; "
+        "dx (and every float32 block's weight gradients); scores=1 gives the forward's P (h_q, T, ctx) as input.",
+)
+
+GRAD_SPECS = (MLP_BACKWARD, ATTENTION_PREFILL_BACKWARD, LAYER_BACKWARD)

@@ -21,6 +21,8 @@
  *                   row sections of one W_qkv, dW_qkv and db_qkv: q heads, then k, then v; otherwise Wq, Wk, Wv
  *                   each in its own format, wqkv_type, wk_type, wv_type: S1)
  *     bwd_rmsnorm   dx, dgamma as above
+ *   layer (S9): the MLP's on h1 (its dx is dh1), the attention's for dout = dh1, then dx += dh1; with `scores`
+ *               (the forward's P [hq][t][ctx]) bwd_attention reads P instead of recomputing it
  * Saved activations (the forward's, fp32): norm, rstd, h, act (mlp); norm, rstd, q_rope, k_rope, v, attn
  * (attention). Conventions as blocks.c (OPS.md, layers): aligned rows (statistics over the n real lanes,
  * padding lanes of dx and dgamma zero), aligned heads, head-major caches (h_kv, cap, a_d), query head h
@@ -54,6 +56,8 @@ typedef struct {                   /* mirrored by kernels/cpu/blocks_bwd.py (_Pa
     float *db1, *db2;              /* the MLP's bias gradients (2 aI,), (ae,), or NULL */
     int64_t ipad;                  /* the MLP's padding lanes per half: aI = inter + ipad */
     int64_t wk_type, wv_type;      /* attention: W_k's and W_v's own formats (S1: wq's is wqkv_type) */
+    const float *scores;           /* attention: the forward's P [hq][t][ctx] (S9), read instead of recomputed; or NULL */
+    int64_t ctx;                   /* its row length (>= start + t; lanes past the live slots unread) */
 } bwd_params;
 
 /* ---- residual, RMSNorm, SwiGLU, RoPE ------------------------------------------------------------------ */
@@ -152,21 +156,26 @@ KP_INLINE void bwd_attention_group(const bwd_params *P, int64_t g, float *kb, fl
             }
         }
     }
-    for (int64_t r = 0; r < R; r++) {   /* P recomputed, dS = P (dP - D), dq = scale dS K (keys in order) */
+    for (int64_t r = 0; r < R; r++) {   /* P recomputed (or read), dS = P (dP - D), dq = scale dS K (keys in order) */
         const int64_t tok = r / G, h = g * G + r % G, live = P->start + tok + 1, row = (tok * P->hq + h) * ad;
         const float *q = P->q_rope + row, *dO = P->dattn + row;
         float *p = sp + r * L, *ds = sd + r * L, mx = -INFINITY, sum = 0.0f;
-        for (int64_t j = 0; j < live; j++) {
-            p[j] = scale * dot_f(q, kb + j * ad, ad);
-            mx = p[j] > mx ? p[j] : mx;
-        }
-        for (int64_t j = 0; j < live; j++) {
-            p[j] = expf(p[j] - mx);
-            sum += p[j];
+        if (P->scores) {   /* the forward's saved P (S9): row (h, tok) of [hq][t][ctx] */
+            const float *saved = P->scores + (h * T + tok) * P->ctx;
+            for (int64_t j = 0; j < live; j++) p[j] = saved[j];
+        } else {
+            for (int64_t j = 0; j < live; j++) {
+                p[j] = scale * dot_f(q, kb + j * ad, ad);
+                mx = p[j] > mx ? p[j] : mx;
+            }
+            for (int64_t j = 0; j < live; j++) {
+                p[j] = expf(p[j] - mx);
+                sum += p[j];
+            }
+            for (int64_t j = 0; j < live; j++) p[j] /= sum;
         }
         float dd = 0.0f;   /* D = sum_j P dP (= rowsum(dO O)) from this P: each row of dS then sums to 0 */
         for (int64_t j = 0; j < live; j++) {
-            p[j] /= sum;
             ds[j] = dot_f(dO, vb + j * ad, ad);
             dd += p[j] * ds[j];
         }
@@ -266,3 +275,13 @@ KP_INLINE int blocks_attention_prefill_backward_impl(const bwd_params *P) {
 }
 
 KP_MULTIVERSION(blocks_attention_prefill_backward, (const bwd_params *P), (P))
+
+/* The whole layer (S9): the MLP block's backward (M: its x is h1, its dx dh1), then the attention block's for
+ * A->dout = M->dx (dh1), then the attention's residual: dx += dh1. A has no dr (its residual is x itself). */
+KP_EXPORT int blocks_layer_backward(const bwd_params *A, const bwd_params *M) {
+    if (A->dout != M->dx || A->dr) return KP_ERR_SHAPE;
+    int st = blocks_mlp_backward(M);
+    if (st == KP_OK) st = blocks_attention_prefill_backward(A);
+    if (st == KP_OK) bwd_residual(A->dx, M->dx, A->t * A->ae, 0);
+    return st;
+}

@@ -5,7 +5,9 @@ kernels, fp32, run in reverse pipeline order.
                         dgamma, dW1 = dh^T norm, dW2 = dout^T act, db1 = sum dh, db2 = sum dout
     attention_prefill_backward:  dattn = dout W_o -> (dq_rope, dk_rope, dv) of the causal GQA attention over
                         history + chunk -> dq, dk (RoPE^T) -> dnorm = dq Wq + dk Wk + dv Wv -> dx (RMSNorm);
-                        dgamma, dW, db of every projection, dr = dout
+                        dgamma, dW, db of every projection, dr = dout; `scores` the forward's P (S9)
+    layer_backward:     the whole layer (S9): mlp_backward on h1 -> dh1, attention_prefill_backward for dh1,
+                        dx += dh1 (one C call, blocks_layer_backward)
 
 Arrays (all float32 and C-contiguous unless said; no copy is made): the forward's (kernels/cpu/blocks.py's
 names and shapes: x (T, aE), gamma, the weights as (fmt, array) pairs (wq, wk, wv each in its own format: S1),
@@ -30,7 +32,7 @@ import numpy as np
 from kernel_parity.kernels.cpu.blocks import QKV_LAYOUTS, STYLES, _array, _norm_args, _optional, _weight, _wo, mlp_width
 from kernel_parity.kernels.cpu.loader import check_status, load
 
-__all__ = ["attention_prefill_backward", "mlp_backward"]
+__all__ = ["attention_prefill_backward", "layer_backward", "mlp_backward"]
 
 _I64, _PTR, _F64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
 _INTS = ("t", "e", "ae", "hq", "hkv", "d", "ad", "cap", "start", "inter", "max_seq", "style", "gemma", "wqkv_type",
@@ -44,12 +46,13 @@ _lib: ctypes.CDLL | None = None
 
 _MLP_FIELDS = (("db1", _PTR), ("db2", _PTR), ("ipad", _I64))  # the MLP's bias gradients and padding (appended)
 _QKV_TYPE_FIELDS = (("wk_type", _I64), ("wv_type", _I64))  # W_k's, W_v's own formats (appended, S1)
+_SCORES_FIELDS = (("scores", _PTR), ("ctx", _I64))  # the attention's saved P and its row length (S9, appended)
 
 
 class _Params(ctypes.Structure):
     """blocks_bwd.c's bwd_params, field for field."""
     _fields_ = [*((n, _I64) for n in _INTS + _ATTN_INTS), ("eps", _F64), *((n, _PTR) for n in _ARRAYS),
-                *_MLP_FIELDS, *_QKV_TYPE_FIELDS]
+                *_MLP_FIELDS, *_QKV_TYPE_FIELDS, *_SCORES_FIELDS]
 
 
 def _kernels() -> ctypes.CDLL:
@@ -60,6 +63,8 @@ def _kernels() -> ctypes.CDLL:
             fn = getattr(lib, name)
             fn.argtypes = [ctypes.POINTER(_Params)]
             fn.restype = ctypes.c_int
+        lib.blocks_layer_backward.argtypes = [ctypes.POINTER(_Params), ctypes.POINTER(_Params)]
+        lib.blocks_layer_backward.restype = ctypes.c_int
         _lib = lib
     return _lib
 
@@ -75,18 +80,28 @@ def _outputs(out: dict[str, np.ndarray] | None, shapes: dict[str, tuple[int, ...
     return out
 
 
-def _run(entry: str, fields: dict[str, Any], arrays: dict[str, np.ndarray | None]) -> None:
+def _params(fields: dict[str, Any], arrays: dict[str, np.ndarray | None]) -> _Params:
     p = _Params(**{k: int(v) for k, v in fields.items() if k != "eps"}, eps=float(fields.get("eps", 0.0)))
     for name, a in arrays.items():
         if a is not None:
             setattr(p, name, a.ctypes.data)
+    return p
+
+
+def _run(entry: str, fields: dict[str, Any], arrays: dict[str, np.ndarray | None],
+         defer: list | None = None) -> None:
+    """Call `entry` with the filled bwd_params; with `defer`, append them to it instead (layer_backward)."""
+    p = _params(fields, arrays)
+    if defer is not None:
+        defer.append(p)
+        return
     check_status(getattr(_kernels(), entry)(ctypes.byref(p)), entry)
 
 
 def mlp_backward(x: np.ndarray, gamma: np.ndarray, eps: float, w1, w2, dout: np.ndarray, *, norm: np.ndarray,
                  rstd: np.ndarray, h: np.ndarray, act: np.ndarray, n: int, b1=None, b2=None,
                  inter: int | None = None, gemma: bool = False, weight_grads: bool = True,
-                 out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+                 out: dict[str, np.ndarray] | None = None, _defer: list | None = None) -> dict[str, np.ndarray]:
     """The MLP block's backward for dout (T, aE); returns the gradients (module docstring). b1, b2: the forward's
     biases (or None; h carries them): with `weight_grads`, their gradients db1, db2 are returned."""
     if not isinstance(x, np.ndarray) or x.ndim != 2:
@@ -110,7 +125,7 @@ def mlp_backward(x: np.ndarray, gamma: np.ndarray, eps: float, w1, w2, dout: np.
     fields = dict(t=t, e=n, ae=ae, inter=real, ipad=i - real, gemma=bool(gemma), w1_type=w1_type, w2_type=w2_type,
                   eps=eps)
     _run("blocks_mlp_backward", fields, dict(x=x, gamma=gamma, dout=dout, w1=w1[1], w2=w2[1], norm=norm, rstd=rstd,
-                                             h=h, act=act, **res))
+                                             h=h, act=act, **res), _defer)
     return res
 
 
@@ -120,11 +135,13 @@ def attention_prefill_backward(x: np.ndarray, gamma: np.ndarray, eps: float, wq,
                                v: np.ndarray, attn: np.ndarray, n: int, h_q: int, h_kv: int, d: int, bq=None,
                                bk=None, bv=None, bo=None, residual=None, style: str = "half", gemma: bool = False,
                                weight_grads: bool = True, out: dict[str, np.ndarray] | None = None,
-                               rope_off: int = 0, qkv: str = "separate") -> dict[str, np.ndarray]:
+                               rope_off: int = 0, qkv: str = "separate", scores: np.ndarray | None = None,
+                               _defer: list | None = None) -> dict[str, np.ndarray]:
     """The prefill attention block's backward for dout (T, aE); the caches hold the history (slots < start,
     read only). RoPE's transpose at the forward's positions rope_off + start + t; qkv="fused": wq is W_qkv, bq
-    b_qkv (wk, wv, bk, bv None) and dwqkv, dbqkv replace dwq, dwk, dwv, dbq, dbk, dbv. Returns the gradients
-    (module docstring)."""
+    b_qkv (wk, wv, bk, bv None) and dwqkv, dbqkv replace dwq, dwk, dwv, dbq, dbk, dbv; scores: the forward's
+    softmax probabilities (h_q, T, ctx), ctx >= start + T (S9), read in place of recomputing them. Returns the
+    gradients (module docstring)."""
     if not isinstance(x, np.ndarray) or x.ndim != 2:
         raise ValueError(f"x must be a float32 array (T, aE), got {getattr(x, 'shape', type(x).__name__)}")
     t, ae = _array("x", x, x.shape).shape
@@ -170,6 +187,12 @@ def attention_prefill_backward(x: np.ndarray, gamma: np.ndarray, eps: float, wq,
               "bv": _optional("bv", bv, (h_kv * ad,)), "bo": _optional("bo", bo, (ae,))}
     if residual is not None:
         _array("residual", residual, (t, ae))
+    if scores is not None:
+        if not isinstance(scores, np.ndarray) or scores.ndim != 3 or scores.shape[:2] != (h_q, t) or \
+                scores.shape[2] < start + t:
+            raise ValueError(f"scores must be (h_q = {h_q}, T = {t}, ctx >= start + T = {start + t}) float32, got "
+                             f"{getattr(scores, 'shape', type(scores).__name__)}")
+        _array("scores", scores, scores.shape)
     shapes = {"dattn": (t, h_q, ad), "dq_rope": (t, h_q, ad), "dk_rope": (t, h_kv, ad), "dv": (t, h_kv, ad),
               "dq": (t, h_q, ad), "dk": (t, h_kv, ad), "dnorm": (t, ae), "dx": (t, ae)}
     if weight_grads:
@@ -186,10 +209,48 @@ def attention_prefill_backward(x: np.ndarray, gamma: np.ndarray, eps: float, wq,
     fields = dict(t=t, e=n, ae=ae, hq=h_q, hkv=h_kv, d=d, ad=ad, cap=cap, start=int(start), max_seq=cos.shape[0],
                   style=STYLES[style], gemma=bool(gemma), wqkv_type=types[0], wk_type=types[1], wv_type=types[2],
                   wo_type=wo_type, eps=eps,
-                  rope_off=int(rope_off), qkv_fused=fused, wo_heads=wo_heads)
+                  rope_off=int(rope_off), qkv_fused=fused, wo_heads=wo_heads,
+                  ctx=0 if scores is None else scores.shape[2])
     grads = {("dwq" if k == "dwqkv" else "dbq" if k == "dbqkv" else k): v for k, v in res.items()}
     _run("blocks_attention_prefill_backward", fields,
          dict(x=x, gamma=gamma, dout=dout, wq=wq[1], wk=None if fused else wk[1], wv=None if fused else wv[1],
               wo=wo[1], k_cache=k_cache, v_cache=v_cache, cos=cos, sin=sin, norm=norm, rstd=rstd, q_rope=q_rope,
-              k_rope=k_rope, v=v, attn=attn, **grads))
+              k_rope=k_rope, v=v, attn=attn, scores=scores, **grads), _defer)
     return res
+
+
+# the MLP block's gradients in layer_backward: mlp_backward's names -> the layer's (refimpl.blocks.LAYER_MLP_GRADS)
+LAYER_MLP_GRADS = {"dact": "dact", "dh": "dh", "dnorm": "dnorm2", "dx": "dh1", "dgamma": "dgamma2", "dw1": "dw1",
+                   "dw2": "dw2"}
+
+
+def layer_backward(x: np.ndarray, gamma: np.ndarray, eps: float, wq, wk, wv, wo, k_cache: np.ndarray,
+                   v_cache: np.ndarray, cos: np.ndarray, sin: np.ndarray, start: int, gamma2: np.ndarray, w1, w2,
+                   dout: np.ndarray, *, norm: np.ndarray, rstd: np.ndarray, q_rope: np.ndarray, k_rope: np.ndarray,
+                   v: np.ndarray, attn: np.ndarray, h1: np.ndarray, norm2: np.ndarray, rstd2: np.ndarray,
+                   h: np.ndarray, act: np.ndarray, n: int, h_q: int, h_kv: int, d: int, bq=None, bk=None, bv=None,
+                   bo=None, style: str = "half", gemma: bool = False, scores: np.ndarray | None = None,
+                   attention_grads: bool = True, mlp_grads: bool = True,
+                   out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """The whole layer's backward (S9; blocks_layer_backward): the MLP block's on h1 (saved h1, norm2, rstd2, h,
+    act; gamma2, w1, w2) for dout, giving dh1; the attention block's (saved norm, rstd, q_rope, k_rope, v, attn;
+    `scores` its P, or None: recomputed) for dh1; dx = its RMSNorm dx + dh1. attention_grads / mlp_grads: each
+    block's weight gradients (float32 weights). Returns the gradients under the layer's names: the MLP's
+    renamed (LAYER_MLP_GRADS: dnorm2, dh1, dgamma2, ...), the attention's as attention_prefill_backward's."""
+    out = dict(out or {})
+    layer_names = {v: k for k, v in LAYER_MLP_GRADS.items()}
+    mlp_out = {layer_names[k]: out.pop(k) for k in list(out) if k in layer_names}
+    if not isinstance(dout, np.ndarray) or dout.ndim != 2:
+        raise ValueError(f"dout must be a float32 array (T, aE), got {getattr(dout, 'shape', type(dout).__name__)}")
+    if "dx" not in mlp_out:
+        mlp_out["dx"] = np.empty(dout.shape, dtype=np.float32)
+    deferred: list = []
+    m = mlp_backward(h1, gamma2, eps, w1, w2, dout, norm=norm2, rstd=rstd2, h=h, act=act, n=n, gemma=gemma,
+                     weight_grads=mlp_grads, out=mlp_out, _defer=deferred)
+    a = attention_prefill_backward(x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, m["dx"],
+                                   norm=norm, rstd=rstd, q_rope=q_rope, k_rope=k_rope, v=v, attn=attn, n=n, h_q=h_q,
+                                   h_kv=h_kv, d=d, bq=bq, bk=bk, bv=bv, bo=bo, style=style, gemma=gemma,
+                                   weight_grads=attention_grads, out=out, scores=scores, _defer=deferred)
+    mp, ap = deferred
+    check_status(_kernels().blocks_layer_backward(ctypes.byref(ap), ctypes.byref(mp)), "blocks_layer_backward")
+    return {**{LAYER_MLP_GRADS[k]: v for k, v in m.items()}, **a}

@@ -83,19 +83,47 @@ def qkv_sections(wq: Weight, bq: torch.Tensor | None, h_q: int, h_kv: int,
     return (*ws, *bs)
 
 
+class _SavedProbs(torch.autograd.Function):
+    """O = P V with the forward's softmax probabilities P given (seed audit S9: the saved scores), and a backward
+    that reads that P instead of a softmax's own: dP = dO V^T, D = rowsum(P dP), dS = P (dP - D), dq = scale
+    dS K, dk = scale dS^T Q, dv = P^T dO (the group's query heads summed). q (T, h_q, a_d); k, v (live, h_kv,
+    a_d); p (h_q, T, live), 0 on the masked slots."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, p, scale):
+        g = q.shape[1] // k.shape[1]
+        ke, ve = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # live, h_q, a_d
+        ctx.save_for_backward(q, ke, ve, p)
+        ctx.scale, ctx.g = scale, g
+        return torch.einsum("htj,jhd->thd", p, ve)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, ke, ve, p = ctx.saved_tensors
+        dp = torch.einsum("thd,jhd->htj", do, ve)
+        ds = p * (dp - (p * dp).sum(dim=-1, keepdim=True))
+        dq = ctx.scale * torch.einsum("htj,jhd->thd", ds, ke)
+        dk = ctx.scale * torch.einsum("htj,thd->jhd", ds, q)
+        dv = torch.einsum("htj,thd->jhd", p, do)
+        live, hq, ad = dk.shape
+        return (dq, dk.view(live, hq // ctx.g, ctx.g, ad).sum(dim=2), dv.view(live, hq // ctx.g, ctx.g, ad).sum(dim=2),
+                None, None)
+
+
 def attention_prefill(x: torch.Tensor, gamma: torch.Tensor, eps: float, wq: Weight, wk: Weight, wv: Weight,
                       wo: Weight, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       start: int, *, n: int, h_q: int, h_kv: int, d: int, bq: torch.Tensor | None = None,
                       bk: torch.Tensor | None = None, bv: torch.Tensor | None = None, bo: torch.Tensor | None = None,
                       residual: torch.Tensor | None = None, style: str = "half",
                       gemma: bool = False, rope_off: int = 0, qkv: str = "separate",
-                      probs: bool = False) -> dict[str, torch.Tensor]:
+                      probs: bool = False, probs_in: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """x (T, aE) in cache slots start .. start + T - 1, rotated at positions rope_off + slot; the caches
     (h_kv, cap, a_d) are written in place. qkv="fused": wq is the seed's W_qkv, bq b_qkv (wk, wv, bk, bv None).
 
     returns {"norm", "q", "k", "v", "q_rope", "k_rope", "attn", "out"} (refimpl.blocks.attention_prefill's
     shapes; the caches are the arguments themselves); probs: also "p" (h_q, T, start + T), the attention's
-    softmax probabilities (0 on the masked slots)."""
+    softmax probabilities (0 on the masked slots); probs_in: the forward's P (h_q, T, ctx >= start + T), used in
+    place of the softmax, forward and backward (`_SavedProbs`)."""
     t = x.shape[0]
     ad = k_cache.shape[-1]
     if qkv == "fused":
@@ -110,10 +138,15 @@ def attention_prefill(x: torch.Tensor, gamma: torch.Tensor, eps: float, wq: Weig
     write_cache(k_cache, k_rope, start, d)
     write_cache(v_cache, v, start, d)
     live = start + t
-    o, _, p = tattn.attention(q_rope[None], k_cache[:, :live].transpose(0, 1)[None],
-                              v_cache[:, :live].transpose(0, 1)[None], scale=1.0 / math.sqrt(d), causal="bottom_right",
-                              probs=True)
-    attn = o[0]
+    if probs_in is not None:
+        p = probs_in[None, :, :, :live].to(x.dtype)
+        attn = _SavedProbs.apply(q_rope, k_cache[:, :live].transpose(0, 1), v_cache[:, :live].transpose(0, 1), p[0],
+                                 1.0 / math.sqrt(d))
+    else:
+        o, _, p = tattn.attention(q_rope[None], k_cache[:, :live].transpose(0, 1)[None],
+                                  v_cache[:, :live].transpose(0, 1)[None], scale=1.0 / math.sqrt(d),
+                                  causal="bottom_right", probs=True)
+        attn = o[0]
     out = project(attn.reshape(t, h_q * ad), wo, bo)
     if residual is not None:
         out = out + residual
@@ -171,12 +204,15 @@ def layer(x: torch.Tensor, gamma: torch.Tensor, eps: float, wq: Weight, wk: Weig
           gamma2: torch.Tensor, w1: Weight, w2: Weight, *, n: int, h_q: int, h_kv: int, d: int,
           bq: torch.Tensor | None = None, bk: torch.Tensor | None = None, bv: torch.Tensor | None = None,
           bo: torch.Tensor | None = None, style: str = "half", gemma: bool = False,
-          scores_ctx: int = 0) -> dict[str, torch.Tensor]:
+          scores_ctx: int = 0, scores_in: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """A whole layer (seed audit S9): `attention_prefill` (its output pre before the residual), h1 = pre + x,
     then `mlp` on h1 (gamma2). returns the attention's stages ("out" left out), "h1", "norm2", "h", "act", "down",
-    "out"; scores_ctx > 0: also "scores" (h_q, T, scores_ctx), the attention's own P, lanes past start + T zero."""
+    "out"; scores_ctx > 0: also "scores" (h_q, T, scores_ctx), the attention's own P, lanes past start + T zero;
+    scores_in: the forward's saved P (h_q, T, ctx), which the attention uses instead of its softmax, forward and
+    backward (the whole layer's backward with the saved scores, S9)."""
     a = attention_prefill(x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, n=n, h_q=h_q, h_kv=h_kv,
-                          d=d, bq=bq, bk=bk, bv=bv, bo=bo, style=style, gemma=gemma, probs=scores_ctx > 0)
+                          d=d, bq=bq, bk=bk, bv=bv, bo=bo, style=style, gemma=gemma, probs=scores_ctx > 0,
+                          probs_in=scores_in)
     pre = a.pop("out")  # attn W_o^T (+ bo): the attention block before its residual
     h1 = pre + x
     m = mlp(h1, gamma2, eps, w1, w2, n=n, gemma=gemma)

@@ -9,6 +9,7 @@
                 (attention_bwd.prefill_backward, bottom-right causal, from the saved O and LSE) -> the new
                 keys' rows, lanes [d, a_d) zero -> dq, dk (rope.rope_backward) -> dnorm = dq Wq + dk Wk + dv Wv,
                 dW, db (gemm_bwd) -> dx, dgamma (norm_backward.rms_norm_backward);  dr = dout
+    layer (S9): mlp on h1 -> dh1, attention for dh1, dx += dh1 (blocks.add); no saved scores (P from the LSE)
 
 Conventions as kernels/triton/blocks.py (refimpl/blocks.py; OPS.md, layers and backward): aligned rows and
 heads, head-major caches (h_kv, cap, a_d) holding the history (read, never written: the keys and values of
@@ -162,3 +163,32 @@ def attention_prefill_backward(x: torch.Tensor, gamma: torch.Tensor, eps: float,
     if fused:
         o = {k: v for k, v in o.items() if k not in ("dwq", "dwk", "dwv", "dbq", "dbk", "dbv")}
     return o
+
+
+# the MLP block's gradients in layer_backward: mlp_backward's names -> the layer's (refimpl.blocks.LAYER_MLP_GRADS)
+LAYER_MLP_GRADS = {"dact": "dact", "dh": "dh", "dnorm": "dnorm2", "dx": "dh1", "dgamma": "dgamma2", "dw1": "dw1",
+                   "dw2": "dw2"}
+
+
+def layer_backward(x: torch.Tensor, gamma: torch.Tensor, eps: float, wq: Weight, wk: Weight, wv: Weight, wo: Weight,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
+                   gamma2: torch.Tensor, w1: Weight, w2: Weight, dout: torch.Tensor, *, norm: torch.Tensor,
+                   rstd: torch.Tensor, q_rope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
+                   attn: torch.Tensor, lse: torch.Tensor, h1: torch.Tensor, norm2: torch.Tensor, rstd2: torch.Tensor,
+                   h: torch.Tensor, act: torch.Tensor, n: int, h_q: int, h_kv: int, d: int, bq=None, bk=None, bv=None,
+                   bo=None, style: str = "half", gemma: bool = False, attention_grads: bool = True,
+                   mlp_grads: bool = True, out: dict | None = None) -> dict[str, torch.Tensor]:
+    """The whole layer's backward (seed audit S9): `mlp_backward` on h1 (saved h1, norm2, rstd2, h, act) for dout,
+    giving dh1; `attention_prefill_backward` for dh1 (from the saved O and LSE: attention_bwd.prefill_backward
+    takes no P, so the saved scores are not an argument); dx = its RMSNorm dx + dh1 (blocks.add). Gradients under
+    the layer's names (LAYER_MLP_GRADS for the MLP's)."""
+    out = dict(out or {})
+    layer_names = {v: k for k, v in LAYER_MLP_GRADS.items()}
+    m = mlp_backward(h1, gamma2, eps, w1, w2, dout, norm=norm2, rstd=rstd2, h=h, act=act, n=n, gemma=gemma,
+                     weight_grads=mlp_grads, out={layer_names[k]: out.pop(k) for k in list(out) if k in layer_names})
+    a = attention_prefill_backward(x, gamma, eps, wq, wk, wv, wo, k_cache, v_cache, cos, sin, start, m["dx"],
+                                   norm=norm, rstd=rstd, q_rope=q_rope, k_rope=k_rope, v=v, attn=attn, lse=lse, n=n,
+                                   h_q=h_q, h_kv=h_kv, d=d, bq=bq, bk=bk, bv=bv, bo=bo, style=style, gemma=gemma,
+                                   weight_grads=attention_grads, out=out)
+    add(a["dx"], m["dx"], a["dx"])  # the attention block's residual: h1 = x + attn W_o^T
+    return {**{LAYER_MLP_GRADS[k]: v for k, v in m.items()}, **a}
