@@ -41,6 +41,25 @@ _I32 = np.dtype(np.int32)
 _lib: ctypes.CDLL | None = None
 
 
+def ragged_rows(seq_len: np.ndarray, seq_start: np.ndarray, total: int, what: str) -> tuple[int, np.ndarray,
+                                                                                              np.ndarray]:
+    """TensorRT-LLM's ragged layout checked: (b, seq_len, seq_start as int64) with sequence i's tokens rows
+    seq_start[i] : seq_start[i] + seq_len[i] of the `total` rows of `what`; exit-2 ValueErrors name the field."""
+    check_array("seq_len", seq_len, 1, "(b,)", (_I32,))
+    b = seq_len.shape[0]
+    check_array("seq_start", seq_start, 1, "(b,)", (_I32,))
+    if seq_start.shape != (b,):
+        raise ValueError(f"seq_start must have shape (b,) = ({b},) like seq_len, got {seq_start.shape}")
+    if b > 1 and not (seq_len.flags.c_contiguous and seq_start.flags.c_contiguous):
+        raise ValueError("seq_len and seq_start must be contiguous (the kernel reads them as int32 runs)")
+    n, first = seq_len.astype(np.int64), seq_start.astype(np.int64)
+    if b and (n.min() < 0 or first.min() < 0 or (first + n).max() > total):
+        i = int(np.flatnonzero((n < 0) | (first < 0) | (first + n > total))[0])
+        raise ValueError(f"sequence {i}'s tokens new[{first[i]} : {first[i] + n[i]}] must lie in {what}'s "
+                         f"{total} rows (seq_len and seq_start >= 0)")
+    return b, n, first
+
+
 def _kernels() -> ctypes.CDLL:
     global _lib
     if _lib is None:
@@ -72,18 +91,7 @@ def update(cache: np.ndarray, new: np.ndarray, pos: np.ndarray, *,
         raise ValueError("seq_len and seq_start go together (the ragged layout), or neither")
     if ragged:
         check_array("new", new, 3, "(total, h_kv, d)", (cache.dtype,))
-        check_array("seq_len", seq_len, 1, "(b,)", (_I32,))
-        b = seq_len.shape[0]
-        check_array("seq_start", seq_start, 1, "(b,)", (_I32,))
-        if seq_start.shape != (b,):
-            raise ValueError(f"seq_start must have shape (b,) = ({b},) like seq_len, got {seq_start.shape}")
-        if b > 1 and not (seq_len.flags.c_contiguous and seq_start.flags.c_contiguous):
-            raise ValueError("seq_len and seq_start must be contiguous (the kernel reads them as int32 runs)")
-        n, first = seq_len.astype(np.int64), seq_start.astype(np.int64)
-        if b and (n.min() < 0 or first.min() < 0 or (first + n).max() > new.shape[0]):
-            i = int(np.flatnonzero((n < 0) | (first < 0) | (first + n > new.shape[0]))[0])
-            raise ValueError(f"sequence {i}'s tokens new[{first[i]} : {first[i] + n[i]}] must lie in new's "
-                             f"{new.shape[0]} rows (seq_len and seq_start >= 0)")
+        b, n, first = ragged_rows(seq_len, seq_start, new.shape[0], "new")
         s_new = int(n.max()) if b else 0
     else:
         check_array("new", new, 4, "(b, s_new, h_kv, d)", (cache.dtype,))

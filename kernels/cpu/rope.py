@@ -35,7 +35,7 @@ import ctypes
 
 import numpy as np
 
-from kernel_parity.kernels.cpu.kvcache import cache_rows
+from kernel_parity.kernels.cpu.kvcache import cache_rows, ragged_rows
 from kernel_parity.kernels.cpu.loader import (DTYPE_CODES, check_array, check_output, check_status, dtype_code,
                                               element_strides, load, unit_last_strides)
 
@@ -190,18 +190,7 @@ def kv_update(k_cache: np.ndarray, v_cache: np.ndarray, k_new: np.ndarray, v_new
     h, d = k_new.shape[-2:]
     dv = v_new.shape[-1]
     if ragged:
-        check_array("seq_len", seq_len, 1, "(b,)", (_I32,))
-        b = seq_len.shape[0]
-        check_array("seq_start", seq_start, 1, "(b,)", (_I32,))
-        if seq_start.shape != (b,):
-            raise ValueError(f"seq_start must have shape (b,) = ({b},) like seq_len, got {seq_start.shape}")
-        if b > 1 and not (seq_len.flags.c_contiguous and seq_start.flags.c_contiguous):
-            raise ValueError("seq_len and seq_start must be contiguous (the kernel reads them as int32 runs)")
-        n, first = seq_len.astype(np.int64), seq_start.astype(np.int64)
-        if b and (n.min() < 0 or first.min() < 0 or (first + n).max() > k_new.shape[0]):
-            i = int(np.flatnonzero((n < 0) | (first < 0) | (first + n > k_new.shape[0]))[0])
-            raise ValueError(f"sequence {i}'s tokens new[{first[i]} : {first[i] + n[i]}] must lie in k_new's "
-                             f"{k_new.shape[0]} rows (seq_len and seq_start >= 0)")
+        b, n, first = ragged_rows(seq_len, seq_start, k_new.shape[0], "k_new")
         s_new = int(n.max()) if b else 0
     else:
         b, s_new = k_new.shape[:2]
