@@ -356,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     _list_flag(p, "--mutant", "only this mutant id")
     _list_flag(p, "--bug", "only mutants of this bug class")
     _list_flag(p, "--backend", "only mutants of this backend's kernels (triton, cpu, torch)")
+    p.add_argument("--shard", metavar="I/N", default=None,
+                   help="only the I-th of N round-robin slices of the selected mutants (parallel runs)")
     p.add_argument("--jobs", type=positive_int, default=2,
                    help="worker processes per mutant (default 2; with --devices: per GPU)")
     p.add_argument("--devices", metavar="all|I,J", default=None,

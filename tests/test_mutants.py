@@ -93,3 +93,16 @@ def test_props_kill_what_the_gate_lets_through(tmp_path):
     (row,) = json.loads(out.read_text())["mutants"]
     assert row["status"] == "killed" and row["by"] == "props"
     assert row["test"].startswith("property_tests/test_attention.py::")
+
+
+def test_shards_split_the_selection_round_robin(capsys):
+    """--shard I/N: N disjoint slices whose union is the selection, each listed by --list; 0/N is exit 2."""
+    ids = [m.id for m in catalogue()]
+    got = []
+    for i in (1, 2, 3):
+        assert main(["mutants", "--list", "--shard", f"{i}/3"]) == 0
+        got.append([line.split()[0] for line in capsys.readouterr().out.splitlines()])
+    assert sorted(sum(got, [])) == sorted(ids) and not set(got[0]) & set(got[1])
+    assert got[0] == ids[0::3]
+    assert main(["mutants", "--list", "--shard", "0/3"]) == 2
+    assert "i must be in 1..N" in capsys.readouterr().err

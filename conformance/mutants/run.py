@@ -10,7 +10,10 @@ run; GPU-only ones run only where a CUDA GPU is. A mutant that cannot be applied
 `error` row (its message says why) and fails the command too; the others still run.
 
     parity mutants [--suite ci] [--props] [--mutant ID ...] [--bug CLASS ...] [--backend B ...]
-                   [--jobs N] [--timeout S] [--json PATH] [--html PATH]
+                   [--shard I/N] [--jobs N] [--timeout S] [--json PATH] [--html PATH]
+
+--shard I/N runs the I-th of N round-robin slices of the selected mutants: N of them side by side
+cover the catalogue on a many-core host (each mutant's cases are sequential until one kills it).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 
 from kernel_parity.conformance import env, suites
 from kernel_parity.conformance.case import Case
+from kernel_parity.conformance.commands import parse_shard
 from kernel_parity.conformance.errors import EXIT_FAIL, EXIT_OK
 from kernel_parity.conformance.errors import UsageError
 from kernel_parity.conformance.results import CaseResult
@@ -58,8 +62,11 @@ def select(args: Any) -> list[Mutant]:
             if b not in ("triton", "cpu", "torch"):
                 raise UsageError(f"--backend {b!r}: mutants exist for our own kernels only (triton, cpu, torch)")
         muts = [m for m in muts if m.backend in args.backend]
+    shard = parse_shard(getattr(args, "shard", None))
+    if shard is not None:  # the i-th of n slices, round-robin in catalogue order: parallel runs on one host
+        muts = [m for k, m in enumerate(muts) if k % shard[1] == shard[0] - 1]
     if not muts:
-        raise UsageError("no mutant matches the filters")
+        raise UsageError("no mutant matches the filters" + (f" in shard {shard[0]}/{shard[1]}" if shard else ""))
     return muts
 
 
@@ -189,8 +196,8 @@ def main(args: Any, command: str) -> int:
 
 
 def mutants_command(args: Any, command: str) -> int:
-    if args.list:
-        for m in catalogue():
+    if args.list:  # the selection's (--mutant, --bug, --backend, --shard), the whole catalogue by default
+        for m in select(args):
             flag = " [equivalent]" if m.equivalent else " [gpu only]" if m.gpu_only else ""
             print(f"{m.id:<40} {m.bug:<26} {m.file:<26} {m.doc}{flag}")
         return EXIT_OK
