@@ -436,6 +436,15 @@ def _renamed(overrides: tuple[Override, ...]) -> tuple[Override, ...]:
                  if o.output in ref.LAYER_MLP_GRADS)
 
 
+# In the layer the attention block's cotangent is dh1, the MLP backward's dx: computed through fp32 sums of
+# model width (2I = 28672 at Llama-3-8B), so the attention outputs after it carry _MLP_AGG's cos_diff
+# ~ eps32^2 n / 48 too (their acc_len includes the MLP's). Measured, H200 models (t 16, e 4096, I 14336): dattn
+# cos_diff 2.96e-12 on cpu and Triton, every element within 0.3 of its bound. The same rule (agg_acc 0.125)
+# for the outputs no other aggregate override covers.
+_LAYER_AGG = tuple(Override(f"{o} of the layer: its cotangent dh1 comes out of the MLP backward's model-width fp32 "
+                            f"sums (H200 models: dattn cos_diff 2.96e-12, n ~ 3.7e4)", output=o, agg_acc=0.125)
+                   for o in ("dattn", "dwo", "dbo"))
+
 LAYER_BACKWARD = OpSpec(
     name="blocks.layer_backward",
     golden=ref.layer_backward,
@@ -446,7 +455,8 @@ LAYER_BACKWARD = OpSpec(
     outputs=LAYER_OUT,
     magnitude=_layer_golden(True),
     tolerance=Tol(acc_len=_layer_grad_acc,
-                  overrides=_renamed(_SCALED_MLP + _MLP_AGG) + _SCALED + _LOGITS + _DBK_AGG + _PV, noise_k=3.0),
+                  overrides=_renamed(_SCALED_MLP + _MLP_AGG) + _SCALED + _LOGITS + _DBK_AGG + _PV + _LAYER_AGG,
+                  noise_k=3.0),
     dtypes=("fp32",),
     dists={k: DISTS[k] for k in ATTN_DISTS},
     check=check_layer,

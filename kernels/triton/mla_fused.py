@@ -412,10 +412,12 @@ def _mla_fused_sparse_kernel(
         new = live & (tok >= 0)
         if tl.max(new.to(tl.int32), axis=0) > 0:  # this step's rows among the tile's keys
             nrows = tl.where(new, tok, 0).to(tl.int64) * stride_new_t
-            kn = tl.load(New_ptr + nrows[:, None] + offs_dv[None, :], mask=new[:, None], other=0.0)
-            kp = tl.load(New_ptr + nrows[:, None] + D_V + offs_pe[None, :], mask=new[:, None], other=0.0)
-            m_i, l_i, acc = _mla_attend(q_nope, q_pe, kn, kp, kn, new, offs_n, offs_n, m_i, l_i, acc, qk_scale,
-                                        False, False, "ieee")
+            # own names: an if block may not rebind the tile's bf16 kn / kp as fp32 (the compiler's rule; the
+            # interpreter does not check it)
+            kn_new = tl.load(New_ptr + nrows[:, None] + offs_dv[None, :], mask=new[:, None], other=0.0)
+            kp_new = tl.load(New_ptr + nrows[:, None] + D_V + offs_pe[None, :], mask=new[:, None], other=0.0)
+            m_i, l_i, acc = _mla_attend(q_nope, q_pe, kn_new, kp_new, kn_new, new, offs_n, offs_n, m_i, l_i, acc,
+                                        qk_scale, False, False, "ieee")
 
     if HAS_EXTRA:  # the second cache: e4m3 codes times their row's scale per GROUP_C channels (the
         # rope part's own), dequantized in fp32 (one rounding of an exact 4 x 24-bit product), IEEE dots
