@@ -9,7 +9,9 @@
 - the block golden is the composition of the family goldens stage by stage: each stage recomputed from
   the previous one by refimpl.norm / gemm / rope / kvcache / attention (chunked_prefill, another golden
   than the one the block uses) / mlp equals the block golden's stage.
-The whole-layer backward (blocks.mlp_backward, blocks.attention_prefill_backward):
+The whole layer (blocks.layer, seed audit S9) and its backward (blocks.layer_backward) vs the golden on every
+backend, the backward linear in dout bit for bit (below). The whole-layer backward of each block
+(blocks.mlp_backward, blocks.attention_prefill_backward):
 - every backend's gradients vs the golden, stage by stage;
 - the gradients are linear in dout: G(2^j dout) = 2^j G(dout) bit for bit (every stage is linear in the
   cotangent, and a power of two commutes with every rounding), G(d1 + d2) = G(d1) + G(d2) within the op's
@@ -347,6 +349,57 @@ def test_triton_mlp_backward(parity, backend, case):
                                                        "wo": TRITON_BWD["wo"]}))
 def test_triton_attention_prefill_backward(parity, backend, case):
     parity.check(case.with_backend(backend))
+
+
+# -- the whole layer (seed audit S9) and its backward ---------------------------------------------------------------
+LAYER, LAYER_BWD = "blocks.layer", "blocks.layer_backward"
+
+
+def _layer_shape(p):
+    """The attention block's shape rules, then the MLP's with W1 / W2 in f32 or Q8_0 (aE a multiple of 32 for
+    any quantized matrix that reads it, I for a quantized W2)."""
+    out = _attention_shape({**p, "wo_layout": "flat"})
+    out.pop("wo_layout")
+    if p["w1"] != "f32":
+        out["epad"] = (-p["e"]) % 32
+    if p["w2"] != "f32":
+        out["i"] = max(32, p["i"] // 32 * 32)
+    return out
+
+
+LAYER_DRAWS = dict(e=(8, 64), hkv=(1, 2), hq=(0, 3), d=(0, 15), dpad=(0, 4), epad=(0, 4), cap=(0, 2), t=(1, 9),
+                   start=(0, 40), i=(1, 64), wqkv=["f32", "q8_0"], wo=["f32", "q8_0"], w1=["f32", "q8_0"],
+                   w2=["f32", "q8_0"], transform=_layer_shape)
+
+
+@pytest.mark.parity_backends("cpu", "torch")
+@settings(max_examples=6)
+@given(case=cases(LAYER, **LAYER_DRAWS))
+def test_layer(parity, backend, case):
+    parity.check(case.with_backend(backend))
+
+
+@pytest.mark.parity_backends("cpu", "torch")
+@settings(max_examples=6)
+@given(case=cases(LAYER_BWD, **LAYER_DRAWS))
+def test_layer_backward(parity, backend, case):
+    """The whole layer's gradients (scores=1: the forward's P read instead of recomputed) vs the golden."""
+    parity.check(case.with_backend(backend))
+
+
+@pytest.mark.parity_backends("triton")
+@TRITON_FEW
+@given(case=cases(LAYER_BWD, **{**LAYER_DRAWS, "scores": [0]}))
+def test_triton_layer_backward(parity, backend, case):
+    parity.check(case.with_backend(backend))
+
+
+@pytest.mark.parity_backends("cpu", "torch")
+@settings(max_examples=6)
+@given(case=cases(LAYER_BWD, **LAYER_DRAWS), j=st.sampled_from([-2, 3]))
+def test_layer_backward_scales_with_dout(backend, case, j):
+    """The layer's backward is linear in dout, both blocks and the residual: 2^j dout gives 2^j G bit for bit."""
+    _scales_with_dout(case.with_backend(backend), j)
 
 
 def _scales_with_dout(case, j: int) -> None:
