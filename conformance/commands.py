@@ -23,7 +23,7 @@ from kernel_parity.conformance.case import Case
 from kernel_parity.conformance.errors import EXIT_FAIL, EXIT_OK, UsageError
 from kernel_parity.conformance.results import CaseResult
 from kernel_parity.conformance.session import Session, open_session, progress, say
-from kernel_parity.conformance.suites import Filters
+from kernel_parity.conformance.suites import Filters, parse_shard
 from kernel_parity.reports import files, records
 
 MAX_PRINTED_FAILURES = 20
@@ -86,18 +86,6 @@ class Selection:
 def _backend_args(args: Any, session: Session) -> list[str]:
     """The backends as given (module:object kept, so a resumed run loads them again)."""
     return list(args.backend) if args.backend else list(session.config.backends)
-
-
-def parse_shard(text: str | None) -> tuple[int, int] | None:
-    if text is None:
-        return None
-    try:
-        i, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise UsageError(f"--shard {text!r} must be i/N (e.g. 2/4)") from None
-    if not 1 <= i <= n:
-        raise UsageError(f"--shard {text!r}: i must be in 1..N")
-    return i, n
 
 
 def shard_of(cases: list[Case], shard: tuple[int, int] | None) -> list[Case]:

@@ -53,6 +53,19 @@ class Filters:
     scale: str = "auto"  # "real" sizes, the entries' "cpu" overrides, or auto: real with a CUDA GPU
 
 
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    """`--shard I/N` (runs and mutants): (i, n), 1-based; None without the flag; a usage error otherwise."""
+    if text is None:
+        return None
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise UsageError(f"--shard {text!r} must be i/N (e.g. 2/4)") from None
+    if not 1 <= i <= n:
+        raise UsageError(f"--shard {text!r}: i must be in 1..N")
+    return i, n
+
+
 def canonical_filter_dtype(name: str) -> str:
     """--dtype value: a dtype (aliases resolved) or the name of some op's dtype set; else UsageError."""
     if any(name in spec.dtype_sets for spec in ops.all_specs().values()):

@@ -31,12 +31,11 @@ from typing import Any
 
 from kernel_parity.conformance import env, suites
 from kernel_parity.conformance.case import Case
-from kernel_parity.conformance.commands import parse_shard
 from kernel_parity.conformance.errors import EXIT_FAIL, EXIT_OK
 from kernel_parity.conformance.errors import UsageError
 from kernel_parity.conformance.results import CaseResult
 from kernel_parity.conformance.mutants import CLASSES, Mutant, MutantError, catalogue, materialise
-from kernel_parity.conformance.suites import Filters
+from kernel_parity.conformance.suites import Filters, parse_shard
 from kernel_parity.reports import files, records
 
 SCHEMA = "kernel-parity/mutants/1"
