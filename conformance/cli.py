@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--props", action="store_true", help="also run the property tests on mutants the gate lets through")
     _list_flag(p, "--mutant", "only this mutant id")
     _list_flag(p, "--bug", "only mutants of this bug class")
-    _list_flag(p, "--backend", "only mutants of this backend's kernels (triton, cpu, torch)")
+    _list_flag(p, "--backend", "only mutants of this backend's kernels (triton, cpu, torch, gluon)")
     p.add_argument("--shard", metavar="I/N", default=None,
                    help="only the I-th of N round-robin slices of the selected mutants (parallel runs)")
     p.add_argument("--jobs", type=positive_int, default=2,

@@ -23,7 +23,8 @@ REQUIRED = ("causal-alignment", "causal-off-by-one", "gqa-mapping", "window-edge
 def test_every_mutant_applies_to_todays_sources():
     muts = catalogue()
     assert len(muts) >= 60
-    assert {m.backend for m in muts} == {"triton", "cpu", "torch"}
+    assert {m.backend for m in muts} == {"triton", "cpu", "torch", "gluon"}
+    assert all(m.gpu_only for m in muts if m.backend == "gluon")  # Gluon has no interpreter
     for m in muts:
         source = (kernels_root() / m.file).read_text()
         patched = m.patched(source)  # MutantError if the target text is gone or ambiguous

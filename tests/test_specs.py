@@ -79,7 +79,8 @@ def test_ci_suite_covers_the_edges():
     comb = [c for c in cases if c.op == "combine.lse_combine"]
     assert "empty" in {c.dist for c in comb} and 1 in {c.p["splits"] for c in comb}
     assert {c.dtype for c in cases} == {"fp32", "fp16", "bf16", "int32"}  # int32: mla.schedule
-    assert {c.backend for c in cases} == {"triton", "triton-q8", "cpu", "torch", "sdpa-cpu", "gguf", "ggml", "torch-norm"}
+    assert {c.backend for c in cases} == {"triton", "triton-q8", "cpu", "torch", "sdpa-cpu", "gguf", "ggml", "torch-norm",
+                                          "gluon"}
     ops_in_suite = {c.op for c in cases}
     assert ops_in_suite == set(ops.all_specs())  # every op is gated
 

@@ -1,8 +1,8 @@
 """Seeded bugs in our own kernels: the catalogue, and how one is installed.
 
 A mutant is a textual patch to one real kernel source (kernels/triton/*.py, kernels/cpu/*.c|h,
-kernels/torch/*.py), declared in the catalogue, one TOML file per backend in this folder
-(triton.toml, cpu.toml, torch.toml):
+kernels/torch/*.py, kernels/gluon/*.py), declared in the catalogue, one TOML file per backend in this
+folder (triton.toml, cpu.toml, torch.toml, gluon.toml):
 
     [[mutant]]
     id = "tri-prefill-causal-off-by-one"      # unique, shell-safe
@@ -126,7 +126,7 @@ CLASSES = {
     "write-read-race": "a fused write-and-attend kernel reads a cache slot the same call writes (before its write "
                        "lands: the stale or poisoned slot) instead of the new token itself",
 }
-BACKEND_OF_DIR = {"triton": "triton", "cpu": "cpu", "torch": "torch"}
+BACKEND_OF_DIR = {"triton": "triton", "cpu": "cpu", "torch": "torch", "gluon": "gluon"}
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 
 
@@ -209,7 +209,7 @@ def _entries(src: Path, doc: dict, seen: set[str]) -> list[Mutant]:
         if e["bug"] not in CLASSES:
             raise MutantError(f"{where}: bug class {e['bug']!r} is not one of {', '.join(CLASSES)}")
         if e["file"].split("/", 1)[0] not in BACKEND_OF_DIR:
-            raise MutantError(f"{where}: file {e['file']!r} is not under triton/, cpu/ or torch/")
+            raise MutantError(f"{where}: file {e['file']!r} is not under triton/, cpu/, torch/ or gluon/")
         if e["find"] == e["replace"]:
             raise MutantError(f"{where}: find and replace are the same text")
         seen.add(e["id"])

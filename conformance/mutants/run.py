@@ -58,8 +58,8 @@ def select(args: Any) -> list[Mutant]:
         muts = [m for m in muts if m.bug in args.bug]
     if args.backend:
         for b in args.backend:
-            if b not in ("triton", "cpu", "torch"):
-                raise UsageError(f"--backend {b!r}: mutants exist for our own kernels only (triton, cpu, torch)")
+            if b not in ("triton", "cpu", "torch", "gluon"):
+                raise UsageError(f"--backend {b!r}: mutants exist for our own kernels only (triton, cpu, torch, gluon)")
         muts = [m for m in muts if m.backend in args.backend]
     shard = parse_shard(getattr(args, "shard", None))
     if shard is not None:  # the i-th of n slices, round-robin in catalogue order: parallel runs on one host

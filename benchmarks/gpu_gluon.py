@@ -1,0 +1,238 @@
+"""GPU run of the gluon backend's kernels (kernels/gluon/*) on Hopper: the API they rely on, their parity
+with the Triton kernels on the same quantized operands, and their speed beside the peers and the
+hardware's matmul rate measured in the same run.
+
+    python benchmarks/gpu_gluon.py [--sections api,parity,bench] [--out PATH] [--configs all|default]
+
+- api: Triton's version, the signatures of the Gluon calls the kernels make (kernels/gluon/compat.py).
+- parity: gemm_fp8 (gluon) vs kernels/triton/gemm_fp8.py on the same qa / sa / w / w_scale (the Triton
+  quantizer's output), bits equal or not, max |diff|, and both against an fp32 emulation of the blocks
+  (torch: per 128-wide K block a float32 matmul of the e4m3 values, promoted with sa * sw), at edge shapes
+  (M 1, 3, 33; N 48, 130; K 256 .. 8192) and each config; the compiled kernel's registers and spills.
+- bench: M = N = K = 8192 and DeepSeek-V3 shapes, 1 x 128 x 128 scales: gluon (each config; with and
+  without the activation quantizer), triton, torch._scaled_mm blockwise (cuBLASLt), the quantizer alone,
+  and the bf16 matmul rate of this GPU in this run. do_bench medians (L2 flushed by do_bench).
+Every item runs in its own try: an error is recorded with its message and the run goes on. JSON to --out
+(default $OUT/gluon.json), rewritten after each item.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CONFIGS = ((128, 5, 8, 232, 40), (128, 4, 8, 232, 40), (128, 6, 8, 232, 40), (128, 5, 16, 232, 40),
+           (128, 5, 8, 240, 24))
+PARITY_SHAPES = ((1, 256, 256), (3, 48, 256), (33, 130, 512), (128, 256, 1024), (200, 384, 2048),
+                 (1000, 1000, 4096), (4096, 4096, 8192))
+BENCH_SHAPES = ((8192, 8192, 8192), (4096, 7168, 2048), (4096, 24576, 1536), (4096, 2112, 7168),
+                (4096, 4096, 4096))
+
+
+def _record(doc: dict, out: Path) -> None:
+    out.write_text(json.dumps(doc, indent=1, default=str))
+
+
+def _err(e: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(e), e)).strip()[-3000:]
+
+
+def section_api() -> dict:
+    import triton
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia import hopper
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+    from kernel_parity.kernels.gluon.compat import missing, ws_list
+
+    def sig(f):
+        try:
+            return str(inspect.signature(f))
+        except Exception as e:  # noqa: BLE001
+            return f"? {e}"
+
+    return {"triton": triton.__version__, "missing": list(missing()), "ws_list": ws_list(),
+            "warp_specialize": sig(gl.warp_specialize), "warpgroup_mma": sig(hopper.warpgroup_mma),
+            "warpgroup_mma_wait": sig(hopper.warpgroup_mma_wait),
+            "tma": {n: sig(getattr(tma, n)) for n in dir(tma) if not n.startswith("_") and callable(getattr(tma, n))},
+            "mbarrier": {n: sig(getattr(mbarrier, n)) for n in dir(mbarrier) if not n.startswith("_")
+                         and callable(getattr(mbarrier, n))},
+            "gl": sorted(n for n in dir(gl) if not n.startswith("_")),
+            "hopper": sorted(n for n in dir(hopper) if not n.startswith("_"))}
+
+
+def _operands(m, n, k, seed=0):
+    import torch
+
+    from kernel_parity.kernels.triton.gemm_fp8 import act_quant_fp8
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    w32 = torch.randn(n, k, device="cuda", generator=g)
+    nb, kb = (n + 127) // 128, (k + 127) // 128
+    # weight blocks whose scales differ by orders of magnitude (neighbouring blocks told apart)
+    mag = 10.0 ** torch.randint(-3, 3, (nb, kb), device="cuda", generator=g).float()
+    w32 = w32 * mag.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    padded = w32.new_zeros(nb * 128, kb * 128)
+    padded[:n, :k] = w32
+    amax = padded.abs().reshape(nb, 128, kb, 128).amax(dim=(1, 3))
+    sw = (amax.clamp_min(1e-4) / 448.0).float()
+    w = (w32 / sw.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]).to(torch.float8_e4m3fn)
+    qa, sa = act_quant_fp8(a, 1, 128)
+    bias = torch.randn(n, device="cuda", generator=g)
+    return a, qa, sa, w, sw, bias
+
+
+def _emulated(qa, sa, w, sw, bias):
+    import torch
+
+    m, k = qa.shape
+    n = w.shape[0]
+    out = torch.zeros(m, n, device="cuda", dtype=torch.float64)
+    for kb in range((k + 127) // 128):
+        sl = slice(kb * 128, (kb + 1) * 128)
+        d = qa[:, sl].double() @ w[:, sl].double().T
+        out += d * sa[:, kb].double()[:, None] * sw[:, kb].double().repeat_interleave(128)[:n][None, :]
+    return out + bias.double()[None, :]
+
+
+def section_parity(configs) -> list[dict]:
+    import torch
+
+    from kernel_parity.kernels.gluon import gemm_fp8 as G
+    from kernel_parity.kernels.triton import gemm_fp8 as T
+
+    rows = []
+    for (m, n, k) in PARITY_SHAPES:
+        a, qa, sa, w, sw, bias = _operands(m, n, k)
+        ref = _emulated(qa, sa, w, sw, bias)
+        tri = T.gemm_fp8_scaled(qa, sa, w, sw, bias, gm=1, gn=128, gk=128)
+        row = {"shape": [m, n, k], "triton_rel": float(((tri.double() - ref).norm() / ref.norm()).item())}
+        for cfg in configs:
+            key = "-".join(map(str, cfg))
+            try:
+                out = G.gemm_fp8_scaled(qa, sa, w, sw, bias, gn=128, config=cfg)
+                torch.cuda.synchronize()
+                d = (out.float() - tri.float()).abs()
+                row[key] = {"bits_equal": bool(torch.equal(out, tri)), "frac_equal": float((d == 0).float().mean()),
+                            "max_abs_vs_triton": float(d.max()), "rel_vs_emulated":
+                            float(((out.double() - ref).norm() / ref.norm()).item()),
+                            "nan": bool(torch.isnan(out).any())}
+            except Exception as e:  # noqa: BLE001
+                row[key] = {"error": _err(e)}
+        rows.append(row)
+    return rows
+
+
+def _compiled_info(cfg) -> dict:
+    from kernel_parity.kernels.gluon import gemm_fp8 as G
+
+    info = {}
+    for k_, v in G._gemm_fp8_kernel.device_caches.items() if hasattr(G._gemm_fp8_kernel, "device_caches") else []:
+        try:
+            cache = v[0]
+            for key, ck in cache.items():
+                info[str(key)[-200:]] = {"n_regs": getattr(ck, "n_regs", None), "n_spills": getattr(ck, "n_spills", None),
+                                         "shared": getattr(getattr(ck, "metadata", None), "shared", None)}
+        except Exception as e:  # noqa: BLE001
+            info["error"] = _err(e)
+    return info
+
+
+def section_bench(configs) -> dict:
+    import torch
+    from triton.testing import do_bench
+
+    from kernel_parity.kernels.gluon import gemm_fp8 as G
+    from kernel_parity.kernels.triton import gemm_fp8 as T
+
+    def ms(fn):
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm = ms(lambda: x @ x)
+    res = {"device": torch.cuda.get_device_name(), "matmul_bf16_tflops": 2 * 8192 ** 3 / mm / 1e9, "shapes": []}
+    del x
+    for (m, n, k) in BENCH_SHAPES:
+        a, qa, sa, w, sw, bias = _operands(m, n, k)
+        fl = 2 * m * n * k
+        row = {"shape": [m, n, k]}
+        tf = lambda t: fl / t / 1e9  # noqa: E731
+        try:
+            t = ms(lambda: T.act_quant_fp8(a, 1, 128))
+            row["quantizer_ms"] = t
+        except Exception as e:  # noqa: BLE001
+            row["quantizer"] = _err(e)
+        try:
+            t = ms(lambda: T.gemm_fp8_scaled(qa, sa, w, sw, gm=1, gn=128, gk=128))
+            row["triton"] = {"ms": t, "tflops": tf(t)}
+        except Exception as e:  # noqa: BLE001
+            row["triton"] = _err(e)
+        try:
+            sb = sw.t()
+            sa_cm = sa.t().contiguous().t()
+            t = ms(lambda: torch._scaled_mm(qa, w.t(), scale_a=sa_cm, scale_b=sb, out_dtype=torch.bfloat16))
+            row["scaled_mm"] = {"ms": t, "tflops": tf(t)}
+        except Exception as e:  # noqa: BLE001
+            row["scaled_mm"] = _err(e)
+        for cfg in configs:
+            key = "-".join(map(str, cfg))
+            try:
+                t = ms(lambda: G.gemm_fp8_scaled(qa, sa, w, sw, gn=128, config=cfg))
+                tq = ms(lambda: G.gemm_fp8(a, w, sw, config=cfg))
+                row[key] = {"ms": t, "tflops": tf(t), "with_quant_ms": tq, "with_quant_tflops": tf(tq)}
+            except Exception as e:  # noqa: BLE001
+                row[key] = _err(e)
+        if isinstance(row.get("scaled_mm"), dict):
+            for cfg in configs:
+                r = row.get("-".join(map(str, cfg)))
+                if isinstance(r, dict):
+                    r["x_scaled_mm"] = row["scaled_mm"]["ms"] / r["ms"]
+                    r["x_scaled_mm_with_quant"] = row["scaled_mm"]["ms"] / r["with_quant_ms"]
+                    r["of_matmul"] = r["tflops"] / res["matmul_bf16_tflops"]
+        res["shapes"].append(row)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sections", default="api,parity,bench")
+    ap.add_argument("--configs", default="all", choices=("all", "default"))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    out = Path(args.out or Path(os.environ.get("OUT", ".")) / "gluon.json")
+    from kernel_parity.kernels.gluon.gemm_fp8 import GEMM_CONFIG
+
+    configs = CONFIGS if args.configs == "all" else (GEMM_CONFIG,)
+    doc: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for sec in args.sections.split(","):
+        t0 = time.time()
+        try:
+            if sec == "api":
+                doc["api"] = section_api()
+            elif sec == "parity":
+                doc["parity"] = section_parity(configs)
+                doc["compiled"] = _compiled_info(None)
+            elif sec == "bench":
+                doc["bench"] = section_bench(configs)
+            else:
+                doc[sec] = f"unknown section {sec!r}"
+        except Exception as e:  # noqa: BLE001
+            doc[sec + "_error"] = _err(e) + "\n" + traceback.format_exc()[-3000:]
+        doc[sec + "_s"] = round(time.time() - t0, 1)
+        _record(doc, out)
+        print(f"{sec}: {doc[sec + '_s']} s", flush=True)
+    print(json.dumps(doc, default=str)[:6000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""`gluon`: our Gluon kernels (kernels/gluon/*), a backend of its own beside `triton`.
+
+Gluon (`triton.experimental.gluon`) is Triton's lower-level language: explicit layouts, shared
+memory, mbarriers, bulk tensor copies, warpgroup MMAs and warp specialisation. It has no
+interpreter, so the backend runs on a Hopper GPU (sm_90) only; anywhere else `available()` says
+why and every case is a skip with that reason. Each kernel claims the reference the `triton`
+kernel of the same op claims, so the gate judges both on the same cases, same limits.
+
+Ops:
+- gemm.gemm_nt, FP8 1 x 128 x 128 (`fp8`; gn a multiple of 128): kernels/gluon/gemm_fp8.py, a
+  persistent warp-specialised kernel (claims `emulated`); the activations quantized by the Triton
+  quantizer, as the `triton` backend does.
+Registered through the `kernel_parity.backends` entry point (pyproject.toml), like triton-q8.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from kernel_parity.conformance.backends import Backend
+from kernel_parity.conformance.backends._torch import cuda_available, to_torch
+
+GEMM = "gemm.gemm_nt"
+
+
+def unavailable() -> str | None:
+    """None where the gluon kernels can run, else why not (one line)."""
+    if not cuda_available():
+        return "Gluon kernels run on a CUDA GPU only (Gluon has no interpreter)"
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        return (f"the gluon kernels are written for Hopper (sm_90: wgmma, TMA); this GPU is "
+                f"sm_{major}{minor}")
+    from kernel_parity.kernels.gluon.compat import missing
+
+    gone = missing()
+    if gone:
+        import triton
+
+        return f"Triton {triton.__version__} lacks the Gluon API the kernels use: {', '.join(gone[:4])}"
+    return None
+
+
+class GluonBackend(Backend):
+    def available(self) -> str | None:
+        return unavailable()
+
+    def describe(self) -> str:
+        import triton
+
+        return f"gluon (Triton {triton.__version__}, Hopper)"
+
+
+def _gemm_supports(case: Any) -> str | None:
+    from kernel_parity.conformance.ops.gemm import granularity
+
+    p = case.p
+    if p["wfmt"] != "fp8":
+        return f"the gluon GEMM is the FP8 1 x 128 x 128 block-scaled kernel; {p['wfmt']} weights have no path"
+    g = granularity(p)
+    if case.dtype == "fp32":
+        return "the FP8 GEMM accumulates on fp8 tensor cores: it claims a bf16/fp16 output, not fp32"
+    if g["gm"] != 1 or g["gk"] != 128 or g["gn"] % 128:
+        return f"the gluon FP8 GEMM takes 1 x 128 activation groups and gn x 128 weight blocks (gn a multiple " \
+               f"of 128), not {g['gm']} x {g['gk']} / {g['gn']} x {g['gk']}"
+    if p["k"] % 16:
+        return f"k={p['k']} is not a multiple of 16 (the bulk copies read 16-byte rows)"
+    return None
+
+
+def _gemm(case: Any, inputs: dict, out: Any) -> dict:
+    from kernel_parity.conformance.ops.gemm import granularity
+    from kernel_parity.kernels.gluon import gemm_fp8
+
+    c = out.torch("c", "cuda")
+    bias = to_torch(inputs["bias"], "cuda") if "bias" in inputs else None
+    gemm_fp8.gemm_fp8(to_torch(inputs["a"], "cuda"), to_torch(inputs["w"], "cuda"),
+                      to_torch(inputs["w_scale"], "cuda"), bias, out=c, gn=granularity(case.p)["gn"])
+    return {"c": c}
+
+
+def _ops() -> dict[str, Callable]:
+    return {GEMM: _gemm}
+
+
+def make() -> GluonBackend:
+    return GluonBackend(name="gluon", device="cuda", dtypes=("bf16", "fp16"), ops=_ops(),
+                        claims={GEMM: "emulated"}, support={GEMM: _gemm_supports}, deterministic=True,
+                        doc="kernels/gluon/*: warp-specialised Gluon kernels (Hopper): FP8 block-scaled GEMM")
+
+
+BACKEND = make
