@@ -2,7 +2,8 @@
 with the Triton kernels on the same quantized operands, and their speed beside the peers and the
 hardware's matmul rate measured in the same run.
 
-    python benchmarks/gpu_gluon.py [--sections api,parity,bench] [--out PATH] [--configs all|default]
+    python benchmarks/gpu_gluon.py [--sections api,parity,bench,attn_parity,attn_bench] [--out PATH]
+                                   [--configs all|default]
 
 - api: Triton's version, the signatures of the Gluon calls the kernels make (kernels/gluon/compat.py).
 - parity: gemm_fp8 (gluon) vs kernels/triton/gemm_fp8.py on the same qa / sa / w / w_scale (the Triton
@@ -12,6 +13,9 @@ hardware's matmul rate measured in the same run.
 - bench: M = N = K = 8192 and DeepSeek-V3 shapes, 1 x 128 x 128 scales: gluon (each config; with and
   without the activation quantizer), triton, torch._scaled_mm blockwise (cuBLASLt), the quantizer alone,
   and the bf16 matmul rate of this GPU in this run. do_bench medians (L2 flushed by do_bench).
+- attn_parity: attention.prefill (gluon) vs the Triton kernel and an fp32 SDPA (math) at multi-tile shapes.
+- attn_bench: causal prefill bf16, 32 / 8 heads, s 4096, d 64 / 128 / 256: gluon, triton, SDPA cuDNN and flash
+  (each `do_bench`), TFLOP/s of the causal half, and the run's bf16 matmul rate.
 Every item runs in its own try: an error is recorded with its message and the run goes on. JSON to --out
 (default $OUT/gluon.json), rewritten after each item.
 """
@@ -202,6 +206,109 @@ def section_bench(configs) -> dict:
     return res
 
 
+ATTN_PARITY = ((2, 300, 300, 4, 2, 128, "bottom_right"), (1, 200, 457, 4, 1, 64, "top_left"),
+               (2, 150, 70, 2, 2, 256, "bottom_right"), (2, 257, 200, 2, 1, 32, "none"),
+               (1, 1024, 1024, 8, 2, 128, "bottom_right"))
+ATTN_BENCH = ((4, 4096, 32, 8, 64), (4, 4096, 32, 8, 128), (4, 4096, 32, 8, 256), (16, 4096, 32, 8, 128))
+
+
+def _attn_inputs(b, sq, sk, hq, hkv, d, seed=0):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, k, v
+
+
+def _sdpa(q, k, v, causal, backend=None):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = q.shape[2] // k.shape[2]
+    qt = q.transpose(1, 2)
+    kt = k.repeat_interleave(group, dim=2).transpose(1, 2)
+    vt = v.repeat_interleave(group, dim=2).transpose(1, 2)
+    mask = None
+    if causal != "none":
+        sq, sk = q.shape[1], k.shape[1]
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        mask = j <= i + (sk - sq if causal == "bottom_right" else 0)
+    be = {"math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+    if backend in ("cudnn", "flash"):
+        def call():
+            with sdpa_kernel(be[backend]):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal != "none")
+        return call
+    with sdpa_kernel(be["math"]):
+        o = F.scaled_dot_product_attention(qt.float(), kt.float(), vt.float(), attn_mask=mask)
+    return o.transpose(1, 2)
+
+
+def section_attn_parity() -> list[dict]:
+    import torch
+
+    from kernel_parity.kernels.gluon import attention as G
+    from kernel_parity.kernels.triton import attention as T
+
+    rows = []
+    for (b, sq, sk, hq, hkv, d, causal) in ATTN_PARITY:
+        row = {"shape": [b, sq, sk, hq, hkv, d, causal]}
+        try:
+            q, k, v = _attn_inputs(b, sq, sk, hq, hkv, d)
+            ref = _sdpa(q, k, v, causal)
+            o, lse = G.prefill(q, k, v, causal=causal)
+            ot, lset = T.prefill(q, k, v, causal=causal)
+            torch.cuda.synchronize()
+            seen = torch.isfinite(lset)
+            row.update(nan=bool(torch.isnan(o).any()), max_abs_vs_sdpa_fp32=float((o.float() - ref.nan_to_num()).abs().max()),
+                       triton_max_abs_vs_sdpa_fp32=float((ot.float() - ref.nan_to_num()).abs().max()),
+                       max_abs_vs_triton=float((o.float() - ot.float()).abs().max()),
+                       lse_max_abs_vs_triton=float((lse[seen] - lset[seen]).abs().max()) if seen.any() else 0.0,
+                       lse_inf_agree=bool(torch.equal(torch.isinf(lse), torch.isinf(lset))))
+        except Exception as e:  # noqa: BLE001
+            row["error"] = _err(e)
+        rows.append(row)
+    return rows
+
+
+def section_attn_bench() -> dict:
+    import torch
+    from triton.testing import do_bench
+
+    from kernel_parity.kernels.gluon import attention as G
+    from kernel_parity.kernels.triton import attention as T
+
+    def ms(fn):
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    res = {"device": torch.cuda.get_device_name(), "matmul_bf16_tflops": 2 * 8192 ** 3 / ms(lambda: x @ x) / 1e9,
+           "shapes": []}
+    del x
+    for (b, s, hq, hkv, d) in ATTN_BENCH:
+        q, k, v = _attn_inputs(b, s, s, hq, hkv, d)
+        fl = 4 * b * hq * s * s * d / 2  # the causal half
+        row = {"shape": [b, s, hq, hkv, d]}
+        for name, fn in (("gluon", lambda: G.prefill(q, k, v, causal="bottom_right")),
+                         ("triton", lambda: T.prefill(q, k, v, causal="bottom_right")),
+                         ("cudnn", _sdpa(q, k, v, "bottom_right", "cudnn")),
+                         ("flash", _sdpa(q, k, v, "bottom_right", "flash"))):
+            try:
+                t = ms(fn)
+                row[name] = {"ms": t, "tflops": fl / t / 1e9}
+            except Exception as e:  # noqa: BLE001
+                row[name] = _err(e)
+        for peer in ("cudnn", "flash", "triton"):
+            if isinstance(row.get("gluon"), dict) and isinstance(row.get(peer), dict):
+                row["gluon"]["x_" + peer] = row[peer]["ms"] / row["gluon"]["ms"]
+        res["shapes"].append(row)
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sections", default="api,parity,bench")
@@ -223,6 +330,10 @@ def main(argv=None) -> int:
                 doc["compiled"] = _compiled_info(None)
             elif sec == "bench":
                 doc["bench"] = section_bench(configs)
+            elif sec == "attn_parity":
+                doc["attn_parity"] = section_attn_parity()
+            elif sec == "attn_bench":
+                doc["attn_bench"] = section_attn_bench()
             else:
                 doc[sec] = f"unknown section {sec!r}"
         except Exception as e:  # noqa: BLE001

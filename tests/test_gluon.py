@@ -75,20 +75,34 @@ driver.set_active(_Driver())
 
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from kernel_parity.kernels.gluon import gemm_fp8 as G
 from kernel_parity.kernels.gluon.compat import ws_list
 
-M, N, K = 256, 256, 1024
-qa = torch.empty(M, K, dtype=torch.float8_e4m3fn); w = torch.empty(N, K, dtype=torch.float8_e4m3fn)
-sa = torch.empty(K // 128, M).t(); sw = torch.empty(N // 128, K // 128); out = torch.empty(M, N, dtype=torch.bfloat16)
-bn, st, gm, r1, r2 = G.GEMM_CONFIG
-f8 = gl.float8e4nv
 desc = lambda t, blk, dt: TensorDescriptor(t, list(t.shape), list(t.stride()), blk,
                                            gl.NVMMASharedLayout.get_default_for(blk, dt))
-k = G._gemm_fp8_kernel.warmup(desc(qa, [128, 128], f8), desc(w, [bn, 128], f8), desc(out, [64, bn], gl.bfloat16),
-    out, sa, sw, sw[0], M, N, K, 128, *sa.stride(), *sw.stride(), *out.stride(), HAS_BIAS=True,
-    TMA_STORE=True, BLOCK_N=bn, GROUP_M=gm, STAGES=st, REGS_MMA=r1, REGS_LOAD=r2, WS_LIST=ws_list(), SKEW=True,
-    num_warps=4, grid=(1,))
+which = sys.argv[1]
+if which == "gemm_fp8":
+    from kernel_parity.kernels.gluon import gemm_fp8 as G
+    M, N, K = 256, 256, 1024
+    qa = torch.empty(M, K, dtype=torch.float8_e4m3fn); w = torch.empty(N, K, dtype=torch.float8_e4m3fn)
+    sa = torch.empty(K // 128, M).t(); sw = torch.empty(N // 128, K // 128)
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    bn, st, gm, r1, r2 = G.GEMM_CONFIG
+    f8 = gl.float8e4nv
+    k = G._gemm_fp8_kernel.warmup(desc(qa, [128, 128], f8), desc(w, [bn, 128], f8), desc(out, [64, bn], gl.bfloat16),
+        out, sa, sw, sw[0], M, N, K, 128, *sa.stride(), *sw.stride(), *out.stride(), HAS_BIAS=True,
+        TMA_STORE=True, BLOCK_N=bn, GROUP_M=gm, STAGES=st, REGS_MMA=r1, REGS_LOAD=r2, WS_LIST=ws_list(), SKEW=True,
+        num_warps=4, grid=(1,))
+else:  # attention d mode
+    from kernel_parity.kernels.gluon import attention as A
+    d, mode = int(sys.argv[2]), int(sys.argv[3])
+    b, s, h = 2, 512, 4
+    q = torch.empty(b, s, h, d, dtype=torch.bfloat16); o = torch.empty_like(q); lse = torch.empty(b, h, s)
+    bn, st = A.CONFIGS[d]
+    q2 = A._rows_view(q)
+    k = A._prefill_kernel.warmup(desc(q2, [128, d], gl.bfloat16), desc(q2, [bn, d], gl.bfloat16),
+        desc(q2, [bn, d], gl.bfloat16), o, lse, s, s, h, 1, 0.1, *o.stride()[:3], *lse.stride(), DIAG_MODE=mode, D=d,
+        BLOCK_N=bn, STAGES=st, REGS_MMA=A.REGS[0], REGS_LOAD=A.REGS[1], WS_LIST=ws_list(), num_warps=4,
+        enable_fp_fusion=False, grid=(1,))
 d = tempfile.mkdtemp()
 open(os.path.join(d, "k.ptx"), "w").write(k.asm["ptx"])
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -100,8 +114,11 @@ print(r.stdout + r.stderr)
 '''
 
 
-def test_gemm_fp8_compiles_for_hopper(tmp_path):
-    """The kernel through the whole compiler for sm_90a, on this machine: setmaxnreg per partition, no spills,
+@pytest.mark.parametrize("which", [("gemm_fp8",), ("attention", "128", "1"), ("attention", "64", "2"),
+                                   ("attention", "256", "0"), ("attention", "32", "1")],
+                         ids=["gemm_fp8", "prefill-d128-br", "prefill-d64-tl", "prefill-d256-full", "prefill-d32-br"])
+def test_kernel_compiles_for_hopper(tmp_path, which):
+    """Each kernel through the whole compiler for sm_90a, on this machine: setmaxnreg per partition, no spills,
     no serialised wgmma, under the shared-memory limit of an H100 / H200 (227 KB)."""
     try:
         import triton.backends.nvidia  # noqa: F401
@@ -109,7 +126,7 @@ def test_gemm_fp8_compiles_for_hopper(tmp_path):
         pytest.skip("this Triton has no NVIDIA backend to compile with")
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1")
     env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
+    r = subprocess.run([sys.executable, "-c", _COMPILE, *which], capture_output=True, text=True, env=env, cwd=ROOT,
                        timeout=600)
     out = r.stdout + r.stderr
     if "Unsupported .version" in out:
@@ -119,6 +136,28 @@ def test_gemm_fp8_compiles_for_hopper(tmp_path):
     assert "0 bytes spill stores, 0 bytes spill loads" in out, out[-2000:]
     shared = int(out.split("SHARED", 1)[1].split()[0])
     assert shared <= 227 * 1024, shared
+
+
+@pytest.mark.skipif(not _gpu_hopper(), reason=str(gluon_backend.unavailable()))
+@pytest.mark.parametrize("causal", ["bottom_right", "top_left", "none"])
+def test_prefill_on_gpu_matches_triton_kernel(causal):
+    """Multi-tile shapes (s_q > s_k included): O and LSE against the Triton kernel within bf16's rounding of O."""
+    import torch
+
+    from kernel_parity.kernels.gluon import attention as G
+    from kernel_parity.kernels.triton import attention as T
+
+    for b, sq, sk, hq, hkv, d in ((2, 300, 300, 4, 2, 128), (1, 150, 70, 2, 1, 64), (1, 129, 400, 2, 2, 256)):
+        g = torch.Generator(device="cuda").manual_seed(sq + sk + d)
+        q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        o, lse = G.prefill(q, k, v, causal=causal)
+        ot, lset = T.prefill(q, k, v, causal=causal)
+        assert torch.equal(torch.isinf(lse), torch.isinf(lset))
+        fin = torch.isfinite(lset)
+        assert (lse[fin] - lset[fin]).abs().max().item() < 1e-3
+        assert (o.float() - ot.float()).abs().max().item() < 2e-2
 
 
 @pytest.mark.skipif(not _gpu_hopper(), reason=str(gluon_backend.unavailable()))

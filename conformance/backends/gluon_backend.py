@@ -10,6 +10,9 @@ Ops:
 - gemm.gemm_nt, FP8 1 x 128 x 128 (`fp8`; gn a multiple of 128): kernels/gluon/gemm_fp8.py, a
   persistent warp-specialised kernel (claims `emulated`); the activations quantized by the Triton
   quantizer, as the `triton` backend does.
+- attention.prefill, causal (bottom-right, top-left) or none, GQA, d = d_v in 32 / 64 / 128 / 256, bf16 /
+  fp16, no window, softcap or sink: kernels/gluon/attention.py (FlashAttention-3's producer / two consumer
+  warp groups), the op's own reference, as the `triton` kernel.
 Registered through the `kernel_parity.backends` entry point (pyproject.toml), like triton-q8.
 """
 
@@ -21,6 +24,7 @@ from kernel_parity.conformance.backends import Backend
 from kernel_parity.conformance.backends._torch import cuda_available, to_torch
 
 GEMM = "gemm.gemm_nt"
+PREFILL = "attention.prefill"
 
 
 def unavailable() -> str | None:
@@ -81,14 +85,39 @@ def _gemm(case: Any, inputs: dict, out: Any) -> dict:
     return {"c": c}
 
 
+def _prefill_supports(case: Any) -> str | None:
+    from kernel_parity.conformance.ops.attention import value_dim
+
+    p = case.p
+    d, dv = p["d"], value_dim(p)
+    if d != dv or d not in (32, 64, 128, 256):
+        return f"the gluon prefill takes d = d_v in 32, 64, 128, 256, not d={d}, d_v={dv}"
+    if p["cap"] or p["sink"]:
+        return "the gluon prefill has no softcap and no sink"
+    if p["wl"] != -1 or p["wr"] not in (-1, 0) or (p["wr"] == 0 and p["causal"] == "none"):
+        return f"the gluon prefill has no sliding window (wl={p['wl']}, wr={p['wr']})"
+    return None
+
+
+def _prefill(case: Any, inputs: dict, out: Any) -> dict:
+    from kernel_parity.kernels.gluon import attention
+
+    o, lse = out.torch("o", "cuda"), out.torch("lse", "cuda")
+    attention.prefill(*(to_torch(inputs[n], "cuda") for n in ("q", "k", "v")), causal=case.p["causal"], out=o,
+                      out_lse=lse)
+    return {"o": o, "lse": lse}
+
+
 def _ops() -> dict[str, Callable]:
-    return {GEMM: _gemm}
+    return {GEMM: _gemm, PREFILL: _prefill}
 
 
 def make() -> GluonBackend:
     return GluonBackend(name="gluon", device="cuda", dtypes=("bf16", "fp16"), ops=_ops(),
-                        claims={GEMM: "emulated"}, support={GEMM: _gemm_supports}, deterministic=True,
-                        doc="kernels/gluon/*: warp-specialised Gluon kernels (Hopper): FP8 block-scaled GEMM")
+                        claims={GEMM: "emulated"}, support={GEMM: _gemm_supports, PREFILL: _prefill_supports},
+                        deterministic=True,
+                        doc="kernels/gluon/*: warp-specialised Gluon kernels (Hopper): FP8 block-scaled GEMM, "
+                            "attention prefill")
 
 
 BACKEND = make
