@@ -33,8 +33,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CONFIGS = ((128, 5, 8, 232, 40), (128, 4, 8, 232, 40), (128, 6, 8, 232, 40), (128, 5, 16, 232, 40),
-           (128, 5, 8, 240, 24))
+CONFIGS = ((128, 4, 8, 232, 40), (128, 5, 8, 232, 40), (128, 6, 8, 232, 40), (128, 4, 16, 232, 40),
+           (128, 4, 8, 232, 40, 0))  # the last without the skew (one dot at a time per warp group)
+# per d: extra gluon prefill configs timed beside the default (BLOCK_N, STAGES, PIPE)
+ATTN_CONFIGS = {64: ((128, 3, 0), (64, 3, 1)), 128: ((128, 2, 0), (128, 2, 1)), 256: ((64, 2, 1),)}
 PARITY_SHAPES = ((1, 256, 256), (3, 48, 256), (33, 130, 512), (128, 256, 1024), (200, 384, 2048),
                  (1000, 1000, 4096), (4096, 4096, 8192))
 BENCH_SHAPES = ((8192, 8192, 8192), (4096, 7168, 2048), (4096, 24576, 1536), (4096, 2112, 7168),
@@ -261,7 +263,10 @@ def section_attn_parity() -> list[dict]:
             q, k, v = _attn_inputs(b, sq, sk, hq, hkv, d)
             ref = _sdpa(q, k, v, causal)
             o, lse = G.prefill(q, k, v, causal=causal)
+            op_, lsep = G.prefill(q, k, v, causal=causal, config=G.CONFIGS[d][:2] + (1,))
             ot, lset = T.prefill(q, k, v, causal=causal)
+            row["pipe_max_abs_vs_triton"] = float((op_.float() - ot.float()).abs().max())
+            row["pipe_lse_inf_agree"] = bool(torch.equal(torch.isinf(lsep), torch.isinf(lset)))
             torch.cuda.synchronize()
             seen = torch.isfinite(lset)
             row.update(nan=bool(torch.isnan(o).any()), max_abs_vs_sdpa_fp32=float((o.float() - ref.nan_to_num()).abs().max()),
@@ -293,6 +298,13 @@ def section_attn_bench() -> dict:
         q, k, v = _attn_inputs(b, s, s, hq, hkv, d)
         fl = 4 * b * hq * s * s * d / 2  # the causal half
         row = {"shape": [b, s, hq, hkv, d]}
+        for cfg in ATTN_CONFIGS.get(d, ()):
+            key = "gluon-" + "-".join(map(str, cfg))
+            try:
+                t = ms(lambda: G.prefill(q, k, v, causal="bottom_right", config=cfg))
+                row[key] = {"ms": t, "tflops": fl / t / 1e9}
+            except Exception as e:  # noqa: BLE001
+                row[key] = _err(e)
         for name, fn in (("gluon", lambda: G.prefill(q, k, v, causal="bottom_right")),
                          ("triton", lambda: T.prefill(q, k, v, causal="bottom_right")),
                          ("cudnn", _sdpa(q, k, v, "bottom_right", "cudnn")),
@@ -303,8 +315,9 @@ def section_attn_bench() -> dict:
             except Exception as e:  # noqa: BLE001
                 row[name] = _err(e)
         for peer in ("cudnn", "flash", "triton"):
-            if isinstance(row.get("gluon"), dict) and isinstance(row.get(peer), dict):
-                row["gluon"]["x_" + peer] = row[peer]["ms"] / row["gluon"]["ms"]
+            for key in [k_ for k_ in row if k_.startswith("gluon")]:
+                if isinstance(row.get(key), dict) and isinstance(row.get(peer), dict):
+                    row[key]["x_" + peer] = row[peer]["ms"] / row[key]["ms"]
         res["shapes"].append(row)
     return res
 

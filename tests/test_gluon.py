@@ -92,16 +92,16 @@ if which == "gemm_fp8":
         out, sa, sw, sw[0], M, N, K, 128, *sa.stride(), *sw.stride(), *out.stride(), HAS_BIAS=True,
         TMA_STORE=True, BLOCK_N=bn, GROUP_M=gm, STAGES=st, REGS_MMA=r1, REGS_LOAD=r2, WS_LIST=ws_list(), SKEW=True,
         num_warps=4, grid=(1,))
-else:  # attention d mode
+else:  # attention d mode [BLOCK_N STAGES PIPE]
     from kernel_parity.kernels.gluon import attention as A
     d, mode = int(sys.argv[2]), int(sys.argv[3])
     b, s, h = 2, 512, 4
     q = torch.empty(b, s, h, d, dtype=torch.bfloat16); o = torch.empty_like(q); lse = torch.empty(b, h, s)
-    bn, st = A.CONFIGS[d]
+    bn, st, pipe = tuple(int(x) for x in sys.argv[4:7]) if len(sys.argv) > 4 else A.CONFIGS[d]
     q2 = A._rows_view(q)
     k = A._prefill_kernel.warmup(desc(q2, [128, d], gl.bfloat16), desc(q2, [bn, d], gl.bfloat16),
         desc(q2, [bn, d], gl.bfloat16), o, lse, s, s, h, 1, 0.1, *o.stride()[:3], *lse.stride(), DIAG_MODE=mode, D=d,
-        BLOCK_N=bn, STAGES=st, REGS_MMA=A.REGS[0], REGS_LOAD=A.REGS[1], WS_LIST=ws_list(), num_warps=4,
+        BLOCK_N=bn, STAGES=st, REGS_MMA=A.REGS[0], REGS_LOAD=A.REGS[1], WS_LIST=ws_list(), PIPE=bool(pipe), num_warps=4,
         enable_fp_fusion=False, grid=(1,))
 d = tempfile.mkdtemp()
 open(os.path.join(d, "k.ptx"), "w").write(k.asm["ptx"])
@@ -115,8 +115,11 @@ print(r.stdout + r.stderr)
 
 
 @pytest.mark.parametrize("which", [("gemm_fp8",), ("attention", "128", "1"), ("attention", "64", "2"),
-                                   ("attention", "256", "0"), ("attention", "32", "1")],
-                         ids=["gemm_fp8", "prefill-d128-br", "prefill-d64-tl", "prefill-d256-full", "prefill-d32-br"])
+                                   ("attention", "256", "0"), ("attention", "32", "1"),
+                                   ("attention", "128", "1", "128", "2", "1"), ("attention", "64", "2", "128", "3", "1"),
+                                   ("attention", "128", "0", "64", "3", "1")],
+                         ids=["gemm_fp8", "prefill-d128-br", "prefill-d64-tl", "prefill-d256-full", "prefill-d32-br",
+                              "prefill-d128-pipe", "prefill-d64-tl-pipe", "prefill-d128-n64-pipe"])
 def test_kernel_compiles_for_hopper(tmp_path, which):
     """Each kernel through the whole compiler for sm_90a, on this machine: setmaxnreg per partition, no spills,
     no serialised wgmma, under the shared-memory limit of an H100 / H200 (227 KB)."""
@@ -140,7 +143,8 @@ def test_kernel_compiles_for_hopper(tmp_path, which):
 
 @pytest.mark.skipif(not _gpu_hopper(), reason=str(gluon_backend.unavailable()))
 @pytest.mark.parametrize("causal", ["bottom_right", "top_left", "none"])
-def test_prefill_on_gpu_matches_triton_kernel(causal):
+@pytest.mark.parametrize("pipe", [0, 1])
+def test_prefill_on_gpu_matches_triton_kernel(causal, pipe):
     """Multi-tile shapes (s_q > s_k included): O and LSE against the Triton kernel within bf16's rounding of O."""
     import torch
 
@@ -152,7 +156,7 @@ def test_prefill_on_gpu_matches_triton_kernel(causal):
         q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
         k = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
         v = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        o, lse = G.prefill(q, k, v, causal=causal)
+        o, lse = G.prefill(q, k, v, causal=causal, config=G.CONFIGS[d][:2] + (pipe,))
         ot, lset = T.prefill(q, k, v, causal=causal)
         assert torch.equal(torch.isinf(lse), torch.isinf(lset))
         fin = torch.isfinite(lset)

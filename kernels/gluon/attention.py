@@ -38,8 +38,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 _tma_load, _tma_store = tma_ops()
 LOG2E = 1.4426950408889634
-# d -> (BLOCK_N, STAGES); BLOCK_M 128 (two warp groups of 64 rows)
-CONFIGS = {32: (128, 3), 64: (128, 3), 128: (128, 2), 256: (64, 2)}
+# d -> (BLOCK_N, STAGES, PIPE); BLOCK_M 128 (two warp groups of 64 rows); PIPE 1: _pipelined's overlap
+CONFIGS = {32: (128, 3, 0), 64: (128, 3, 1), 128: (64, 3, 1), 256: (64, 2, 0)}
 REGS = (232, 40)
 
 
@@ -124,10 +124,73 @@ def _attend(q, k_bufs, v_bufs, kv_ready, kv_empty, j, acc, m_i, l_i, rows, s_k, 
 
 
 @gluon.jit
+def _qk_issue(q, k_bufs, kv_ready, j, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Wait for key tile j and issue S = Q K_j^T (async)."""
+    s = j % STAGES
+    mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
+    return warpgroup_mma(q, k_bufs.index(s).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32,
+                         _mma_layout(BLOCK_N)), use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _softmax(sc, m_i, l_i, j, full, rows, s_k, diag_off, qk_scale, BLOCK_N: gl.constexpr, D: gl.constexpr,
+             dtype: gl.constexpr):
+    """Tile j's online-softmax step on its raw logits sc (masked where j >= full): (P in V's dtype as the
+    P V dot's register operand, the rescale factor, the new running max and sum)."""
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    sc = sc * qk_scale
+    if j >= full:
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = (cols[None, :] < s_k) & (cols[None, :] <= rows[:, None] + diag_off)
+        sc = gl.where(keep, sc, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(sc - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return gl.convert_layout(p.to(dtype), _p_layout(D)), alpha, m_new, l_i
+
+
+@gluon.jit
+def _pipelined(q, k_bufs, v_bufs, kv_ready, kv_empty, acc, m_i, l_i, rows, s_k, diag_off, qk_scale, full, n_blocks,
+               BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+    """FlashAttention-3's intra-warp-group overlap (n_blocks > 0), in pairs of key tiles: S_{j+1} = Q K_{j+1}^T
+    is issued with P_j V_j, and tile j + 1's softmax runs while P_j V_j is on the tensor cores; the pair ends
+    with every dot retired. (A loop carrying P_j V_j in flight across its back edge, P_j in registers, made
+    ptxas serialise every wgmma: C7512, "insufficient register resources".)"""
+    o_row: gl.constexpr = gl.SliceLayout(1, _mma_layout(D))
+    sc = warpgroup_mma_wait(num_outstanding=0, deps=(_qk_issue(q, k_bufs, kv_ready, 0, BLOCK_N, STAGES), ))
+    for pair in range(n_blocks // 2):
+        j = 2 * pair
+        p, alpha, m_i, l_i = _softmax(sc, m_i, l_i, j, full, rows, s_k, diag_off, qk_scale, BLOCK_N, D, v_bufs.dtype)
+        acc = acc * gl.convert_layout(alpha, o_row)[:, None]
+        nxt = _qk_issue(q, k_bufs, kv_ready, j + 1, BLOCK_N, STAGES)
+        tok = warpgroup_mma(p, v_bufs.index(j % STAGES), acc, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=1, deps=(nxt, ))
+        p, alpha, m_i, l_i = _softmax(sc, m_i, l_i, j + 1, full, rows, s_k, diag_off, qk_scale, BLOCK_N, D,
+                                      v_bufs.dtype)  # overlaps P_j V_j
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
+        mbarrier.arrive(kv_empty.index(j % STAGES), count=1)
+        acc = acc * gl.convert_layout(alpha, o_row)[:, None]
+        nxt = _qk_issue(q, k_bufs, kv_ready, gl.minimum(j + 2, n_blocks - 1), BLOCK_N, STAGES)
+        tok = warpgroup_mma(p, v_bufs.index((j + 1) % STAGES), acc, is_async=True)
+        sc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, tok))
+        mbarrier.arrive(kv_empty.index((j + 1) % STAGES), count=1)
+    if n_blocks % 2 == 1:
+        j = n_blocks - 1
+        p, alpha, m_i, l_i = _softmax(sc, m_i, l_i, j, full, rows, s_k, diag_off, qk_scale, BLOCK_N, D, v_bufs.dtype)
+        acc = acc * gl.convert_layout(alpha, o_row)[:, None]
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(warpgroup_mma(p, v_bufs.index(j % STAGES), acc,
+                                                                         is_async=True), ))
+        mbarrier.arrive(kv_empty.index(j % STAGES), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _consumer(q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, o_ptr, lse_ptr, s_q, s_k, h_q, qk_scale,
               stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
               WG: gl.constexpr, DIAG_MODE: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr):
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(D)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -149,12 +212,17 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, o_ptr, lse_ptr,
     l_i = gl.zeros([64], gl.float32, row_s)
     mbarrier.wait(q_bar, 0)
     q = q_smem.slice(WG * 64, 64, dim=0)
-    for j in range(0, full):
-        acc, m_i, l_i = _attend(q, k_bufs, v_bufs, kv_ready, kv_empty, j, acc, m_i, l_i, rows, s_k, diag_off,
-                                qk_scale, False, BLOCK_N, D, STAGES)
-    for j in range(full, n_blocks):
-        acc, m_i, l_i = _attend(q, k_bufs, v_bufs, kv_ready, kv_empty, j, acc, m_i, l_i, rows, s_k, diag_off,
-                                qk_scale, True, BLOCK_N, D, STAGES)
+    if PIPE:
+        if n_blocks > 0:
+            acc, m_i, l_i = _pipelined(q, k_bufs, v_bufs, kv_ready, kv_empty, acc, m_i, l_i, rows, s_k, diag_off,
+                                       qk_scale, full, n_blocks, BLOCK_N, D, STAGES)
+    else:
+        for j in range(0, full):
+            acc, m_i, l_i = _attend(q, k_bufs, v_bufs, kv_ready, kv_empty, j, acc, m_i, l_i, rows, s_k, diag_off,
+                                    qk_scale, False, BLOCK_N, D, STAGES)
+        for j in range(full, n_blocks):
+            acc, m_i, l_i = _attend(q, k_bufs, v_bufs, kv_ready, kv_empty, j, acc, m_i, l_i, rows, s_k, diag_off,
+                                    qk_scale, True, BLOCK_N, D, STAGES)
     # epilogue: O = acc / l (0 for a row with no key), LSE = (m + log2 l) ln 2 (-inf for such a row)
     seen = l_i > 0.0
     inv = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
@@ -172,7 +240,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, o_ptr, lse_ptr,
 def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, s_q, s_k, h_q, group, qk_scale,
                     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                     DIAG_MODE: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    REGS_MMA: gl.constexpr, REGS_LOAD: gl.constexpr, WS_LIST: gl.constexpr):
+                    REGS_MMA: gl.constexpr, REGS_LOAD: gl.constexpr, WS_LIST: gl.constexpr, PIPE: gl.constexpr):
     BLOCK_M: gl.constexpr = 128
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, D], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
@@ -189,10 +257,10 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, s_q, s_k, h_q, group
         gl.warp_specialize([
             (_consumer, (q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, o_ptr, lse_ptr, s_q, s_k, h_q, qk_scale,
                          stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                         0, DIAG_MODE, D, BLOCK_M, BLOCK_N, STAGES)),
+                         0, DIAG_MODE, D, BLOCK_M, BLOCK_N, STAGES, PIPE)),
             (_consumer, (q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, o_ptr, lse_ptr, s_q, s_k, h_q, qk_scale,
                          stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                         1, DIAG_MODE, D, BLOCK_M, BLOCK_N, STAGES)),
+                         1, DIAG_MODE, D, BLOCK_M, BLOCK_N, STAGES, PIPE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, s_q, s_k, h_q,
                          group, DIAG_MODE, D, BLOCK_M, BLOCK_N, STAGES)),
         ], [4, 1], [REGS_MMA, REGS_LOAD])
@@ -200,10 +268,10 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, s_q, s_k, h_q, group
         gl.warp_specialize(
             (q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, o_ptr, lse_ptr, s_q, s_k, h_q, qk_scale,
              stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-             0, DIAG_MODE, D, BLOCK_M, BLOCK_N, STAGES), _consumer,
+             0, DIAG_MODE, D, BLOCK_M, BLOCK_N, STAGES, PIPE), _consumer,
             [(q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, o_ptr, lse_ptr, s_q, s_k, h_q, qk_scale,
               stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-              1, DIAG_MODE, D, BLOCK_M, BLOCK_N, STAGES),
+              1, DIAG_MODE, D, BLOCK_M, BLOCK_N, STAGES, PIPE),
              (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, s_q, s_k, h_q,
               group, DIAG_MODE, D, BLOCK_M, BLOCK_N, STAGES)],
             [_consumer, _producer], [4, 1], [REGS_MMA, REGS_LOAD])
@@ -239,13 +307,13 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
 
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None, causal: str = "none",
             out: torch.Tensor | None = None, out_lse: torch.Tensor | None = None,
-            config: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            config: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense batched attention on a Hopper GPU.
 
     q: (b, s_q, h_q, d); k, v: (b, s_k, h_kv, d), bf16 or fp16, one dtype; d in 32, 64, 128, 256; h_q % h_kv == 0
     causal: "none" | "bottom_right" | "top_left"
     out: (b, s_q, h_q, d) q's dtype, last-dim stride 1; out_lse: (b, h_q, s_q) float32, any strides
-    config: (BLOCK_N, STAGES), tuning only
+    config: (BLOCK_N, STAGES[, PIPE]), tuning only
     returns (out, out_lse): LSE natural log; a row with no key gives O = 0, LSE = -inf
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -274,7 +342,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         raise ValueError(f"gluon prefill: out_lse must be a ({b}, {h_q}, {s_q}) float32 tensor")
     if b == 0 or s_q == 0 or h_q == 0:
         return out, out_lse
-    block_n, stages = config or CONFIGS[d]
+    block_n, stages, pipe = (tuple(config) + (0,))[:3] if config else CONFIGS[d]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     elt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     q2, k2, v2 = _rows_view(q), _rows_view(k), _rows_view(v)
@@ -288,6 +356,6 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         desc(q2, 128), desc(k2, block_n), desc(v2, block_n), out, out_lse, s_q, s_k, h_q, h_q // h_kv,
         scale * LOG2E, *out.stride()[:3], *out_lse.stride(),
         DIAG_MODE=DIAG[causal], D=d, BLOCK_N=block_n, STAGES=stages, REGS_MMA=REGS[0], REGS_LOAD=REGS[1],
-        WS_LIST=ws_list(), num_warps=4, enable_fp_fusion=False,
+        WS_LIST=ws_list(), PIPE=bool(pipe), num_warps=4, enable_fp_fusion=False,
     )
     return out, out_lse
