@@ -21,6 +21,10 @@
 #   profile benchmarks/gpu_profile.py (ncu: every issue-19 target, ours and the peers) -> $OUT/profile-<device>.json
 #   prefill benchmarks/gpu_prefill.py (causal prefill: ours, fa4, cuDNN, SDPA flash; parity bench), then the
 #           fa4 plugin's ci cases -> $OUT/prefill-bench-<device>.json, $OUT/ci-fa4-<device>.jsonl
+#   gluon   the gluon backend (kernels/gluon, Hopper): its ci cases, fresh seeds (--per-op $PER_OP), the models
+#           suite's FP8 GEMM and prefill cases, every gluon mutant, the property tests of attention and gemm on it,
+#           then benchmarks/gpu_gluon.py (parity + bench of both kernels) -> $OUT/{ci,sweep,models}-gluon-<device>.jsonl,
+#           $OUT/mutants-gluon-<device>.json, $OUT/props-gluon-<device>.txt, $OUT/gluon-bench-<device>.json
 # Peers: wheels carried in .whl/ (liger-kernel, quack-kernels, flash-attn-4, nvidia-cutlass-dsl and its libs,
 # apache-tvm-ffi, torch-c-dlpack-ext, einops; research/peers-measured.md; flash-attn-4 4.0.0b36 imports
 # quack) are installed into /tmp/peers first when present; a wheel over one call's 64 MiB travels in parts
@@ -69,6 +73,17 @@ print(','.join(sorted(n for n, s in ops.all_specs().items() if s.rows is not Non
     q8) $PARITY run --suite ci --backend triton-q8 --op gemm.gemm_nt --no-progress -q --jobs "$JOBS" \
           --json "$OUT/ci-q8-$DEV.jsonl" || rc=1
         python3 benchmarks/gpu_gemm.py --sections q8 --out "$OUT/q8-bench-$DEV.json" --budget-s "${BUDGET_S:-120}" || rc=1 ;;
+    gluon) GOPS="--op attention.prefill,gemm.gemm_nt"
+           $PARITY run --suite ci $GOPS --backend gluon --no-progress -q --jobs "$JOBS" --json "$OUT/ci-gluon-$DEV.jsonl" || rc=1
+           $PARITY sweep --suite ci $GOPS --backend gluon --dtype bf16,fp16 --per-op "$PER_OP" ${START:+--start "$START"} \
+             --no-progress -q --jobs "$JOBS" --json "$OUT/sweep-gluon-$DEV.jsonl" || rc=1
+           $PARITY run --suite models $GOPS --backend gluon --no-progress -q --jobs "$JOBS" --json "$OUT/models-gluon-$DEV.jsonl" || rc=1
+           $PARITY mutants --backend gluon --jobs 4 --json "$OUT/mutants-gluon-$DEV.json" || rc=1
+           python3 -m pytest -q property_tests/test_attention.py property_tests/test_gemm.py \
+             --parity-backend kernel_parity.conformance.backends.gluon_backend:BACKEND >"$OUT/props-gluon-$DEV.txt" 2>&1 || rc=1
+           tail -3 "$OUT/props-gluon-$DEV.txt"
+           python3 benchmarks/gpu_gluon.py --out "$OUT/gluon-bench-$DEV.json" \
+             --sections api,parity,bench,attn_parity,attn_bench --configs default || rc=1 ;;
     mla) python3 benchmarks/gpu_mla.py --out "$OUT/mla-bench-$DEV.json" --tune-budget "${BUDGET_S:-60}" || rc=1 ;;
     layers) for f in norm rope mlp; do python3 benchmarks/gpu_$f.py --out "$OUT/$f-bench-$DEV.json" || rc=1; done ;;
     peers) $PARITY run --suite peers --no-progress -q --jobs "$JOBS" --json "$OUT/peers-$DEV.jsonl" || rc=1 ;;
