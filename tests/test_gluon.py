@@ -2,9 +2,9 @@
 
 On any machine: the backend is registered and, without a Hopper GPU, says why it cannot run (every case a
 skip with that reason, never a pass); its support rules; the Gluon API the kernels use exists in the
-installed Triton; and the FP8 GEMM compiles for sm_90a with this machine's Triton (no GPU: a stand-in
-driver, the compiler's own passes and ptxas): no register spills, and no wgmma serialised by ptxas (its
-"wgmma.mma_async instructions are serialized" warning: a register move reading an accumulator in flight).
+installed Triton; and each kernel compiles for sm_90a with this machine's Triton (benchmarks/gluon_sm90.py:
+no GPU, a stand-in driver, the compiler's own passes and ptxas): no register spills, and no wgmma serialised
+by ptxas (its "wgmma.mma_async instructions are serialized" warning).
 On a Hopper GPU (GPU machine): the API pin and the kernel against the Triton kernel and the fp64 emulation.
 """
 
@@ -59,78 +59,23 @@ def test_api_present_in_installed_triton():
     assert isinstance(compat.ws_list(), bool) and isinstance(compat.tma_new(), bool)
 
 
-_COMPILE = r'''
-import os, subprocess, sys, tempfile
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
-
-class _Driver:  # the compiler asks the active driver for the target and a device / stream only
-    def get_current_device(self): return 0
-    def get_current_stream(self, d=None): return 0
-    def get_current_target(self): return GPUTarget("cuda", 90, 64)
-    def get_active_torch_device(self): return torch.device("cpu")
-    def is_active(self): return True
-driver.set_active(_Driver())
-
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from kernel_parity.kernels.gluon.compat import ws_list
-
-desc = lambda t, blk, dt: TensorDescriptor(t, list(t.shape), list(t.stride()), blk,
-                                           gl.NVMMASharedLayout.get_default_for(blk, dt))
-which = sys.argv[1]
-if which == "gemm_fp8":
-    from kernel_parity.kernels.gluon import gemm_fp8 as G
-    M, N, K = 256, 256, 1024
-    qa = torch.empty(M, K, dtype=torch.float8_e4m3fn); w = torch.empty(N, K, dtype=torch.float8_e4m3fn)
-    sa = torch.empty(K // 128, M).t(); sw = torch.empty(N // 128, K // 128)
-    out = torch.empty(M, N, dtype=torch.bfloat16)
-    bn, st, gm, r1, r2 = G.GEMM_CONFIG
-    f8 = gl.float8e4nv
-    k = G._gemm_fp8_kernel.warmup(desc(qa, [128, 128], f8), desc(w, [bn, 128], f8), desc(out, [64, bn], gl.bfloat16),
-        out, sa, sw, sw[0], M, N, K, 128, *sa.stride(), *sw.stride(), *out.stride(), HAS_BIAS=True,
-        TMA_STORE=True, BLOCK_N=bn, GROUP_M=gm, STAGES=st, REGS_MMA=r1, REGS_LOAD=r2, WS_LIST=ws_list(), SKEW=True,
-        num_warps=4, grid=(1,))
-else:  # attention d mode [BLOCK_N STAGES PIPE]
-    from kernel_parity.kernels.gluon import attention as A
-    d, mode = int(sys.argv[2]), int(sys.argv[3])
-    b, s, h = 2, 512, 4
-    q = torch.empty(b, s, h, d, dtype=torch.bfloat16); o = torch.empty_like(q); lse = torch.empty(b, h, s)
-    bn, st, pipe = tuple(int(x) for x in sys.argv[4:7]) if len(sys.argv) > 4 else A.CONFIGS[d]
-    q2 = A._rows_view(q)
-    k = A._prefill_kernel.warmup(desc(q2, [128, d], gl.bfloat16), desc(q2, [bn, d], gl.bfloat16),
-        desc(q2, [bn, d], gl.bfloat16), o, lse, s, s, h, 1, 0.1, *o.stride()[:3], *lse.stride(), DIAG_MODE=mode, D=d,
-        BLOCK_N=bn, STAGES=st, REGS_MMA=A.REGS[0], REGS_LOAD=A.REGS[1], WS_LIST=ws_list(), PIPE=bool(pipe), num_warps=4,
-        enable_fp_fusion=False, grid=(1,))
-d = tempfile.mkdtemp()
-open(os.path.join(d, "k.ptx"), "w").write(k.asm["ptx"])
-bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-ptxas = next(os.path.join(bin_dir, n) for n in ("ptxas-blackwell", "ptxas") if os.path.exists(os.path.join(bin_dir, n)))
-r = subprocess.run([ptxas, "-v", "-arch=sm_90a", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.o")],
-                   capture_output=True, text=True)
-print("SHARED", k.metadata.shared)
-print(r.stdout + r.stderr)
-'''
-
-
-@pytest.mark.parametrize("which", [("gemm_fp8",), ("attention", "128", "1"), ("attention", "64", "2"),
-                                   ("attention", "256", "0"), ("attention", "32", "1"),
-                                   ("attention", "128", "1", "128", "2", "1"), ("attention", "64", "2", "128", "3", "1"),
-                                   ("attention", "128", "0", "64", "3", "1")],
+@pytest.mark.parametrize("which", [("gemm_fp8",), ("prefill", "128", "1"), ("prefill", "64", "2"),
+                                   ("prefill", "256", "0"), ("prefill", "32", "1"),
+                                   ("prefill", "128", "1", "128", "2", "1"), ("prefill", "64", "2", "128", "3", "1"),
+                                   ("prefill", "128", "0", "128", "2", "0")],
                          ids=["gemm_fp8", "prefill-d128-br", "prefill-d64-tl", "prefill-d256-full", "prefill-d32-br",
-                              "prefill-d128-pipe", "prefill-d64-tl-pipe", "prefill-d128-n64-pipe"])
+                              "prefill-d128-n128-pipe", "prefill-d64-tl-pipe", "prefill-d128-n128-one"])
 def test_kernel_compiles_for_hopper(tmp_path, which):
-    """Each kernel through the whole compiler for sm_90a, on this machine: setmaxnreg per partition, no spills,
-    no serialised wgmma, under the shared-memory limit of an H100 / H200 (227 KB)."""
+    """Each kernel through the whole compiler for sm_90a, on this machine (benchmarks/gluon_sm90.py): no spills,
+    no serialised wgmma, under the shared-memory limit of an H100 / H200 (227 KB). Defaults, then other configs."""
     try:
         import triton.backends.nvidia  # noqa: F401
     except ImportError:
         pytest.skip("this Triton has no NVIDIA backend to compile with")
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1")
     env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, "-c", _COMPILE, *which], capture_output=True, text=True, env=env, cwd=ROOT,
-                       timeout=600)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gluon_sm90.py"), *which], capture_output=True,
+                       text=True, env=env, cwd=ROOT, timeout=600)
     out = r.stdout + r.stderr
     if "Unsupported .version" in out:
         pytest.skip("this Triton's ptxas is older than its PTX")

@@ -17,7 +17,10 @@ Triton kernel: one 8-warp program of 255 registers, loads / softmax / MMA in the
 - two consumer warp groups (the default partition and a 4-warp worker) own the upper and lower 64 query
   rows: S = Q K^T by wgmma from shared memory, the online softmax in registers, P @ V by wgmma with P in
   registers; each frees a stage once its P @ V retired. The two groups run out of phase, so one's softmax
-  overlaps the other's MMAs.
+  overlaps the other's MMAs;
+- PIPE (the default at d 64 and 128, `_pipelined`): within a group, key tiles in pairs: S_{j+1} = Q K_{j+1}^T
+  is issued with P_j V_j and tile j + 1's softmax runs while P_j V_j is on the tensor cores (FlashAttention-3's
+  intra-warp-group overlap, for every other tile: a pair ends with every dot retired, see `_pipelined`).
 Q, K, V are read through 2-D views (tokens x heads * d): rows past a sequence's end may belong to the next
 batch, so keys past s_k are masked and rows past s_q are never stored (masked stores).
 """
@@ -31,12 +34,11 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernel_parity.kernels.gluon.compat import tma_ops, ws_list
 
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-_tma_load, _tma_store = tma_ops()
+_tma_load, _ = tma_ops()
 LOG2E = 1.4426950408889634
 # d -> (BLOCK_N, STAGES, PIPE); BLOCK_M 128 (two warp groups of 64 rows); PIPE 1: _pipelined's overlap
 CONFIGS = {32: (128, 3, 0), 64: (128, 3, 1), 128: (64, 3, 1), 256: (64, 2, 0)}

@@ -1,0 +1,144 @@
+"""Compile a gluon kernel for Hopper (sm_90a) on a machine without a GPU, and read what ptxas says of it.
+
+    python benchmarks/gluon_sm90.py gemm_fp8 [BLOCK_N STAGES GROUP_M REGS_MMA REGS_LOAD SKEW]
+    python benchmarks/gluon_sm90.py prefill D MODE [BLOCK_N STAGES PIPE]      (MODE 0 none, 1 bottom-right, 2 top-left)
+    options: --ptx PATH (keep the PTX), --ttgir PATH
+
+Triton's compiler runs whole (Gluon front end, TTGIR passes, LLVM, PTX) behind a stand-in driver that answers
+the target (cuda, sm 90) and a device / stream; then this Triton's bundled ptxas assembles the PTX with -v. It
+prints `SHARED <bytes>` and ptxas's report: registers, spills (per kernel, the partitions together), and its
+performance warnings, of which "wgmma.mma_async instructions are serialized" (C7510-C7515) is the one that
+matters: a register move reading an accumulator in flight, or a loop that carries one across its back edge
+with register operands, makes ptxas serialise every wgmma of the kernel. tests/test_gluon.py runs it on each
+kernel's configs; in development it answers in seconds what a device call answers in minutes (the GPU
+machine's Triton is older: its PTX may differ, not its front end's verdicts).
+Exit 0 when it compiled (whatever ptxas warns), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _stand_in_driver() -> None:
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class _Driver:  # the compiler asks the active driver for the target and a device / stream only
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 64)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def is_active(self):
+            return True
+
+    driver.set_active(_Driver())
+
+
+def _desc(t, block, dtype):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+
+def compile_gemm_fp8(config: list[int]):
+    import torch
+    from triton.experimental.gluon import language as gl
+
+    from kernel_parity.kernels.gluon import gemm_fp8 as G
+    from kernel_parity.kernels.gluon.compat import ws_list
+
+    bn, st, gm, r1, r2, *rest = list(config) + list(G.GEMM_CONFIG)[len(config):]
+    skew = rest[0] if rest else 1
+    M, N, K = 256, 256, 1024
+    qa = torch.empty(M, K, dtype=torch.float8_e4m3fn)
+    w = torch.empty(N, K, dtype=torch.float8_e4m3fn)
+    sa = torch.empty(K // 128, M).t()
+    sw = torch.empty(N // 128, K // 128)
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    f8 = gl.float8e4nv
+    return G._gemm_fp8_kernel.warmup(
+        _desc(qa, [128, 128], f8), _desc(w, [bn, 128], f8), _desc(out, [64, bn], gl.bfloat16), out, sa, sw, sw[0],
+        M, N, K, 128, *sa.stride(), *sw.stride(), *out.stride(), HAS_BIAS=True, TMA_STORE=True, BLOCK_N=bn,
+        GROUP_M=gm, STAGES=st, REGS_MMA=r1, REGS_LOAD=r2, WS_LIST=ws_list(), SKEW=bool(skew), num_warps=4, grid=(1,))
+
+
+def compile_prefill(d: int, mode: int, config: list[int]):
+    import torch
+    from triton.experimental.gluon import language as gl
+
+    from kernel_parity.kernels.gluon import attention as A
+    from kernel_parity.kernels.gluon.compat import ws_list
+
+    bn, st, pipe = list(config) + list(A.CONFIGS[d])[len(config):]
+    b, s, h = 2, 512, 4
+    q = torch.empty(b, s, h, d, dtype=torch.bfloat16)
+    o = torch.empty_like(q)
+    lse = torch.empty(b, h, s)
+    q2 = A._rows_view(q)
+    bf = gl.bfloat16
+    return A._prefill_kernel.warmup(
+        _desc(q2, [128, d], bf), _desc(q2, [bn, d], bf), _desc(q2, [bn, d], bf), o, lse, s, s, h, 1, 0.1,
+        *o.stride()[:3], *lse.stride(), DIAG_MODE=mode, D=d, BLOCK_N=bn, STAGES=st, REGS_MMA=A.REGS[0],
+        REGS_LOAD=A.REGS[1], WS_LIST=ws_list(), PIPE=bool(pipe), num_warps=4, enable_fp_fusion=False, grid=(1,))
+
+
+def ptxas_report(ptx: str) -> str:
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    ptxas = next((bin_dir / n for n in ("ptxas-blackwell", "ptxas") if (bin_dir / n).exists()), None)
+    if ptxas is None:
+        return "no ptxas bundled with this Triton"
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        r = subprocess.run([str(ptxas), "-v", "-arch=sm_90a", str(src), "-o", str(Path(d) / "k.o")],
+                           capture_output=True, text=True)
+    return r.stdout + r.stderr
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("kernel", choices=("gemm_fp8", "prefill"))
+    ap.add_argument("args", nargs="*", type=int, help="gemm_fp8: config; prefill: D MODE [config]")
+    ap.add_argument("--ptx", default=None)
+    ap.add_argument("--ttgir", default=None)
+    a = ap.parse_args(argv)
+    if a.kernel == "prefill" and len(a.args) < 2:
+        ap.error("prefill takes D MODE [BLOCK_N STAGES PIPE]")
+    os.environ.pop("TRITON_INTERPRET", None)
+    _stand_in_driver()
+    try:
+        k = compile_gemm_fp8(a.args) if a.kernel == "gemm_fp8" else compile_prefill(a.args[0], a.args[1], a.args[2:])
+    except Exception as e:  # noqa: BLE001  (a compile error: its message, exit 1)
+        print(f"compile failed: {type(e).__name__}: {e}"[-4000:])
+        return 1
+    if a.ptx:
+        Path(a.ptx).write_text(k.asm["ptx"])
+    if a.ttgir:
+        Path(a.ttgir).write_text(k.asm["ttgir"])
+    print("SHARED", k.metadata.shared)
+    print(ptxas_report(k.asm["ptx"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
