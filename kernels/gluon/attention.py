@@ -292,8 +292,8 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor:
     b, s, h, d = t.shape
     ok = t.stride(3) == 1 and t.stride(2) == d and t.stride(0) == s * t.stride(1) and \
         (t.stride(1) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-    if not ok:
-        t = t.contiguous()
+    if not ok:  # a fresh allocation (aligned): .contiguous() would return a contiguous view with an odd base as is
+        t = t.clone(memory_format=torch.contiguous_format)
     return t.as_strided((b * s, h * d), (t.stride(1), 1))
 
 

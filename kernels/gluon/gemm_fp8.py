@@ -216,7 +216,7 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     """t itself where a bulk tensor copy can read it (unit last stride, 16-byte aligned rows and base), else a
     contiguous copy."""
     ok = t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-    return t if ok else t.contiguous().clone()
+    return t if ok else t.clone(memory_format=torch.contiguous_format)  # one copy: fresh, aligned, contiguous
 
 
 def _num_sms(device: torch.device) -> int:
