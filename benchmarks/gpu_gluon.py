@@ -250,6 +250,21 @@ def _sdpa(q, k, v, causal, backend=None):
     return o.transpose(1, 2)
 
 
+def _fa4(q, k, v):
+    """flash-attn-4's causal forward (CuTe DSL; research/peers-measured.md), or a call that raises why it is
+    missing: the bench records the reason in place of a time."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:  # noqa: BLE001 (a third-party import)
+        err = e
+
+        def missing():
+            raise RuntimeError(f"flash-attn-4 does not import: {err!r}")
+        return missing
+    scale = q.shape[-1] ** -0.5
+    return lambda: flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+
+
 def section_attn_parity() -> list[dict]:
     import torch
 
@@ -308,13 +323,14 @@ def section_attn_bench() -> dict:
         for name, fn in (("gluon", lambda: G.prefill(q, k, v, causal="bottom_right")),
                          ("triton", lambda: T.prefill(q, k, v, causal="bottom_right")),
                          ("cudnn", _sdpa(q, k, v, "bottom_right", "cudnn")),
+                         ("fa4", _fa4(q, k, v)),
                          ("flash", _sdpa(q, k, v, "bottom_right", "flash"))):
             try:
                 t = ms(fn)
                 row[name] = {"ms": t, "tflops": fl / t / 1e9}
             except Exception as e:  # noqa: BLE001
                 row[name] = _err(e)
-        for peer in ("cudnn", "flash", "triton"):
+        for peer in ("cudnn", "fa4", "flash", "triton"):
             for key in [k_ for k_ in row if k_.startswith("gluon")]:
                 if isinstance(row.get(key), dict) and isinstance(row.get(peer), dict):
                     row[key]["x_" + peer] = row[peer]["ms"] / row[key]["ms"]

@@ -24,6 +24,7 @@ from kernel_parity.reports import records
 _COLLECTOR = pytest.StashKey["Collector"]()
 _SESSION = pytest.StashKey[Any]()
 _RUNNER = pytest.StashKey[Any]()
+_DRAWS = pytest.StashKey[Any]()
 _OPTIONS = ("json", "html", "junit", "md")
 _WORKER_KEY = "kernel_parity_records"
 
@@ -119,16 +120,45 @@ class _XdistController:
             collector.results[rec.id] = rec
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Any:
     collector = item.config.stash.get(_COLLECTOR, None)
     if collector is not None:
         collector.begin()
+    draws = item.config.stash[_DRAWS] = _Draws()
     try:
-        yield
+        return (yield)
+    except Exception as e:
+        why = draws.all_skipped()
+        # Hypothesis gives up on a test that rejects every draw: Unsatisfiable, or a filter_too_much health check
+        if why and type(e).__name__ in ("Unsatisfiable", "FailedHealthCheck"):
+            pytest.skip(f"every case this test drew is one the backend does not run ({draws.runs} drawn): {why}")
+        raise
     finally:
+        item.config.stash[_DRAWS] = None
         if collector is not None:
             collector.end()
+
+
+class _Draws:
+    """The verdicts of one test's cases: a test whose every case was a skip of its backend (a plugin that
+    runs only some dtypes or shapes of an op: gluon's GEMM is FP8 only, a property drawn in fp32) is skipped
+    with the backend's reason when Hypothesis gives up, not failed."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+        self.skips: dict[str, int] = {}
+
+    def add(self, rec: CaseResult) -> None:
+        self.runs += 1
+        if rec.verdict == "skip":
+            self.skips[rec.reason] = self.skips.get(rec.reason, 0) + 1
+
+    def all_skipped(self) -> str | None:
+        """The commonest skip reason when every case drawn was a skip; None otherwise."""
+        if not self.runs or sum(self.skips.values()) != self.runs:
+            return None
+        return max(self.skips, key=self.skips.__getitem__)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -203,6 +233,9 @@ class Parity:
 
         rec = self.runner.evaluate(case)
         known.apply_one(rec, self.session.entries)
+        draws = self.config.stash.get(_DRAWS, None)
+        if draws is not None:
+            draws.add(rec)
         collector = self.config.stash.get(_COLLECTOR, None)
         if collector is not None:
             collector.add(rec, _final_example())

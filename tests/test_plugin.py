@@ -107,6 +107,34 @@ def test_property_tests_run_against_a_plugin_backend(pytester, monkeypatch):
     assert "test_softmax[np_good] PASSED" in good.stdout.str()
 
 
+ONE_DTYPE_TEST = '''
+from hypothesis import assume, given, settings
+from kernel_parity.property_tests.strategies import cases
+
+
+@settings(max_examples=4, derandomize=True, database=None, deadline=None)
+@given(case=cases("softmax.softmax", "np_bf16_only", rows=(1, 3), n=(1, 50), dtypes=DTYPES))
+def test_rows(parity, case):
+    rec, _ = parity.arrays(case)
+    assume(rec.verdict != "skip")  # a draw the backend has no path for: draw another
+'''
+
+
+def test_a_property_whose_every_draw_the_plugin_does_not_run_is_skipped_with_its_reason(pytester, monkeypatch):
+    """A plugin that runs some dtypes of an op (gluon's GEMM: FP8 into bf16 / fp16) against a property drawn
+    in another (fp32): a skip naming the backend's reason, not Hypothesis' Unsatisfiable; a property with
+    one draw it runs is judged as before."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    pytester.makepyfile(test_fp32=ONE_DTYPE_TEST.replace("DTYPES", '("fp32",)'),
+                        test_mixed=ONE_DTYPE_TEST.replace("DTYPES", '("fp32", "bf16")'))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs",
+                                           "--parity-backend", "tests.third_party:BF16_ONLY")
+    result.assert_outcomes(passed=1, skipped=1)
+    out = result.stdout.str()
+    assert "every case this test drew is one the backend does not run" in out and "fp32" in out
+    assert "Unsatisfiable" not in out
+
+
 def test_a_plugin_of_triton_kernels_gets_the_interpreter_preparation(tmp_path):
     """Our unmodified Triton prefill, wrapped by a plain plugin: declared (triton = True) it passes
     every bf16 ci case on a CPU; undeclared, the interpreter's bf16 defects fail them all."""

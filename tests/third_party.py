@@ -107,6 +107,9 @@ def _writes_input(case, x, y):
 
 
 GOOD = _make("np_good", _good)
+# a correct kernel for bf16 only (a plugin that runs some dtypes of an op: gluon's GEMM is FP8 only)
+BF16_ONLY = Backend(name="np_bf16_only", device="cpu", dtypes=("bf16",), ops=dict(GOOD.ops),
+                    doc="test backend: np_bf16_only")
 NO_MAX = _make("np_no_max", _no_max)
 UNWRITTEN = _make("np_unwritten", _unwritten)
 OOB = _make("np_oob", _oob)
