@@ -24,7 +24,6 @@ from kernel_parity.reports import records
 _COLLECTOR = pytest.StashKey["Collector"]()
 _SESSION = pytest.StashKey[Any]()
 _RUNNER = pytest.StashKey[Any]()
-_DRAWS = pytest.StashKey[Any]()
 _OPTIONS = ("json", "html", "junit", "md")
 _WORKER_KEY = "kernel_parity_records"
 
@@ -125,7 +124,8 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
     collector = item.config.stash.get(_COLLECTOR, None)
     if collector is not None:
         collector.begin()
-    draws = item.config.stash[_DRAWS] = _Draws()
+    global _CURRENT_DRAWS
+    draws = _CURRENT_DRAWS = _Draws()
     try:
         return (yield)
     except Exception as e:
@@ -135,9 +135,19 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
             pytest.skip(f"every case this test drew is one the backend does not run ({draws.runs} drawn): {why}")
         raise
     finally:
-        item.config.stash[_DRAWS] = None
+        _CURRENT_DRAWS = None
         if collector is not None:
             collector.end()
+
+
+_CURRENT_DRAWS: _Draws | None = None
+
+
+def note_draw(skipped: str | None) -> None:
+    """Tell the running test's tally that one of its cases ran (None) or was one its backend does not run
+    (the reason): property helpers that run kernels outside the `parity` fixture call it (runs.run)."""
+    if _CURRENT_DRAWS is not None:
+        _CURRENT_DRAWS.add(skipped)
 
 
 class _Draws:
@@ -149,10 +159,10 @@ class _Draws:
         self.runs = 0
         self.skips: dict[str, int] = {}
 
-    def add(self, rec: CaseResult) -> None:
+    def add(self, skipped: str | None) -> None:
         self.runs += 1
-        if rec.verdict == "skip":
-            self.skips[rec.reason] = self.skips.get(rec.reason, 0) + 1
+        if skipped is not None:
+            self.skips[skipped] = self.skips.get(skipped, 0) + 1
 
     def all_skipped(self) -> str | None:
         """The commonest skip reason when every case drawn was a skip; None otherwise."""
@@ -233,9 +243,7 @@ class Parity:
 
         rec = self.runner.evaluate(case)
         known.apply_one(rec, self.session.entries)
-        draws = self.config.stash.get(_DRAWS, None)
-        if draws is not None:
-            draws.add(rec)
+        note_draw(rec.reason if rec.verdict == "skip" else None)
         collector = self.config.stash.get(_COLLECTOR, None)
         if collector is not None:
             collector.add(rec, _final_example())

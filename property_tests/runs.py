@@ -19,6 +19,7 @@ from kernel_parity.conformance.case import Case
 from kernel_parity.conformance.metrics import compare
 from kernel_parity.conformance.runner import Prepared, tier_of, to_numpy
 from kernel_parity.conformance.poison import OutputRequest
+from kernel_parity.conformance.pytest_plugin import note_draw
 
 _REGISTRY = Registry()
 _PLUGINS: list[str] = []  # names of the --parity-backend plugins, when given
@@ -53,6 +54,7 @@ def run(case: Case, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
     if unavailable:  # the machine cannot run it at all: every draw would be rejected (Unsatisfiable)
         pytest.skip(f"{backend.name} is unavailable: {unavailable}")
     why = backend.supports(case)
+    note_draw(why)
     if why:
         from hypothesis import assume
         from hypothesis.control import currently_in_test_context
