@@ -32,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernel_parity.kernels.gluon.compat import tma_ops, ws_list
+from kernel_parity.kernels.triton.gemm_fp8 import check_scales_bias_out
 
 # (BLOCK_N, STAGES, GROUP_M, consumer registers, producer registers[, SKEW]); BLOCK_M 128 (two warp groups of
 # 64 rows), BLOCK_K 128 (one scale group). H200, 8192^3, two runs (benchmarks/NOTES-gemm.md "Gluon"): STAGES 4
@@ -248,19 +249,8 @@ def gemm_fp8_scaled(qa: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, w_scale
     if out_dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon gemm_fp8: out_dtype must be bf16 or fp16, got {out_dtype}")
     nk = triton.cdiv(K, 128)
-    for name, t, shape in (("sa", sa, (M, nk)), ("w_scale", w_scale, (triton.cdiv(N, int(gn)), nk))):
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != torch.float32 \
-                or t.device != qa.device:
-            raise ValueError(f"gluon gemm_fp8: {name} must be a {shape} float32 tensor on {qa.device}, got "
-                             f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (N,)
-                             or not bias.dtype.is_floating_point or bias.device != qa.device):
-        raise ValueError(f"gluon gemm_fp8: bias must be a ({N},) float tensor on {qa.device}")
-    if out is None:
-        out = torch.empty((M, N), dtype=out_dtype, device=qa.device)
-    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (M, N) or out.dtype != out_dtype \
-            or out.device != qa.device:
-        raise ValueError(f"gluon gemm_fp8: out must be a ({M}, {N}) {out_dtype} tensor on {qa.device}")
+    out = check_scales_bias_out("gluon gemm_fp8", qa, sa, (M, nk), w_scale, (triton.cdiv(N, int(gn)), nk), N, bias,
+                                out, out_dtype)
     if M == 0 or N == 0:
         return out
     if K == 0:

@@ -231,6 +231,29 @@ def act_quant_fp8(a: torch.Tensor, gm: int = 1, gk: int = 128, *, scale_ub: floa
     return q, s
 
 
+def check_scales_bias_out(what: str, qa: torch.Tensor, sa: torch.Tensor, sa_shape: tuple[int, int],
+                          w_scale: torch.Tensor, sw_shape: tuple[int, int], n: int, bias: torch.Tensor | None,
+                          out: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The checks a quantized-operand FP8 GEMM wrapper makes of its scales, bias and out (this kernel's and
+    kernels/gluon/gemm_fp8.py's): fp32 scales of the given shapes, a (n,) float bias, an (M, n) out_dtype out
+    (allocated when None), all on qa's device; returns out."""
+    m = qa.shape[0]
+    for name, t, shape in (("sa", sa, sa_shape), ("w_scale", w_scale, sw_shape)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != torch.float32 \
+                or t.device != qa.device:
+            raise ValueError(f"{what}: {name} must be a {shape} float32 tensor on {qa.device}, got "
+                             f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,)
+                             or not bias.dtype.is_floating_point or bias.device != qa.device):
+        raise ValueError(f"{what}: bias must be a ({n},) float tensor on {qa.device}")
+    if out is None:
+        return torch.empty((m, n), dtype=out_dtype, device=qa.device)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (m, n) or out.dtype != out_dtype \
+            or out.device != qa.device:
+        raise ValueError(f"{what}: out must be a ({m}, {n}) {out_dtype} tensor on {qa.device}")
+    return out
+
+
 def gemm_fp8_scaled(qa: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                     bias: torch.Tensor | None = None, out: torch.Tensor | None = None, *,
                     gm: int = 1, gn: int = 128, gk: int = 128, out_dtype: torch.dtype = torch.bfloat16,
@@ -256,22 +279,10 @@ def gemm_fp8_scaled(qa: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, w_scale
     one_group = gk >= K
     if not one_group and gk % 16:
         raise ValueError(f"gemm_fp8: gk={gk} must be a multiple of 16 (or >= K={K})")
-    for name, t, shape in (("sa", sa, (triton.cdiv(M, gm), triton.cdiv(K, gk))),
-                           ("w_scale", w_scale, (triton.cdiv(N, gn), triton.cdiv(K, gk)))):
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != torch.float32 \
-                or t.device != qa.device:
-            raise ValueError(f"gemm_fp8: {name} must be a {shape} float32 tensor on {qa.device}, got "
-                             f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
     if w.device != qa.device:
         raise ValueError(f"gemm_fp8: w is on {w.device}, a on {qa.device}")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (N,)
-                             or not bias.dtype.is_floating_point or bias.device != qa.device):
-        raise ValueError(f"gemm_fp8: bias must be a ({N},) float tensor on {qa.device}")
-    if out is None:
-        out = torch.empty((M, N), dtype=out_dtype, device=qa.device)
-    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (M, N) or out.dtype != out_dtype \
-            or out.device != qa.device:
-        raise ValueError(f"gemm_fp8: out must be a ({M}, {N}) {out_dtype} tensor on {qa.device}")
+    out = check_scales_bias_out("gemm_fp8", qa, sa, (triton.cdiv(M, gm), triton.cdiv(K, gk)), w_scale,
+                                (triton.cdiv(N, gn), triton.cdiv(K, gk)), N, bias, out, out_dtype)
     if M == 0 or N == 0:
         return out
     if K == 0:  # an empty sum: the scales (no columns) are never read
