@@ -11,7 +11,9 @@ real width n only. Distributions make the bugs of this family show:
 - `scales`: every row its own scale, 1e-3 .. 1e3 (a kernel that reads its neighbour's row, or its
   neighbour's rstd, is off by orders of magnitude);
 - `outlier`: a few channels 100x larger (LLM activations): fp16 x^2 overflows without fp32 sums;
-- `shifted` (LayerNorm): x = 1000 + N(0, 1): the one-pass variance E[x^2] - E[x]^2 cancels.
+- `shifted` (LayerNorm): x = 1000 + N(0, 1): the one-pass variance E[x^2] - E[x]^2 cancels; the backward's
+  cotangent is 1 + N(0, 1), so mean(d) is O(1) and the rounding the saved fp32 mean dropped reaches
+  mean(d xhat) as well as xhat.
 """
 
 from __future__ import annotations
@@ -230,6 +232,8 @@ def _inputs_ln_bwd(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Gene
     mean, rstd = ref.layer_norm_stats(x["x"], float(p["eps"]), n=p["n"])
     out = {**x, "mean": mean.astype(np.float32), "rstd": rstd.astype(np.float32)}
     out["dy"] = _cotangent(rng, (p["rows"], p["n"] + p["pad"]), dtype)
+    if dist == "shifted":  # a cotangent with a mean: mean(d) = O(1), so the rounding the saved mean dropped
+        out["dy"] = dt.round_to(1.0 + out["dy"].astype(np.float64), dtype)  # reaches mean(d xhat) too
     return out
 
 

@@ -23,10 +23,22 @@ column in fp32 and rounds once. No atomics, so the result is deterministic. On a
 are a few per SM (the partials are programs x n fp32: ~1% of the rows' traffic at 16K rows); under
 the interpreter a handful.
 
-Dispatch (as the forward): n <= MAX_FUSED_N holds BLOCK_M rows of BLOCK_N = next_pow2(n) lanes in
-registers (x, dy and the row's intermediates: one read of each input, one write of dx); longer rows
-take the looped kernels, chunks of LOOP_BLOCK_N, two passes per row (the row sums, then dx and the
-partials), the second read mostly from L2.
+Dispatch: n <= MAX_FUSED_N holds BLOCK_M rows of BLOCK_N = next_pow2(n) lanes in registers (x, dy and the
+row's intermediates: one read of each input, one write of dx), the gain held across rows. Rows up to
+MAX_WIDE_N (14336-lane Llama-3 / Mistral MLP widths) whose row strides are multiples of 16 elements take the
+wide kernels: one row at a time, whole, BLOCK_N = next_pow2(n); the row sums from one read, then the row
+read again (from L1) for dx and the partials, so only the partial rows stay in registers across the sums
+(holding the row as the fused kernel does spilled: ptxas sm_90a, 16 warps, RMSNorm 184 / LayerNorm 512
+bytes a thread; the wide kernels 0 / 128, and LayerNorm's at its 8 warps 255 registers and 192 bytes,
+still the fastest of 4 / 8 / 16 warps). Longer rows, and rows whose stride Triton cannot prove 16-byte
+aligned (element-wise loads: the wide kernels at 8200 lanes ran at 13% / 6% of copy), take the looped
+kernels: chunks of LOOP_BLOCK_N, two passes per row (the row sums, then dx and the partial, read-modify-
+written each row), the second read mostly from L2.
+Measured on an H200 (bf16, benchmarks/gpu_norm_bwd_tune.py, % of the copy rate of the same run, x + dy
+read and dx written; reports/baselines/norm-bwd-tune-h200.json): 16384 x 14336 RMSNorm 28.9% (looped,
+before) -> 77.6% (liger 73.0%, torch 36.3%), LayerNorm 20.6% -> 49.3% (liger 41.8%, torch 36.1%); 4096 x
+14336 25.7% -> 65.1% (liger 43.0%) and 17.4% -> 40.3% (liger 18.8%); with 2 programs per SM instead of 4,
+32768 x 4096 RMSNorm 69.9% -> 77.1%, LayerNorm 55.7% -> 65.7%.
 
 References: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019); Ba et al., "Layer
 Normalization" (2016); the Triton layer-norm tutorial (the partial-sum reduction of dw, db);
@@ -46,13 +58,21 @@ from kernel_parity.kernels.triton.norm import SUPPORTED_DTYPES, _check_rows, _ch
 # lane, so half the forward's MAX_FUSED_N keeps a thread under ~100 registers at 16 warps.
 MAX_FUSED_N = 8192
 FUSED_TILE = 4096
+# Rows of MAX_FUSED_N < n <= MAX_WIDE_N lanes (and row strides a multiple of 16) take the wide kernels: one
+# row at a time, whole, read twice (the row sums, then dx and the partials, the second read from L1), so only
+# the partial rows stay in registers across the sums. Warps measured on an H200 (16384 x 14336 bf16, % of
+# copy): RMSNorm 16 warps 77.7% (8: 63.0%, 32: 74.9%), LayerNorm 8 warps 49.3% (16: 44.3%, 4: 17.9%).
+MAX_WIDE_N = 16384
+WIDE_WARPS = 16
+LN_WIDE_WARPS = 8
 LOOP_BLOCK_N = 2048
-# Programs of step 1 on a GPU: a few per SM keep every SM streaming while the partial rows stay a
-# small fraction of the traffic. Under the interpreter (no SMs) a handful exercise the reduction.
-PROGRAMS_PER_SM = 4
+# Programs of step 1 on a GPU: two per SM keep every SM streaming while the partial rows stay a small
+# fraction of the traffic; step 2 in column slices of REDUCE_BLOCK_N (64 programs at 4096 lanes). Under
+# the interpreter (no SMs) a handful exercise the reduction.
+PROGRAMS_PER_SM = 2
 INTERPRETER_PROGRAMS = 4
 REDUCE_BLOCK_P = 32
-REDUCE_BLOCK_N = 256
+REDUCE_BLOCK_N = 64
 
 
 @triton.jit
@@ -181,6 +201,104 @@ def _layer_norm_bwd_fused_kernel(
 
 
 @triton.jit
+def _zero_row_tail(row_ptr, n_store, BLOCK_N: tl.constexpr):
+    """Zeros in one row's padding lanes [BLOCK_N, n_store) (an aligned width past next_pow2(n))."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(BLOCK_N, n_store, BLOCK_N):  # padding lanes past one BLOCK_N
+        tl.store(row_ptr + start + offs_n, tl.zeros((BLOCK_N,), row_ptr.dtype.element_ty),
+                 mask=start + offs_n < n_store)
+
+
+@triton.jit
+def _rms_norm_bwd_wide_kernel(
+    X_ptr, R_ptr, W_ptr, Rstd_ptr, DY_ptr, DH_ptr, DX_ptr, DWP_ptr,
+    n_rows, n_cols, n_store, rows_per_prog, stride_x_row, stride_r_row, stride_dy_row, stride_dh_row,
+    stride_dx_row, stride_rstd, stride_dwp,
+    BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
+):
+    """Rows of 8192 < n <= MAX_WIDE_N, one at a time, whole: the row sum from one read of x (r) and dy, then
+    the row read again (from L1) for dx and the partial, so only the partial row of dw stays in registers
+    across the sum (held, the row spilled)."""
+    pid = tl.program_id(0)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n_cols
+    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    row_start = pid * rows_per_prog
+    row_end = tl.minimum(row_start + rows_per_prog, n_rows)
+    base = pid.to(tl.int64) * rows_per_prog  # row * stride can pass 2^31 elements
+    for row32 in range(row_start, row_end):
+        row = base + (row32 - row_start)
+        x_row, r_row, dy_row = X_ptr + row * stride_x_row, R_ptr + row * stride_r_row, DY_ptr + row * stride_dy_row
+        rstd = tl.load(Rstd_ptr + row * stride_rstd)
+        h = tl.load(x_row + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        if HAS_RESIDUAL:
+            h += tl.load(r_row + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        gdy = tl.load(dy_row + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_last").to(tl.float32) * \
+            _gain(W_ptr, offs_n, mask_n, GEMMA)
+        c = rstd * rstd * (tl.sum(h * gdy, axis=0) / n_cols)  # rstd^2 mean(h g dy), fp32 sum
+        # the second read (another cache policy: not merged with the first)
+        h = tl.load(x_row + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        if HAS_RESIDUAL:
+            h += tl.load(r_row + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        dy = tl.load(dy_row + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        g = tl.load(W_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        if GEMMA:
+            g = tl.where(mask_n, g + 1.0, 0.0)
+        dx = rstd * (dy * g - h * c)
+        if HAS_RESIDUAL:
+            dx += tl.load(DH_ptr + row * stride_dh_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(DX_ptr + row * stride_dx_row + offs_n, dx.to(DX_ptr.dtype.element_ty), mask=offs_n < n_store)
+        dw_acc += dy * (h * rstd)
+        _zero_row_tail(DX_ptr + row * stride_dx_row, n_store, BLOCK_N)
+    tl.store(DWP_ptr + pid * stride_dwp + offs_n, dw_acc, mask=mask_n)
+
+
+@triton.jit
+def _layer_norm_bwd_wide_kernel(
+    X_ptr, W_ptr, Mean_ptr, Rstd_ptr, DY_ptr, DX_ptr, DWP_ptr, DBP_ptr,
+    n_rows, n_cols, n_store, rows_per_prog, stride_x_row, stride_dy_row, stride_dx_row, stride_mean, stride_rstd,
+    stride_dwp,
+    BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """LayerNorm's rows of 8192 < n <= MAX_WIDE_N as `_rms_norm_bwd_wide_kernel`: sum(xc), sum(d), sum(d xc)
+    from one read (the looped kernel's pass 1: mean(d xhat) = rstd (mean(d xc) - lo mean(d))), then x and dy
+    again for dx and the two partial rows, the only values held across the sums."""
+    pid = tl.program_id(0)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n_cols
+    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    row_start = pid * rows_per_prog
+    row_end = tl.minimum(row_start + rows_per_prog, n_rows)
+    base = pid.to(tl.int64) * rows_per_prog
+    for row32 in range(row_start, row_end):
+        row = base + (row32 - row_start)
+        x_row, dy_row = X_ptr + row * stride_x_row, DY_ptr + row * stride_dy_row
+        mean = tl.load(Mean_ptr + row * stride_mean)
+        rstd = tl.load(Rstd_ptr + row * stride_rstd)
+        xc = tl.where(mask_n, tl.load(x_row + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_last")
+                      .to(tl.float32) - mean, 0.0)  # exact near the mean
+        d = tl.load(dy_row + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_last").to(tl.float32) * \
+            tl.load(W_ptr + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        lo = tl.sum(xc, axis=0) / n_cols  # the rounding the fp32 mean dropped
+        m1 = tl.sum(d, axis=0) / n_cols
+        m2 = rstd * (tl.sum(d * xc, axis=0) / n_cols - lo * m1)
+        x = tl.load(x_row + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        xhat = tl.where(mask_n, ((x - mean) - lo) * rstd, 0.0)
+        dy = tl.load(dy_row + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        d = dy * tl.load(W_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        dx = tl.where(mask_n, rstd * ((d - m1) - xhat * m2), 0.0)
+        tl.store(DX_ptr + row * stride_dx_row + offs_n, dx.to(DX_ptr.dtype.element_ty), mask=offs_n < n_store)
+        dw_acc += dy * xhat
+        if HAS_BIAS:
+            db_acc += dy
+        _zero_row_tail(DX_ptr + row * stride_dx_row, n_store, BLOCK_N)
+    tl.store(DWP_ptr + pid * stride_dwp + offs_n, dw_acc, mask=mask_n)
+    if HAS_BIAS:
+        tl.store(DBP_ptr + pid * stride_dwp + offs_n, db_acc, mask=mask_n)
+
+
+@triton.jit
 def _layer_norm_bwd_looped_kernel(
     X_ptr, W_ptr, Mean_ptr, Rstd_ptr, DY_ptr, DX_ptr, DWP_ptr, DBP_ptr,
     n_rows, n_cols, n_store, rows_per_prog, stride_x_row, stride_dy_row, stride_dx_row, stride_mean, stride_rstd,
@@ -296,13 +414,19 @@ def _reduce(partials: torch.Tensor, out: torch.Tensor, n: int) -> None:
         BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N, num_warps=4)
 
 
-def _step1_shape(rows: int, n: int, device: torch.device) -> tuple[bool, int, int, int, int]:
-    """(fused, BLOCK_M, BLOCK_N, programs, rows per program)."""
+def _step1_shape(rows: int, n: int, device: torch.device, strides: tuple[int, ...] = ()
+                 ) -> tuple[str, int, int, int, int]:
+    """(kind, BLOCK_M, BLOCK_N, programs, rows per program); kind: fused, wide or looped. The wide kernels
+    only where every row stride is a multiple of 16 elements: Triton then knows each row starts 16-byte
+    aligned and loads 16 bytes a lane; at 8200 lanes (a stride of 8 mod 16) their element-wise loads ran
+    at 13% (RMSNorm) and 6% (LayerNorm) of the copy rate on an H200, the looped kernels at 23% / 15%."""
     if n <= MAX_FUSED_N:
         block_n = max(16, triton.next_power_of_2(n))
         block_m = min(max(1, FUSED_TILE // block_n), triton.next_power_of_2(rows))
-        return (True, block_m, block_n) + _programs(rows, block_m, device)
-    return (False, 1, LOOP_BLOCK_N) + _programs(rows, 1, device)
+        return ("fused", block_m, block_n) + _programs(rows, block_m, device)
+    if n <= MAX_WIDE_N and all(st % 16 == 0 for st in strides):
+        return ("wide", 1, triton.next_power_of_2(n)) + _programs(rows, 1, device)
+    return ("looped", 1, LOOP_BLOCK_N) + _programs(rows, 1, device)
 
 
 def rms_norm_backward(x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, *, n: int | None = None,
@@ -325,7 +449,8 @@ def rms_norm_backward(x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, dy: 
     out_dx = _check_rows(what, "out_dx", out_dx, x) if out_dx is not None else torch.empty_like(x)
     out_dw = _grad_out(what, "out_dw", out_dw, w)
     rows, aw = x.shape
-    fused, block_m, block_n, progs, per = _step1_shape(rows, n, x.device)
+    strides = tuple(a.stride(0) for a in (x, residual, dy, dh, out_dx) if a is not None)
+    kind, block_m, block_n, progs, per = _step1_shape(rows, n, x.device, strides)
     partials = torch.zeros((max(1, progs), n), dtype=torch.float32, device=x.device)
     if rows:
         r = residual if residual is not None else x  # never dereferenced without HAS_RESIDUAL
@@ -333,7 +458,9 @@ def rms_norm_backward(x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, dy: 
                 r.stride(0), dy.stride(0), dh.stride(0) if dh is not None else 0, out_dx.stride(0), rstd.stride(0),
                 partials.stride(0))
         flags = dict(HAS_RESIDUAL=residual is not None, GEMMA=bool(gemma))
-        if fused:
+        if kind == "wide":
+            _rms_norm_bwd_wide_kernel[(progs,)](*args, BLOCK_N=block_n, **flags, num_warps=WIDE_WARPS)
+        elif kind == "fused":
             _rms_norm_bwd_fused_kernel[(progs,)](*args, BLOCK_M=block_m, BLOCK_N=block_n, **flags,
                                                  num_warps=_num_warps(block_m * block_n, 4))
         else:
@@ -358,12 +485,14 @@ def layer_norm_backward(x: torch.Tensor, w: torch.Tensor, mean: torch.Tensor, rs
     has_bias = out_db is not None or bool(bias)
     out_db = _grad_out(what, "out_db", out_db, w) if has_bias else None
     rows, aw = x.shape
-    fused, block_m, block_n, progs, per = _step1_shape(rows, n, x.device)
+    kind, block_m, block_n, progs, per = _step1_shape(rows, n, x.device, (x.stride(0), dy.stride(0), out_dx.stride(0)))
     partials = torch.zeros((2, max(1, progs), n), dtype=torch.float32, device=x.device)  # dw, db
     if rows:
         args = (x, w, mean, rstd, dy, out_dx, partials[0], partials[1], rows, n, aw, per, x.stride(0), dy.stride(0),
                 out_dx.stride(0), mean.stride(0), rstd.stride(0), partials.stride(1))
-        if fused:
+        if kind == "wide":
+            _layer_norm_bwd_wide_kernel[(progs,)](*args, BLOCK_N=block_n, HAS_BIAS=has_bias, num_warps=LN_WIDE_WARPS)
+        elif kind == "fused":
             _layer_norm_bwd_fused_kernel[(progs,)](*args, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=has_bias,
                                                    num_warps=_num_warps(block_m * block_n, 4))
         else:
