@@ -40,15 +40,44 @@ VARIANTS = {
 SHAPES = ((16384, 14336), (4096, 14336), (16384, 4096), (8192, 4096))
 
 
+def _shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """--shapes: ROWSxN pairs of positive integers, comma-separated (argparse: a bad one is exit 2 naming it)."""
+    out = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"{item!r} is not ROWSxN with positive integers (e.g. 16384x14336)")
+        out.append((int(parts[0]), int(parts[1])))
+    return tuple(out)
+
+
+def _variants(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in names if v not in VARIANTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown variant {', '.join(bad) or '(none given)'}; expected a comma list "
+                                         f"of {', '.join(VARIANTS)}")
+    return names
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from bench_cases import OneLineParser
+
+    ap = OneLineParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "norm-bwd-tune.json"))
-    ap.add_argument("--shapes", default=None)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--shapes", default=None, type=_shapes, help="ROWSxN[,ROWSxN...] (default: %(default)s)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), type=_variants,
+                    help=f"a comma list of {', '.join(VARIANTS)}")
     a = ap.parse_args(argv)
+    from kernel_parity.reports.files import check_output_or_exit
+
+    check_output_or_exit(ap.prog, "--out", a.out)
     import torch
     import torch.nn.functional as F
     from triton.testing import do_bench
+
+    if not torch.cuda.is_available():
+        ap.exit(2, f"{ap.prog}: error: needs a CUDA GPU (this machine has none)\n")
 
     from bench_cases import Gate
     from gpu_layers_bwd import _params
@@ -57,7 +86,7 @@ def main(argv=None) -> int:
 
     gate = Gate("triton")
 
-    shapes = SHAPES if not a.shapes else tuple(tuple(int(v) for v in s.split("x")) for s in a.shapes.split(","))
+    shapes = a.shapes or SHAPES
     defaults = {k: getattr(NB, k) for v in VARIANTS.values() for k in v}
     ms = lambda fn: float(do_bench(fn, warmup=10, rep=60, return_mode="median"))  # noqa: E731
     big = torch.empty(1 << 29, dtype=torch.uint8, device="cuda")
@@ -91,7 +120,7 @@ def main(argv=None) -> int:
         def err(got, ref):
             return [float((u.float() - r).abs().max() / r.abs().max()) for u, r in zip(got, ref)]
 
-        for vname in a.variants.split(","):
+        for vname in a.variants:
             for k, v in defaults.items():
                 setattr(NB, k, v)
             for k, v in VARIANTS[vname].items():

@@ -71,3 +71,29 @@ def test_attention_rejects_an_unknown_section_naming_the_gate():
     assert r.returncode == 2
     (line,) = r.stderr.strip().splitlines()
     assert "--sections" in line and "parity run --suite ci" in line
+
+
+@pytest.mark.parametrize("args,names", [(["--shapes", "12"], "ROWSxN"), (["--shapes", "16384x0"], "ROWSxN"),
+                                        (["--variants", "committed,nope"], "nope"),
+                                        (["--out", "/dev/full"], "--out")],
+                         ids=["shape", "zero", "variant", "out"])
+def test_norm_bwd_tune_bad_flag_is_exit_2_with_one_line(args, names):
+    """benchmarks/gpu_norm_bwd_tune.py: a bad --shapes / --variants / --out is exit 2 with one line naming it,
+    before any GPU work."""
+    r = _script("gpu_norm_bwd_tune", *args)
+    assert r.returncode == 2, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert "error" in line and names in line
+    assert r.stdout == ""
+
+
+def test_norm_bwd_tune_without_a_gpu_says_so():
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    r = _script("gpu_norm_bwd_tune", "--shapes", "8x9000")
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()
+    assert "needs a CUDA GPU" in line
