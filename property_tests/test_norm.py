@@ -21,7 +21,7 @@ Shapes stay small: the Triton kernels run through the interpreter on CI.
 
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kernel_parity.conformance import ops
@@ -148,6 +148,24 @@ def test_padding_lanes_are_zero(parity, backend, case):
 
 # -- backward --------------------------------------------------------------------------------------------
 BWD = dict(rows=(1, 24), n=(7, 300), pad=(0, 32), max_numel=4000)
+
+
+# Rows past 8192 lanes (Llama-3 / Mistral MLP widths, 14336): an odd row count gets an aligned width that is
+# a multiple of 16 (kernels/triton/norm_backward.py's wide kernels), an even one the drawn padding (mostly
+# the looped kernels); n up to 16400 crosses the wide kernels' 16384-lane limit.
+WIDE = dict(rows=(1, 3), n=(8193, 16400), pad=(0, 24), max_numel=60000)
+
+
+def _wide(p):
+    return {**p, "pad": (-p["n"]) % 16 + 16 * (p["pad"] % 2)} if p["rows"] % 2 else p
+
+
+@pytest.mark.parity_backends(*BACKENDS)
+@settings(max_examples=4)  # the interpreter holds a 16384-lane row a program: seconds each
+@given(case=st.one_of(cases("norm.rms_norm_backward", transform=_wide, **WIDE),
+                      cases("norm.layer_norm_backward", transform=_wide, **WIDE)))
+def test_norm_backward_wide_rows(parity, backend, case):
+    parity.check(case.with_backend(backend))
 
 
 def _ln_n(p):
