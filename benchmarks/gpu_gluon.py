@@ -2,7 +2,7 @@
 with the Triton kernels on the same quantized operands, and their speed beside the peers and the
 hardware's matmul rate measured in the same run.
 
-    python benchmarks/gpu_gluon.py [--sections api,parity,bench,attn_parity,attn_bench] [--out PATH]
+    python benchmarks/gpu_gluon.py [--sections api,parity,bench,attn_parity,attn_bench,mla] [--out PATH]
                                    [--configs all|default]
 
 - api: Triton's version, the signatures of the Gluon calls the kernels make (kernels/gluon/compat.py).
@@ -338,6 +338,57 @@ def section_attn_bench() -> dict:
     return res
 
 
+MLA_BENCH = ((128, 1, 128, 4096), (128, 2, 64, 4096), (128, 1, 128, 16384))  # (b, s_q, h_q, L)
+
+
+def _mla_inputs(b, s_q, h_q, L, page=64, seed=0):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    blocks = (L + page - 1) // page
+    q = torch.randn(b, s_q, h_q, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    cache = torch.randn(b * blocks, page, 1, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    table = torch.randperm(b * blocks, device="cuda", generator=g).to(torch.int32).view(b, blocks)
+    seqlens = torch.full((b,), L, dtype=torch.int32, device="cuda")
+    return q, cache, table, seqlens
+
+
+def section_mla() -> dict:
+    """kernels/gluon/mla.py (work in progress) against the Triton mla_decode (one split and its own choice),
+    parity and TFLOP/s (4 b h_q s_q L (576 + 512) / 2, both dots) beside the bf16 matmul rate of this run."""
+    import torch
+    from triton.testing import do_bench
+
+    from kernel_parity.kernels.gluon import mla as G
+    from kernel_parity.kernels.triton import mla as T
+
+    def ms(fn):
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    res = {"device": torch.cuda.get_device_name(), "matmul_bf16_tflops": 2 * 8192 ** 3 / ms(lambda: x @ x) / 1e9,
+           "shapes": []}
+    del x
+    for (b, s_q, h_q, L) in MLA_BENCH:
+        row = {"shape": [b, s_q, h_q, L]}
+        try:
+            q, cache, table, seqlens = _mla_inputs(b, s_q, h_q, L)
+            fl = 2 * b * h_q * s_q * L * (576 + 512)
+            o, lse = G.mla_decode(q, cache, table, seqlens, 576 ** -0.5, causal=True)
+            ot, lset = T.mla_decode(q, cache, table, seqlens, 576 ** -0.5, causal=True)
+            torch.cuda.synchronize()
+            row["max_abs_vs_triton"] = float((o.float() - ot.float()).abs().max())
+            row["lse_max_abs_vs_triton"] = float((lse - lset).abs().max())
+            for name, fn in (("gluon", lambda: G.mla_decode(q, cache, table, seqlens, 576 ** -0.5, causal=True)),
+                             ("triton", lambda: T.mla_decode(q, cache, table, seqlens, 576 ** -0.5, causal=True))):
+                t = ms(fn)
+                row[name] = {"ms": t, "tflops": fl / t / 1e9, "pct_matmul": 100 * fl / t / 1e9 / res["matmul_bf16_tflops"]}
+        except Exception as e:  # noqa: BLE001
+            row["error"] = _err(e)
+        res["shapes"].append(row)
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sections", default="api,parity,bench")
@@ -363,6 +414,8 @@ def main(argv=None) -> int:
                 doc["attn_parity"] = section_attn_parity()
             elif sec == "attn_bench":
                 doc["attn_bench"] = section_attn_bench()
+            elif sec == "mla":
+                doc["mla"] = section_mla()
             else:
                 doc[sec] = f"unknown section {sec!r}"
         except Exception as e:  # noqa: BLE001
