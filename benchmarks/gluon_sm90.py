@@ -98,7 +98,7 @@ def compile_prefill(d: int, mode: int, config: list[int]):
     return A._prefill_kernel.warmup(
         _desc(q2, [128, d], bf), _desc(q2, [bn, d], bf), _desc(q2, [bn, d], bf), o, lse, s, s, h, 1, 0.1,
         *o.stride()[:3], *lse.stride(), DIAG_MODE=mode, D=d, BLOCK_N=bn, STAGES=st, REGS_MMA=A.REGS[0],
-        REGS_LOAD=A.REGS[1], WS_LIST=ws_list(), PIPE=bool(pipe), num_warps=4, enable_fp_fusion=False, grid=(1,))
+        REGS_LOAD=A.REGS[1], WS_LIST=ws_list(), PIPE=int(pipe), num_warps=4, enable_fp_fusion=False, grid=(1,))
 
 
 def compile_mla(causal: int, config: list[int]):

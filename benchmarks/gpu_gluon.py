@@ -36,7 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 CONFIGS = ((128, 4, 8, 232, 40), (128, 5, 8, 232, 40), (128, 6, 8, 232, 40), (128, 4, 16, 232, 40),
            (128, 4, 8, 232, 40, 0))  # the last without the skew (one dot at a time per warp group)
 # per d: extra gluon prefill configs timed beside the default (BLOCK_N, STAGES, PIPE)
-ATTN_CONFIGS = {64: ((128, 3, 0), (64, 3, 1)), 128: ((128, 2, 0), (128, 2, 1)), 256: ((64, 2, 1),)}
+ATTN_CONFIGS = {64: ((128, 3, 0), (64, 3, 1), (128, 3, 2), (64, 3, 2)), 128: ((128, 2, 0), (128, 2, 1), (128, 2, 2),
+                                                                        (64, 3, 2)),
+                256: ((64, 2, 1), (64, 2, 2))}  # PIPE 2: the ping-pong (work in progress)
 PARITY_SHAPES = ((1, 256, 256), (3, 48, 256), (33, 130, 512), (128, 256, 1024), (200, 384, 2048),
                  (1000, 1000, 4096), (4096, 4096, 8192))
 BENCH_SHAPES = ((8192, 8192, 8192), (4096, 7168, 2048), (4096, 24576, 1536), (4096, 2112, 7168),
@@ -382,7 +384,8 @@ def section_mla() -> dict:
             for name, fn in (("gluon", lambda: G.mla_decode(q, cache, table, seqlens, 576 ** -0.5, causal=True)),
                              ("triton", lambda: T.mla_decode(q, cache, table, seqlens, 576 ** -0.5, causal=True))):
                 t = ms(fn)
-                row[name] = {"ms": t, "tflops": fl / t / 1e9, "pct_matmul": 100 * fl / t / 1e9 / res["matmul_bf16_tflops"]}
+                tf = fl / t / 1e9
+                row[name] = {"ms": t, "tflops": tf, "pct_matmul": 100 * tf / res["matmul_bf16_tflops"]}
         except Exception as e:  # noqa: BLE001
             row["error"] = _err(e)
         res["shapes"].append(row)

@@ -62,10 +62,11 @@ def test_api_present_in_installed_triton():
 @pytest.mark.parametrize("which", [("gemm_fp8",), ("prefill", "128", "1"), ("prefill", "64", "2"),
                                    ("prefill", "256", "0"), ("prefill", "32", "1"),
                                    ("prefill", "128", "1", "128", "2", "1"), ("prefill", "64", "2", "128", "3", "1"),
-                                   ("prefill", "128", "0", "128", "2", "0"), ("mla", "0"), ("mla", "1")],
+                                   ("prefill", "128", "0", "128", "2", "0"), ("mla", "0"), ("mla", "1"),
+                                   ("prefill", "128", "1", "128", "2", "2"), ("prefill", "256", "1", "64", "2", "2")],
                          ids=["gemm_fp8", "prefill-d128-br", "prefill-d64-tl", "prefill-d256-full", "prefill-d32-br",
                               "prefill-d128-n128-pipe", "prefill-d64-tl-pipe", "prefill-d128-n128-one", "mla",
-                              "mla-causal"])
+                              "mla-causal", "prefill-d128-pingpong", "prefill-d256-pingpong"])
 def test_kernel_compiles_for_hopper(tmp_path, which):
     """Each kernel through the whole compiler for sm_90a, on this machine (benchmarks/gluon_sm90.py): no spills,
     no serialised wgmma, under the shared-memory limit of an H100 / H200 (227 KB). Defaults, then other configs."""
@@ -89,7 +90,7 @@ def test_kernel_compiles_for_hopper(tmp_path, which):
 
 @pytest.mark.skipif(not _gpu_hopper(), reason=str(gluon_backend.unavailable()))
 @pytest.mark.parametrize("causal", ["bottom_right", "top_left", "none"])
-@pytest.mark.parametrize("pipe", [0, 1])
+@pytest.mark.parametrize("pipe", [0, 1, 2])
 def test_prefill_on_gpu_matches_triton_kernel(causal, pipe):
     """Multi-tile shapes (s_q > s_k included): O and LSE against the Triton kernel within bf16's rounding of O."""
     import torch
