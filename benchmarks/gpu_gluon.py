@@ -155,6 +155,10 @@ def _compiled_info(cfg) -> dict:
     return info
 
 
+# (QUANT_ROWS, QUANT_GROUPS) of the activation quantizer, the first the default (work in progress)
+QUANT_VARIANTS = ((8, 1), (8, 4), (8, 8), (4, 8), (16, 4), (2, 16), (1, 32))
+
+
 def section_bench(configs) -> dict:
     import torch
     from triton.testing import do_bench
@@ -177,6 +181,19 @@ def section_bench(configs) -> dict:
         try:
             t = ms(lambda: T.act_quant_fp8(a, 1, 128))
             row["quantizer_ms"] = t
+            row["quantizer_gbs"] = (a.numel() * (a.element_size() + 1) + 4 * sa.numel()) / t / 1e6
+            q0, s0 = T.act_quant_fp8(a, 1, 128)
+            sweep = {}
+            for rows_, groups in QUANT_VARIANTS:  # work in progress: rows x K groups a program, same bits
+                T.QUANT_ROWS, T.QUANT_GROUPS = rows_, groups
+                try:
+                    q1, s1 = T.act_quant_fp8(a, 1, 128)
+                    same = bool(torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1))
+                    sweep[f"{rows_}x{groups}"] = {"ms": ms(lambda: T.act_quant_fp8(a, 1, 128)), "same_bits": same}
+                except Exception as e:  # noqa: BLE001
+                    sweep[f"{rows_}x{groups}"] = _err(e)
+            T.QUANT_ROWS, T.QUANT_GROUPS = QUANT_VARIANTS[0]
+            row["quantizer_sweep"] = sweep
         except Exception as e:  # noqa: BLE001
             row["quantizer"] = _err(e)
         try:
