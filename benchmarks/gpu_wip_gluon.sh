@@ -4,7 +4,7 @@
 # not fail). Usage on the device machine, repository root: OUT=... bash benchmarks/gpu_wip_gluon.sh
 #   1. tests/test_gluon.py's GPU tests (MLA vs the Triton mla_decode with NaN past each length; ping-pong parity)
 #   2. parity run --suite ci --op mla.decode,attention.prefill --backend gluon -> $OUT/ci-gluon-wip.jsonl
-#   3. benchmarks/gpu_gluon.py --sections mla,attn_bench -> $OUT/gluon-wip-bench.json
+#   3. benchmarks/gpu_gluon.py --sections mla,attn_bench,bench (with the quantizer sweep) -> $OUT/gluon-wip-bench.json
 #   4. the six gl-mla-* mutants -> $OUT/mutants-gluon-mla.json
 set -uo pipefail
 : "${OUT:?OUT must name the output folder}"
@@ -16,7 +16,7 @@ timeout 300 python3 -m pytest -q -x tests/test_gluon.py -k "gpu" >"$OUT/tests-gl
 tail -5 "$OUT/tests-gluon-wip.txt"
 timeout 150 $P run --suite ci --op mla.decode,attention.prefill --backend gluon --no-progress -q --jobs 8 \
   --timeout 60 --json "$OUT/ci-gluon-wip.jsonl" 2>&1 | tail -3 || rc=1
-timeout 240 python3 benchmarks/gpu_gluon.py --sections mla,attn_bench --configs default \
+timeout 330 python3 benchmarks/gpu_gluon.py --sections mla,attn_bench,bench --configs default \
   --out "$OUT/gluon-wip-bench.json" 2>&1 | tail -2 || rc=1
 MUT=$(grep -o 'id = "gl-mla-[a-z0-9-]*"' conformance/mutants/gluon.toml | sed 's/id = "\(.*\)"/\1/' | paste -sd,)
 timeout 240 $P mutants --mutant "$MUT" --jobs 4 --timeout 60 -q --json "$OUT/mutants-gluon-mla.json" 2>&1 | tail -8 || rc=1
