@@ -2,6 +2,7 @@
 
     python benchmarks/gluon_sm90.py gemm_fp8 [BLOCK_N STAGES GROUP_M REGS_MMA REGS_LOAD SKEW]
     python benchmarks/gluon_sm90.py prefill D MODE [BLOCK_N STAGES PIPE]      (MODE 0 none, 1 bottom-right, 2 top-left)
+    python benchmarks/gluon_sm90.py mla [CAUSAL [BLOCK_N STAGES]]              (kernels/gluon/mla.py, work in progress)
     options: --ptx PATH (keep the PTX), --ttgir PATH
 
 Triton's compiler runs whole (Gluon front end, TTGIR passes, LLVM, PTX) behind a stand-in driver that answers
@@ -97,7 +98,30 @@ def compile_prefill(d: int, mode: int, config: list[int]):
     return A._prefill_kernel.warmup(
         _desc(q2, [128, d], bf), _desc(q2, [bn, d], bf), _desc(q2, [bn, d], bf), o, lse, s, s, h, 1, 0.1,
         *o.stride()[:3], *lse.stride(), DIAG_MODE=mode, D=d, BLOCK_N=bn, STAGES=st, REGS_MMA=A.REGS[0],
-        REGS_LOAD=A.REGS[1], WS_LIST=ws_list(), PIPE=bool(pipe), num_warps=4, enable_fp_fusion=False, grid=(1,))
+        REGS_LOAD=A.REGS[1], WS_LIST=ws_list(), PIPE=int(pipe), num_warps=4, enable_fp_fusion=False, grid=(1,))
+
+
+def compile_mla(causal: int, config: list[int]):
+    import torch
+    from triton.experimental.gluon import language as gl
+
+    from kernel_parity.kernels.gluon import mla as G
+    from kernel_parity.kernels.gluon.compat import ws_list
+
+    bn, st = list(config) + list(G.CONFIG)[len(config):]
+    b, s_q, h_q, page, blocks = 2, 2 if causal else 1, 64, 64, 8
+    q2 = torch.empty(b * s_q * h_q, 576, dtype=torch.bfloat16)
+    c2 = torch.empty(blocks * page, 576, dtype=torch.bfloat16)
+    o = torch.empty(b, s_q, h_q, 512, dtype=torch.bfloat16)
+    lse = torch.empty(b, h_q, s_q)
+    table = torch.zeros(b, blocks, dtype=torch.int32)
+    lens = torch.zeros(b, dtype=torch.int32)
+    bf = gl.bfloat16
+    return G._mla_decode_kernel.warmup(
+        _desc(q2, [64, 256], bf), _desc(q2, [64, 32], bf), _desc(c2, [bn, 256], bf), _desc(c2, [bn, 32], bf), o, lse,
+        table, lens, table.stride(0), s_q * h_q, s_q, h_q, page, 0.1, *o.stride()[:3], *lse.stride(),
+        CAUSAL=bool(causal), BLOCK_N=bn, STAGES=st, REGS_MMA=G.REGS[0], REGS_LOAD=G.REGS[1], WS_LIST=ws_list(),
+        num_warps=4, enable_fp_fusion=False, grid=(1,))
 
 
 def ptxas_report(ptx: str) -> str:
@@ -117,7 +141,7 @@ def ptxas_report(ptx: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=("gemm_fp8", "prefill"))
+    ap.add_argument("kernel", choices=("gemm_fp8", "prefill", "mla"))
     ap.add_argument("args", nargs="*", type=int, help="gemm_fp8: config; prefill: D MODE [config]")
     ap.add_argument("--ptx", default=None)
     ap.add_argument("--ttgir", default=None)
@@ -127,7 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("TRITON_INTERPRET", None)
     _stand_in_driver()
     try:
-        k = compile_gemm_fp8(a.args) if a.kernel == "gemm_fp8" else compile_prefill(a.args[0], a.args[1], a.args[2:])
+        if a.kernel == "gemm_fp8":
+            k = compile_gemm_fp8(a.args)
+        elif a.kernel == "prefill":
+            k = compile_prefill(a.args[0], a.args[1], a.args[2:])
+        else:
+            k = compile_mla(a.args[0] if a.args else 0, a.args[1:])
     except Exception as e:  # noqa: BLE001  (a compile error: its message, exit 1)
         print(f"compile failed: {type(e).__name__}: {e}"[-4000:])
         return 1

@@ -82,8 +82,10 @@ print(','.join(sorted(n for n, s in ops.all_specs().items() if s.rows is not Non
            python3 -m pytest -q property_tests/test_attention.py property_tests/test_gemm.py \
              --parity-backend kernel_parity.conformance.backends.gluon_backend:BACKEND >"$OUT/props-gluon-$DEV.txt" 2>&1 || rc=1
            tail -3 "$OUT/props-gluon-$DEV.txt"
-           python3 benchmarks/gpu_gluon.py --out "$OUT/gluon-bench-$DEV.json" \
-             --sections api,parity,bench,attn_parity,attn_bench --configs default || rc=1 ;;
+           timeout 600 python3 -m pytest -q tests/test_gluon.py >"$OUT/tests-gluon-$DEV.txt" 2>&1 || rc=1
+           tail -3 "$OUT/tests-gluon-$DEV.txt"
+           timeout 900 python3 benchmarks/gpu_gluon.py --out "$OUT/gluon-bench-$DEV.json" \
+             --sections api,parity,bench,attn_parity,attn_bench,mla --configs default || rc=1 ;;
     mla) python3 benchmarks/gpu_mla.py --out "$OUT/mla-bench-$DEV.json" --tune-budget "${BUDGET_S:-60}" || rc=1 ;;
     layers) for f in norm rope mlp; do python3 benchmarks/gpu_$f.py --out "$OUT/$f-bench-$DEV.json" || rc=1; done ;;
     peers) $PARITY run --suite peers --no-progress -q --jobs "$JOBS" --json "$OUT/peers-$DEV.jsonl" || rc=1 ;;

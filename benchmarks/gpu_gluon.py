@@ -2,7 +2,7 @@
 with the Triton kernels on the same quantized operands, and their speed beside the peers and the
 hardware's matmul rate measured in the same run.
 
-    python benchmarks/gpu_gluon.py [--sections api,parity,bench,attn_parity,attn_bench] [--out PATH]
+    python benchmarks/gpu_gluon.py [--sections api,parity,bench,attn_parity,attn_bench,mla] [--out PATH]
                                    [--configs all|default]
 
 - api: Triton's version, the signatures of the Gluon calls the kernels make (kernels/gluon/compat.py).
@@ -36,7 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 CONFIGS = ((128, 4, 8, 232, 40), (128, 5, 8, 232, 40), (128, 6, 8, 232, 40), (128, 4, 16, 232, 40),
            (128, 4, 8, 232, 40, 0))  # the last without the skew (one dot at a time per warp group)
 # per d: extra gluon prefill configs timed beside the default (BLOCK_N, STAGES, PIPE)
-ATTN_CONFIGS = {64: ((128, 3, 0), (64, 3, 1)), 128: ((128, 2, 0), (128, 2, 1)), 256: ((64, 2, 1),)}
+ATTN_CONFIGS = {64: ((128, 3, 0), (64, 3, 1), (128, 3, 2), (64, 3, 2)), 128: ((128, 2, 0), (128, 2, 1), (128, 2, 2),
+                                                                        (64, 3, 2)),
+                256: ((64, 2, 1), (64, 2, 2))}  # PIPE 2: the ping-pong (work in progress)
 PARITY_SHAPES = ((1, 256, 256), (3, 48, 256), (33, 130, 512), (128, 256, 1024), (200, 384, 2048),
                  (1000, 1000, 4096), (4096, 4096, 8192))
 BENCH_SHAPES = ((8192, 8192, 8192), (4096, 7168, 2048), (4096, 24576, 1536), (4096, 2112, 7168),
@@ -153,6 +155,10 @@ def _compiled_info(cfg) -> dict:
     return info
 
 
+# (QUANT_ROWS, QUANT_GROUPS) of the activation quantizer, the first the default (work in progress)
+QUANT_VARIANTS = ((8, 1), (8, 4), (8, 8), (4, 8), (16, 4), (2, 16), (1, 32))
+
+
 def section_bench(configs) -> dict:
     import torch
     from triton.testing import do_bench
@@ -175,6 +181,19 @@ def section_bench(configs) -> dict:
         try:
             t = ms(lambda: T.act_quant_fp8(a, 1, 128))
             row["quantizer_ms"] = t
+            row["quantizer_gbs"] = (a.numel() * (a.element_size() + 1) + 4 * sa.numel()) / t / 1e6
+            q0, s0 = T.act_quant_fp8(a, 1, 128)
+            sweep = {}
+            for rows_, groups in QUANT_VARIANTS:  # work in progress: rows x K groups a program, same bits
+                T.QUANT_ROWS, T.QUANT_GROUPS = rows_, groups
+                try:
+                    q1, s1 = T.act_quant_fp8(a, 1, 128)
+                    same = bool(torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1))
+                    sweep[f"{rows_}x{groups}"] = {"ms": ms(lambda: T.act_quant_fp8(a, 1, 128)), "same_bits": same}
+                except Exception as e:  # noqa: BLE001
+                    sweep[f"{rows_}x{groups}"] = _err(e)
+            T.QUANT_ROWS, T.QUANT_GROUPS = QUANT_VARIANTS[0]
+            row["quantizer_sweep"] = sweep
         except Exception as e:  # noqa: BLE001
             row["quantizer"] = _err(e)
         try:
@@ -338,6 +357,58 @@ def section_attn_bench() -> dict:
     return res
 
 
+MLA_BENCH = ((128, 1, 128, 4096), (128, 2, 64, 4096), (128, 1, 128, 16384))  # (b, s_q, h_q, L)
+
+
+def _mla_inputs(b, s_q, h_q, L, page=64, seed=0):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    blocks = (L + page - 1) // page
+    q = torch.randn(b, s_q, h_q, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    cache = torch.randn(b * blocks, page, 1, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    table = torch.randperm(b * blocks, device="cuda", generator=g).to(torch.int32).view(b, blocks)
+    seqlens = torch.full((b,), L, dtype=torch.int32, device="cuda")
+    return q, cache, table, seqlens
+
+
+def section_mla() -> dict:
+    """kernels/gluon/mla.py (work in progress) against the Triton mla_decode (one split and its own choice),
+    parity and TFLOP/s (4 b h_q s_q L (576 + 512) / 2, both dots) beside the bf16 matmul rate of this run."""
+    import torch
+    from triton.testing import do_bench
+
+    from kernel_parity.kernels.gluon import mla as G
+    from kernel_parity.kernels.triton import mla as T
+
+    def ms(fn):
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    res = {"device": torch.cuda.get_device_name(), "matmul_bf16_tflops": 2 * 8192 ** 3 / ms(lambda: x @ x) / 1e9,
+           "shapes": []}
+    del x
+    for (b, s_q, h_q, L) in MLA_BENCH:
+        row = {"shape": [b, s_q, h_q, L]}
+        try:
+            q, cache, table, seqlens = _mla_inputs(b, s_q, h_q, L)
+            fl = 2 * b * h_q * s_q * L * (576 + 512)
+            o, lse = G.mla_decode(q, cache, table, seqlens, 576 ** -0.5, causal=True)
+            ot, lset = T.mla_decode(q, cache, table, seqlens, 576 ** -0.5, causal=True)
+            torch.cuda.synchronize()
+            row["max_abs_vs_triton"] = float((o.float() - ot.float()).abs().max())
+            row["lse_max_abs_vs_triton"] = float((lse - lset).abs().max())
+            for name, fn in (("gluon", lambda: G.mla_decode(q, cache, table, seqlens, 576 ** -0.5, causal=True)),
+                             ("triton", lambda: T.mla_decode(q, cache, table, seqlens, 576 ** -0.5, causal=True))):
+                t = ms(fn)
+                tf = fl / t / 1e9
+                row[name] = {"ms": t, "tflops": tf, "pct_matmul": 100 * tf / res["matmul_bf16_tflops"]}
+        except Exception as e:  # noqa: BLE001
+            row["error"] = _err(e)
+        res["shapes"].append(row)
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sections", default="api,parity,bench")
@@ -363,6 +434,8 @@ def main(argv=None) -> int:
                 doc["attn_parity"] = section_attn_parity()
             elif sec == "attn_bench":
                 doc["attn_bench"] = section_attn_bench()
+            elif sec == "mla":
+                doc["mla"] = section_mla()
             else:
                 doc[sec] = f"unknown section {sec!r}"
         except Exception as e:  # noqa: BLE001

@@ -361,3 +361,19 @@ def test_dequantize_to_16_bit_rounds_the_fp32_values_once(fmt):
         assert got.dtype == dt and torch.equal(got, want32.to(dt))
     with pytest.raises(ValueError, match="out must be"):
         tq.dequantize(fmt, w, out=torch.empty((5, 512), dtype=torch.float64, device=DEV))
+
+
+@pytest.mark.parametrize("rows,groups", [(8, 4), (4, 8), (2, 16)])
+def test_act_quant_more_groups_a_program_gives_the_same_bits(rows, groups, monkeypatch):
+    """QUANT_ROWS x QUANT_GROUPS (work in progress: more bytes a quantizer program): the same codes and scales
+    as the refimpl quantizer, K not a multiple of the groups a program takes, an all-zero group."""
+    rng = np.random.default_rng(11)
+    monkeypatch.setattr(gemm_fp8, "QUANT_ROWS", rows)
+    monkeypatch.setattr(gemm_fp8, "QUANT_GROUPS", groups)
+    for m, k, gk in ((5, 1000, 128), (9, 640, 128), (3, 256, 64)):
+        a = _a(rng, m, k, "bf16")
+        a[1, :gk] = 0
+        qa, sa = gemm_fp8.act_quant_fp8(a, 1, gk)
+        qa_ref, sa_ref = refimpl.quant_fp.fp8_quantize_blocks(a.float().cpu().numpy(), 1, gk)
+        assert np.array_equal(qa.view(torch.uint8).cpu().numpy(), np.asarray(qa_ref).view(np.uint8)), (m, k, gk)
+        assert np.array_equal(sa.cpu().numpy(), sa_ref), (m, k, gk)

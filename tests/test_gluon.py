@@ -62,9 +62,11 @@ def test_api_present_in_installed_triton():
 @pytest.mark.parametrize("which", [("gemm_fp8",), ("prefill", "128", "1"), ("prefill", "64", "2"),
                                    ("prefill", "256", "0"), ("prefill", "32", "1"),
                                    ("prefill", "128", "1", "128", "2", "1"), ("prefill", "64", "2", "128", "3", "1"),
-                                   ("prefill", "128", "0", "128", "2", "0")],
+                                   ("prefill", "128", "0", "128", "2", "0"), ("mla", "0"), ("mla", "1"),
+                                   ("prefill", "128", "1", "128", "2", "2"), ("prefill", "256", "1", "64", "2", "2")],
                          ids=["gemm_fp8", "prefill-d128-br", "prefill-d64-tl", "prefill-d256-full", "prefill-d32-br",
-                              "prefill-d128-n128-pipe", "prefill-d64-tl-pipe", "prefill-d128-n128-one"])
+                              "prefill-d128-n128-pipe", "prefill-d64-tl-pipe", "prefill-d128-n128-one", "mla",
+                              "mla-causal", "prefill-d128-pingpong", "prefill-d256-pingpong"])
 def test_kernel_compiles_for_hopper(tmp_path, which):
     """Each kernel through the whole compiler for sm_90a, on this machine (benchmarks/gluon_sm90.py): no spills,
     no serialised wgmma, under the shared-memory limit of an H100 / H200 (227 KB). Defaults, then other configs."""
@@ -88,7 +90,7 @@ def test_kernel_compiles_for_hopper(tmp_path, which):
 
 @pytest.mark.skipif(not _gpu_hopper(), reason=str(gluon_backend.unavailable()))
 @pytest.mark.parametrize("causal", ["bottom_right", "top_left", "none"])
-@pytest.mark.parametrize("pipe", [0, 1])
+@pytest.mark.parametrize("pipe", [0, 1, 2])
 def test_prefill_on_gpu_matches_triton_kernel(causal, pipe):
     """Multi-tile shapes (s_q > s_k included): O and LSE against the Triton kernel within bf16's rounding of O."""
     import torch
@@ -136,3 +138,33 @@ def test_gemm_fp8_on_gpu_matches_triton_kernel():
         rel = ((ours.double() - emu).norm() / emu.norm()).item()
         assert rel < 8e-3, (m, n, k, rel)  # bf16 output rounding (2^-9) dominates
         assert (ours.float() - ref.float()).abs().max().item() <= 2 * (ref.float().abs().max().item() * 2 ** -8)
+
+
+@pytest.mark.skipif(not _gpu_hopper(), reason=str(gluon_backend.unavailable()))
+@pytest.mark.parametrize("s_q,h_q,causal", [(1, 128, True), (2, 64, True), (2, 64, False), (1, 64, False)])
+def test_mla_decode_on_gpu_matches_triton_kernel(s_q, h_q, causal):
+    """Ragged lengths (0, a partial last tile, whole pages), NaN in the slots past each length: O and LSE
+    against kernels/triton/mla.py's mla_decode (one split) within bf16's rounding of O."""
+    import torch
+
+    from kernel_parity.kernels.gluon import mla as G
+    from kernel_parity.kernels.triton import mla as T
+
+    page, blocks = 64, 12
+    lens = [0, 1, 37, 64, 200, 700][: 6]
+    b = len(lens)
+    g = torch.Generator(device="cuda").manual_seed(s_q * 1000 + h_q)
+    q = torch.randn(b, s_q, h_q, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    cache = torch.full((b * blocks, page, 1, 576), float("nan"), device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(b * blocks, device="cuda", generator=g).to(torch.int32).view(b, blocks)
+    for i, n in enumerate(lens):
+        for t in range(n):
+            cache[table[i, t // page], t % page] = torch.randn(1, 576, device="cuda", generator=g).bfloat16()
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    o, lse = G.mla_decode(q, cache, table, seqlens, 576 ** -0.5, causal=causal)
+    ot, lset = T.mla_decode(q, cache, table, seqlens, 576 ** -0.5, causal=causal, num_splits=1)
+    assert not torch.isnan(o).any()
+    assert torch.equal(torch.isinf(lse), torch.isinf(lset))
+    fin = torch.isfinite(lset)
+    assert (lse[fin] - lset[fin]).abs().max().item() < 1e-3
+    assert (o.float() - ot.float()).abs().max().item() < 2e-2

@@ -13,6 +13,8 @@ Ops:
 - attention.prefill, causal (bottom-right, top-left) or none, GQA, d = d_v in 32 / 64 / 128 / 256, bf16 /
   fp16, no window, softcap or sink: kernels/gluon/attention.py (FlashAttention-3's producer / two consumer
   warp groups), the op's own reference, as the `triton` kernel.
+- mla.decode, one latent kv head, s_q x h_q a multiple of 64, bf16 / fp16: kernels/gluon/mla.py (work in
+  progress, branch wip/gluon-mla: two consumer warp groups that split the QK depth and exchange partial logits).
 Registered through the `kernel_parity.backends` entry point (pyproject.toml), like triton-q8.
 """
 
@@ -25,6 +27,7 @@ from kernel_parity.conformance.backends._torch import cuda_available, to_torch
 
 GEMM = "gemm.gemm_nt"
 PREFILL = "attention.prefill"
+MLA = "mla.decode"
 
 
 def unavailable() -> str | None:
@@ -108,16 +111,37 @@ def _prefill(case: Any, inputs: dict, out: Any) -> dict:
     return {"o": o, "lse": lse}
 
 
+def _mla_supports(case: Any) -> str | None:
+    p = case.p
+    if p.get("hkv", 1) != 1:
+        return f"the gluon MLA decode takes one latent kv head, not hkv={p['hkv']}"
+    if (p["sq"] * p["hq"]) % 64:
+        return f"the gluon MLA decode takes s_q x h_q a multiple of 64 rows, not {p['sq']} x {p['hq']}"
+    return None
+
+
+def _mla(case: Any, inputs: dict, out: Any) -> dict:
+    from kernel_parity.conformance.ops.mla import DV, SCALES
+    from kernel_parity.kernels.gluon import mla
+
+    o, lse = out.torch("o", "cuda"), out.torch("lse", "cuda")
+    t = {k: to_torch(v, "cuda") for k, v in inputs.items()}
+    mla.mla_decode(t["q"], t["kv_cache"], t["block_table"], t["seqlens"], SCALES[case.p["scale"]], d_v=DV,
+                   causal=bool(case.p["causal"]), out=o, out_lse=lse)
+    return {"o": o, "lse": lse}
+
+
 def _ops() -> dict[str, Callable]:
-    return {GEMM: _gemm, PREFILL: _prefill}
+    return {GEMM: _gemm, PREFILL: _prefill, MLA: _mla}
 
 
 def make() -> GluonBackend:
     return GluonBackend(name="gluon", device="cuda", dtypes=("bf16", "fp16"), ops=_ops(),
-                        claims={GEMM: "emulated"}, support={GEMM: _gemm_supports, PREFILL: _prefill_supports},
+                        claims={GEMM: "emulated"}, support={GEMM: _gemm_supports, PREFILL: _prefill_supports,
+                                                            MLA: _mla_supports},
                         deterministic=True,
                         doc="kernels/gluon/*: warp-specialised Gluon kernels (Hopper): FP8 block-scaled GEMM, "
-                            "attention prefill")
+                            "attention prefill, MLA decode (work in progress)")
 
 
 BACKEND = make

@@ -40,7 +40,8 @@ from kernel_parity.kernels.gluon.compat import tma_ops, ws_list
 
 _tma_load, _ = tma_ops()
 LOG2E = 1.4426950408889634
-# d -> (BLOCK_N, STAGES, PIPE); BLOCK_M 128 (two warp groups of 64 rows); PIPE 1: _pipelined's overlap
+# d -> (BLOCK_N, STAGES, PIPE); BLOCK_M 128 (two warp groups of 64 rows); PIPE 1: _pipelined's overlap,
+# 2: _pingpong's (work in progress: compiled offline, not yet run)
 CONFIGS = {32: (128, 3, 0), 64: (128, 3, 1), 128: (64, 3, 1), 256: (64, 2, 0)}
 REGS = (232, 40)
 
@@ -189,7 +190,48 @@ def _pipelined(q, k_bufs, v_bufs, kv_ready, kv_empty, acc, m_i, l_i, rows, s_k, 
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, o_ptr, lse_ptr, s_q, s_k, h_q, qk_scale,
+def _turn(turn, WG: gl.constexpr, k):
+    """Wait for this group's k-th turn to issue its dots (PIPE 2): group 0's first passes at once (a fresh
+    barrier passes parity 1), every later one waits for the other group's previous issue."""
+    if WG == 0:
+        mbarrier.wait(turn.index(0), (k & 1) ^ 1)
+    else:
+        mbarrier.wait(turn.index(1), k & 1)
+
+
+@gluon.jit
+def _pingpong(q, k_bufs, v_bufs, kv_ready, kv_empty, turn, acc, m_i, l_i, rows, s_k, diag_off, qk_scale, full,
+              n_blocks, WG: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+    """FlashAttention-3's ping-pong of the two warp groups (n_blocks > 0): in iteration j a group issues
+    S_j = Q K_j^T and P_{j-1} V_{j-1} in its turn and hands the turn over, so its softmax of tile j runs while
+    the other group's dots are on the tensor cores. Both dots retire inside the iteration (P_{j-1} crosses the
+    back edge in registers, no accumulator in flight: see _pipelined)."""
+    o_row: gl.constexpr = gl.SliceLayout(1, _mma_layout(D))
+    _turn(turn, WG, 0)
+    nxt = _qk_issue(q, k_bufs, kv_ready, 0, BLOCK_N, STAGES)
+    mbarrier.arrive(turn.index(1 - WG), count=1)
+    sc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
+    p, alpha, m_i, l_i = _softmax(sc, m_i, l_i, 0, full, rows, s_k, diag_off, qk_scale, BLOCK_N, D, v_bufs.dtype)
+    for j in range(1, n_blocks):
+        _turn(turn, WG, j)
+        nxt = _qk_issue(q, k_bufs, kv_ready, j, BLOCK_N, STAGES)
+        tok = warpgroup_mma(p, v_bufs.index((j - 1) % STAGES), acc, is_async=True)
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+        sc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, tok))
+        mbarrier.arrive(kv_empty.index((j - 1) % STAGES), count=1)
+        p, alpha, m_i, l_i = _softmax(sc, m_i, l_i, j, full, rows, s_k, diag_off, qk_scale, BLOCK_N, D,
+                                      v_bufs.dtype)
+        acc = acc * gl.convert_layout(alpha, o_row)[:, None]
+    _turn(turn, WG, n_blocks)
+    tok = warpgroup_mma(p, v_bufs.index((n_blocks - 1) % STAGES), acc, is_async=True)
+    mbarrier.arrive(turn.index(1 - WG), count=1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
+    mbarrier.arrive(kv_empty.index((n_blocks - 1) % STAGES), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _consumer(q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, turn, o_ptr, lse_ptr, s_q, s_k, h_q, qk_scale,
               stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
               WG: gl.constexpr, DIAG_MODE: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr):
@@ -214,7 +256,11 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, o_ptr, lse_ptr,
     l_i = gl.zeros([64], gl.float32, row_s)
     mbarrier.wait(q_bar, 0)
     q = q_smem.slice(WG * 64, 64, dim=0)
-    if PIPE:
+    if PIPE == 2:
+        if n_blocks > 0:
+            acc, m_i, l_i = _pingpong(q, k_bufs, v_bufs, kv_ready, kv_empty, turn, acc, m_i, l_i, rows, s_k, diag_off,
+                                      qk_scale, full, n_blocks, WG, BLOCK_N, D, STAGES)
+    elif PIPE == 1:
         if n_blocks > 0:
             acc, m_i, l_i = _pipelined(q, k_bufs, v_bufs, kv_ready, kv_empty, acc, m_i, l_i, rows, s_k, diag_off,
                                        qk_scale, full, n_blocks, BLOCK_N, D, STAGES)
@@ -250,28 +296,31 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, s_q, s_k, h_q, group
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PIPE 2's turns
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer warp group
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
     # the argument tuples are written in place: a tuple bound to a name first turns its constexprs into tensors
     if WS_LIST:
         gl.warp_specialize([
-            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, o_ptr, lse_ptr, s_q, s_k, h_q, qk_scale,
-                         stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, turn, o_ptr, lse_ptr, s_q, s_k, h_q,
+                         qk_scale, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                          0, DIAG_MODE, D, BLOCK_M, BLOCK_N, STAGES, PIPE)),
-            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, o_ptr, lse_ptr, s_q, s_k, h_q, qk_scale,
-                         stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, turn, o_ptr, lse_ptr, s_q, s_k, h_q,
+                         qk_scale, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                          1, DIAG_MODE, D, BLOCK_M, BLOCK_N, STAGES, PIPE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, s_q, s_k, h_q,
                          group, DIAG_MODE, D, BLOCK_M, BLOCK_N, STAGES)),
         ], [4, 1], [REGS_MMA, REGS_LOAD])
     else:
         gl.warp_specialize(
-            (q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, o_ptr, lse_ptr, s_q, s_k, h_q, qk_scale,
+            (q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, turn, o_ptr, lse_ptr, s_q, s_k, h_q, qk_scale,
              stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
              0, DIAG_MODE, D, BLOCK_M, BLOCK_N, STAGES, PIPE), _consumer,
-            [(q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, o_ptr, lse_ptr, s_q, s_k, h_q, qk_scale,
+            [(q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, turn, o_ptr, lse_ptr, s_q, s_k, h_q, qk_scale,
               stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
               1, DIAG_MODE, D, BLOCK_M, BLOCK_N, STAGES, PIPE),
              (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, s_q, s_k, h_q,
@@ -281,6 +330,8 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, s_q, s_k, h_q, group
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(kv_ready.index(i))
         mbarrier.invalidate(kv_empty.index(i))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(turn.index(i))
 
 
 DIAG = {"none": 0, "bottom_right": 1, "top_left": 2}
@@ -315,7 +366,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
     q: (b, s_q, h_q, d); k, v: (b, s_k, h_kv, d), bf16 or fp16, one dtype; d in 32, 64, 128, 256; h_q % h_kv == 0
     causal: "none" | "bottom_right" | "top_left"
     out: (b, s_q, h_q, d) q's dtype, last-dim stride 1; out_lse: (b, h_q, s_q) float32, any strides
-    config: (BLOCK_N, STAGES[, PIPE]), tuning only
+    config: (BLOCK_N, STAGES[, PIPE 0 / 1 / 2]), tuning only
     returns (out, out_lse): LSE natural log; a row with no key gives O = 0, LSE = -inf
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -358,6 +409,6 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         desc(q2, 128), desc(k2, block_n), desc(v2, block_n), out, out_lse, s_q, s_k, h_q, h_q // h_kv,
         scale * LOG2E, *out.stride()[:3], *out_lse.stride(),
         DIAG_MODE=DIAG[causal], D=d, BLOCK_N=block_n, STAGES=stages, REGS_MMA=REGS[0], REGS_LOAD=REGS[1],
-        WS_LIST=ws_list(), PIPE=bool(pipe), num_warps=4, enable_fp_fusion=False,
+        WS_LIST=ws_list(), PIPE=int(pipe), num_warps=4, enable_fp_fusion=False,
     )
     return out, out_lse

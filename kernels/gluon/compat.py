@@ -65,6 +65,14 @@ def tma_ops():
         (tma.async_copy_global_to_shared, tma.async_copy_shared_to_global)
 
 
+def barrier_op():
+    """This Triton's barrier of the threads of a CTA (inside a warp-specialised partition: of the partition):
+    gl.thread_barrier (3.6), gl.barrier (3.9)."""
+    from triton.experimental.gluon import language as gl
+
+    return getattr(gl, "thread_barrier", None) or gl.barrier
+
+
 @lru_cache(maxsize=None)
 def tma_new() -> bool:
     """True where the bulk tensor copies are tma.async_load / async_store."""

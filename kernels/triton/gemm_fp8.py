@@ -53,6 +53,9 @@ AMAX_MIN = 1e-4
 # next block's dot (skewed) 736.
 GEMM_CONFIG = (128, 128, 128, 8, 8, 4, 1)
 QUANT_ROWS = 8  # rows per program of the per-token (gm = 1) activation quantizer
+# K groups a one-pass program quantizes (work in progress, branch wip/gluon-mla: 1 is the measured default;
+# more moves more bytes a program, the 8 x 128 tile being 2 KB)
+QUANT_GROUPS = 1
 
 
 @triton.jit
@@ -81,7 +84,7 @@ def _fp8_act_quant_kernel(
     X_ptr, Q_ptr, S_ptr, M, K, gm, gk, scale_ub,
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
     ONE_PASS: tl.constexpr, UE8M0: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUPS: tl.constexpr = 1,
 ):
     """ONE_PASS (gm = 1, gk <= BLOCK_K): BLOCK_M rows of one K group, each row its own group.
     Otherwise one program per (gm x gk) group, looping over it twice (amax, then quantize)."""
@@ -89,7 +92,21 @@ def _fp8_act_quant_kernel(
     pid_k = tl.program_id(1)
     offs_k0 = pid_k * gk + tl.arange(0, BLOCK_K)
     k_end = tl.minimum(pid_k * gk + gk, K)
-    if ONE_PASS:
+    if ONE_PASS and GROUPS > 1:  # BLOCK_M rows of GROUPS K groups: a (rows, groups, gk) tile
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_g = pid_k * GROUPS + tl.arange(0, GROUPS)
+        offs_c = tl.arange(0, BLOCK_K)
+        offs_k = offs_g[:, None] * gk + offs_c[None, :]
+        kmask = (offs_c[None, :] < gk) & (offs_k < K)
+        mask = (offs_m < M)[:, None, None] & kmask[None, :, :]
+        rows = offs_m[:, None, None].to(tl.int64)
+        x = tl.load(X_ptr + rows * stride_xm + offs_k[None, :, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        s = _scale_of(tl.max(tl.abs(x), axis=2), scale_ub, UE8M0)
+        y = _to_e4m3(x, s[:, :, None])
+        tl.store(Q_ptr + rows * stride_qm + offs_k[None, :, :] * stride_qk, y.to(Q_ptr.dtype.element_ty), mask=mask)
+        tl.store(S_ptr + offs_m[:, None] * stride_sm + offs_g[None, :] * stride_sk, s,
+                 mask=(offs_m < M)[:, None] & (offs_g * gk < K)[None, :])
+    elif ONE_PASS:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (offs_m < M)[:, None] & (offs_k0 < k_end)[None, :]
         x = tl.load(X_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k0[None, :] * stride_xk,
@@ -222,11 +239,12 @@ def act_quant_fp8(a: torch.Tensor, gm: int = 1, gk: int = 128, *, scale_ub: floa
     one_pass = gm == 1 and gk <= 1024
     block_k = triton.next_power_of_2(gk) if one_pass else min(256, triton.next_power_of_2(gk))
     block_m = QUANT_ROWS if one_pass else min(16, triton.next_power_of_2(gm))
-    grid = (triton.cdiv(M, block_m) if one_pass else nm, nk)
+    groups = QUANT_GROUPS if one_pass else 1
+    grid = (triton.cdiv(M, block_m) if one_pass else nm, triton.cdiv(nk, groups))
     _fp8_act_quant_kernel[grid](
         a, q, s, M, K, gm, gk, float(scale_ub or 0.0), *a.stride(), *q.stride(), *s.stride(),
         ONE_PASS=one_pass, UE8M0=scale_fmt == "ue8m0", BLOCK_M=block_m,
-        BLOCK_K=block_k, num_warps=4,
+        BLOCK_K=block_k, GROUPS=groups, num_warps=4,
     )
     return q, s
 
