@@ -2,7 +2,7 @@
 
     python benchmarks/gluon_sm90.py gemm_fp8 [BLOCK_N STAGES GROUP_M REGS_MMA REGS_LOAD SKEW]
     python benchmarks/gluon_sm90.py prefill D MODE [BLOCK_N STAGES PIPE]      (MODE 0 none, 1 bottom-right, 2 top-left)
-    python benchmarks/gluon_sm90.py mla [CAUSAL [BLOCK_N STAGES]]              (kernels/gluon/mla.py, work in progress)
+    python benchmarks/gluon_sm90.py mla [CAUSAL [BLOCK_N STAGES PIPE]]         (kernels/gluon/mla.py)
     options: --ptx PATH (keep the PTX), --ttgir PATH
 
 Triton's compiler runs whole (Gluon front end, TTGIR passes, LLVM, PTX) behind a stand-in driver that answers
@@ -108,7 +108,7 @@ def compile_mla(causal: int, config: list[int]):
     from kernel_parity.kernels.gluon import mla as G
     from kernel_parity.kernels.gluon.compat import ws_list
 
-    bn, st = list(config) + list(G.CONFIG)[len(config):]
+    bn, st, pipe = list(config) + list(G.CONFIG)[len(config):]
     b, s_q, h_q, page, blocks = 2, 2 if causal else 1, 64, 64, 8
     q2 = torch.empty(b * s_q * h_q, 576, dtype=torch.bfloat16)
     c2 = torch.empty(blocks * page, 576, dtype=torch.bfloat16)
@@ -120,7 +120,7 @@ def compile_mla(causal: int, config: list[int]):
     return G._mla_decode_kernel.warmup(
         _desc(q2, [64, 256], bf), _desc(q2, [64, 32], bf), _desc(c2, [bn, 256], bf), _desc(c2, [bn, 32], bf), o, lse,
         table, lens, table.stride(0), s_q * h_q, s_q, h_q, page, 0.1, *o.stride()[:3], *lse.stride(),
-        CAUSAL=bool(causal), BLOCK_N=bn, STAGES=st, REGS_MMA=G.REGS[0], REGS_LOAD=G.REGS[1], WS_LIST=ws_list(),
+        CAUSAL=bool(causal), BLOCK_N=bn, STAGES=st, PIPE=int(pipe), REGS_MMA=G.REGS[0], REGS_LOAD=G.REGS[1], WS_LIST=ws_list(),
         num_warps=4, enable_fp_fusion=False, grid=(1,))
 
 

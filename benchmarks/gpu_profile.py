@@ -95,7 +95,7 @@ def _prefill_q4k():
     return lambda: G.gemm_nt(a, "q4_k", w)
 
 
-def _fp8(peer: bool):
+def _fp8(peer: bool, gluon: bool = False):
     from kernel_parity.kernels.triton import gemm_fp8 as F
     c = _ctx()
     torch, n = c.torch, 8192
@@ -106,6 +106,9 @@ def _fp8(peer: bool):
     qa, sa = F.act_quant_fp8(a, 1, 128)
     if peer:
         return lambda: torch._scaled_mm(qa, qw.t(), scale_a=sa, scale_b=sw.t(), out_dtype=torch.bfloat16)
+    if gluon:  # kernels/gluon/gemm_fp8.py, the activation quantizer included (the acceptance row)
+        from kernel_parity.kernels.gluon import gemm_fp8 as GF
+        return lambda: GF.gemm_fp8(a, qw, sw)
     return lambda: F.gemm_fp8_scaled(qa, sa, qw, sw)
 
 
@@ -118,12 +121,15 @@ def _mla_ctx():
     return c
 
 
-def _mla(s_q: int, h_q: int, L: int = 4096, b: int = 128):
+def _mla(s_q: int, h_q: int, L: int = 4096, b: int = 128, gluon: tuple | None = None):
     from gpu_mla_tune import D
     from kernel_parity.kernels.triton.mla import mla_decode
     c = _mla_ctx()
     cache, table, sl = c.big_cache(b, L)
     q = c.torch.randn((b, s_q, h_q, D), device=c.dev, generator=c.gen).to(c.torch.bfloat16)
+    if gluon is not None:  # kernels/gluon/mla.py at a config (() its default)
+        from kernel_parity.kernels.gluon import mla as GM
+        return lambda: GM.mla_decode(q, cache, table, sl, 1 / math.sqrt(D), config=gluon or None)
     return lambda: mla_decode(q, cache, table, sl, 1 / math.sqrt(D))
 
 
@@ -144,6 +150,9 @@ def _attention(who: str, b: int, s: int, d: int):
     if who == "triton":
         from kernel_parity.kernels.triton import attention
         return lambda: attention.prefill(q, k, v, causal="bottom_right")
+    if who == "gluon":
+        from kernel_parity.kernels.gluon import attention as GA
+        return lambda: GA.prefill(q, k, v, causal="bottom_right")
     if who == "fa4":
         from flash_attn.cute import flash_attn_func
         return lambda: flash_attn_func(q, k, v, causal=True)
@@ -181,6 +190,13 @@ TARGETS = {  # name: (issue 19's row, what, builder)
     "fa4-d128": ("causal prefill", "flash-attn-4, same shape (the peer)", lambda: _attention("fa4", 16, 4096, 128)),
     "attn-d256": ("causal prefill", "attention.prefill b4 s1024 32/8 d256 causal", lambda: _attention("triton", 4, 1024, 256)),
     "cudnn-d256": ("causal prefill", "SDPA cuDNN, same shape", lambda: _attention("cudnn", 4, 1024, 256)),
+    # issue 33: the Gluon kernels beside the same peers
+    "gluon-fp8-block": ("FP8 block", "gluon gemm_fp8 8192^3 (quantizer + GEMM)", lambda: _fp8(False, gluon=True)),
+    "gluon-attn-d128": ("causal prefill", "gluon prefill b16 s4096 32/8 d128 causal",
+                        lambda: _attention("gluon", 16, 4096, 128)),
+    "gluon-mla-h128": ("MLA h_q=128", "gluon mla_decode b128 s_q1 h_q128 L4096 (default config)",
+                       lambda: _mla(1, 128, gluon=())),
+    "gluon-mla-h128-pipe": ("MLA h_q=128", "gluon mla_decode, config (32, 3, 1)", lambda: _mla(1, 128, gluon=(32, 3, 1))),
 }
 
 

@@ -43,7 +43,7 @@ _barrier = barrier_op()
 LOG2E = 1.4426950408889634
 D_V, D_PE = gl.constexpr(512), gl.constexpr(64)
 HALF_V, HALF_PE = gl.constexpr(256), gl.constexpr(32)
-CONFIG = (32, 3)  # BLOCK_N, STAGES: 72 KB of Q + 3 x 36 KB of tiles + 32 KB of exchanged logits
+CONFIG = (32, 3, 0)  # BLOCK_N, STAGES, PIPE: 72 KB of Q + 3 x 36 KB of tiles + 32 KB of exchanged logits
 REGS = (232, 40)
 
 
@@ -62,6 +62,14 @@ def _p_layout(n):
 def _v_rows_layout(n):
     """A (BLOCK_N, 256) tile over one warp group: 8 elements a thread along the row."""
     return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[4, 1], order=[1, 0])
+
+
+@gluon.constexpr_function
+def _sx_layout(n):
+    """The exchanged fp32 logits (64 x n): a row's 32-byte chunks rotated by row, so the accumulator layout's
+    stores and loads (a quarter-warp on each of 8 rows, 32 bytes a row) meet no bank twice in a half-warp."""
+    n = int(getattr(n, "value", n))
+    return gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=max(n // 8, 1), order=[1, 0])
 
 
 @gluon.jit
@@ -102,13 +110,60 @@ def _producer(qn_desc, qp_desc, kn_desc, kp_desc, qn_smem, qp_smem, kn_bufs, kp_
 
 
 @gluon.jit
+def _qk_half(qn, qp, kn_bufs, kp_bufs, kv_ready, j, WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Wait for key tile j and issue this group's partial logits over its 288 of the 576 dims (async)."""
+    s = j % STAGES
+    mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
+    part = warpgroup_mma(qn, kn_bufs.index(s * 2 + WG).permute((1, 0)),
+                         gl.zeros([64, BLOCK_N], gl.float32, _mma_layout(BLOCK_N)), use_acc=False, is_async=True)
+    return warpgroup_mma(qp, kp_bufs.index(s * 2 + WG).permute((1, 0)), part, is_async=True)
+
+
+@gluon.jit
+def _exchange(part, sx, sx_ready, j, WG: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile j's whole logits: mine to sx[WG, j % 2], the partner's from sx[1 - WG, j % 2], added (S_0 + S_1 in one
+    group, S_1 + S_0 in the other: the same bits). A group passes its wait for tile j + 1 only after its partner
+    has read tile j's partial, so two buffers a group suffice."""
+    x = j % 2
+    sx.index(WG * 2 + x).store(part)
+    mbarrier.arrive(sx_ready.index(WG * 2 + x), count=1)
+    mbarrier.wait(sx_ready.index((1 - WG) * 2 + x), (j // 2) & 1)
+    return part + sx.index((1 - WG) * 2 + x).load(_mma_layout(BLOCK_N))
+
+
+@gluon.jit
+def _step(sc, kn, m_i, l_i, j, full, limit, L, qk_scale, BLOCK_N: gl.constexpr):
+    """Tile j's online-softmax step on its whole raw logits sc (masked where j >= full; in the tile holding the
+    request's last key, this group's half of the V rows past L zeroed in shared memory): (P as the P V dot's
+    register operand, the rescale factor, the new running max and sum)."""
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    sc = sc * qk_scale
+    if j >= full:
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        sc = gl.where(cols[None, :] < limit[:, None], sc, float("-inf"))
+        if j * BLOCK_N + BLOCK_N > L:  # slots past L in this tile: zero my half of their V rows
+            v_layout: gl.constexpr = _v_rows_layout(BLOCK_N)
+            vr = kn.load(v_layout)
+            keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_layout))
+            kn.store(gl.where((keys < L)[:, None], vr, gl.zeros_like(vr)))
+            fence_async_shared()  # the generic-proxy stores before the tensor cores' reads
+            _barrier()  # every thread's rows stored before the warp group's P V
+    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(sc - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return gl.convert_layout(p.to(kn.dtype), _p_layout(HALF_V)), alpha, m_new, l_i
+
+
+@gluon.jit
 def _consumer(qn_smem, qp_smem, kn_bufs, kp_bufs, sx, q_bar, kv_ready, kv_empty, sx_ready, o_ptr, lse_ptr,
               seqlens_ptr, rows_per_req, s_q, h_q, qk_scale, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-              stride_ls, WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+              stride_ls, WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              PIPE: gl.constexpr):
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(HALF_V)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
     b = gl.program_id(1)
     m0 = gl.program_id(0) * 64
@@ -125,41 +180,33 @@ def _consumer(qn_smem, qp_smem, kn_bufs, kp_bufs, sx, q_bar, kv_ready, kv_empty,
     mbarrier.wait(q_bar, 0)
     qn = qn_smem.index(WG)
     qp = qp_smem.index(WG)
-    for j in range(n_tiles):
-        s = j % STAGES
-        mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
-        kn = kn_bufs.index(s * 2 + WG)
-        part = warpgroup_mma(qn, kn.permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
-                             is_async=True)
-        part = warpgroup_mma(qp, kp_bufs.index(s * 2 + WG).permute((1, 0)), part, is_async=True)
-        part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
-        # exchange the partial logits: mine to sx[WG, j % 2], the partner's from sx[1 - WG, j % 2]
-        x = j % 2
-        sx.index(WG * 2 + x).store(part)
-        mbarrier.arrive(sx_ready.index(WG * 2 + x), count=1)
-        mbarrier.wait(sx_ready.index((1 - WG) * 2 + x), (j // 2) & 1)
-        sc = (part + sx.index((1 - WG) * 2 + x).load(s_layout)) * qk_scale
-        if j >= full:
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
-            sc = gl.where(cols[None, :] < limit[:, None], sc, float("-inf"))
-            if j * BLOCK_N + BLOCK_N > L:  # slots past L in this tile: zero my half of their V rows
-                v_layout: gl.constexpr = _v_rows_layout(BLOCK_N)
-                vr = kn.load(v_layout)
-                keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_layout))
-                kn.store(gl.where((keys < L)[:, None], vr, gl.zeros_like(vr)))
-                fence_async_shared()  # the generic-proxy stores before the tensor cores' reads
-                _barrier()  # every thread's rows stored before the warp group's P V
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(sc - m_use[:, None])
-        alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, o_row)[:, None]
-        p16 = gl.convert_layout(p.to(kn.dtype), _p_layout(HALF_V))
-        acc = warpgroup_mma(p16, kn, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(kv_empty.index(s), count=1)
+    if PIPE == 1:
+        # FlashAttention-3's intra-warp-group overlap: tile j + 1's partial logits are issued before tile j's
+        # softmax and run under it; every dot is retired at the end of an iteration (a wgmma in flight across
+        # the back edge makes ptxas serialise them all). The last iteration re-issues tile n - 1's (discarded).
+        if n_tiles > 0:
+            part = warpgroup_mma_wait(num_outstanding=0,
+                                      deps=(_qk_half(qn, qp, kn_bufs, kp_bufs, kv_ready, 0, WG, BLOCK_N, STAGES), ))
+            for j in range(n_tiles):
+                sc = _exchange(part, sx, sx_ready, j, WG, BLOCK_N)
+                nxt = _qk_half(qn, qp, kn_bufs, kp_bufs, kv_ready, gl.minimum(j + 1, n_tiles - 1), WG, BLOCK_N,
+                               STAGES)
+                kn = kn_bufs.index((j % STAGES) * 2 + WG)
+                p16, alpha, m_i, l_i = _step(sc, kn, m_i, l_i, j, full, limit, L, qk_scale, BLOCK_N)
+                acc = acc * gl.convert_layout(alpha, o_row)[:, None]
+                tok = warpgroup_mma(p16, kn, acc, is_async=True)
+                part, acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, tok))
+                mbarrier.arrive(kv_empty.index(j % STAGES), count=1)
+    else:
+        for j in range(n_tiles):
+            part = warpgroup_mma_wait(num_outstanding=0,
+                                      deps=(_qk_half(qn, qp, kn_bufs, kp_bufs, kv_ready, j, WG, BLOCK_N, STAGES), ))
+            sc = _exchange(part, sx, sx_ready, j, WG, BLOCK_N)
+            kn = kn_bufs.index((j % STAGES) * 2 + WG)
+            p16, alpha, m_i, l_i = _step(sc, kn, m_i, l_i, j, full, limit, L, qk_scale, BLOCK_N)
+            acc = acc * gl.convert_layout(alpha, o_row)[:, None]
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(warpgroup_mma(p16, kn, acc, is_async=True), ))
+            mbarrier.arrive(kv_empty.index(j % STAGES), count=1)
     # epilogue: O = acc / l (0 for a row with no key), LSE = (m + log2 l) ln 2 (-inf for such a row)
     seen = l_i > 0.0
     inv = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
@@ -179,13 +226,12 @@ def _consumer(qn_smem, qp_smem, kn_bufs, kp_bufs, sx, q_bar, kv_ready, kv_empty,
 def _mla_decode_kernel(qn_desc, qp_desc, kn_desc, kp_desc, o_ptr, lse_ptr, table_ptr, seqlens_ptr, stride_tb,
                        rows_per_req, s_q, h_q, page, qk_scale, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                        stride_ls, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       REGS_MMA: gl.constexpr, REGS_LOAD: gl.constexpr, WS_LIST: gl.constexpr):
+                       PIPE: gl.constexpr, REGS_MMA: gl.constexpr, REGS_LOAD: gl.constexpr, WS_LIST: gl.constexpr):
     qn_smem = gl.allocate_shared_memory(qn_desc.dtype, [2, 64, HALF_V], qn_desc.layout)
     qp_smem = gl.allocate_shared_memory(qp_desc.dtype, [2, 64, HALF_PE], qp_desc.layout)
     kn_bufs = gl.allocate_shared_memory(kn_desc.dtype, [STAGES * 2, BLOCK_N, HALF_V], kn_desc.layout)
     kp_bufs = gl.allocate_shared_memory(kp_desc.dtype, [STAGES * 2, BLOCK_N, HALF_PE], kp_desc.layout)
-    sx = gl.allocate_shared_memory(gl.float32, [4, 64, BLOCK_N],
-                                   gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+    sx = gl.allocate_shared_memory(gl.float32, [4, 64, BLOCK_N], _sx_layout(BLOCK_N))
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -201,10 +247,10 @@ def _mla_decode_kernel(qn_desc, qp_desc, kn_desc, kp_desc, o_ptr, lse_ptr, table
         gl.warp_specialize([
             (_consumer, (qn_smem, qp_smem, kn_bufs, kp_bufs, sx, q_bar, kv_ready, kv_empty, sx_ready, o_ptr, lse_ptr,
                          seqlens_ptr, rows_per_req, s_q, h_q, qk_scale, stride_ob, stride_os, stride_oh, stride_lb,
-                         stride_lh, stride_ls, 0, CAUSAL, BLOCK_N, STAGES)),
+                         stride_lh, stride_ls, 0, CAUSAL, BLOCK_N, STAGES, PIPE)),
             (_consumer, (qn_smem, qp_smem, kn_bufs, kp_bufs, sx, q_bar, kv_ready, kv_empty, sx_ready, o_ptr, lse_ptr,
                          seqlens_ptr, rows_per_req, s_q, h_q, qk_scale, stride_ob, stride_os, stride_oh, stride_lb,
-                         stride_lh, stride_ls, 1, CAUSAL, BLOCK_N, STAGES)),
+                         stride_lh, stride_ls, 1, CAUSAL, BLOCK_N, STAGES, PIPE)),
             (_producer, (qn_desc, qp_desc, kn_desc, kp_desc, qn_smem, qp_smem, kn_bufs, kp_bufs, q_bar, kv_ready,
                          kv_empty, table_ptr, seqlens_ptr, stride_tb, rows_per_req, s_q, h_q, page, CAUSAL, BLOCK_N,
                          STAGES)),
@@ -213,10 +259,10 @@ def _mla_decode_kernel(qn_desc, qp_desc, kn_desc, kp_desc, o_ptr, lse_ptr, table
         gl.warp_specialize(
             (qn_smem, qp_smem, kn_bufs, kp_bufs, sx, q_bar, kv_ready, kv_empty, sx_ready, o_ptr, lse_ptr,
              seqlens_ptr, rows_per_req, s_q, h_q, qk_scale, stride_ob, stride_os, stride_oh, stride_lb,
-             stride_lh, stride_ls, 0, CAUSAL, BLOCK_N, STAGES), _consumer,
+             stride_lh, stride_ls, 0, CAUSAL, BLOCK_N, STAGES, PIPE), _consumer,
             [(qn_smem, qp_smem, kn_bufs, kp_bufs, sx, q_bar, kv_ready, kv_empty, sx_ready, o_ptr, lse_ptr,
               seqlens_ptr, rows_per_req, s_q, h_q, qk_scale, stride_ob, stride_os, stride_oh, stride_lb,
-              stride_lh, stride_ls, 1, CAUSAL, BLOCK_N, STAGES),
+              stride_lh, stride_ls, 1, CAUSAL, BLOCK_N, STAGES, PIPE),
              (qn_desc, qp_desc, kn_desc, kp_desc, qn_smem, qp_smem, kn_bufs, kp_bufs, q_bar, kv_ready,
               kv_empty, table_ptr, seqlens_ptr, stride_tb, rows_per_req, s_q, h_q, page, CAUSAL, BLOCK_N,
               STAGES)],
@@ -255,7 +301,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     kv_cache: (num_blocks, page, 1, 576) q's dtype; page a multiple of BLOCK_N
     block_table: (b, max_blocks) int32; seqlens: (b,) int32 on q's device
     out: (b, s_q, h_q, 512) q's dtype, last-dim stride 1; out_lse: (b, h_q, s_q) float32
-    config: (BLOCK_N, STAGES), tuning only
+    config: (BLOCK_N, STAGES[, PIPE]), tuning only (PIPE 1: the next tile's logits under this one's softmax)
     returns (out, out_lse), LSE natural log; a row with no visible key: O = 0, LSE = -inf
     """
     what = "gluon mla_decode"
@@ -280,7 +326,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         raise ValueError(f"{what}: out_lse must be a ({b}, {h_q}, {s_q}) float32 tensor")
     if b == 0:
         return out, out_lse
-    block_n, stages = config or CONFIG
+    block_n, stages, pipe = (tuple(config) + (0,))[:3] if config else CONFIG
     rows = s_q * h_q
     q2 = q if q.is_contiguous() else q.contiguous()
     q2 = q2.view(b * rows, d)
@@ -296,7 +342,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         desc(q2, [64, 256]), desc(q2, [64, 32]), desc(c2, [block_n, 256]), desc(c2, [block_n, 32]),
         out, out_lse, block_table, seqlens, block_table.stride(0), rows, s_q, h_q, kv_cache.shape[1],
         float(scale) * LOG2E, out.stride(0), out.stride(1), out.stride(2), *out_lse.stride(),
-        CAUSAL=bool(causal) and s_q > 1, BLOCK_N=block_n, STAGES=stages, REGS_MMA=REGS[0], REGS_LOAD=REGS[1],
+        CAUSAL=bool(causal) and s_q > 1, BLOCK_N=block_n, STAGES=stages, PIPE=pipe, REGS_MMA=REGS[0], REGS_LOAD=REGS[1],
         WS_LIST=ws_list(), num_warps=4, enable_fp_fusion=False,
     )
     return out, out_lse
