@@ -22,7 +22,7 @@
 #   prefill benchmarks/gpu_prefill.py (causal prefill: ours, fa4, cuDNN, SDPA flash; parity bench), then the
 #           fa4 plugin's ci cases -> $OUT/prefill-bench-<device>.json, $OUT/ci-fa4-<device>.jsonl
 #   gluon   the gluon backend (kernels/gluon, Hopper): its ci cases, fresh seeds (--per-op $PER_OP), the models
-#           suite's FP8 GEMM and prefill cases, every gluon mutant, the property tests of attention and gemm on it,
+#           suite's FP8 GEMM, prefill and MLA decode cases, every gluon mutant, the property tests of attention and gemm on it,
 #           then benchmarks/gpu_gluon.py (parity + bench of both kernels) -> $OUT/{ci,sweep,models}-gluon-<device>.jsonl,
 #           $OUT/mutants-gluon-<device>.json, $OUT/props-gluon-<device>.txt, $OUT/gluon-bench-<device>.json
 # Peers: wheels carried in .whl/ (liger-kernel, quack-kernels, flash-attn-4, nvidia-cutlass-dsl and its libs,
@@ -73,7 +73,7 @@ print(','.join(sorted(n for n, s in ops.all_specs().items() if s.rows is not Non
     q8) $PARITY run --suite ci --backend triton-q8 --op gemm.gemm_nt --no-progress -q --jobs "$JOBS" \
           --json "$OUT/ci-q8-$DEV.jsonl" || rc=1
         python3 benchmarks/gpu_gemm.py --sections q8 --out "$OUT/q8-bench-$DEV.json" --budget-s "${BUDGET_S:-120}" || rc=1 ;;
-    gluon) GOPS="--op attention.prefill,gemm.gemm_nt"
+    gluon) GOPS="--op attention.prefill,gemm.gemm_nt,mla.decode"
            $PARITY run --suite ci $GOPS --backend gluon --no-progress -q --jobs "$JOBS" --json "$OUT/ci-gluon-$DEV.jsonl" || rc=1
            $PARITY sweep --suite ci $GOPS --backend gluon --dtype bf16,fp16 --per-op "$PER_OP" ${START:+--start "$START"} \
              --no-progress -q --jobs "$JOBS" --json "$OUT/sweep-gluon-$DEV.jsonl" || rc=1

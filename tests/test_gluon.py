@@ -64,11 +64,11 @@ def test_api_present_in_installed_triton():
                                    ("prefill", "128", "1", "128", "2", "1"), ("prefill", "64", "2", "128", "3", "1"),
                                    ("prefill", "128", "0", "128", "2", "0"), ("mla", "0"), ("mla", "1"),
                                    ("prefill", "128", "1", "128", "2", "2"), ("prefill", "256", "1", "64", "2", "2"),
-                                   ("mla", "1", "32", "3", "1"), ("mla", "0", "16", "4", "1")],
+                                   ("mla", "1", "32", "3", "0"), ("mla", "0", "16", "4", "1")],
                          ids=["gemm_fp8", "prefill-d128-br", "prefill-d64-tl", "prefill-d256-full", "prefill-d32-br",
                               "prefill-d128-n128-pipe", "prefill-d64-tl-pipe", "prefill-d128-n128-one", "mla",
-                              "mla-causal", "prefill-d128-pingpong", "prefill-d256-pingpong", "mla-causal-pipe",
-                              "mla-n16-pipe"])
+                              "mla-causal", "prefill-d128-pingpong", "prefill-d256-pingpong", "mla-causal-serial",
+                              "mla-n16"])
 def test_kernel_compiles_for_hopper(tmp_path, which):
     """Each kernel through the whole compiler for sm_90a, on this machine (benchmarks/gluon_sm90.py): no spills,
     no serialised wgmma, under the shared-memory limit of an H100 / H200 (227 KB). Defaults, then other configs."""
@@ -143,12 +143,12 @@ def test_gemm_fp8_on_gpu_matches_triton_kernel():
 
 
 @pytest.mark.skipif(not _gpu_hopper(), reason=str(gluon_backend.unavailable()))
-@pytest.mark.parametrize("config", [None, (32, 3, 1), (16, 4, 1)], ids=["default", "pipe", "n16-pipe"])
+@pytest.mark.parametrize("config", [None, (32, 3, 0), (16, 4, 1)], ids=["default", "serial", "n16"])
 @pytest.mark.parametrize("s_q,h_q,causal", [(1, 128, True), (2, 64, True), (2, 64, False), (1, 64, False)])
 def test_mla_decode_on_gpu_matches_triton_kernel(s_q, h_q, causal, config):
     """Ragged lengths (0, a partial last tile, whole pages), NaN in the slots past each length: O and LSE
     against kernels/triton/mla.py's mla_decode (one split) within bf16's rounding of O; the default config and
-    the intra-warp-group overlap (PIPE 1) at 32 and 16 keys a tile."""
+    the default (the intra-warp-group overlap, PIPE 1), the serial loop (PIPE 0) and 16 keys a tile."""
     import torch
 
     from kernel_parity.kernels.gluon import mla as G
