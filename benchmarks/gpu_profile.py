@@ -196,7 +196,8 @@ TARGETS = {  # name: (issue 19's row, what, builder)
                         lambda: _attention("gluon", 16, 4096, 128)),
     "gluon-mla-h128": ("MLA h_q=128", "gluon mla_decode b128 s_q1 h_q128 L4096 (default config)",
                        lambda: _mla(1, 128, gluon=())),
-    "gluon-mla-h128-pipe": ("MLA h_q=128", "gluon mla_decode, config (32, 3, 1)", lambda: _mla(1, 128, gluon=(32, 3, 1))),
+    "gluon-mla-h128-serial": ("MLA h_q=128", "gluon mla_decode, config (32, 3, 0) (the serial loop)",
+                              lambda: _mla(1, 128, gluon=(32, 3, 0))),
 }
 
 

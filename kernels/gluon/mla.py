@@ -22,14 +22,14 @@ the page the block table names (BLOCK_N divides the page: a tile never straddles
 request's length in its last page may hold anything (the gate fills them with NaN): their logits are masked,
 and the group zeroes its half of those V rows in shared memory before P V (0 x NaN would be NaN).
 The default loop (PIPE 1) is FlashAttention-3's intra-warp-group overlap: tile j + 1's partial logits are issued
-before tile j's softmax and run under it. Measured on an H200 (bf16, b 128, h_q 128, s_q 1, 4K keys:
-reports/baselines/gluon-mla-bench-h200.json): 0.35-0.37 ms, 51-56% of the bf16 matmul rate measured in the same
-run, 2.0x the Triton mla_decode (the exchange buffer unswizzled, 8-way bank conflicts: 42%); PIPE 0 (serial) is
-0-4% slower, a pair-unrolled loop keeping P V in flight
-through the next tile's exchange 8-10% slower (ptxas spilled it). What bounds it (ncu: tensor pipe 44-45% of
-cycles, barrier the first stall): the two groups wait on each other at every tile's exchange, so neither one's
-softmax hides under the other's dots; FlashMLA's seesaw (each group's own full-depth tile, P handed over) is the
-step past it.
+before tile j's softmax and run under it. Measured on an H200 (bf16, b 128, h_q 128 s_q 1 or h_q 64 s_q 2, 4K and
+16K keys, three runs: reports/baselines/gluon-mla-bench-h200.json): 397-414 TFLOP/s, 50.5-53.9% of the bf16
+matmul rate measured in the same run, 2.0x the Triton mla_decode (the exchange buffer unswizzled, 8-way bank
+conflicts: 42%). PIPE 0 (serial) is within 4% of it either way (slower in 7 of 9 pairs); a pair-unrolled loop
+keeping P V in flight through the next tile's exchange was 4-13% slower (ptxas spilled it) and is gone.
+What bounds it (ncu: tensor pipe 44-45% of cycles, barrier the first stall): the two groups wait on each other
+at every tile's exchange, so neither one's softmax hides under the other's dots; FlashMLA's seesaw (each group's
+own full-depth tile, P handed over) is the step past it.
 """
 
 from __future__ import annotations
