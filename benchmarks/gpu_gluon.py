@@ -358,7 +358,7 @@ def section_attn_bench() -> dict:
 
 
 MLA_BENCH = ((128, 1, 128, 4096), (128, 2, 64, 4096), (128, 1, 128, 16384))  # (b, s_q, h_q, L)
-MLA_CONFIGS = ((32, 3, 0), (16, 4, 1))  # (BLOCK_N, STAGES, PIPE) timed beside the default
+MLA_CONFIGS = ((32, 3, 1), (32, 3, 0))  # (BLOCK_N, STAGES, PIPE) timed beside the default
 
 
 def _mla_inputs(b, s_q, h_q, L, page=64, seed=0):

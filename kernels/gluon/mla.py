@@ -49,8 +49,9 @@ _barrier = barrier_op()
 LOG2E = 1.4426950408889634
 D_V, D_PE = gl.constexpr(512), gl.constexpr(64)
 HALF_V, HALF_PE = gl.constexpr(256), gl.constexpr(32)
-CONFIG = (32, 3, 1)  # BLOCK_N, STAGES, PIPE: 72 KB of Q + 3 x 36 KB of tiles + 32 KB of exchanged logits
+CONFIG = (64, 2, 3)  # the seesaw (mla_seesaw.py); (32, 3, 1): BLOCK_N, STAGES, PIPE of the split-depth kernel: 72 KB of Q + 3 x 36 KB of tiles + 32 KB of exchanged logits
 REGS = (232, 40)
+SEESAW = 3  # PIPE 3: kernels/gluon/mla_seesaw.py (config (64, 2, 3))
 
 
 @gluon.constexpr_function
@@ -284,6 +285,8 @@ def _mla_decode_kernel(qn_desc, qp_desc, kn_desc, kp_desc, o_ptr, lse_ptr, table
 def supported(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int, config: tuple[int, ...] | None = None) -> str | None:
     """None, or why the kernel cannot take these operands."""
     block_n = (config or CONFIG)[0]
+    if config is not None and len(config) > 2 and config[2] == SEESAW and tuple(config[:2]) != (64, 2):
+        return f"the seesaw kernel (PIPE {SEESAW}) takes BLOCK_N 64 and 2 key buffers, not {tuple(config)}"
     if q.dtype not in (torch.bfloat16, torch.float16) or kv_cache.dtype != q.dtype:
         return f"the gluon MLA decode takes bf16 / fp16 q and cache of one dtype, not {q.dtype} / {kv_cache.dtype}"
     if q.shape[-1] != 576 or d_v != 512 or kv_cache.shape[-1] != 576:
@@ -344,6 +347,16 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         return TensorDescriptor(t, list(t.shape), list(t.stride()), box, gl.NVMMASharedLayout.get_default_for(box, elt))
 
     grid = (rows // 64, b)
+    if pipe == SEESAW:  # kernels/gluon/mla_seesaw.py: 64-key tiles, two key buffers, each group its own tile
+        from kernel_parity.kernels.gluon.mla_seesaw import _mla_seesaw_kernel
+        _mla_seesaw_kernel[grid](
+            desc(q2, [64, 256]), desc(q2, [64, 64]), desc(c2, [64, 256]), desc(c2, [64, 64]),
+            out, out_lse, block_table, seqlens, block_table.stride(0), rows, s_q, h_q, kv_cache.shape[1],
+            float(scale) * LOG2E, out.stride(0), out.stride(1), out.stride(2), *out_lse.stride(),
+            CAUSAL=bool(causal) and s_q > 1, REGS_MMA=REGS[0], REGS_LOAD=REGS[1], WS_LIST=ws_list(), num_warps=4,
+            enable_fp_fusion=False,
+        )
+        return out, out_lse
     _mla_decode_kernel[grid](
         desc(q2, [64, 256]), desc(q2, [64, 32]), desc(c2, [block_n, 256]), desc(c2, [block_n, 32]),
         out, out_lse, block_table, seqlens, block_table.stride(0), rows, s_q, h_q, kv_cache.shape[1],
