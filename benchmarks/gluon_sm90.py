@@ -2,7 +2,7 @@
 
     python benchmarks/gluon_sm90.py gemm_fp8 [BLOCK_N STAGES GROUP_M REGS_MMA REGS_LOAD SKEW]
     python benchmarks/gluon_sm90.py prefill D MODE [BLOCK_N STAGES PIPE]      (MODE 0 none, 1 bottom-right, 2 top-left)
-    python benchmarks/gluon_sm90.py mla [CAUSAL [BLOCK_N STAGES PIPE]]         (kernels/gluon/mla.py; PIPE 3: mla_seesaw.py)
+    python benchmarks/gluon_sm90.py mla [CAUSAL]                               (kernels/gluon/mla.py)
     options: --ptx PATH (keep the PTX), --ttgir PATH
 
 Triton's compiler runs whole (Gluon front end, TTGIR passes, LLVM, PTX) behind a stand-in driver that answers
@@ -108,7 +108,8 @@ def compile_mla(causal: int, config: list[int]):
     from kernel_parity.kernels.gluon import mla as G
     from kernel_parity.kernels.gluon.compat import ws_list
 
-    bn, st, pipe = list(config) + list(G.CONFIG)[len(config):]
+    if config:
+        raise SystemExit("gluon_sm90.py mla: the MLA kernel has no config to choose (64-key tiles, two buffers)")
     b, s_q, h_q, page, blocks = 2, 2 if causal else 1, 64, 64, 8
     q2 = torch.empty(b * s_q * h_q, 576, dtype=torch.bfloat16)
     c2 = torch.empty(blocks * page, 576, dtype=torch.bfloat16)
@@ -117,18 +118,11 @@ def compile_mla(causal: int, config: list[int]):
     table = torch.zeros(b, blocks, dtype=torch.int32)
     lens = torch.zeros(b, dtype=torch.int32)
     bf = gl.bfloat16
-    if int(pipe) == G.SEESAW:
-        from kernel_parity.kernels.gluon import mla_seesaw as S
-        return S._mla_seesaw_kernel.warmup(
-            _desc(q2, [64, 256], bf), _desc(q2, [64, 64], bf), _desc(c2, [64, 256], bf), _desc(c2, [64, 64], bf), o,
-            lse, table, lens, table.stride(0), s_q * h_q, s_q, h_q, page, 0.1, *o.stride()[:3], *lse.stride(),
-            CAUSAL=bool(causal), REGS_MMA=G.REGS[0], REGS_LOAD=G.REGS[1], WS_LIST=ws_list(), num_warps=4,
-            enable_fp_fusion=False, grid=(1,))
-    return G._mla_decode_kernel.warmup(
-        _desc(q2, [64, 256], bf), _desc(q2, [64, 32], bf), _desc(c2, [bn, 256], bf), _desc(c2, [bn, 32], bf), o, lse,
+    return G._mla_seesaw_kernel.warmup(
+        _desc(q2, [64, 256], bf), _desc(q2, [64, 64], bf), _desc(c2, [64, 256], bf), _desc(c2, [64, 64], bf), o, lse,
         table, lens, table.stride(0), s_q * h_q, s_q, h_q, page, 0.1, *o.stride()[:3], *lse.stride(),
-        CAUSAL=bool(causal), BLOCK_N=bn, STAGES=st, PIPE=int(pipe), REGS_MMA=G.REGS[0], REGS_LOAD=G.REGS[1], WS_LIST=ws_list(),
-        num_warps=4, enable_fp_fusion=False, grid=(1,))
+        CAUSAL=bool(causal), REGS_MMA=G.REGS[0], REGS_LOAD=G.REGS[1], WS_LIST=ws_list(), num_warps=4,
+        enable_fp_fusion=False, grid=(1,))
 
 
 def ptxas_report(ptx: str) -> str:

@@ -121,15 +121,15 @@ def _mla_ctx():
     return c
 
 
-def _mla(s_q: int, h_q: int, L: int = 4096, b: int = 128, gluon: tuple | None = None):
+def _mla(s_q: int, h_q: int, L: int = 4096, b: int = 128, gluon: bool = False):
     from gpu_mla_tune import D
     from kernel_parity.kernels.triton.mla import mla_decode
     c = _mla_ctx()
     cache, table, sl = c.big_cache(b, L)
     q = c.torch.randn((b, s_q, h_q, D), device=c.dev, generator=c.gen).to(c.torch.bfloat16)
-    if gluon is not None:  # kernels/gluon/mla.py at a config (() its default)
+    if gluon:  # kernels/gluon/mla.py
         from kernel_parity.kernels.gluon import mla as GM
-        return lambda: GM.mla_decode(q, cache, table, sl, 1 / math.sqrt(D), config=gluon or None)
+        return lambda: GM.mla_decode(q, cache, table, sl, 1 / math.sqrt(D))
     return lambda: mla_decode(q, cache, table, sl, 1 / math.sqrt(D))
 
 
@@ -194,10 +194,7 @@ TARGETS = {  # name: (issue 19's row, what, builder)
     "gluon-fp8-block": ("FP8 block", "gluon gemm_fp8 8192^3 (quantizer + GEMM)", lambda: _fp8(False, gluon=True)),
     "gluon-attn-d128": ("causal prefill", "gluon prefill b16 s4096 32/8 d128 causal",
                         lambda: _attention("gluon", 16, 4096, 128)),
-    "gluon-mla-h128": ("MLA h_q=128", "gluon mla_decode b128 s_q1 h_q128 L4096 (default config)",
-                       lambda: _mla(1, 128, gluon=())),
-    "gluon-mla-h128-serial": ("MLA h_q=128", "gluon mla_decode, config (32, 3, 0) (the serial loop)",
-                              lambda: _mla(1, 128, gluon=(32, 3, 0))),
+    "gluon-mla-h128": ("MLA h_q=128", "gluon mla_decode b128 s_q1 h_q128 L4096", lambda: _mla(1, 128, gluon=True)),
 }
 
 

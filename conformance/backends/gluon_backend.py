@@ -13,8 +13,8 @@ Ops:
 - attention.prefill, causal (bottom-right, top-left) or none, GQA, d = d_v in 32 / 64 / 128 / 256, bf16 /
   fp16, no window, softcap or sink: kernels/gluon/attention.py (FlashAttention-3's producer / two consumer
   warp groups), the op's own reference, as the `triton` kernel.
-- mla.decode, one latent kv head, s_q x h_q a multiple of 64, bf16 / fp16: kernels/gluon/mla.py (work in
-  progress, branch wip/gluon-mla: two consumer warp groups that split the QK depth and exchange partial logits).
+- mla.decode, one latent kv head, s_q x h_q a multiple of 64, bf16 / fp16: kernels/gluon/mla.py (FlashMLA's
+  seesaw: two consumer warp groups taking 64-key tiles in turn, P handed over through shared memory).
 Registered through the `kernel_parity.backends` entry point (pyproject.toml), like triton-q8.
 """
 
@@ -141,7 +141,7 @@ def make() -> GluonBackend:
                                                             MLA: _mla_supports},
                         deterministic=True,
                         doc="kernels/gluon/*: warp-specialised Gluon kernels (Hopper): FP8 block-scaled GEMM, "
-                            "attention prefill, MLA decode (work in progress)")
+                            "attention prefill, MLA decode")
 
 
 BACKEND = make

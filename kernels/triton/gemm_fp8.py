@@ -53,8 +53,10 @@ AMAX_MIN = 1e-4
 # next block's dot (skewed) 736.
 GEMM_CONFIG = (128, 128, 128, 8, 8, 4, 1)
 QUANT_ROWS = 8  # rows per program of the per-token (gm = 1) activation quantizer
-# K groups a one-pass program quantizes (work in progress, branch wip/gluon-mla: 1 is the measured default;
-# more moves more bytes a program, the 8 x 128 tile being 2 KB)
+# K groups a one-pass program quantizes (a rows x groups x 128 tile). H200, one run (benchmarks/gpu_gluon.py bench,
+# same bits at every setting): at M = K = 8192 4 x 8 / 2 x 16 took 60 us vs 70 for 8 x 1; at the DeepSeek-V3
+# shapes no setting won twice and the spread between neighbours' timings (11 to 50 us at 4096 x 1536) exceeds
+# the effect: 1 stays until a quieter measurement says otherwise.
 QUANT_GROUPS = 1
 
 
