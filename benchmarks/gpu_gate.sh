@@ -14,6 +14,8 @@
 #   gemm    benchmarks/gpu_gemm.py (quantized GEMMs vs torch / _scaled_mm and the limits) -> $OUT/gemm-bench-<device>.json
 #   q8      triton-q8 (Q4_K x Q8_K, Q8_0 x Q8_0; kernels/triton/gemm_q8.py): its ci cases on the GPU, then the q8 section
 #           of benchmarks/gpu_gemm.py with its sweep -> $OUT/ci-q8-<device>.jsonl, $OUT/q8-bench-<device>.json
+#   gluon-mla  the gluon step's MLA decode part under timeouts (fits one 600 s call): the gl-mla-* mutants, ci, fresh
+#           seeds, the models suite -> $OUT/{mutants,ci,sweep,models}-gluon-mla-<device>.json[l]
 #   mla     benchmarks/gpu_mla.py (MLA decode vs the copy / matmul limits and FlashMLA's figures) -> $OUT/mla-bench-<device>.json
 #   layers  benchmarks/gpu_{norm,rope,mlp}.py (RMSNorm, LayerNorm, RoPE, SwiGLU / GeGLU vs the copy rate, torch and
 #           the peers that import) -> $OUT/{norm,rope,mlp}-bench-<device>.json
@@ -86,6 +88,14 @@ print(','.join(sorted(n for n, s in ops.all_specs().items() if s.rows is not Non
            tail -3 "$OUT/tests-gluon-$DEV.txt"
            timeout 900 python3 benchmarks/gpu_gluon.py --out "$OUT/gluon-bench-$DEV.json" \
              --sections api,parity,bench,attn_parity,attn_bench,mla --configs default || rc=1 ;;
+    gluon-mla) MOP="--op mla.decode --backend gluon --no-progress -q"  # the gluon step's MLA part, in one call
+           MUT=$(grep -o 'id = "gl-mla-[a-z0-9-]*"' conformance/mutants/gluon.toml | sed 's/id = "\(.*\)"/\1/' | paste -sd,)
+           timeout 200 $PARITY mutants --mutant "$MUT" --jobs 4 --timeout 60 -q --json "$OUT/mutants-gluon-mla-$DEV.json" \
+             || rc=1
+           timeout 60 $PARITY run --suite ci $MOP --jobs "$JOBS" --json "$OUT/ci-gluon-mla-$DEV.jsonl" || rc=1
+           timeout 60 $PARITY sweep --suite ci $MOP --dtype bf16,fp16 --per-op "$PER_OP" ${START:+--start "$START"} \
+             --jobs "$JOBS" --json "$OUT/sweep-gluon-mla-$DEV.jsonl" || rc=1
+           timeout 240 $PARITY run --suite models $MOP --jobs 12 --json "$OUT/models-gluon-mla-$DEV.jsonl" || rc=1 ;;
     mla) python3 benchmarks/gpu_mla.py --out "$OUT/mla-bench-$DEV.json" --tune-budget "${BUDGET_S:-60}" || rc=1 ;;
     layers) for f in norm rope mlp; do python3 benchmarks/gpu_$f.py --out "$OUT/$f-bench-$DEV.json" || rc=1; done ;;
     peers) $PARITY run --suite peers --no-progress -q --jobs "$JOBS" --json "$OUT/peers-$DEV.jsonl" || rc=1 ;;
