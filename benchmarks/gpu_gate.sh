@@ -95,7 +95,7 @@ print(','.join(sorted(n for n, s in ops.all_specs().items() if s.rows is not Non
            timeout 60 $PARITY run --suite ci $MOP --jobs "$JOBS" --json "$OUT/ci-gluon-mla-$DEV.jsonl" || rc=1
            timeout 60 $PARITY sweep --suite ci $MOP --dtype bf16,fp16 --per-op "$PER_OP" ${START:+--start "$START"} \
              --jobs "$JOBS" --json "$OUT/sweep-gluon-mla-$DEV.jsonl" || rc=1
-           timeout 240 $PARITY run --suite models $MOP --jobs 12 --json "$OUT/models-gluon-mla-$DEV.jsonl" || rc=1 ;;
+           timeout 220 $PARITY run --suite models $MOP --jobs 12 --json "$OUT/models-gluon-mla-$DEV.jsonl" || rc=1 ;;
     mla) python3 benchmarks/gpu_mla.py --out "$OUT/mla-bench-$DEV.json" --tune-budget "${BUDGET_S:-60}" || rc=1 ;;
     layers) for f in norm rope mlp; do python3 benchmarks/gpu_$f.py --out "$OUT/$f-bench-$DEV.json" || rc=1; done ;;
     peers) $PARITY run --suite peers --no-progress -q --jobs "$JOBS" --json "$OUT/peers-$DEV.jsonl" || rc=1 ;;
