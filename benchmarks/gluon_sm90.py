@@ -13,12 +13,11 @@ matters: a register move reading an accumulator in flight, or a loop that carrie
 with register operands, makes ptxas serialise every wgmma of the kernel. tests/test_gluon.py runs it on each
 kernel's configs; in development it answers in seconds what a device call answers in minutes (the GPU
 machine's Triton is older: its PTX may differ, not its front end's verdicts).
-Exit 0 when it compiled (whatever ptxas warns), 1 otherwise.
+Exit 0 when it compiled (whatever ptxas warns), 1 when it did not, 2 on bad arguments (one line).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -101,15 +100,13 @@ def compile_prefill(d: int, mode: int, config: list[int]):
         REGS_LOAD=A.REGS[1], WS_LIST=ws_list(), PIPE=int(pipe), num_warps=4, enable_fp_fusion=False, grid=(1,))
 
 
-def compile_mla(causal: int, config: list[int]):
+def compile_mla(causal: int):
     import torch
     from triton.experimental.gluon import language as gl
 
     from kernel_parity.kernels.gluon import mla as G
     from kernel_parity.kernels.gluon.compat import ws_list
 
-    if config:
-        raise SystemExit("gluon_sm90.py mla: the MLA kernel has no config to choose (64-key tiles, two buffers)")
     b, s_q, h_q, page, blocks = 2, 2 if causal else 1, 64, 64, 8
     q2 = torch.empty(b * s_q * h_q, 576, dtype=torch.bfloat16)
     c2 = torch.empty(blocks * page, 576, dtype=torch.bfloat16)
@@ -141,7 +138,10 @@ def ptxas_report(ptx: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_cases import OneLineParser
+
+    ap = OneLineParser(description=__doc__.split("\n")[0])  # a bad argument: one line, exit 2
     ap.add_argument("kernel", choices=("gemm_fp8", "prefill", "mla"))
     ap.add_argument("args", nargs="*", type=int, help="gemm_fp8: config; prefill: D MODE [config]")
     ap.add_argument("--ptx", default=None)
@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.kernel == "prefill" and len(a.args) < 2:
         ap.error("prefill takes D MODE [BLOCK_N STAGES PIPE]")
+    if a.kernel == "mla" and (len(a.args) > 1 or any(x not in (0, 1) for x in a.args)):
+        ap.error(f"mla takes [CAUSAL] (0 or 1), not {' '.join(map(str, a.args))}: the kernel has no config to choose")
     os.environ.pop("TRITON_INTERPRET", None)
     _stand_in_driver()
     try:
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         elif a.kernel == "prefill":
             k = compile_prefill(a.args[0], a.args[1], a.args[2:])
         else:
-            k = compile_mla(a.args[0] if a.args else 0, a.args[1:])
+            k = compile_mla(a.args[0] if a.args else 0)
     except Exception as e:  # noqa: BLE001  (a compile error: its message, exit 1)
         print(f"compile failed: {type(e).__name__}: {e}"[-4000:])
         return 1

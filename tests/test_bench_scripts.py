@@ -97,3 +97,16 @@ def test_norm_bwd_tune_without_a_gpu_says_so():
     assert r.returncode == 2
     (line,) = r.stderr.strip().splitlines()
     assert "needs a CUDA GPU" in line
+
+
+@pytest.mark.parametrize("args,names", [(["mla", "0", "64"], "CAUSAL"), (["mla", "2"], "CAUSAL"),
+                                        (["prefill", "128"], "D MODE"), (["nope"], "invalid choice")],
+                         ids=["mla-config", "mla-causal", "prefill-short", "kernel"])
+def test_gluon_sm90_bad_arguments_are_exit_2_with_one_line(args, names):
+    """benchmarks/gluon_sm90.py (the offline sm_90a compile): bad arguments are exit 2 with one line naming
+    what was expected, before any compiling."""
+    r = _script("gluon_sm90", *args)
+    assert r.returncode == 2, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert "error" in line and names in line, line
+    assert r.stdout == ""
