@@ -12,7 +12,9 @@ hardware's matmul rate measured in the same run.
   (M 1, 3, 33; N 48, 130; K 256 .. 8192) and each config; the compiled kernel's registers and spills.
 - bench: M = N = K = 8192 and DeepSeek-V3 shapes, 1 x 128 x 128 scales: gluon (each config; with and
   without the activation quantizer), triton, torch._scaled_mm blockwise (cuBLASLt), the quantizer alone,
-  and the bf16 matmul rate of this GPU in this run. do_bench medians (L2 flushed by do_bench).
+  and the bf16 matmul rate of this GPU in this run. do_bench medians (L2 flushed by do_bench); `graph`: the
+  first config, _scaled_mm and the quantizer replayed from CUDA graphs (GPU time, no Python launch gaps; L2 not
+  flushed between replays).
 - attn_parity: attention.prefill (gluon) vs the Triton kernel and an fp32 SDPA (math) at multi-tile shapes.
 - attn_bench: causal prefill bf16, 32 / 8 heads, s 4096, d 64 / 128 / 256: gluon, triton, SDPA cuDNN and flash
   (each `do_bench`), TFLOP/s of the causal half, and the run's bf16 matmul rate.
@@ -216,6 +218,23 @@ def section_bench(configs) -> dict:
                 row[key] = {"ms": t, "tflops": tf(t), "with_quant_ms": tq, "with_quant_tflops": tf(tq)}
             except Exception as e:  # noqa: BLE001
                 row[key] = _err(e)
+        try:  # the same calls replayed from a CUDA graph: GPU time without the Python launches between them
+            from triton.testing import do_bench_cudagraph
+
+            def gms(fn):
+                return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
+
+            sa_cm = sa.t().contiguous().t()
+            g = {"scaled_mm_ms": gms(lambda: torch._scaled_mm(qa, w.t(), scale_a=sa_cm, scale_b=sw.t(),
+                                                             out_dtype=torch.bfloat16)),
+                 "quantizer_ms": gms(lambda: T.act_quant_fp8(a, 1, 128)),
+                 "gluon_ms": gms(lambda: G.gemm_fp8_scaled(qa, sa, w, sw, gn=128, config=configs[0])),
+                 "gluon_with_quant_ms": gms(lambda: G.gemm_fp8(a, w, sw, config=configs[0]))}
+            g["x_scaled_mm"] = g["scaled_mm_ms"] / g["gluon_ms"]
+            g["x_scaled_mm_with_quant"] = g["scaled_mm_ms"] / g["gluon_with_quant_ms"]
+            row["graph"] = g
+        except Exception as e:  # noqa: BLE001
+            row["graph"] = _err(e)
         if isinstance(row.get("scaled_mm"), dict):
             for cfg in configs:
                 r = row.get("-".join(map(str, cfg)))
