@@ -161,20 +161,30 @@ def _compiled_info(cfg) -> dict:
 QUANT_VARIANTS = ((8, 1), (8, 4), (8, 8), (4, 8), (16, 4), (2, 16), (1, 32))
 
 
+def _ms(fn) -> float:
+    """do_bench's median in ms (L2 flushed before every call)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _run_header() -> dict:
+    """A section's result: the device and the bf16 8192^3 matmul rate measured now, its ceiling."""
+    import torch
+
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    rate = 2 * 8192 ** 3 / _ms(lambda: x @ x) / 1e9
+    return {"device": torch.cuda.get_device_name(), "matmul_bf16_tflops": rate, "shapes": []}
+
+
 def section_bench(configs) -> dict:
     import torch
-    from triton.testing import do_bench
 
     from kernel_parity.kernels.gluon import gemm_fp8 as G
     from kernel_parity.kernels.triton import gemm_fp8 as T
 
-    def ms(fn):
-        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm = ms(lambda: x @ x)
-    res = {"device": torch.cuda.get_device_name(), "matmul_bf16_tflops": 2 * 8192 ** 3 / mm / 1e9, "shapes": []}
-    del x
+    ms = _ms
+    res = _run_header()
     for (m, n, k) in BENCH_SHAPES:
         a, qa, sa, w, sw, bias = _operands(m, n, k)
         fl = 2 * m * n * k
@@ -334,19 +344,11 @@ def section_attn_parity() -> list[dict]:
 
 
 def section_attn_bench() -> dict:
-    import torch
-    from triton.testing import do_bench
-
     from kernel_parity.kernels.gluon import attention as G
     from kernel_parity.kernels.triton import attention as T
 
-    def ms(fn):
-        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    res = {"device": torch.cuda.get_device_name(), "matmul_bf16_tflops": 2 * 8192 ** 3 / ms(lambda: x @ x) / 1e9,
-           "shapes": []}
-    del x
+    ms = _ms
+    res = _run_header()
     for (b, s, hq, hkv, d) in ATTN_BENCH:
         q, k, v = _attn_inputs(b, s, s, hq, hkv, d)
         fl = 4 * b * hq * s * s * d / 2  # the causal half
@@ -395,18 +397,12 @@ def section_mla() -> dict:
     """kernels/gluon/mla.py against the Triton mla_decode (one split and its own choice),
     parity and TFLOP/s (4 b h_q s_q L (576 + 512) / 2, both dots) beside the bf16 matmul rate of this run."""
     import torch
-    from triton.testing import do_bench
 
     from kernel_parity.kernels.gluon import mla as G
     from kernel_parity.kernels.triton import mla as T
 
-    def ms(fn):
-        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    res = {"device": torch.cuda.get_device_name(), "matmul_bf16_tflops": 2 * 8192 ** 3 / ms(lambda: x @ x) / 1e9,
-           "shapes": []}
-    del x
+    ms = _ms
+    res = _run_header()
     for (b, s_q, h_q, L) in MLA_BENCH:
         row = {"shape": [b, s_q, h_q, L]}
         try:
