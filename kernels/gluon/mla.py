@@ -206,20 +206,28 @@ def _limits(L, s_q, h_q, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _group0(qn_smem, qp_smem, kn_bufs, kp_bufs, stats, q_bar, kv_ready, kv_empty, ready, fin, o_ptr, lse_ptr,
-            seqlens_ptr, rows_per_req, s_q, h_q, qk_scale, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-            stride_ls, CAUSAL: gl.constexpr):
-    """Tiles 0, 2, 4, ...; O_L (value dims 0-255)."""
-    o_row: gl.constexpr = gl.SliceLayout(1, _mma_layout(HALF_V))
+def _group_start(seqlens_ptr, s_q, h_q, q_bar, CAUSAL: gl.constexpr):
+    """A consumer group's start: the request's length, its tiles (seen whole, to visit), the rows' key limits,
+    O's half, the running max and sum; then Q landed."""
     row_s: gl.constexpr = gl.SliceLayout(1, _mma_layout(BN))
-    b = gl.program_id(1)
-    L = gl.load(seqlens_ptr + b)
+    L = gl.load(seqlens_ptr + gl.program_id(1))
     full, n_tiles = _tiles(L, s_q, gl.program_id(0) * 64, h_q, CAUSAL)
     limit = _limits(L, s_q, h_q, CAUSAL)
     acc = gl.zeros([64, HALF_V], gl.float32, _mma_layout(HALF_V))
     m_i = gl.full([64], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([64], gl.float32, row_s)
     mbarrier.wait(q_bar, 0)
+    return L, full, n_tiles, limit, acc, m_i, l_i
+
+
+@gluon.jit
+def _group0(qn_smem, qp_smem, kn_bufs, kp_bufs, stats, q_bar, kv_ready, kv_empty, ready, fin, o_ptr, lse_ptr,
+            seqlens_ptr, rows_per_req, s_q, h_q, qk_scale, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+            stride_ls, CAUSAL: gl.constexpr):
+    """Tiles 0, 2, 4, ...; O_L (value dims 0-255)."""
+    o_row: gl.constexpr = gl.SliceLayout(1, _mma_layout(HALF_V))
+    row_s: gl.constexpr = gl.SliceLayout(1, _mma_layout(BN))
+    L, full, n_tiles, limit, acc, m_i, l_i = _group_start(seqlens_ptr, s_q, h_q, q_bar, CAUSAL)
     for i in range(gl.cdiv(n_tiles, 2)):
         t0 = 2 * i
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(_qk(qn_smem, qp_smem, kn_bufs, kp_bufs, kv_ready, t0), ))
@@ -255,14 +263,7 @@ def _group1(qn_smem, qp_smem, kn_bufs, kp_bufs, stats, q_bar, kv_ready, kv_empty
     """Tiles 1, 3, 5, ...; O_R (value dims 256-511)."""
     o_row: gl.constexpr = gl.SliceLayout(1, _mma_layout(HALF_V))
     row_s: gl.constexpr = gl.SliceLayout(1, _mma_layout(BN))
-    b = gl.program_id(1)
-    L = gl.load(seqlens_ptr + b)
-    full, n_tiles = _tiles(L, s_q, gl.program_id(0) * 64, h_q, CAUSAL)
-    limit = _limits(L, s_q, h_q, CAUSAL)
-    acc = gl.zeros([64, HALF_V], gl.float32, _mma_layout(HALF_V))
-    m_i = gl.full([64], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([64], gl.float32, row_s)
-    mbarrier.wait(q_bar, 0)
+    L, full, n_tiles, limit, acc, m_i, l_i = _group_start(seqlens_ptr, s_q, h_q, q_bar, CAUSAL)
     for i in range(gl.cdiv(n_tiles, 2)):
         t1 = 2 * i + 1
         if t1 < n_tiles:
