@@ -93,10 +93,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--formats", default=None, help=f"GGML formats of the gemv / decode / q8 sweeps{tune_only}")
     p.add_argument("--q8-grid", action="store_true",
                    help=f"q8: sweep a grid of M = 1 configs (the GEMV alone), then time the three fastest{tune_only}")
-    p.add_argument("--q8-stages", default=None,
-                   help="--q8-grid: also the grid's tiles of <= 2 warps at these loop pipeline depths (comma list of "
-                        "1-4; the GEMV's block loop through tl.range(num_stages=): cp.async rounds in flight)"
-                        f"{tune_only}")
     p.add_argument("--q8-m", default=None, help=f"rows of A the q8 section runs, a comma list of 1, 4, 16{tune_only}")
     p.add_argument("--dump", default=None,
                    help=f"write registers, spills and loop opcodes of the compiled kernels here{tune_only}")
@@ -104,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"tiny shapes on the CPU (Triton interpreter: TRITON_INTERPRET=1){tune_only}")
     args = p.parse_args(argv)
     args.tune = args.tune or args.q8_grid or args.smoke_cpu or any(
-        v is not None for v in (args.budget_s, args.sections, args.formats, args.q8_m, args.q8_stages, args.dump))
+        v is not None for v in (args.budget_s, args.sections, args.formats, args.q8_m, args.dump))
     args.budget_s = BUDGET_S if args.budget_s is None else args.budget_s
     args.sections = [s for s in (args.sections or ",".join(SECTIONS)).split(",") if s]
     if not args.sections or not set(args.sections) <= set(SECTIONS):
@@ -119,15 +115,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.q8_m = [0]
     if not set(args.q8_m) <= {1, 4, 16}:
         p.error(f"--q8-m {raw!r}: expected a comma list of 1, 4, 16")
-    raw = args.q8_stages or ""
-    try:
-        args.q8_stages = sorted({int(x) for x in raw.split(",") if x}) or [1]
-    except ValueError:
-        args.q8_stages = [0]
-    if not set(args.q8_stages) <= {1, 2, 3, 4}:
-        p.error(f"--q8-stages {raw!r}: expected a comma list of 1, 2, 3, 4")
-    if raw:
-        args.q8_grid = True
     from kernel_parity.reports.files import check_output_or_exit
 
     check_output_or_exit(p.prog, "--out", args.out)  # before any GPU work: an unwritable path is exit 2

@@ -316,8 +316,7 @@ def q8_grid_sweep(ctx, fmt: str, n: int, k: int, w, rot) -> None:
     quantized = (Q.quantize_q8_k if fmt == "q4_k" else Q.quantize_q8_0)(a)
     outs = [torch.empty((1, n), dtype=a.dtype, device=ctx.dev) for _ in rot]
     timed = []
-    grid = q8_grid(fmt, ctx.q8_stages)
-    for cfg in grid if ctx.cuda else grid[:2]:  # the interpreter (--smoke-cpu): two
+    for cfg in q8_grid(fmt) if ctx.cuda else q8_grid(fmt)[:2]:  # the interpreter (--smoke-cpu): two
         if ctx.over_budget():
             break
 
@@ -336,12 +335,9 @@ def q8_grid_sweep(ctx, fmt: str, n: int, k: int, w, rot) -> None:
     ctx.q8_best[fmt] = [cfg for _, cfg in sorted(timed)[:3]]
 
 
-def q8_grid(fmt: str, stages: list[int] | tuple[int, ...] = (1,)) -> list[tuple[int, ...]]:
+def q8_grid(fmt: str) -> list[tuple[int, ...]]:
     """The M = 1 configs of --q8-grid: (1, BLOCK_N, NB, num_warps, 1) with every thread on 1, 2 or 4 chunks
-    (Q4_K: 64 weights) or block pairs (Q8_0: 64 weights) an iteration, BLOCK_N <= 16, NB <= 16 (Q4_K) / 64;
-    with stages (--q8-stages) past 1, also each tile of <= 2 warps at those pipeline depths (the GEMV's block
-    loop software-pipelined by Triton: the next rounds' loads in flight through cp.async), after the depth-1
-    grid if 1 is among them."""
+    (Q4_K: 64 weights) or block pairs (Q8_0: 64 weights) an iteration, BLOCK_N <= 16, NB <= 16 (Q4_K) / 64."""
     per = 4 if fmt == "q4_k" else 1  # chunks (Q4_K) or pairs (Q8_0) of one NB step of one row
     nb_max = 16 if fmt == "q4_k" else 64
     out = []
@@ -350,8 +346,7 @@ def q8_grid(fmt: str, stages: list[int] | tuple[int, ...] = (1,)) -> list[tuple[
             for nb in (1, 2, 4, 8, 16, 32, 64):
                 if nb <= nb_max and block_n * nb * per in (32 * warps, 64 * warps, 128 * warps):
                     out.append((1, block_n, nb, warps, 1))
-    deeper = [(*c[:4], s) for c in out if c[3] <= 2 for s in stages if s > 1]
-    return (out if 1 in stages else []) + deeper
+    return out
 
 
 def _read_kernel_jit():
@@ -788,8 +783,7 @@ def tune(args: argparse.Namespace) -> int:
               gemv_shapes=list(GEMV_SHAPES) if cuda else [(40, 512)],
               prefill_shapes=list(PREFILL_SHAPES) if cuda else [(40, 512)],
               prefill_m=PREFILL_M if cuda else 33, fp8_size=FP8_SIZE if cuda else 256,
-              formats=args.formats, q8_grid=args.q8_grid, q8_best={}, q8_m=args.q8_m,
-              q8_stages=args.q8_stages)
+              formats=args.formats, q8_grid=args.q8_grid, q8_best={}, q8_m=args.q8_m)
     sections = {"gemv": gemv, "q8": q8, "prefill": prefill, "fp8": fp8, "int4": int4}
     with _golden_cache():
         for name in args.sections:  # in the order given

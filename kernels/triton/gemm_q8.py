@@ -232,7 +232,7 @@ def _q8_0_q8_pair(acc, Q_row, D_row, Wp, p, ok_a, ok_b, U16: tl.constexpr, ASM: 
 def _gemv_q8_0_q8_kernel(
     Q_ptr, D_ptr, W_ptr, Bias_ptr, C_ptr, M, N, n_blocks, stride_wn, stride_cm, stride_cn,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, U16: tl.constexpr,
-    ASM: tl.constexpr, STAGES: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -247,7 +247,7 @@ def _gemv_q8_0_q8_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N, NB], dtype=tl.float32)
     n_pairs = (n_blocks + 1) // 2
     p_full = n_blocks // 2 // NB * NB  # whole pairs of the unmasked loop
-    for p0 in tl.range(0, p_full, NB, num_stages=STAGES):
+    for p0 in range(0, p_full, NB):
         p = p0 + pz
         acc = _q8_0_q8_pair(acc, Q_row, D_row, W_row + 68 * p, p, p < n_pairs, 2 * p + 1 < n_blocks, U16, ASM, False)
     if p_full < n_pairs:
@@ -303,7 +303,6 @@ def _q4_k_q8_tile(acc, Q_row, S_row, D_row, Wb, blk, c, mask, ASM: tl.constexpr,
 def _gemv_q4_k_q8_kernel(
     Q_ptr, D_ptr, S_ptr, W_ptr, Bias_ptr, C_ptr, M, N, n_blocks, stride_wn, stride_cm, stride_cn,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -320,7 +319,7 @@ def _gemv_q4_k_q8_kernel(
     W_row = W_ptr + n4 * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N, NB, 4], dtype=tl.float32)
     b_full = n_blocks // NB * NB
-    for b0 in tl.range(0, b_full, NB, num_stages=STAGES):
+    for b0 in range(0, b_full, NB):
         blk = b0 + nb4
         acc = _q4_k_q8_tile(acc, Q_row, S_row, D_row, W_row + blk * 144, blk, c4, blk < n_blocks, ASM, False)
     if b_full < n_blocks:
@@ -392,7 +391,7 @@ def launch_gemv(fmt: str, quantized: tuple, w: torch.Tensor, bias, out: torch.Te
         nb = q.shape[1] // 256
         _gemv_q4_k_q8_kernel[grid](
             q, d, s, w, bias_arg, out, M, N, nb, w.stride(0), *out.stride(),
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, NB=NB, ASM=asm, STAGES=num_stages,
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, NB=NB, ASM=asm,
             num_warps=num_warps, num_stages=num_stages)
     else:  # 32-bit words need 4-aligned rows and whole pairs, else 16-bit halves (U16)
         q, d = quantized
@@ -400,5 +399,5 @@ def launch_gemv(fmt: str, quantized: tuple, w: torch.Tensor, bias, out: torch.Te
         u16 = w.data_ptr() % 4 != 0 or w.stride(0) % 4 != 0 or nb % 2 != 0
         _gemv_q8_0_q8_kernel[grid](
             q, d, w, bias_arg, out, M, N, nb, w.stride(0), *out.stride(),
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, NB=NB, U16=u16, ASM=asm, STAGES=num_stages,
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, NB=NB, U16=u16, ASM=asm,
             num_warps=num_warps, num_stages=num_stages)
