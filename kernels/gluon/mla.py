@@ -105,11 +105,14 @@ def _producer(qn_desc, qp_desc, kn_desc, kp_desc, qn_smem, qp_smem, kn_bufs, kp_
     _tma_load(qp_desc, [row0, D_V], q_bar, qp_smem)
     L = gl.load(seqlens_ptr + b)
     _full, n_tiles = _tiles(L, s_q, m0, h_q, CAUSAL)
+    tb_row = table_ptr + b.to(gl.int64) * stride_tb
+    blk_next = gl.load(tb_row)  # tile 0's page; each tile's page is read one tile ahead, under the wait below
     for t in range(n_tiles):
         s = t % 2  # tile t lives in buffer t % 2: its owner is group t % 2
-        mbarrier.wait(kv_empty.index(s), ((t // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
         key = t * BN
-        blk = gl.load(table_ptr + b.to(gl.int64) * stride_tb + key // page)
+        blk = blk_next
+        blk_next = gl.load(tb_row + gl.minimum(key + BN, (n_tiles - 1) * BN) // page)
+        mbarrier.wait(kv_empty.index(s), ((t // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
         r = blk * page + key % page
         bar = kv_ready.index(s)
         mbarrier.expect(bar, 2 * kn_desc.block_type.nbytes + kp_desc.block_type.nbytes)
