@@ -3,6 +3,7 @@
     python benchmarks/gluon_sm90.py gemm_fp8 [BLOCK_N STAGES GROUP_M REGS_MMA REGS_LOAD SKEW]
     python benchmarks/gluon_sm90.py prefill D MODE [BLOCK_N STAGES PIPE]      (MODE 0 none, 1 bottom-right, 2 top-left)
     python benchmarks/gluon_sm90.py mla [CAUSAL]                               (kernels/gluon/mla.py)
+    python benchmarks/gluon_sm90.py gemv [WARPS KB STAGES]                     (kernels/gluon/gemv.py)
     options: --ptx PATH (keep the PTX), --ttgir PATH
 
 Triton's compiler runs whole (Gluon front end, TTGIR passes, LLVM, PTX) behind a stand-in driver that answers
@@ -122,6 +123,23 @@ def compile_mla(causal: int):
         enable_fp_fusion=False, grid=(1,))
 
 
+def compile_gemv(config: list[int]):
+    import torch
+
+    from kernel_parity.kernels.gluon import gemv as G
+
+    warps, kb, stages, _ = list(config) + list(G.GEMV_CONFIG)[len(config):]
+    N, nb = 512, 16
+    w = torch.empty(N, nb * 144, dtype=torch.uint8)
+    codes_desc, hdr_desc = G.descriptors(w, 8 * warps, kb)
+    q = torch.empty(nb * 64, dtype=torch.int32)
+    d = torch.empty(nb)
+    s = torch.empty(nb * 8, dtype=torch.int32)
+    out = torch.empty(1, N, dtype=torch.bfloat16)
+    return G._gemv_q4_k_tma_kernel.warmup(codes_desc, hdr_desc, q, d, s, d, out, N, nb, 1, HAS_BIAS=True,
+                                          WARPS=warps, KB=kb, STAGES=stages, num_warps=warps, grid=(1,))
+
+
 def ptxas_report(ptx: str) -> str:
     import triton
 
@@ -142,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench_cases import OneLineParser
 
     ap = OneLineParser(description=__doc__.split("\n")[0])  # a bad argument: one line, exit 2
-    ap.add_argument("kernel", choices=("gemm_fp8", "prefill", "mla"))
+    ap.add_argument("kernel", choices=("gemm_fp8", "prefill", "mla", "gemv"))
     ap.add_argument("args", nargs="*", type=int, help="gemm_fp8: config; prefill: D MODE [config]")
     ap.add_argument("--ptx", default=None)
     ap.add_argument("--ttgir", default=None)
@@ -158,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             k = compile_gemm_fp8(a.args)
         elif a.kernel == "prefill":
             k = compile_prefill(a.args[0], a.args[1], a.args[2:])
+        elif a.kernel == "gemv":
+            k = compile_gemv(a.args)
         else:
             k = compile_mla(a.args[0] if a.args else 0)
     except Exception as e:  # noqa: BLE001  (a compile error: its message, exit 1)

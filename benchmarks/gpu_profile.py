@@ -70,6 +70,9 @@ def _q8(fmt: str, m: int, n: int = 14336, k: int = 4096, kernel: str = "default"
     w = ggml_random(c, fmt, n, k)
     quantized = (Q.quantize_q8_k if fmt == "q4_k" else Q.quantize_q8_0)(a)
     out = c.torch.empty((m, n), dtype=a.dtype, device=c.dev)
+    if kernel == "gluon":  # kernels/gluon/gemv.py at its default config, quantizer included
+        from kernel_parity.kernels.gluon import gemv as GV
+        return lambda: GV.gemv_q4_k(a, w, out=out)
     if kernel == "gemv":  # the dp4a GEMV whatever M is
         return lambda: Q.launch_gemv(fmt, quantized, w, None, out, Q.default_config(fmt, min(m, 8), n))
     if kernel == "prefetch":  # MMQ at its default tile with PREFETCH
@@ -195,6 +198,8 @@ TARGETS = {  # name: (issue 19's row, what, builder)
     "gluon-attn-d128": ("causal prefill", "gluon prefill b16 s4096 32/8 d128 causal",
                         lambda: _attention("gluon", 16, 4096, 128)),
     "gluon-mla-h128": ("MLA h_q=128", "gluon mla_decode b128 s_q1 h_q128 L4096", lambda: _mla(1, 128, gluon=True)),
+    "gluon-gemv-q4k": ("GEMV M=1", "gluon gemv_q4_k 14336x4096 (quantizer + TMA-fed GEMV, default config)",
+                       lambda: _q8("q4_k", 1, kernel="gluon")),
 }
 
 

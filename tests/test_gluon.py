@@ -44,7 +44,9 @@ def test_registered_and_unavailable_reason():
     ("fp8", "fp16", 33, 130, 512, None),
     ("fp8", "fp32", 3, 48, 256, "bf16/fp16 output"),
     ("fp8_row", "bf16", 3, 48, 256, "no path"),
-    ("q4_k", "bf16", 3, 48, 256, "no path"),
+    ("q4_k", "bf16", 3, 48, 256, "GEMV (M = 1)"),
+    ("q4_k", "bf16", 1, 48, 256, None),
+    ("q8_0", "bf16", 1, 48, 256, "no path"),
 ])
 def test_gemm_supports(wfmt, dtype, m, n, k, expect):
     case = SimpleNamespace(op="gemm.gemm_nt", dtype=dtype, p={"m": m, "n": n, "k": k, "wfmt": wfmt, "bias": 0})
@@ -194,3 +196,51 @@ def test_mla_decode_on_gpu_matches_triton_kernel(s_q, h_q, causal):
     fin = torch.isfinite(lset)
     assert (lse[fin] - lset[fin]).abs().max().item() < 1e-3
     assert (o.float() - ot.float()).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("config", [[], [2, 2, 8]])
+def test_gemv_compiles_for_hopper(tmp_path, config):
+    """kernels/gluon/gemv.py through the whole compiler for sm_90a: no spills, the ring within one CTA's share of
+    shared memory at two CTAs a multiprocessor (default: 4 stages x 4 blocks x 32 rows x 144 bytes = 72 KB)."""
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1")
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gluon_sm90.py"), "gemv", *map(str, config)],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    out = r.stdout + r.stderr
+    if "Unsupported .version" in out:
+        pytest.skip("this Triton's ptxas is older than its PTX")
+    assert r.returncode == 0, out[-3000:]
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", out)]
+    assert spills and max(spills) == 0, out[-2000:]
+    shared = int(out.split("SHARED", 1)[1].split()[0])
+    assert shared <= 113 * 1024, shared
+
+
+@pytest.mark.skipif(not _gpu_hopper(), reason=str(gluon_backend.unavailable()))
+@pytest.mark.parametrize("config", [None, (2, 2, 8, 4), (8, 1, 3, 1)])
+def test_gemv_q4_k_on_gpu_matches_triton_q8(config):
+    """The same Q8_K activations and Q4_K weights: the gluon GEMV and triton-q8's sum the same integers, so the
+    outputs differ by fp32 summation order only (bf16 output: within one rounding of it). Shapes: rows past a
+    tile, one block, a K tail of single blocks, many row tiles a CTA."""
+    import torch
+
+    from kernel_parity.kernels.gluon import gemv as G
+    from kernel_parity.kernels.triton import gemm_q8 as Q
+
+    for n, k in ((33, 256), (70, 9216), (17000, 512), (4096, 14336)):
+        g = torch.Generator(device="cuda").manual_seed(n + k)
+        w = torch.randint(0, 256, (n, k // 256, 144), dtype=torch.uint8, device="cuda", generator=g)
+        for off in (0, 2):
+            d = (torch.rand((n, k // 256), device="cuda", generator=g) * 2 - 1) * 2e-3
+            w[..., off:off + 2] = d.half().view(torch.uint8).view(n, k // 256, 2)
+        w = w.view(n, -1)
+        a = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        bias = torch.randn(n, device="cuda", generator=g)
+        ours = G.gemv_q4_k(a, w, bias, config=config)
+        ref = Q.gemm_nt_q8(a, "q4_k", w, bias)
+        tol = 2 * ref.float().abs().max().item() * 2 ** -8
+        assert (ours.float() - ref.float()).abs().max().item() <= tol, (n, k, config)

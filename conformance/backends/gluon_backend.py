@@ -10,6 +10,9 @@ Ops:
 - gemm.gemm_nt, FP8 1 x 128 x 128 (`fp8`; gn a multiple of 128): kernels/gluon/gemm_fp8.py, a
   persistent warp-specialised kernel (claims `emulated`); the activations quantized by the Triton
   quantizer, as the `triton` backend does.
+- gemm.gemm_nt, Q4_K weights at M = 1: kernels/gluon/gemv.py, the GEMV with the weights streamed by bulk
+  tensor copies into a ring of shared-memory stages; triton-q8's arithmetic (the activation quantized to Q8_K
+  by the Triton quantizer, integer dots): it claims `emulated`, as triton-q8 does.
 - attention.prefill, causal (bottom-right, top-left) or none, GQA, d = d_v in 32 / 64 / 128 / 256, bf16 /
   fp16, no window, softcap or sink: kernels/gluon/attention.py (FlashAttention-3's producer / two consumer
   warp groups), the op's own reference, as the `triton` kernel.
@@ -64,8 +67,11 @@ def _gemm_supports(case: Any) -> str | None:
     from kernel_parity.conformance.ops.gemm import granularity
 
     p = case.p
+    if p["wfmt"] == "q4_k":
+        return None if p["m"] == 1 else f"the gluon Q4_K kernel is the GEMV (M = 1), not m={p['m']}"
     if p["wfmt"] != "fp8":
-        return f"the gluon GEMM is the FP8 1 x 128 x 128 block-scaled kernel; {p['wfmt']} weights have no path"
+        return f"the gluon GEMMs are the FP8 1 x 128 x 128 block-scaled kernel and the Q4_K GEMV; {p['wfmt']} " \
+               f"weights have no path"
     g = granularity(p)
     if case.dtype == "fp32":
         return "the FP8 GEMM accumulates on fp8 tensor cores: it claims a bf16/fp16 output, not fp32"
@@ -83,6 +89,11 @@ def _gemm(case: Any, inputs: dict, out: Any) -> dict:
 
     c = out.torch("c", "cuda")
     bias = to_torch(inputs["bias"], "cuda") if "bias" in inputs else None
+    if case.p["wfmt"] == "q4_k":
+        from kernel_parity.kernels.gluon import gemv
+
+        gemv.gemv_q4_k(to_torch(inputs["a"], "cuda"), to_torch(inputs["w"], "cuda"), bias, out=c)
+        return {"c": c}
     gemm_fp8.gemm_fp8(to_torch(inputs["a"], "cuda"), to_torch(inputs["w"], "cuda"),
                       to_torch(inputs["w_scale"], "cuda"), bias, out=c, gn=granularity(case.p)["gn"])
     return {"c": c}
