@@ -244,3 +244,21 @@ def test_gemv_q4_k_on_gpu_matches_triton_q8(config):
         ref = Q.gemm_nt_q8(a, "q4_k", w, bias)
         tol = 2 * ref.float().abs().max().item() * 2 ** -8
         assert (ours.float() - ref.float()).abs().max().item() <= tol, (n, k, config)
+
+
+def test_gemv_q4_k_rejects_what_it_cannot_run():
+    """Arguments are checked before anything is launched (a CPU machine says the same): M > 1, non-contiguous
+    weights, a K that is not whole 256-blocks, and a weight row that is not K / 256 x 144 bytes."""
+    import torch
+
+    from kernel_parity.kernels.gluon import gemv as G
+
+    w = torch.zeros(8, 2 * 144, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="M=2"):
+        G.gemv_q4_k(torch.zeros(2, 512), w)
+    with pytest.raises(ValueError, match="contiguous"):
+        G.gemv_q4_k(torch.zeros(1, 512), torch.zeros(8, 400, dtype=torch.uint8)[:, :288])  # rows 400 bytes apart
+    with pytest.raises(ValueError, match="multiple of 256"):
+        G.gemv_q4_k(torch.zeros(1, 500), w)
+    with pytest.raises(ValueError, match=r"\(8, 288\)"):
+        G.gemv_q4_k(torch.zeros(1, 512), torch.zeros(8, 300, dtype=torch.uint8))
