@@ -132,9 +132,9 @@ def _gemv_q4_k_tma_kernel(codes_desc, hdr_desc, q_ptr, d_ptr, s_ptr, bias_ptr, o
         mbarrier.wait(ready.index(st), (i // STAGES) & 1)
         kb0 = (i % ksteps) * KB
         w = codes.index(st).load(LC).reshape([BN, KB, 4, 8])
-        h01, h23 = gl.split(hdrs.index(st).load(LH).reshape([BN, KB, 2, 2]))  # words (0, 2), (1, 3)
-        dd, s1 = gl.split(h01)
-        s0, s2 = gl.split(h23)
+        h02, h13 = gl.split(hdrs.index(st).load(LH).reshape([BN, KB, 2, 2]))  # words (0, 2) and (1, 3)
+        dd, s1 = gl.split(h02)  # word 0: d | dmin << 16; word 2: scales 4-7
+        s0, s2 = gl.split(h13)  # words 1 and 3: scales 0-3, 8-11
         dd = gl.convert_layout(dd, LB)[:, :, None]
         s0 = gl.convert_layout(s0, LB)[:, :, None]
         s1 = gl.convert_layout(s1, LB)[:, :, None]
