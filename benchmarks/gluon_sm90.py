@@ -3,7 +3,7 @@
     python benchmarks/gluon_sm90.py gemm_fp8 [BLOCK_N STAGES GROUP_M REGS_MMA REGS_LOAD SKEW]
     python benchmarks/gluon_sm90.py prefill D MODE [BLOCK_N STAGES PIPE]      (MODE 0 none, 1 bottom-right, 2 top-left)
     python benchmarks/gluon_sm90.py mla [CAUSAL]                               (kernels/gluon/mla.py)
-    python benchmarks/gluon_sm90.py gemv [WARPS KB STAGES]                     (kernels/gluon/gemv.py)
+    python benchmarks/gluon_sm90.py gemv [WARPS KB STAGES CTAS SPLITS]         (kernels/gluon/gemv.py)
     options: --ptx PATH (keep the PTX), --ttgir PATH
 
 Triton's compiler runs whole (Gluon front end, TTGIR passes, LLVM, PTX) behind a stand-in driver that answers
@@ -128,7 +128,8 @@ def compile_gemv(config: list[int]):
 
     from kernel_parity.kernels.gluon import gemv as G
 
-    warps, kb, stages, _ = list(config) + list(G.GEMV_CONFIG)[len(config):]
+    warps, kb, stages, _, *rest = list(config) + list(G.GEMV_CONFIG)[len(config):]
+    splits = rest[0] if rest else 1
     N, nb = 512, 16
     w = torch.empty(N, nb * 144, dtype=torch.uint8)
     codes_desc, hdr_desc = G.descriptors(w, 8 * warps, kb)
@@ -136,8 +137,11 @@ def compile_gemv(config: list[int]):
     d = torch.empty(nb)
     s = torch.empty(nb * 8, dtype=torch.int32)
     out = torch.empty(1, N, dtype=torch.bfloat16)
-    return G._gemv_q4_k_tma_kernel.warmup(codes_desc, hdr_desc, q, d, s, d, out, N, nb, 1, HAS_BIAS=True,
-                                          WARPS=warps, KB=kb, STAGES=stages, num_warps=warps, grid=(1,))
+    ws = torch.empty(splits, N)
+    cnt = torch.zeros(N, dtype=torch.int32)
+    return G._gemv_q4_k_tma_kernel.warmup(codes_desc, hdr_desc, q, d, s, d, out, ws, cnt, N, nb, 1, HAS_BIAS=True,
+                                          WARPS=warps, KB=kb, STAGES=stages, SPLITS=splits, num_warps=warps,
+                                          grid=(1,))
 
 
 def ptxas_report(ptx: str) -> str:

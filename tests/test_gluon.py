@@ -221,7 +221,7 @@ def test_gemv_compiles_for_hopper(tmp_path, config):
 
 
 @pytest.mark.skipif(not _gpu_hopper(), reason=str(gluon_backend.unavailable()))
-@pytest.mark.parametrize("config", [None, (2, 2, 8, 4), (8, 1, 3, 1)])
+@pytest.mark.parametrize("config", [None, (2, 2, 8, 4), (8, 1, 3, 1), (4, 4, 2, 6, 1), (4, 1, 3, 4, 2)])
 def test_gemv_q4_k_on_gpu_matches_triton_q8(config):
     """The same Q8_K activations and Q4_K weights: the gluon GEMV and triton-q8's sum the same integers, so the
     outputs differ by fp32 summation order only (bf16 output: within one rounding of it). Shapes: rows past a
@@ -240,10 +240,27 @@ def test_gemv_q4_k_on_gpu_matches_triton_q8(config):
         w = w.view(n, -1)
         a = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
         bias = torch.randn(n, device="cuda", generator=g)
+        if config and len(config) > 4 and (k // 256 // config[1]) % config[4]:
+            continue  # that many splits do not divide this K
         ours = G.gemv_q4_k(a, w, bias, config=config)
+        again = G.gemv_q4_k(a, w, bias, config=config)
+        assert torch.equal(ours, again), (n, k, config)  # deterministic, counters back at 0
         ref = Q.gemm_nt_q8(a, "q4_k", w, bias)
         tol = 2 * ref.float().abs().max().item() * 2 ** -8
         assert (ours.float() - ref.float()).abs().max().item() <= tol, (n, k, config)
+
+
+def test_gemv_auto_splits():
+    """K splits only when the row tiles do not fill the resident CTAs: the smallest divisor of the K steps that
+    fills them, at most MAX_SPLITS (else the largest divisor below it)."""
+    from kernel_parity.kernels.gluon.gemv import MAX_SPLITS, auto_splits
+
+    assert auto_splits(448, 4, 792) == 2  # 14336 x 4096 at (4, 4, 2, 6) on 132 SMs: 448 tiles for 792 slots
+    assert auto_splits(900, 4, 792) == 1
+    assert auto_splits(128, 14, 792) == 7  # 4096 x 14336: 128 tiles of 14 K steps
+    assert auto_splits(3, 9, 792) == 3  # a few rows: the largest divisor of 9 up to 8
+    assert auto_splits(3, 1, 792) == 1
+    assert auto_splits(1, 64, 792) == MAX_SPLITS
 
 
 def test_gemv_q4_k_rejects_what_it_cannot_run():

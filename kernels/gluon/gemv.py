@@ -69,13 +69,14 @@ def _split8(x):
 
 
 @gluon.jit
-def _issue(codes_desc, hdr_desc, codes, hdrs, ready, j, pid, G, ksteps, BN: gl.constexpr, KB: gl.constexpr,
-           STAGES: gl.constexpr):
-    """The two bulk copies of pipeline slot j (this CTA's row tile j // ksteps, K step j % ksteps): BN rows x KB
-    blocks of codes (32 words a block, from word 4) and of headers (words 0-3)."""
+def _issue(codes_desc, hdr_desc, codes, hdrs, ready, j, pid, G, kps, BN: gl.constexpr, KB: gl.constexpr,
+           STAGES: gl.constexpr, SPLITS: gl.constexpr):
+    """The two bulk copies of pipeline slot j (this CTA's work item j // kps = (row tile, K split), its K step
+    j % kps): BN rows x KB blocks of codes (32 words a block, from word 4) and of headers (words 0-3)."""
     s = j % STAGES
-    r0 = (pid + (j // ksteps) * G) * BN
-    kb0 = (j % ksteps) * KB
+    item = pid + (j // kps) * G
+    r0 = (item // SPLITS) * BN
+    kb0 = ((item % SPLITS) * kps + j % kps) * KB
     bar = ready.index(s)
     mbarrier.expect(bar, codes_desc.block_type.nbytes + hdr_desc.block_type.nbytes)
     _tma_load(codes_desc, [r0, kb0, 4], bar, codes.index(s))
@@ -83,8 +84,9 @@ def _issue(codes_desc, hdr_desc, codes, hdrs, ready, j, pid, G, ksteps, BN: gl.c
 
 
 @gluon.jit
-def _gemv_q4_k_tma_kernel(codes_desc, hdr_desc, q_ptr, d_ptr, s_ptr, bias_ptr, out_ptr, N, n_blocks, stride_cn,
-                          HAS_BIAS: gl.constexpr, WARPS: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr):
+def _gemv_q4_k_tma_kernel(codes_desc, hdr_desc, q_ptr, d_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, N, n_blocks,
+                          stride_cn, HAS_BIAS: gl.constexpr, WARPS: gl.constexpr, KB: gl.constexpr,
+                          STAGES: gl.constexpr, SPLITS: gl.constexpr):
     BN: gl.constexpr = 8 * WARPS
     # [rows, blocks, chunks, words]: a thread holds the 8 code words of one chunk of one row in each of the KB
     # blocks of a K step; its row's 4 header words of each block (replicated over the row's 4 chunk threads)
@@ -98,9 +100,9 @@ def _gemv_q4_k_tma_kernel(codes_desc, hdr_desc, q_ptr, d_ptr, s_ptr, bias_ptr, o
 
     pid = gl.program_id(0)
     G = gl.num_programs(0)
-    n_tiles = gl.cdiv(N, BN)
-    ksteps = n_blocks // KB
-    total = ((n_tiles - pid + G - 1) // G) * ksteps
+    n_items = gl.cdiv(N, BN) * SPLITS  # (row tile, K split) pairs; SPLITS divides the K steps
+    kps = n_blocks // KB // SPLITS  # K steps a work item
+    total = ((n_items - pid + G - 1) // G) * kps
 
     codes = gl.allocate_shared_memory(gl.int32, [STAGES, BN, KB, 32], codes_desc.layout)
     hdrs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, KB, 4], hdr_desc.layout)
@@ -109,7 +111,7 @@ def _gemv_q4_k_tma_kernel(codes_desc, hdr_desc, q_ptr, d_ptr, s_ptr, bias_ptr, o
         mbarrier.init(ready.index(k), count=1)
     for p in gl.static_range(STAGES - 1):
         if p < total:
-            _issue(codes_desc, hdr_desc, codes, hdrs, ready, p, pid, G, ksteps, BN, KB, STAGES)
+            _issue(codes_desc, hdr_desc, codes, hdrs, ready, p, pid, G, kps, BN, KB, STAGES, SPLITS)
 
     LA: gl.constexpr = gl.SliceLayout(0, L4)  # [blocks, chunks, words]
     b_a = gl.arange(0, KB, layout=gl.SliceLayout(1, gl.SliceLayout(2, LA)))[:, None, None]
@@ -127,10 +129,11 @@ def _gemv_q4_k_tma_kernel(codes_desc, hdr_desc, q_ptr, d_ptr, s_ptr, bias_ptr, o
     for i in range(total):
         j = i + STAGES - 1
         if j < total:  # into the stage read at i - 1: every thread passed the barrier at its end
-            _issue(codes_desc, hdr_desc, codes, hdrs, ready, j, pid, G, ksteps, BN, KB, STAGES)
+            _issue(codes_desc, hdr_desc, codes, hdrs, ready, j, pid, G, kps, BN, KB, STAGES, SPLITS)
         st = i % STAGES
         mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-        kb0 = (i % ksteps) * KB
+        item = pid + (i // kps) * G
+        kb0 = ((item % SPLITS) * kps + i % kps) * KB
         w = codes.index(st).load(LC).reshape([BN, KB, 4, 8])
         h02, h13 = gl.split(hdrs.index(st).load(LH).reshape([BN, KB, 2, 2]))  # words (0, 2) and (1, 3)
         dd, s1 = gl.split(h02)  # word 0: d | dmin << 16; word 2: scales 4-7
@@ -164,12 +167,25 @@ def _gemv_q4_k_tma_kernel(codes_desc, hdr_desc, q_ptr, d_ptr, s_ptr, bias_ptr, o
         d = (dd & 0xFFFF).to(gl.uint16).to(gl.float16, bitcast=True).to(gl.float32)
         dmin = ((dd >> 16) & 0xFFFF).to(gl.uint16).to(gl.float16, bitcast=True).to(gl.float32)
         acc += gl.sum((d * da) * isum.to(gl.float32) - (dmin * da) * msum.to(gl.float32), axis=1)
-        if i % ksteps == ksteps - 1:
-            rows = (pid + (i // ksteps) * G) * BN + rows_r
+        if i % kps == kps - 1:
+            tile = item // SPLITS
+            rows = tile * BN + rows_r
             res = gl.sum(acc, axis=1)
-            if HAS_BIAS:
-                res += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
-            gl.store(out_ptr + rows * stride_cn, res.to(out_ptr.dtype.element_ty), mask=rows < N)
+            if SPLITS == 1:
+                if HAS_BIAS:
+                    res += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+                gl.store(out_ptr + rows * stride_cn, res.to(out_ptr.dtype.element_ty), mask=rows < N)
+            else:  # the partial to the workspace; the tile's last split to arrive sums all in split order
+                gl.store(ws_ptr + (item % SPLITS) * N + rows, res, mask=rows < N)
+                _barrier()  # every thread's partial before the release below
+                if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                    tot = gl.zeros([BN], gl.float32, LR)
+                    for sp in gl.static_range(SPLITS):  # a fixed order: the sum does not depend on who came last
+                        tot += gl.load(ws_ptr + sp * N + rows, mask=rows < N, other=0.0, cache_modifier=".cg")
+                    if HAS_BIAS:
+                        tot += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+                    gl.store(out_ptr + rows * stride_cn, tot.to(out_ptr.dtype.element_ty), mask=rows < N)
+                    gl.store(cnt_ptr + tile, 0)  # the counter back to zero for the next call
             acc = gl.zeros([BN, 4], gl.float32, LQ)
         _barrier()
     for k in gl.static_range(STAGES):
@@ -191,12 +207,34 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+MAX_SPLITS = 8
+_COUNTERS: dict = {}
+
+
+def _counters(device, n: int) -> torch.Tensor:
+    """n int32 zeros on device: the split-K arrival counters, kept between calls (each tile's last split puts its
+    counter back to 0). One set per device: two split calls in flight at once on different streams would share it."""
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < n:
+        c = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return c
+
+
+def auto_splits(n_tiles: int, ksteps: int, slots: int) -> int:
+    """K splits for n_tiles row tiles of ksteps K steps on `slots` resident CTAs: 1 when the tiles fill them, else
+    the smallest divisor of ksteps (<= MAX_SPLITS) that does, or the largest one below MAX_SPLITS."""
+    if n_tiles >= slots:
+        return 1
+    divisors = [s for s in range(1, min(ksteps, MAX_SPLITS) + 1) if ksteps % s == 0]
+    return next((s for s in divisors if n_tiles * s >= slots), divisors[-1])
+
+
 def gemv_q4_k(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-              *, config: tuple[int, int, int, int] | None = None, quantized: tuple | None = None) -> torch.Tensor:
+              *, config: tuple[int, ...] | None = None, quantized: tuple | None = None) -> torch.Tensor:
     """out = a @ W^T (+ bias) for one row of a (M = 1) over Q4_K weights w (N, K / 256 x 144) uint8, in
     triton-q8's arithmetic (module docstring). quantized: quantize_q8_k(a) already made (benchmarks time
-    the GEMV alone); config: (WARPS, KB, STAGES, CTAS_PER_SM), tuning only (KB is lowered to a power of
-    two dividing K / 256)."""
+    the GEMV alone); config: (WARPS, KB, STAGES, CTAS_PER_SM[, SPLITS]), tuning only (KB is lowered to a power
+    of two dividing K / 256; SPLITS, K splits of each row tile, auto_splits by default, must divide its K steps)."""
     N, K, nb = check_weights("gluon gemv_q4_k", a, w, 256, 144, 16)
     M, out = _check_common(a, N, K, bias, out, "gluon gemv_q4_k")
     if M != 1:
@@ -207,16 +245,23 @@ def gemv_q4_k(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
         return out
     if nb == 0:
         return out.copy_(bias.to(out.dtype).view(1, N) if bias is not None else torch.zeros_like(out))
-    warps, kb, stages, per_sm = config or GEMV_CONFIG
+    warps, kb, stages, per_sm, *rest = config or GEMV_CONFIG
     while nb % kb:
         kb //= 2
     q, d, s = quantized if quantized is not None else quantize_q8_k(a)
     bn = 8 * warps
     codes_desc, hdr_desc = descriptors(w, bn, kb)
     n_tiles = triton.cdiv(N, bn)
-    waves = triton.cdiv(n_tiles, per_sm * _sm_count(a.device))
-    grid = (triton.cdiv(n_tiles, waves),)  # every CTA the same number of row tiles (+- 1)
+    slots = per_sm * _sm_count(a.device)
+    splits = rest[0] if rest and rest[0] else auto_splits(n_tiles, nb // kb, slots)
+    if (nb // kb) % splits:
+        raise ValueError(f"gluon gemv_q4_k: {splits} K splits do not divide {nb // kb} K steps of {kb} blocks")
+    items = n_tiles * splits
+    waves = triton.cdiv(items, slots)
+    grid = (triton.cdiv(items, waves),)  # every CTA the same number of work items (+- 1)
+    ws = torch.empty((splits, N), dtype=torch.float32, device=a.device) if splits > 1 else d
+    cnt = _counters(a.device, n_tiles) if splits > 1 else s
     _gemv_q4_k_tma_kernel[grid](
-        codes_desc, hdr_desc, q.view(torch.int32), d, s, bias if bias is not None else d, out, N, nb, out.stride(1),
-        HAS_BIAS=bias is not None, WARPS=warps, KB=kb, STAGES=stages, num_warps=warps)
+        codes_desc, hdr_desc, q.view(torch.int32), d, s, bias if bias is not None else d, out, ws, cnt, N, nb,
+        out.stride(1), HAS_BIAS=bias is not None, WARPS=warps, KB=kb, STAGES=stages, SPLITS=splits, num_warps=warps)
     return out
