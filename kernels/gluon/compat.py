@@ -22,7 +22,7 @@ REQUIRED = {
         "allocate_shared_memory", "arange", "load", "store", "zeros", "zeros_like", "program_id", "num_programs",
         "minimum", "maximum", "static_range", "warp_specialize", "NVMMADistributedLayout", "NVMMASharedLayout",
         "SliceLayout", "BlockedLayout", "exp2", "where", "float8e4nv", "bfloat16", "float16", "float32", "int64",
-        "constexpr", "cdiv", "max", "sum", "split", "convert_layout", "inline_asm_elementwise"),
+        "constexpr", "cdiv", "max", "sum", "split", "convert_layout", "inline_asm_elementwise", "atomic_add"),
     "triton.experimental.gluon.language.nvidia.hopper": (
         "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait", "fence_async_shared"),
     "triton.experimental.gluon.language.nvidia.hopper.tma": ("store_wait",),
