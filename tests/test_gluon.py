@@ -251,16 +251,17 @@ def test_gemv_q4_k_on_gpu_matches_triton_q8(config):
 
 
 def test_gemv_auto_splits():
-    """K splits only when the row tiles do not fill the resident CTAs: the smallest divisor of the K steps that
-    fills them, at most MAX_SPLITS (else the largest divisor below it)."""
+    """K splits only when the row tiles do not fill the resident CTAs, and then the divisor of the K steps (at most
+    MAX_SPLITS) that leaves the busiest CTA the fewest steps, counting one step of epilogue per work item."""
     from kernel_parity.kernels.gluon.gemv import MAX_SPLITS, auto_splits
 
-    assert auto_splits(448, 4, 792) == 2  # 14336 x 4096 at (4, 4, 2, 6) on 132 SMs: 448 tiles for 792 slots
+    assert auto_splits(448, 4, 792) == 1  # 14336 x 4096 at (4, 4, 2, 6) on 132 SMs: 448 tiles, one wave either way
     assert auto_splits(900, 4, 792) == 1
     assert auto_splits(128, 14, 792) == 7  # 4096 x 14336: 128 tiles of 14 K steps
     assert auto_splits(3, 9, 792) == 3  # a few rows: the largest divisor of 9 up to 8
     assert auto_splits(3, 1, 792) == 1
     assert auto_splits(1, 64, 792) == MAX_SPLITS
+    assert auto_splits(200, 8, 792) == 2  # 2 splits: one item of 4 steps each; 4 would give some CTAs two of 2
 
 
 def test_gemv_q4_k_rejects_what_it_cannot_run():

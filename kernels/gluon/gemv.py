@@ -222,11 +222,14 @@ def _counters(device, n: int) -> torch.Tensor:
 
 def auto_splits(n_tiles: int, ksteps: int, slots: int) -> int:
     """K splits for n_tiles row tiles of ksteps K steps on `slots` resident CTAs: 1 when the tiles fill them, else
-    the smallest divisor of ksteps (<= MAX_SPLITS) that does, or the largest one below MAX_SPLITS."""
+    the divisor s of ksteps (<= MAX_SPLITS) whose busiest CTA does the least: ceil(n_tiles s / slots) items of
+    ksteps / s steps plus one step's worth of epilogue each (the smallest s on a tie). On an H200 (132 SMs x 6)
+    this keeps 14336 x 4096 whole (448 tiles: 2 splits ran 57.6% of the read ceiling vs 65.0% unsplit) and gives
+    4096 x 14336 7 splits (128 tiles: 58.8% vs 52.9%)."""
     if n_tiles >= slots:
         return 1
     divisors = [s for s in range(1, min(ksteps, MAX_SPLITS) + 1) if ksteps % s == 0]
-    return next((s for s in divisors if n_tiles * s >= slots), divisors[-1])
+    return min(divisors, key=lambda s: -(-n_tiles * s // slots) * (ksteps // s + 1))
 
 
 def gemv_q4_k(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
