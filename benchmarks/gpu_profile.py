@@ -200,6 +200,8 @@ TARGETS = {  # name: (issue 19's row, what, builder)
     "gluon-mla-h128": ("MLA h_q=128", "gluon mla_decode b128 s_q1 h_q128 L4096", lambda: _mla(1, 128, gluon=True)),
     "gluon-gemv-q4k": ("GEMV M=1", "gluon gemv_q4_k 14336x4096 (quantizer + TMA-fed GEMV, default config)",
                        lambda: _q8("q4_k", 1, kernel="gluon")),
+    "gluon-gemv-q4k-short": ("GEMV M=1", "gluon gemv_q4_k 4096x14336 (quantizer + the GEMV in 7 K splits)",
+                             lambda: _q8("q4_k", 1, 4096, 14336, kernel="gluon")),
 }
 
 

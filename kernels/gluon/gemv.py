@@ -21,9 +21,13 @@ block's header and its chunk's activations). Here the weights reach shared memor
   16 chained dp4a a chunk (the high nibbles masked in place, 16 x the code, the 16 shifted out of
   the sum), the row's 4 header words split from one 16-byte load, its two sub-blocks' scale / min, one
   fp32 term; the chunks of a row summed across its four threads once per row tile.
-Measured (H200, reports/baselines/gluon-gemv-bench-h200.json run3): 14336 x 4096 at (4, 4, 2, 6) 16.7 us =
-65.5% of the pure read (triton-q8 16.1 us, 68.0%); 4096 x 14336 21.2 us = 53.2% (17.7 us, 63.5%): not
-yet faster than the Triton kernel; NOTES-gemm.md has the profile and what is next.
+- the step's activation codes, sums and scales are loaded before the wait for its weights, so that their
+  latency runs under the copy's;
+- where the row tiles leave resident CTAs idle, each tile's K is split (auto_splits) and the tile's last CTA
+  sums the fp32 partials in split order (the bits do not depend on which split arrives last).
+Measured (H200, reports/baselines/gluon-gemv-bench-h200.json runs 7-8): 14336 x 4096 at (4, 4, 2, 6) 15.5 us =
+70.5% of the pure read (triton-q8 16.0 us, 68.4%); 4096 x 14336 (7 splits) 17.6 us = 64.1% (17.6 us, 63.9%):
+level with or past the Triton kernel, short of the 95% goal; NOTES-gemm.md has the profiles and what is next.
 Rows past N are zero-filled by the copies and never stored. M = 1 only; K a multiple of 256.
 """
 
@@ -131,9 +135,16 @@ def _gemv_q4_k_tma_kernel(codes_desc, hdr_desc, q_ptr, d_ptr, s_ptr, bias_ptr, o
         if j < total:  # into the stage read at i - 1: every thread passed the barrier at its end
             _issue(codes_desc, hdr_desc, codes, hdrs, ready, j, pid, G, kps, BN, KB, STAGES, SPLITS)
         st = i % STAGES
-        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
         item = pid + (i // kps) * G
         kb0 = ((item % SPLITS) * kps + i % kps) * KB
+        # the step's activations (codes, sums, scales) are loaded before the wait for its weights: their latency runs
+        # under the copy's instead of after it (ncu: long-scoreboard stalls 6.7 an issued instruction without this)
+        a_lo = gl.load(q_ptr + kb0 * 64 + act_off)[None]
+        a_hi = gl.load(q_ptr + kb0 * 64 + 8 + act_off)[None]
+        bs0 = gl.load(s_ptr + (kb0 + b_s) * 8 + 2 * c_s)[None]
+        bs1 = gl.load(s_ptr + (kb0 + b_s) * 8 + 2 * c_s + 1)[None]
+        da = gl.load(d_ptr + kb0 + b_d)[None, :, None]
+        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
         w = codes.index(st).load(LC).reshape([BN, KB, 4, 8])
         h02, h13 = gl.split(hdrs.index(st).load(LH).reshape([BN, KB, 2, 2]))  # words (0, 2) and (1, 3)
         dd, s1 = gl.split(h02)  # word 0: d | dmin << 16; word 2: scales 4-7
@@ -142,8 +153,6 @@ def _gemv_q4_k_tma_kernel(codes_desc, hdr_desc, q_ptr, d_ptr, s_ptr, bias_ptr, o
         s0 = gl.convert_layout(s0, LB)[:, :, None]
         s1 = gl.convert_layout(s1, LB)[:, :, None]
         s2 = gl.convert_layout(s2, LB)[:, :, None]
-        a_lo = gl.load(q_ptr + kb0 * 64 + act_off)[None]
-        a_hi = gl.load(q_ptr + kb0 * 64 + 8 + act_off)[None]
         wv = _split8(w)
         lv = _split8(a_lo)
         hv = _split8(a_hi)
@@ -160,10 +169,7 @@ def _gemv_q4_k_tma_kernel(codes_desc, hdr_desc, q_ptr, d_ptr, s_ptr, bias_ptr, o
         scp = gl.where(lo_c, S0, (S2 & 0x0F0F) | ((S0 >> 2) & 0x3030))
         mnp = gl.where(lo_c, S1, ((S2 >> 4) & 0x0F0F) | ((S1 >> 2) & 0x3030))
         isum = (scp & 63) * s_lo + ((scp >> 8) & 63) * s_hi
-        bs0 = gl.load(s_ptr + (kb0 + b_s) * 8 + 2 * c_s)[None]
-        bs1 = gl.load(s_ptr + (kb0 + b_s) * 8 + 2 * c_s + 1)[None]
         msum = (mnp & 63) * bs0 + ((mnp >> 8) & 63) * bs1
-        da = gl.load(d_ptr + kb0 + b_d)[None, :, None]
         d = (dd & 0xFFFF).to(gl.uint16).to(gl.float16, bitcast=True).to(gl.float32)
         dmin = ((dd >> 16) & 0xFFFF).to(gl.uint16).to(gl.float16, bitcast=True).to(gl.float32)
         acc += gl.sum((d * da) * isum.to(gl.float32) - (dmin * da) * msum.to(gl.float32), axis=1)
