@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -20,19 +22,39 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _git_commit() -> str | None:
-    root = Path(__file__).resolve().parent.parent
+def _git_state(root: Path | None = None) -> tuple[str | None, str | None]:
+    """(commit, tree): HEAD's commit (with "-dirty" when tracked files differ from it) and the git tree id of the
+    tracked files as they are in the working tree: HEAD's tree when clean, else one built in a temporary index and
+    object directory (the repository is not written). A copy whose .git lags its files (a device machine's copy
+    of a working tree) still names the tree that ran: compare it with `git rev-parse COMMIT^{tree}`."""
+    root = root or Path(__file__).resolve().parent.parent
     if not (root / ".git").exists() or not shutil.which("git"):
-        return None
-    try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+        return None, None
+
+    def git(*args: str, env: dict | None = None) -> str | None:
+        try:
+            r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30, env=env)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if head is None:
+        return None, None
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    if not dirty:
+        return head, git("rev-parse", "HEAD^{tree}")
+    objects = git("rev-parse", "--git-path", "objects")  # relative to root unless absolute
+    tree = None
+    if objects:
+        objects = str(root / objects)
+        with tempfile.TemporaryDirectory() as tmp:
+            env = dict(os.environ, GIT_INDEX_FILE=str(Path(tmp) / "index"),
+                       GIT_OBJECT_DIRECTORY=str(Path(tmp) / "objects"), GIT_ALTERNATE_OBJECT_DIRECTORIES=objects)
+            (Path(tmp) / "objects").mkdir()
+            if git("read-tree", "HEAD", env=env) is not None and git("add", "-u", env=env) is not None:
+                tree = git("write-tree", env=env)
+    return head + "-dirty", tree
 
 
 def _cpu_name() -> str:
@@ -76,9 +98,11 @@ def cpu_name() -> str:
 def header(command: str | None = None, suite: str | None = None) -> dict:
     gpu, driver = _gpu()
     cpu = cpu_name()
+    commit, tree = _git_state()
     return {
         "package_version": __version__,
-        "git_commit": _git_commit(),
+        "git_commit": commit,
+        "git_tree": tree,
         "device": gpu or cpu,
         "gpu": gpu,
         "cpu": cpu,
@@ -96,6 +120,4 @@ def header(command: str | None = None, suite: str | None = None) -> dict:
 
 
 def _cpu_count() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -32,7 +32,7 @@ from kernel_parity.reports import casetable, coverage, devices, plots, records, 
 
 HEADER_FIELDS = (
     ("suite", "suite"), ("device", "device"), ("driver", "driver"),
-    ("package_version", "kernel-parity"), ("git_commit", "commit"), ("time", "time"),
+    ("package_version", "kernel-parity"), ("git_commit", "commit"), ("git_tree", "tree"), ("time", "time"),
     ("torch", "torch"), ("triton", "triton"), ("numpy", "numpy"), ("python", "python"),
     ("platform", "platform"), ("command", "command"),
 )

@@ -18,7 +18,7 @@ import xml.etree.ElementTree as ET
 
 from kernel_parity.reports import records
 
-HEADER_PROPERTIES = ("package_version", "git_commit", "device", "driver", "python", "platform",
+HEADER_PROPERTIES = ("package_version", "git_commit", "git_tree", "device", "driver", "python", "platform",
                      "numpy", "torch", "triton", "time", "command", "suite")
 _ERRORS = frozenset({"error", "crash", "timeout"})
 _FAILURES = frozenset({"fail", "flaky"})

@@ -69,6 +69,8 @@ def render(doc: dict) -> str:
     where = [f"{_text(header[k])}" for k in ("device", "driver") if header.get(k)]
     if header.get("git_commit"):
         where.append(f"commit {_code(str(header['git_commit'])[:12])}")
+        if str(header["git_commit"]).endswith("-dirty") and header.get("git_tree"):
+            where.append(f"tree {_code(str(header['git_tree'])[:12])}")
     if header.get("time"):
         where.append(_text(header["time"]))
     if where:

@@ -10,7 +10,9 @@ run that is killed keeps every case it finished:
     ...
     {"complete": {"cases": N, "elapsed_s": ..., ...}}           last line, only when the run ended
 
-The header holds package_version, git_commit, device, driver, python, platform, numpy, torch,
+The header holds package_version, git_commit (HEAD, "-dirty" when tracked files differ), git_tree (the git
+tree id of the tracked files as they ran: `git rev-parse COMMIT^{tree}` finds their commit even where a
+device copy's .git lags its files), device, driver, python, platform, numpy, torch,
 triton, time (UTC ISO-8601), command, suite, and `planned` (the number of cases the run set out
 to do) with `selection` (what `parity run --resume` needs to re-derive them). A file without the
 completion line is *incomplete*: reports show "incomplete: N of M cases" and never PASS.

@@ -578,3 +578,34 @@ def test_device_matrix_in_a_real_browser(tmp_path, chromium: str) -> None:
         assert detail == ["CPU Intel Xeon Processor (2 cores)", "H100 80GB HBM3", "H200"]  # the case on each device
         (tmp_path / "devices.png").write_bytes(b.screenshot(full=True))
         assert b.errors() == []
+
+
+def test_header_names_the_tree_that_ran(tmp_path):
+    """git_tree is the tree id of the tracked files as they are: HEAD's tree when clean; when a tracked file
+    differs, the tree `git add -u` would write, built without writing the repository's objects or index."""
+    import shutil
+    import subprocess
+
+    from kernel_parity.conformance import env
+
+    if not shutil.which("git"):
+        pytest.skip("no git")
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.txt").write_text("one\n")
+    git("add", "a.txt")
+    git("commit", "-q", "-m", "one")
+    head = git("rev-parse", "HEAD")
+    assert env._git_state(tmp_path) == (head, git("rev-parse", "HEAD^{tree}"))
+    (tmp_path / "a.txt").write_text("two\n")
+    objects = sorted(p.name for p in (tmp_path / ".git" / "objects").rglob("*"))
+    commit, tree = env._git_state(tmp_path)
+    assert commit == head + "-dirty"
+    assert sorted(p.name for p in (tmp_path / ".git" / "objects").rglob("*")) == objects  # nothing written
+    assert git("status", "--porcelain") == "M a.txt"  # the index untouched
+    git("commit", "-q", "-am", "two")
+    assert tree == git("rev-parse", "HEAD^{tree}")
