@@ -16,9 +16,11 @@
 #           of benchmarks/gpu_gemm.py with its sweep -> $OUT/ci-q8-<device>.jsonl, $OUT/q8-bench-<device>.json
 #   gluon-mla  the gluon step's MLA decode part under timeouts (fits one 600 s call): the gl-mla-* mutants, ci, fresh
 #           seeds, the models suite -> $OUT/{mutants,ci,sweep,models}-gluon-mla-<device>.json[l]
-#   gluon-gemv the same for the Q4_K GEMV (gl-gemv-* mutants; gemm.gemm_nt on gluon; fresh seeds: two for every ci
-#           combination, as a per-op draw seldom lands on its few Q4_K M = 1 entries), then `gpu_gluon.py --sections
-#           gemv` -> $OUT/{mutants,ci,sweep,models}-gluon-gemv-<device>.json[l], $OUT/gemv-bench-<device>.json
+#   gluon-gemv the same for the GEMVs (gl-gemv-* mutants; gemm.gemm_nt on gluon; fresh seeds: two for every ci
+#           combination, as a per-op draw seldom lands on its few M = 1 entries) -> $OUT/{mutants,ci,sweep,models}-
+#           gluon-gemv-<device>.json[l]; at most 510 s
+#   gluon-gemv-bench `gpu_gluon.py --sections gemv` (the GEMVs against triton-q8 and a pure read) -> $OUT/gemv-bench-
+#           <device>.json; typically both gemv steps fit one call (140 + 20 s measured)
 #   mla     benchmarks/gpu_mla.py (MLA decode vs the copy / matmul limits and FlashMLA's figures) -> $OUT/mla-bench-<device>.json
 #   layers  benchmarks/gpu_{norm,rope,mlp}.py (RMSNorm, LayerNorm, RoPE, SwiGLU / GeGLU vs the copy rate, torch and
 #           the peers that import) -> $OUT/{norm,rope,mlp}-bench-<device>.json
@@ -56,12 +58,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   SP=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   echo "import site; site.addsitedir('/tmp/peers')" > "$SP/zz_kernel_parity_peers.pth"  # cutlass-dsl is a .pth
 fi
-gluon_part() {  # NAME OP MODELS_TIMEOUT SWEEP: the gl-NAME-* mutants, ci, fresh seeds (SWEEP: sweep's seed flags) and
-                #  the models suite of OP on gluon
+gluon_part() {  # NAME OP MODELS_TIMEOUT SWEEP MUTANTS_TIMEOUT: the gl-NAME-* mutants, ci, fresh seeds (SWEEP: sweep's
+                #  seed flags) and the models suite of OP on gluon
   local r=0 mop="--op $2 --backend gluon --no-progress -q"
   local mut
   mut=$(grep -o "id = \"gl-$1-[a-z0-9-]*\"" conformance/mutants/gluon.toml | sed 's/id = "\(.*\)"/\1/' | paste -sd,)
-  timeout 170 $PARITY mutants --mutant "$mut" --jobs 4 --timeout 60 -q --json "$OUT/mutants-gluon-$1-$DEV.json" || r=1
+  timeout "$5" $PARITY mutants --mutant "$mut" --jobs 4 --timeout 60 -q --json "$OUT/mutants-gluon-$1-$DEV.json" || r=1
   timeout 60 $PARITY run --suite ci $mop --jobs "$JOBS" --json "$OUT/ci-gluon-$1-$DEV.jsonl" || r=1
   timeout 60 $PARITY sweep --suite ci $mop --dtype bf16,fp16 $4 ${START:+--start "$START"} \
     --jobs "$JOBS" --json "$OUT/sweep-gluon-$1-$DEV.jsonl" || r=1
@@ -103,9 +105,9 @@ print(','.join(sorted(n for n, s in ops.all_specs().items() if s.rows is not Non
            tail -3 "$OUT/tests-gluon-$DEV.txt"
            timeout 900 python3 benchmarks/gpu_gluon.py --out "$OUT/gluon-bench-$DEV.json" \
              --sections api,parity,bench,attn_parity,attn_bench,mla,gemv --configs default || rc=1 ;;
-    gluon-mla) gluon_part mla mla.decode 250 "--per-op $PER_OP" || rc=1 ;;  # the gluon step's MLA decode part, in one call
-    gluon-gemv) gluon_part gemv gemm.gemm_nt 150 "--seeds 2" || rc=1  # its Q4_K GEMV part (FP8 GEMM cases ride along), then the bench
-                timeout 120 python3 benchmarks/gpu_gluon.py --sections gemv --out "$OUT/gemv-bench-$DEV.json" || rc=1 ;;
+    gluon-mla) gluon_part mla mla.decode 250 "--per-op $PER_OP" 170 || rc=1 ;;  # the gluon step's MLA decode part, in one call
+    gluon-gemv) gluon_part gemv gemm.gemm_nt 150 "--seeds 2" 240 || rc=1 ;;  # its GEMV part (FP8 GEMM cases ride along)
+    gluon-gemv-bench) timeout 150 python3 benchmarks/gpu_gluon.py --sections gemv --out "$OUT/gemv-bench-$DEV.json" || rc=1 ;;
     mla) python3 benchmarks/gpu_mla.py --out "$OUT/mla-bench-$DEV.json" --tune-budget "${BUDGET_S:-60}" || rc=1 ;;
     layers) for f in norm rope mlp; do python3 benchmarks/gpu_$f.py --out "$OUT/$f-bench-$DEV.json" || rc=1; done ;;
     peers) $PARITY run --suite peers --no-progress -q --jobs "$JOBS" --json "$OUT/peers-$DEV.jsonl" || rc=1 ;;
