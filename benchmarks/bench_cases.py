@@ -86,7 +86,7 @@ def summarise(doc: dict, ours: str) -> dict:
         mine = row["backends"].get(ours, {}).get("ms")
         row[f"peer_ms_over_{ours}"] = {b: f["ms"] / mine for b, f in row["backends"].items()
                                        if b != ours and mine and f.get("ms")}
-    keep = ("device", "gpu", "cpu", "torch", "triton", "git_commit", "time", "command")
+    keep = ("device", "gpu", "cpu", "torch", "triton", "git_commit", "git_tree", "time", "command")
     return {"header": {k: header.get(k) for k in keep}, "ceilings": header.get("ceilings"),
             "cases": list(cases.values())}
 

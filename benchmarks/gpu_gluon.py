@@ -521,7 +521,10 @@ def main(argv=None) -> int:
     from kernel_parity.kernels.gluon.gemm_fp8 import GEMM_CONFIG
 
     configs = CONFIGS if args.configs == "all" else (GEMM_CONFIG,)
-    doc: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    from kernel_parity.conformance.env import git_state
+
+    commit, tree = git_state()  # the tree id names the code that ran where a device copy's .git lags its files
+    doc: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "git_commit": commit, "git_tree": tree}
     for sec in args.sections.split(","):
         t0 = time.time()
         try:

@@ -22,7 +22,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _git_state(root: Path | None = None) -> tuple[str | None, str | None]:
+def git_state(root: Path | None = None) -> tuple[str | None, str | None]:
     """(commit, tree): HEAD's commit (with "-dirty" when tracked files differ from it) and the git tree id of the
     tracked files as they are in the working tree: HEAD's tree when clean, else one built in a temporary index and
     object directory (the repository is not written). A copy whose .git lags its files (a device machine's copy
@@ -98,7 +98,7 @@ def cpu_name() -> str:
 def header(command: str | None = None, suite: str | None = None) -> dict:
     gpu, driver = _gpu()
     cpu = cpu_name()
-    commit, tree = _git_state()
+    commit, tree = git_state()
     return {
         "package_version": __version__,
         "git_commit": commit,

@@ -600,10 +600,10 @@ def test_header_names_the_tree_that_ran(tmp_path):
     git("add", "a.txt")
     git("commit", "-q", "-m", "one")
     head = git("rev-parse", "HEAD")
-    assert env._git_state(tmp_path) == (head, git("rev-parse", "HEAD^{tree}"))
+    assert env.git_state(tmp_path) == (head, git("rev-parse", "HEAD^{tree}"))
     (tmp_path / "a.txt").write_text("two\n")
     objects = sorted(p.name for p in (tmp_path / ".git" / "objects").rglob("*"))
-    commit, tree = env._git_state(tmp_path)
+    commit, tree = env.git_state(tmp_path)
     assert commit == head + "-dirty"
     assert sorted(p.name for p in (tmp_path / ".git" / "objects").rglob("*")) == objects  # nothing written
     assert git("status", "--porcelain") == "M a.txt"  # the index untouched
