@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernel_parity.kernels.gluon.compat import barrier_op, tma_ops
-from kernel_parity.kernels.triton.gemm import _check_common, check_weights
+from kernel_parity.kernels.triton.gemm import _check_common, _sm_count, check_weights
 from kernel_parity.kernels.triton.gemm_q8 import quantize_q8_k
 
 # (WARPS, KB, STAGES, CTAS_PER_SM): BN = 8 x WARPS rows a tile, KB 256-blocks a K step. The fastest of eight on
@@ -207,10 +207,6 @@ def descriptors(w: torch.Tensor, bn: int, kb: int) -> tuple[TensorDescriptor, Te
     hdr_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
     return (TensorDescriptor(w32, list(w32.shape), list(w32.stride()), [bn, kb, 32], codes_layout),
             TensorDescriptor(w32, list(w32.shape), list(w32.stride()), [bn, kb, 4], hdr_layout))
-
-
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 MAX_SPLITS = 8
