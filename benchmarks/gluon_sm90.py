@@ -4,6 +4,7 @@
     python benchmarks/gluon_sm90.py prefill D MODE [BLOCK_N STAGES PIPE]      (MODE 0 none, 1 bottom-right, 2 top-left)
     python benchmarks/gluon_sm90.py mla [CAUSAL]                               (kernels/gluon/mla.py)
     python benchmarks/gluon_sm90.py gemv [WARPS KB STAGES CTAS SPLITS]         (kernels/gluon/gemv.py)
+    python benchmarks/gluon_sm90.py gemv_q8_0 [WARPS G STAGES CTAS SPLITS]     (kernels/gluon/gemv_q8_0.py)
     options: --ptx PATH (keep the PTX), --ttgir PATH
 
 Triton's compiler runs whole (Gluon front end, TTGIR passes, LLVM, PTX) behind a stand-in driver that answers
@@ -144,6 +145,25 @@ def compile_gemv(config: list[int]):
                                           grid=(1,))
 
 
+def compile_gemv_q8_0(config: list[int]):
+    import torch
+
+    from kernel_parity.kernels.gluon import gemv_q8_0 as G
+
+    warps, g, stages, _, *rest = list(config) + list(G.GEMV_Q8_0_CONFIG)[len(config):]
+    splits = rest[0] if rest else 1
+    N, ng = 512, 16
+    w = torch.empty(N, ng * 272, dtype=torch.uint8)
+    descs = G.descriptors(w, 32 // g * warps, g)
+    q = torch.empty(ng * 64, dtype=torch.int32)
+    d = torch.empty(ng * 8)
+    out = torch.empty(1, N, dtype=torch.bfloat16)
+    ws = torch.empty(splits, N)
+    cnt = torch.zeros(N, dtype=torch.int32)
+    return G._gemv_q8_0_tma_kernel.warmup(*descs, q, d, d, out, ws, cnt, N, ng, 1, HAS_BIAS=True, WARPS=warps, G=g,
+                                          STAGES=stages, SPLITS=splits, num_warps=warps, grid=(1,))
+
+
 def ptxas_report(ptx: str) -> str:
     import triton
 
@@ -164,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench_cases import OneLineParser
 
     ap = OneLineParser(description=__doc__.split("\n")[0])  # a bad argument: one line, exit 2
-    ap.add_argument("kernel", choices=("gemm_fp8", "prefill", "mla", "gemv"))
+    ap.add_argument("kernel", choices=("gemm_fp8", "prefill", "mla", "gemv", "gemv_q8_0"))
     ap.add_argument("args", nargs="*", type=int, help="gemm_fp8: config; prefill: D MODE [config]")
     ap.add_argument("--ptx", default=None)
     ap.add_argument("--ttgir", default=None)
@@ -182,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             k = compile_prefill(a.args[0], a.args[1], a.args[2:])
         elif a.kernel == "gemv":
             k = compile_gemv(a.args)
+        elif a.kernel == "gemv_q8_0":
+            k = compile_gemv_q8_0(a.args)
         else:
             k = compile_mla(a.args[0] if a.args else 0)
     except Exception as e:  # noqa: BLE001  (a compile error: its message, exit 1)

@@ -19,8 +19,9 @@ hardware's matmul rate measured in the same run.
 - attn_bench: causal prefill bf16, 32 / 8 heads, s 4096, d 64 / 128 / 256: gluon, triton, SDPA cuDNN and flash
   (each `do_bench`), TFLOP/s of the causal half, and the run's bf16 matmul rate.
 - mla: kernels/gluon/mla.py against the Triton mla_decode, TFLOP/s beside the run's matmul rate.
-- gemv: kernels/gluon/gemv.py (Q4_K x Q8_K, M = 1; its configs) against triton-q8's GEMV and a pure read of the
-  same bytes, CUDA-graph replays over rotated weights (L2 cold), alone and with the activation quantizer.
+- gemv: kernels/gluon/gemv.py (Q4_K x Q8_K) and gemv_q8_0.py (Q8_0 x Q8_0), M = 1, each at its configs, against
+  triton-q8's GEMV and a pure read of the same bytes, CUDA-graph replays over rotated weights (L2 cold), alone and
+  with the activation quantizer.
 Every item runs in its own try: an error is recorded with its message and the run goes on. JSON to --out
 (default $OUT/gluon.json), rewritten after each item.
 """
@@ -434,16 +435,21 @@ def section_mla() -> dict:
     return res
 
 
-GEMV_SHAPES = ((14336, 4096), (4096, 14336))  # (N, K), Q4_K at M = 1
-GEMV_CONFIGS = ((4, 4, 2, 6), (4, 4, 3, 4), (4, 4, 4, 3), (2, 4, 4, 6), (4, 2, 4, 4), (8, 2, 3, 2), (2, 2, 6, 8),
-                (8, 4, 2, 2))  # (WARPS, KB, STAGES, CTAS_PER_SM); the first is gemv.GEMV_CONFIG
+GEMV_SHAPES = ((14336, 4096), (4096, 14336))  # (N, K) at M = 1
+GEMV_CONFIGS = {  # the first of each is the kernel's default (gemv.GEMV_CONFIG, gemv_q8_0.GEMV_Q8_0_CONFIG)
+    "q4_k": ((4, 4, 2, 6), (4, 4, 3, 4), (4, 4, 4, 3), (2, 4, 4, 6), (4, 2, 4, 4), (8, 2, 3, 2), (2, 2, 6, 8),
+             (8, 4, 2, 2)),  # (WARPS, KB, STAGES, CTAS_PER_SM)
+    "q8_0": ((2, 4, 2, 6), (1, 4, 2, 8), (1, 4, 3, 8), (4, 4, 2, 3), (2, 4, 3, 4), (2, 2, 4, 3), (4, 1, 2, 3),
+             (1, 8, 2, 8)),  # (WARPS, G, STAGES, CTAS_PER_SM)
+}
 
 
 def section_gemv() -> dict:
-    """kernels/gluon/gemv.py (Q4_K x Q8_K, M = 1) against triton-q8's GEMV (kernels/triton/gemm_q8.py) and a pure
-    read of the same bytes (gpu_gemm_tune's read stream, best of its four tiles), all replayed from CUDA graphs over
-    rotated copies of the weights (more than 3x L2), as benchmarks/gpu_gemm.py --sections q8 times them; each
-    gluon config's output against triton-q8's (the same integer sums: differences are fp32 summation order)."""
+    """kernels/gluon/gemv.py (Q4_K x Q8_K) and gemv_q8_0.py (Q8_0 x Q8_0), M = 1, against triton-q8's GEMV
+    (kernels/triton/gemm_q8.py) and a pure read of the same bytes (gpu_gemm_tune's read stream, best of its four
+    tiles), all replayed from CUDA graphs over rotated copies of the weights (more than 3x L2), as
+    benchmarks/gpu_gemm.py --sections q8 times them; each gluon config's output against triton-q8's (the same
+    integer sums: differences are fp32 summation order)."""
     from types import SimpleNamespace
 
     import torch
@@ -451,6 +457,7 @@ def section_gemv() -> dict:
     from triton.testing import do_bench
 
     from kernel_parity.kernels.gluon import gemv as GV
+    from kernel_parity.kernels.gluon import gemv_q8_0 as GV8
     from kernel_parity.kernels.triton import gemm_q8 as Q
     from gpu_gemm_tune import _read_kernel_jit, ggml_random, graph_ms
 
@@ -460,15 +467,17 @@ def section_gemv() -> dict:
                           bench=lambda fn: float(do_bench(fn, warmup=25, rep=200, return_mode="median")))
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     res = {"device": torch.cuda.get_device_name(), "shapes": []}
-    for n, k in GEMV_SHAPES:
-        row = {"shape": [1, n, k]}
+    ours = {"q4_k": (GV.gemv_q4_k, Q.quantize_q8_k), "q8_0": (GV8.gemv_q8_0, Q.quantize_q8_0)}
+    for fmt, (n, k) in [(f, s) for f in ("q4_k", "q8_0") for s in GEMV_SHAPES]:
+        row = {"fmt": fmt, "shape": [1, n, k]}
+        gemv, quantize = ours[fmt]
         try:
             a = torch.randn((1, k), device="cuda", dtype=torch.bfloat16, generator=g)
-            w0 = ggml_random(ctx, "q4_k", n, k)
+            w0 = ggml_random(ctx, fmt, n, k)
             nbytes = w0.numel()
-            rot = [w0] + [ggml_random(ctx, "q4_k", n, k) for _ in range(max(1, -(-3 * l2 // nbytes) - 1))]
+            rot = [w0] + [ggml_random(ctx, fmt, n, k) for _ in range(max(1, -(-3 * l2 // nbytes) - 1))]
             row.update(bytes=nbytes, rotations=len(rot))
-            qz = Q.quantize_q8_k(a)
+            qz = quantize(a)
             outs = [torch.empty((1, n), dtype=a.dtype, device="cuda") for _ in rot]
             words = [w.view(-1).view(torch.int32) for w in rot]
             best = None
@@ -480,25 +489,23 @@ def section_gemv() -> dict:
                 row[f"read_{block}_{warps}_us"] = 1e3 * t
                 best = t if best is None else min(best, t)
             row["read_us"] = 1e3 * best
-            cfg_t = Q.default_config("q4_k", 1, n)
-            ref = Q.gemm_nt_q8(a, "q4_k", w0)
-            t = graph_ms(ctx, [lambda w=w, o=o: Q.launch_gemv("q4_k", qz, w, None, o, cfg_t)
-                               for w, o in zip(rot, outs)])
+            cfg_t = Q.default_config(fmt, 1, n)
+            ref = Q.gemm_nt_q8(a, fmt, w0)
+            t = graph_ms(ctx, [lambda w=w, o=o: Q.launch_gemv(fmt, qz, w, None, o, cfg_t) for w, o in zip(rot, outs)])
             row["triton_q8"] = {"config": cfg_t, "us": 1e3 * t, "pct_read": 100 * best / t}
-            t = graph_ms(ctx, [lambda w=w, o=o: Q.gemm_nt_q8(a, "q4_k", w, out=o) for w, o in zip(rot, outs)])
+            t = graph_ms(ctx, [lambda w=w, o=o: Q.gemm_nt_q8(a, fmt, w, out=o) for w, o in zip(rot, outs)])
             row["triton_q8"].update(with_quant_us=1e3 * t, with_quant_pct_read=100 * best / t)
             scale = float(ref.float().abs().max())
-            for cfg in GEMV_CONFIGS:
+            for cfg in GEMV_CONFIGS[fmt]:
                 name = "gluon-" + "-".join(map(str, cfg))
                 try:
-                    got = GV.gemv_q4_k(a, w0, config=cfg)
+                    got = gemv(a, w0, config=cfg)
                     torch.cuda.synchronize()
                     r = {"max_abs_vs_triton_q8": float((got.float() - ref.float()).abs().max()), "ref_max_abs": scale}
-                    t = graph_ms(ctx, [lambda w=w, o=o, c=cfg: GV.gemv_q4_k(a, w, out=o, config=c, quantized=qz)
-                                   for w, o in zip(rot, outs)])
-                    r.update(us=1e3 * t, pct_read=100 * best / t)
-                    t = graph_ms(ctx, [lambda w=w, o=o, c=cfg: GV.gemv_q4_k(a, w, out=o, config=c)
+                    t = graph_ms(ctx, [lambda w=w, o=o, c=cfg: gemv(a, w, out=o, config=c, quantized=qz)
                                        for w, o in zip(rot, outs)])
+                    r.update(us=1e3 * t, pct_read=100 * best / t)
+                    t = graph_ms(ctx, [lambda w=w, o=o, c=cfg: gemv(a, w, out=o, config=c) for w, o in zip(rot, outs)])
                     r.update(with_quant_us=1e3 * t, with_quant_pct_read=100 * best / t)
                     row[name] = r
                 except Exception as e:  # noqa: BLE001

@@ -70,9 +70,10 @@ def _q8(fmt: str, m: int, n: int = 14336, k: int = 4096, kernel: str = "default"
     w = ggml_random(c, fmt, n, k)
     quantized = (Q.quantize_q8_k if fmt == "q4_k" else Q.quantize_q8_0)(a)
     out = c.torch.empty((m, n), dtype=a.dtype, device=c.dev)
-    if kernel == "gluon":  # kernels/gluon/gemv.py at its default config, quantizer included
+    if kernel == "gluon":  # kernels/gluon/gemv.py / gemv_q8_0.py at the default config, quantizer included
         from kernel_parity.kernels.gluon import gemv as GV
-        return lambda: GV.gemv_q4_k(a, w, out=out)
+        from kernel_parity.kernels.gluon import gemv_q8_0 as GV8
+        return lambda: (GV.gemv_q4_k if fmt == "q4_k" else GV8.gemv_q8_0)(a, w, out=out)
     if kernel == "gemv":  # the dp4a GEMV whatever M is
         return lambda: Q.launch_gemv(fmt, quantized, w, None, out, Q.default_config(fmt, min(m, 8), n))
     if kernel == "prefetch":  # MMQ at its default tile with PREFETCH
@@ -202,6 +203,8 @@ TARGETS = {  # name: (issue 19's row, what, builder)
                        lambda: _q8("q4_k", 1, kernel="gluon")),
     "gluon-gemv-q4k-short": ("GEMV M=1", "gluon gemv_q4_k 4096x14336 (quantizer + the GEMV in 7 K splits)",
                              lambda: _q8("q4_k", 1, 4096, 14336, kernel="gluon")),
+    "gluon-gemv-q8_0": ("GEMV M=1", "gluon gemv_q8_0 14336x4096 (quantizer + TMA-fed GEMV, default config)",
+                        lambda: _q8("q8_0", 1, kernel="gluon")),
 }
 
 

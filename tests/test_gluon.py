@@ -46,7 +46,10 @@ def test_registered_and_unavailable_reason():
     ("fp8_row", "bf16", 3, 48, 256, "no path"),
     ("q4_k", "bf16", 3, 48, 256, "GEMV (M = 1)"),
     ("q4_k", "bf16", 1, 48, 256, None),
-    ("q8_0", "bf16", 1, 48, 256, "no path"),
+    ("q8_0", "bf16", 1, 48, 256, None),
+    ("q8_0", "bf16", 1, 48, 288, "multiple of 256"),
+    ("q8_0", "bf16", 2, 48, 256, "GEMV (M = 1)"),
+    ("q6_k", "bf16", 1, 48, 256, "no path"),
 ])
 def test_gemm_supports(wfmt, dtype, m, n, k, expect):
     case = SimpleNamespace(op="gemm.gemm_nt", dtype=dtype, p={"m": m, "n": n, "k": k, "wfmt": wfmt, "bias": 0})
@@ -198,17 +201,18 @@ def test_mla_decode_on_gpu_matches_triton_kernel(s_q, h_q, causal):
     assert (o.float() - ot.float()).abs().max().item() < 2e-2
 
 
-@pytest.mark.parametrize("config", [[], [2, 2, 8]])
-def test_gemv_compiles_for_hopper(tmp_path, config):
-    """kernels/gluon/gemv.py through the whole compiler for sm_90a: no spills, the ring within one CTA's share of
-    shared memory at two CTAs a multiprocessor (default: 4 stages x 4 blocks x 32 rows x 144 bytes = 72 KB)."""
+@pytest.mark.parametrize("kernel,config", [("gemv", []), ("gemv", [2, 2, 8]), ("gemv_q8_0", []),
+                                           ("gemv_q8_0", [4, 1, 3])])
+def test_gemv_compiles_for_hopper(tmp_path, kernel, config):
+    """kernels/gluon/gemv.py and gemv_q8_0.py through the whole compiler for sm_90a: no spills, the ring within one
+    CTA's share of shared memory at two CTAs a multiprocessor."""
     try:
         import triton.backends.nvidia  # noqa: F401
     except ImportError:
         pytest.skip("this Triton has no NVIDIA backend to compile with")
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1")
     env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gluon_sm90.py"), "gemv", *map(str, config)],
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gluon_sm90.py"), kernel, *map(str, config)],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     out = r.stdout + r.stderr
     if "Unsupported .version" in out:
@@ -250,6 +254,41 @@ def test_gemv_q4_k_on_gpu_matches_triton_q8(config):
         assert (ours.float() - ref.float()).abs().max().item() <= tol, (n, k, config)
 
 
+@pytest.mark.skipif(not _gpu_hopper(), reason=str(gluon_backend.unavailable()))
+@pytest.mark.parametrize("config", [None, (1, 4, 2, 8), (4, 1, 3, 4), (2, 2, 4, 6), (2, 4, 2, 6, 1), (4, 1, 3, 4, 3),
+                                    (8, 8, 2, 1)])
+def test_gemv_q8_0_on_gpu_matches_triton_q8(config):
+    """The same Q8_0 activations and weights: the gluon GEMV and triton-q8's sum the same integers (each block's
+    dot exact in int32), so the outputs differ by fp32 summation order only. Shapes: rows past a tile, one group,
+    a K of many groups (splits), many row tiles a CTA; every block's d distinct (a d read from the neighbour
+    block, or from the wrong half of its word, is far outside the tolerance)."""
+    import torch
+
+    from kernel_parity.kernels.gluon import gemv_q8_0 as G
+    from kernel_parity.kernels.triton import gemm_q8 as Q
+
+    for n, k in ((33, 256), (70, 9216), (26000, 512), (4096, 14336)):
+        g = torch.Generator(device="cuda").manual_seed(n + k)
+        w = torch.randint(-128, 128, (n, k // 32, 34), dtype=torch.int8, device="cuda", generator=g).view(torch.uint8)
+        d = torch.exp(torch.randn((n, k // 32), device="cuda", generator=g) * 2) * 1e-3  # decades apart
+        w[..., 0:2] = d.half().view(torch.uint8).view(n, k // 32, 2)
+        w = w.reshape(n, -1).contiguous()
+        a = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        bias = torch.randn(n, device="cuda", generator=g)
+        if config and len(config) > 4:
+            gg = config[1]
+            while (k // 256) % gg:
+                gg //= 2
+            if (k // 256 // gg) % config[4]:
+                continue  # that many splits do not divide this K
+        ours = G.gemv_q8_0(a, w, bias, config=config)
+        again = G.gemv_q8_0(a, w, bias, config=config)
+        assert torch.equal(ours, again), (n, k, config)  # deterministic, counters back at 0
+        ref = Q.gemm_nt_q8(a, "q8_0", w, bias)
+        tol = 2 * ref.float().abs().max().item() * 2 ** -8
+        assert (ours.float() - ref.float()).abs().max().item() <= tol, (n, k, config)
+
+
 def test_gemv_auto_splits():
     """K splits only when the row tiles do not fill the resident CTAs, and then the divisor of the K steps (at most
     MAX_SPLITS) that leaves the busiest CTA the fewest steps, counting one step of epilogue per work item."""
@@ -280,3 +319,21 @@ def test_gemv_q4_k_rejects_what_it_cannot_run():
         G.gemv_q4_k(torch.zeros(1, 500), w)
     with pytest.raises(ValueError, match=r"\(8, 288\)"):
         G.gemv_q4_k(torch.zeros(1, 512), torch.zeros(8, 300, dtype=torch.uint8))
+
+
+def test_gemv_q8_0_rejects_what_it_cannot_run():
+    """Arguments are checked before anything is launched: M > 1, a K that is not whole 8-block groups (the bulk
+    copies read 272-byte groups), non-contiguous weights, a weight row that is not K / 32 x 34 bytes."""
+    import torch
+
+    from kernel_parity.kernels.gluon import gemv_q8_0 as G
+
+    w = torch.zeros(8, 16 * 34, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="M=2"):
+        G.gemv_q8_0(torch.zeros(2, 512), w)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        G.gemv_q8_0(torch.zeros(1, 288), torch.zeros(8, 9 * 34, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="contiguous"):
+        G.gemv_q8_0(torch.zeros(1, 512), torch.zeros(8, 560, dtype=torch.uint8)[:, :544])  # rows 560 bytes apart
+    with pytest.raises(ValueError, match=r"\(8, 544\)"):
+        G.gemv_q8_0(torch.zeros(1, 512), torch.zeros(8, 500, dtype=torch.uint8))

@@ -13,6 +13,9 @@ Ops:
 - gemm.gemm_nt, Q4_K weights at M = 1: kernels/gluon/gemv.py, the GEMV with the weights streamed by bulk
   tensor copies into a ring of shared-memory stages; triton-q8's arithmetic (the activation quantized to Q8_K
   by the Triton quantizer, integer dots): it claims `emulated`, as triton-q8 does.
+- gemm.gemm_nt, Q8_0 weights at M = 1, K a multiple of 256: kernels/gluon/gemv_q8_0.py, the same structure over
+  groups of eight 34-byte blocks (272 bytes, 16-byte aligned); the activation quantized to Q8_0 by the Triton
+  quantizer, triton-q8's arithmetic (`emulated`).
 - attention.prefill, causal (bottom-right, top-left) or none, GQA, d = d_v in 32 / 64 / 128 / 256, bf16 /
   fp16, no window, softcap or sink: kernels/gluon/attention.py (FlashAttention-3's producer / two consumer
   warp groups), the op's own reference, as the `triton` kernel.
@@ -69,9 +72,14 @@ def _gemm_supports(case: Any) -> str | None:
     p = case.p
     if p["wfmt"] == "q4_k":
         return None if p["m"] == 1 else f"the gluon Q4_K kernel is the GEMV (M = 1), not m={p['m']}"
+    if p["wfmt"] == "q8_0":
+        if p["m"] != 1:
+            return f"the gluon Q8_0 kernel is the GEMV (M = 1), not m={p['m']}"
+        return None if p["k"] % 256 == 0 else \
+            f"the gluon Q8_0 GEMV takes k a multiple of 256 (rows of whole 8-block groups), not k={p['k']}"
     if p["wfmt"] != "fp8":
-        return f"the gluon GEMMs are the FP8 1 x 128 x 128 block-scaled kernel and the Q4_K GEMV; {p['wfmt']} " \
-               f"weights have no path"
+        return f"the gluon GEMMs are the FP8 1 x 128 x 128 block-scaled kernel and the Q4_K / Q8_0 GEMVs; " \
+               f"{p['wfmt']} weights have no path"
     g = granularity(p)
     if case.dtype == "fp32":
         return "the FP8 GEMM accumulates on fp8 tensor cores: it claims a bf16/fp16 output, not fp32"
@@ -89,10 +97,11 @@ def _gemm(case: Any, inputs: dict, out: Any) -> dict:
 
     c = out.torch("c", "cuda")
     bias = to_torch(inputs["bias"], "cuda") if "bias" in inputs else None
-    if case.p["wfmt"] == "q4_k":
-        from kernel_parity.kernels.gluon import gemv
+    if case.p["wfmt"] in ("q4_k", "q8_0"):
+        from kernel_parity.kernels.gluon import gemv, gemv_q8_0
 
-        gemv.gemv_q4_k(to_torch(inputs["a"], "cuda"), to_torch(inputs["w"], "cuda"), bias, out=c)
+        run = gemv.gemv_q4_k if case.p["wfmt"] == "q4_k" else gemv_q8_0.gemv_q8_0
+        run(to_torch(inputs["a"], "cuda"), to_torch(inputs["w"], "cuda"), bias, out=c)
         return {"c": c}
     gemm_fp8.gemm_fp8(to_torch(inputs["a"], "cuda"), to_torch(inputs["w"], "cuda"),
                       to_torch(inputs["w_scale"], "cuda"), bias, out=c, gn=granularity(case.p)["gn"])
@@ -152,7 +161,7 @@ def make() -> GluonBackend:
                                                             MLA: _mla_supports},
                         deterministic=True,
                         doc="kernels/gluon/*: warp-specialised Gluon kernels (Hopper): FP8 block-scaled GEMM, "
-                            "attention prefill, MLA decode")
+                            "Q4_K / Q8_0 GEMVs, attention prefill, MLA decode")
 
 
 BACKEND = make

@@ -79,6 +79,8 @@ CLASSES = {
     "rounding-mode": "round half to even where ggml rounds half away from zero, or the reverse",
     "bias": "the bias left out or added twice",
     "scale-index": "a block's scale taken from the neighbouring block",
+    "byte-offset": "a packed value read at the wrong byte offset of its word (a 2-byte-aligned block's codes or "
+                   "scale taken from the word boundary instead of across it)",
     "zero-point": "an int4 zero point off by one (GPTQ v1 stores zero - 1)",
     "fp8-format": "FP8 codes of one format decoded as another's (e5m2 bytes read as e4m3)",
     "amax-floor": "the FP8 activation amax floor (1e-4) left out: an all-zero group divides by 0",

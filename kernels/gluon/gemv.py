@@ -88,6 +88,31 @@ def _issue(codes_desc, hdr_desc, codes, hdrs, ready, j, pid, G, kps, BN: gl.cons
 
 
 @gluon.jit
+def _tile_out(res, rows_r, item, bias_ptr, out_ptr, ws_ptr, cnt_ptr, N, stride_cn, HAS_BIAS: gl.constexpr,
+              BN: gl.constexpr, SPLITS: gl.constexpr):
+    """The end of work item `item` (row tile item // SPLITS, K split item % SPLITS): res, its BN row sums (rows_r
+    0 .. BN - 1 in res's layout), plus the bias to out; or, when K is split, the partial to the workspace and, by the
+    tile's last split to arrive, the sum of all partials in split order (the bits do not depend on who came last)."""
+    tile = item // SPLITS
+    rows = tile * BN + rows_r
+    if SPLITS == 1:
+        if HAS_BIAS:
+            res += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+        gl.store(out_ptr + rows * stride_cn, res.to(out_ptr.dtype.element_ty), mask=rows < N)
+    else:
+        gl.store(ws_ptr + (item % SPLITS) * N + rows, res, mask=rows < N)
+        _barrier()  # every thread's partial before the release below
+        if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+            tot = gl.zeros_like(res)
+            for sp in gl.static_range(SPLITS):  # a fixed order: the sum does not depend on who came last
+                tot += gl.load(ws_ptr + sp * N + rows, mask=rows < N, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+            gl.store(out_ptr + rows * stride_cn, tot.to(out_ptr.dtype.element_ty), mask=rows < N)
+            gl.store(cnt_ptr + tile, 0)  # the counter back to zero for the next call
+
+
+@gluon.jit
 def _gemv_q4_k_tma_kernel(codes_desc, hdr_desc, q_ptr, d_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, N, n_blocks,
                           stride_cn, HAS_BIAS: gl.constexpr, WARPS: gl.constexpr, KB: gl.constexpr,
                           STAGES: gl.constexpr, SPLITS: gl.constexpr):
@@ -174,24 +199,8 @@ def _gemv_q4_k_tma_kernel(codes_desc, hdr_desc, q_ptr, d_ptr, s_ptr, bias_ptr, o
         dmin = ((dd >> 16) & 0xFFFF).to(gl.uint16).to(gl.float16, bitcast=True).to(gl.float32)
         acc += gl.sum((d * da) * isum.to(gl.float32) - (dmin * da) * msum.to(gl.float32), axis=1)
         if i % kps == kps - 1:
-            tile = item // SPLITS
-            rows = tile * BN + rows_r
-            res = gl.sum(acc, axis=1)
-            if SPLITS == 1:
-                if HAS_BIAS:
-                    res += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
-                gl.store(out_ptr + rows * stride_cn, res.to(out_ptr.dtype.element_ty), mask=rows < N)
-            else:  # the partial to the workspace; the tile's last split to arrive sums all in split order
-                gl.store(ws_ptr + (item % SPLITS) * N + rows, res, mask=rows < N)
-                _barrier()  # every thread's partial before the release below
-                if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-                    tot = gl.zeros([BN], gl.float32, LR)
-                    for sp in gl.static_range(SPLITS):  # a fixed order: the sum does not depend on who came last
-                        tot += gl.load(ws_ptr + sp * N + rows, mask=rows < N, other=0.0, cache_modifier=".cg")
-                    if HAS_BIAS:
-                        tot += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
-                    gl.store(out_ptr + rows * stride_cn, tot.to(out_ptr.dtype.element_ty), mask=rows < N)
-                    gl.store(cnt_ptr + tile, 0)  # the counter back to zero for the next call
+            _tile_out(gl.sum(acc, axis=1), rows_r, item, bias_ptr, out_ptr, ws_ptr, cnt_ptr, N, stride_cn, HAS_BIAS,
+                      BN, SPLITS)
             acc = gl.zeros([BN, 4], gl.float32, LQ)
         _barrier()
     for k in gl.static_range(STAGES):
