@@ -37,7 +37,9 @@ from kernel_parity.kernels.triton.gemm import _check_common, _sm_count, check_we
 from kernel_parity.kernels.triton.gemm_q8 import quantize_q8_0
 
 # (WARPS, G, STAGES, CTAS_PER_SM): BN = 32 / G x WARPS rows a tile, G groups of 8 blocks (256 weights) a K step.
-GEMV_Q8_0_CONFIG = (2, 4, 2, 6)
+# The fastest of eight on an H200 at both Llama-3-8B shapes (reports/baselines/gluon-gemv-bench-h200.json run 9):
+# 128-row tiles of one group a step, K split by auto_splits (14336 x 4096: 2 splits, 4096 x 14336: 8).
+GEMV_Q8_0_CONFIG = (4, 1, 2, 3)
 _tma_load, _ = tma_ops()
 _barrier = barrier_op()
 
