@@ -295,8 +295,8 @@ def test_gemv_auto_splits():
     from kernel_parity.kernels.gluon.gemv import MAX_SPLITS, auto_splits
 
     assert auto_splits(448, 4, 792) == 1  # 14336 x 4096 at (4, 4, 2, 6) on 132 SMs: 448 tiles, one wave either way
-    assert auto_splits(448, 8, 528) == 1  # at the default (4, 2, 2, 4): 448 tiles of 8 K steps on 528 slots
-    assert auto_splits(128, 28, 528) == 4  # 4096 x 14336 at the default: 4 splits of 7 steps, one item a CTA
+    assert auto_splits(896, 8, 1056) == 1  # at the default (2, 2, 2, 8): 896 tiles of 8 K steps on 1056 slots
+    assert auto_splits(256, 28, 1056) == 4  # 4096 x 14336 at the default: 4 splits of 7 steps, one item a CTA
     assert auto_splits(900, 4, 792) == 1
     assert auto_splits(128, 14, 792) == 7  # 4096 x 14336: 128 tiles of 14 K steps
     assert auto_splits(3, 9, 792) == 3  # a few rows: the largest divisor of 9 up to 8

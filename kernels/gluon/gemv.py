@@ -25,9 +25,9 @@ block's header and its chunk's activations). Here the weights reach shared memor
   latency runs under the copy's;
 - where the row tiles leave resident CTAs idle, each tile's K is split (auto_splits) and the tile's last CTA
   sums the fp32 partials in split order (the bits do not depend on which split arrives last).
-Measured (H200, reports/baselines/gluon-gemv-bench-h200.json run 10, default (4, 2, 2, 4)): 14336 x 4096 15.2 us =
-72.5% of the pure read of the same bytes (triton-q8 16.0 us, 68.7%); 4096 x 14336 (4 splits) 15.7 us = 72.5% (17.6 us,
-64.4%): past the Triton kernel, short of the 95% goal; NOTES-gemm.md has the profiles and what is next.
+Measured (H200, reports/baselines/gluon-gemv-bench-h200.json run 11, default (2, 2, 2, 8)): 14336 x 4096 14.2 us =
+77.3% of the pure read of the same bytes (triton-q8 16.0 us, 68.6%); 4096 x 14336 (4 splits) 15.5 us = 73.4% (17.7 us,
+64.2%): past the Triton kernel, short of the 95% goal; NOTES-gemm.md has the profiles and what is next.
 Rows past N are zero-filled by the copies and never stored. M = 1 only; K a multiple of 256.
 """
 
@@ -44,10 +44,11 @@ from kernel_parity.kernels.gluon.compat import barrier_op, tma_ops
 from kernel_parity.kernels.triton.gemm import _check_common, _sm_count, check_weights
 from kernel_parity.kernels.triton.gemm_q8 import quantize_q8_k
 
-# (WARPS, KB, STAGES, CTAS_PER_SM): BN = 8 x WARPS rows a tile, KB 256-blocks a K step. The fastest of fourteen on
-# an H200 at both Llama-3-8B shapes (gluon-gemv-bench-h200.json run 10; (4, 4, 2, 6), the default before, 70.4% /
-# 64.7% of the pure read against 72.5% / 72.5%): occupancy over ring depth, two blocks a step.
-GEMV_CONFIG = (4, 2, 2, 4)
+# (WARPS, KB, STAGES, CTAS_PER_SM): BN = 8 x WARPS rows a tile, KB 256-blocks a K step. The fastest of the
+# nineteen measured on an H200 at both Llama-3-8B shapes (gluon-gemv-bench-h200.json runs 10-11; (4, 4, 2, 6), the
+# default before, 70.8% / 64.7% of the pure read against 77.3% / 73.4%): occupancy over ring depth, two blocks a
+# step (68 registers: 8 CTAs of 2 warps fit a multiprocessor).
+GEMV_CONFIG = (2, 2, 2, 8)
 _tma_load, _ = tma_ops()
 _barrier = barrier_op()
 
