@@ -24,9 +24,10 @@ def _version(dist: str) -> str | None:
 
 def git_state(root: Path | None = None) -> tuple[str | None, str | None]:
     """(commit, tree): HEAD's commit (with "-dirty" when tracked files differ from it) and the git tree id of the
-    tracked files as they are in the working tree: HEAD's tree when clean, else one built in a temporary index and
-    object directory (the repository is not written). A copy whose .git lags its files (a device machine's copy
-    of a working tree) still names the tree that ran: compare it with `git rev-parse COMMIT^{tree}`."""
+    files as they are in the working tree, tracked and untracked (not ignored): HEAD's tree when clean and nothing
+    is untracked, else one built in a temporary index and object directory (the repository is not written). A copy
+    whose .git lags its files (a device machine's copy of a working tree, where files added since are untracked)
+    still names the tree that ran: compare it with `git rev-parse COMMIT^{tree}`."""
     root = root or Path(__file__).resolve().parent.parent
     if not (root / ".git").exists() or not shutil.which("git"):
         return None, None
@@ -42,7 +43,7 @@ def git_state(root: Path | None = None) -> tuple[str | None, str | None]:
     if head is None:
         return None, None
     dirty = git("status", "--porcelain", "--untracked-files=no")
-    if not dirty:
+    if not dirty and not git("ls-files", "--others", "--exclude-standard"):
         return head, git("rev-parse", "HEAD^{tree}")
     objects = git("rev-parse", "--git-path", "objects")  # relative to root unless absolute
     tree = None
@@ -52,9 +53,9 @@ def git_state(root: Path | None = None) -> tuple[str | None, str | None]:
             env = dict(os.environ, GIT_INDEX_FILE=str(Path(tmp) / "index"),
                        GIT_OBJECT_DIRECTORY=str(Path(tmp) / "objects"), GIT_ALTERNATE_OBJECT_DIRECTORIES=objects)
             (Path(tmp) / "objects").mkdir()
-            if git("read-tree", "HEAD", env=env) is not None and git("add", "-u", env=env) is not None:
+            if git("read-tree", "HEAD", env=env) is not None and git("add", "-A", env=env) is not None:
                 tree = git("write-tree", env=env)
-    return head + "-dirty", tree
+    return head + ("-dirty" if dirty else ""), tree
 
 
 def _cpu_name() -> str:

@@ -581,8 +581,9 @@ def test_device_matrix_in_a_real_browser(tmp_path, chromium: str) -> None:
 
 
 def test_header_names_the_tree_that_ran(tmp_path):
-    """git_tree is the tree id of the tracked files as they are: HEAD's tree when clean; when a tracked file
-    differs, the tree `git add -u` would write, built without writing the repository's objects or index."""
+    """git_tree is the tree id of the files as they are: HEAD's tree when clean; when a tracked file differs or a
+    file is untracked (a device copy whose .git lags: files added since), the tree `git add -A` would write, built
+    without writing the repository's objects or index."""
     import shutil
     import subprocess
 
@@ -608,4 +609,11 @@ def test_header_names_the_tree_that_ran(tmp_path):
     assert sorted(p.name for p in (tmp_path / ".git" / "objects").rglob("*")) == objects  # nothing written
     assert git("status", "--porcelain") == "M a.txt"  # the index untouched
     git("commit", "-q", "-am", "two")
+    assert tree == git("rev-parse", "HEAD^{tree}")
+    (tmp_path / "b.txt").write_text("new\n")  # an untracked file: HEAD unchanged, the tree with b.txt
+    commit, tree = env.git_state(tmp_path)
+    assert commit == git("rev-parse", "HEAD")
+    assert git("status", "--porcelain") == "?? b.txt"
+    git("add", "b.txt")
+    git("commit", "-q", "-m", "three")
     assert tree == git("rev-parse", "HEAD^{tree}")

@@ -45,7 +45,7 @@ from kernel_parity.kernels.triton.gemm import _check_common, _sm_count, check_we
 from kernel_parity.kernels.triton.gemm_q8 import quantize_q8_k
 
 # (WARPS, KB, STAGES, CTAS_PER_SM): BN = 8 x WARPS rows a tile, KB 256-blocks a K step. The fastest of the
-# nineteen measured on an H200 at both Llama-3-8B shapes (gluon-gemv-bench-h200.json runs 10-11; (4, 4, 2, 6), the
+# eighteen measured on an H200 at both Llama-3-8B shapes (gluon-gemv-bench-h200.json runs 10-11; (4, 4, 2, 6), the
 # default before, 70.8% / 64.7% of the pure read against 77.3% / 73.4%): occupancy over ring depth, two blocks a
 # step (68 registers: 8 CTAs of 2 warps fit a multiprocessor).
 GEMV_CONFIG = (2, 2, 2, 8)
