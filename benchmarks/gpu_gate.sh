@@ -16,11 +16,11 @@
 #           of benchmarks/gpu_gemm.py with its sweep -> $OUT/ci-q8-<device>.jsonl, $OUT/q8-bench-<device>.json
 #   gluon-mla  the gluon step's MLA decode part under timeouts (fits one 600 s call): the gl-mla-* mutants, ci, fresh
 #           seeds, the models suite -> $OUT/{mutants,ci,sweep,models}-gluon-mla-<device>.json[l]
-#   gluon-gemv the same for the GEMVs (gl-gemv-* mutants; gemm.gemm_nt on gluon; fresh seeds: two for every ci
-#           combination, as a per-op draw seldom lands on its few M = 1 entries) -> $OUT/{mutants,ci,sweep,models}-
-#           gluon-gemv-<device>.json[l]; at most 510 s
-#   gluon-gemv-bench `gpu_gluon.py --sections gemv` (the GEMVs against triton-q8 and a pure read) -> $OUT/gemv-bench-
-#           <device>.json; typically both gemv steps fit one call (140 + 20 s measured)
+#   gluon-gemv the same for the GEMVs, Q4_K and Q8_0 (the 18 gl-gemv-* mutants; gemm.gemm_nt on gluon; fresh seeds:
+#           two for every ci combination, as a per-op draw seldom lands on its few M = 1 entries) -> $OUT/{mutants,ci,
+#           sweep,models}-gluon-gemv-<device>.json[l]; at most 510 s (280 s measured)
+#   gluon-gemv-bench `gpu_gluon.py --sections gemv` (both GEMVs at their configs against triton-q8 and a pure read)
+#           -> $OUT/gemv-bench-<device>.json; 125 s measured, so both gemv steps fit one 600 s call
 #   mla     benchmarks/gpu_mla.py (MLA decode vs the copy / matmul limits and FlashMLA's figures) -> $OUT/mla-bench-<device>.json
 #   layers  benchmarks/gpu_{norm,rope,mlp}.py (RMSNorm, LayerNorm, RoPE, SwiGLU / GeGLU vs the copy rate, torch and
 #           the peers that import) -> $OUT/{norm,rope,mlp}-bench-<device>.json
@@ -107,7 +107,7 @@ print(','.join(sorted(n for n, s in ops.all_specs().items() if s.rows is not Non
              --sections api,parity,bench,attn_parity,attn_bench,mla,gemv --configs default || rc=1 ;;
     gluon-mla) gluon_part mla mla.decode 250 "--per-op $PER_OP" 170 || rc=1 ;;  # the gluon step's MLA decode part, in one call
     gluon-gemv) gluon_part gemv gemm.gemm_nt 150 "--seeds 2" 240 || rc=1 ;;  # its GEMV part (FP8 GEMM cases ride along)
-    gluon-gemv-bench) timeout 150 python3 benchmarks/gpu_gluon.py --sections gemv --out "$OUT/gemv-bench-$DEV.json" || rc=1 ;;
+    gluon-gemv-bench) timeout 220 python3 benchmarks/gpu_gluon.py --sections gemv --out "$OUT/gemv-bench-$DEV.json" || rc=1 ;;
     mla) python3 benchmarks/gpu_mla.py --out "$OUT/mla-bench-$DEV.json" --tune-budget "${BUDGET_S:-60}" || rc=1 ;;
     layers) for f in norm rope mlp; do python3 benchmarks/gpu_$f.py --out "$OUT/$f-bench-$DEV.json" || rc=1; done ;;
     peers) $PARITY run --suite peers --no-progress -q --jobs "$JOBS" --json "$OUT/peers-$DEV.jsonl" || rc=1 ;;
