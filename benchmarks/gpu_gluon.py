@@ -438,10 +438,12 @@ def section_mla() -> dict:
 GEMV_SHAPES = ((14336, 4096), (4096, 14336))  # (N, K) at M = 1
 GEMV_CONFIGS = {  # the first of each is the kernel's default (gemv.GEMV_CONFIG, gemv_q8_0.GEMV_Q8_0_CONFIG)
     "q4_k": ((2, 2, 2, 8), (4, 2, 2, 4), (4, 4, 2, 6), (4, 2, 2, 6), (8, 2, 2, 3), (4, 4, 3, 4), (2, 4, 4, 6),
-             (4, 2, 4, 4), (8, 2, 3, 2), (2, 2, 6, 8), (8, 4, 2, 2), (8, 2, 2, 2), (4, 2, 3, 4)),
-    # (WARPS, KB, STAGES, CTAS_PER_SM[, SPLITS])
+             (4, 2, 4, 4), (8, 2, 3, 2), (2, 2, 6, 8), (8, 4, 2, 2), (8, 2, 2, 2), (4, 2, 3, 4), (2, 2, 3, 8),
+             (2, 2, 4, 8), (2, 4, 2, 8)),  # (WARPS, KB, STAGES, CTAS_PER_SM[, SPLITS]); the last three not yet
+    # measured (68 registers at KB 2: deeper rings fit)
     "q8_0": ((4, 1, 2, 3), (2, 4, 2, 6), (4, 4, 2, 3), (2, 2, 4, 3), (4, 1, 3, 2), (2, 1, 2, 6), (2, 1, 3, 4),
-             (4, 2, 2, 3), (8, 1, 2, 1), (4, 1, 2, 3, 1), (4, 1, 2, 3, 4), (4, 1, 2, 4)),  # (WARPS, G, STAGES, CTAS_PER_SM[, SPLITS])
+             (4, 2, 2, 3), (8, 1, 2, 1), (4, 1, 2, 3, 1), (4, 1, 2, 3, 4), (4, 1, 2, 4), (2, 2, 2, 6), (1, 1, 2, 8),
+             (1, 1, 3, 8)),  # (WARPS, G, STAGES, CTAS_PER_SM[, SPLITS]); the last three not yet measured
 }
 
 
