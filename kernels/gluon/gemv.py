@@ -245,6 +245,26 @@ def auto_splits(n_tiles: int, ksteps: int, slots: int) -> int:
     return min(divisors, key=lambda s: -(-n_tiles * s // slots) * (ksteps // s + 1))
 
 
+def launch_plan(name: str, device, n: int, bn: int, ksteps: int, per_sm: int, rest, dummy: torch.Tensor,
+                step: str) -> tuple:
+    """The persistent launch of a GEMV over cdiv(n, bn) row tiles of `ksteps` K steps (`step` says what one step
+    is, for the error): (grid, K splits, the fp32 split workspace (splits, n), the tiles' arrival counters). The
+    splits are rest[0] when the config names them (they must divide ksteps), else auto_splits over per_sm resident
+    CTAs a multiprocessor; the grid gives every CTA the same number of work items (+- 1). Unsplit, both buffers
+    are `dummy` (the kernel never touches them)."""
+    n_tiles = triton.cdiv(n, bn)
+    slots = per_sm * _sm_count(device)
+    splits = rest[0] if rest and rest[0] else auto_splits(n_tiles, ksteps, slots)
+    if ksteps % splits:
+        raise ValueError(f"{name}: {splits} K splits do not divide {ksteps} K steps of {step}")
+    items = n_tiles * splits
+    waves = triton.cdiv(items, slots)
+    if splits == 1:
+        return (triton.cdiv(items, waves),), 1, dummy, dummy
+    ws = torch.empty((splits, n), dtype=torch.float32, device=device)
+    return (triton.cdiv(items, waves),), splits, ws, _counters(device, n_tiles)
+
+
 def gemv_q4_k(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
               *, config: tuple[int, ...] | None = None, quantized: tuple | None = None) -> torch.Tensor:
     """out = a @ W^T (+ bias) for one row of a (M = 1) over Q4_K weights w (N, K / 256 x 144) uint8, in
@@ -267,16 +287,8 @@ def gemv_q4_k(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     q, d, s = quantized if quantized is not None else quantize_q8_k(a)
     bn = 8 * warps
     codes_desc, hdr_desc = descriptors(w, bn, kb)
-    n_tiles = triton.cdiv(N, bn)
-    slots = per_sm * _sm_count(a.device)
-    splits = rest[0] if rest and rest[0] else auto_splits(n_tiles, nb // kb, slots)
-    if (nb // kb) % splits:
-        raise ValueError(f"gluon gemv_q4_k: {splits} K splits do not divide {nb // kb} K steps of {kb} blocks")
-    items = n_tiles * splits
-    waves = triton.cdiv(items, slots)
-    grid = (triton.cdiv(items, waves),)  # every CTA the same number of work items (+- 1)
-    ws = torch.empty((splits, N), dtype=torch.float32, device=a.device) if splits > 1 else d
-    cnt = _counters(a.device, n_tiles) if splits > 1 else s
+    grid, splits, ws, cnt = launch_plan("gluon gemv_q4_k", a.device, N, bn, nb // kb, per_sm, rest, d,
+                                        f"{kb} blocks")
     _gemv_q4_k_tma_kernel[grid](
         codes_desc, hdr_desc, q.view(torch.int32), d, s, bias if bias is not None else d, out, ws, cnt, N, nb,
         out.stride(1), HAS_BIAS=bias is not None, WARPS=warps, KB=kb, STAGES=stages, SPLITS=splits, num_warps=warps)

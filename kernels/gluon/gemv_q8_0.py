@@ -32,8 +32,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernel_parity.kernels.gluon.compat import barrier_op, tma_ops
-from kernel_parity.kernels.gluon.gemv import _counters, _tile_out, auto_splits
-from kernel_parity.kernels.triton.gemm import _check_common, _sm_count, check_weights
+from kernel_parity.kernels.gluon.gemv import _tile_out, launch_plan
+from kernel_parity.kernels.triton.gemm import _check_common, check_weights
 from kernel_parity.kernels.triton.gemm_q8 import quantize_q8_0
 
 # (WARPS, G, STAGES, CTAS_PER_SM): BN = 32 / G x WARPS rows a tile, G groups of 8 blocks (256 weights) a K step.
@@ -239,16 +239,8 @@ def gemv_q8_0(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     q, d = quantized if quantized is not None else quantize_q8_0(a)
     bn = 32 // g * warps
     descs = descriptors(w, bn, g)
-    n_tiles = triton.cdiv(N, bn)
-    slots = per_sm * _sm_count(a.device)
-    splits = rest[0] if rest and rest[0] else auto_splits(n_tiles, ng // g, slots)
-    if (ng // g) % splits:
-        raise ValueError(f"gluon gemv_q8_0: {splits} K splits do not divide {ng // g} K steps of {g} groups")
-    items = n_tiles * splits
-    waves = triton.cdiv(items, slots)
-    grid = (triton.cdiv(items, waves),)  # every CTA the same number of work items (+- 1)
-    ws = torch.empty((splits, N), dtype=torch.float32, device=a.device) if splits > 1 else d
-    cnt = _counters(a.device, n_tiles) if splits > 1 else d
+    grid, splits, ws, cnt = launch_plan("gluon gemv_q8_0", a.device, N, bn, ng // g, per_sm, rest, d,
+                                        f"{g} groups")
     _gemv_q8_0_tma_kernel[grid](
         *descs, q.view(torch.int32), d, bias if bias is not None else d, out, ws, cnt, N, ng, out.stride(1),
         HAS_BIAS=bias is not None, WARPS=warps, G=g, STAGES=stages, SPLITS=splits, num_warps=warps)
