@@ -338,6 +338,11 @@ def section_attn_parity() -> list[dict]:
             ot, lset = T.prefill(q, k, v, causal=causal)
             row["pipe_max_abs_vs_triton"] = float((op_.float() - ot.float()).abs().max())
             row["pipe_lse_inf_agree"] = bool(torch.equal(torch.isinf(lsep), torch.isinf(lset)))
+            for cfg in ATTN_CONFIGS.get(d, ()):  # every benchmarked config computes the same
+                oc, lsec = G.prefill(q, k, v, causal=causal, config=cfg)
+                row["gluon-" + "-".join(map(str, cfg))] = {
+                    "max_abs_vs_triton": float((oc.float() - ot.float()).abs().max()),
+                    "lse_inf_agree": bool(torch.equal(torch.isinf(lsec), torch.isinf(lset)))}
             torch.cuda.synchronize()
             seen = torch.isfinite(lset)
             row.update(nan=bool(torch.isnan(o).any()), max_abs_vs_sdpa_fp32=float((o.float() - ref.nan_to_num()).abs().max()),
@@ -447,12 +452,13 @@ GEMV_CONFIGS = {  # the first of each is the kernel's default (gemv.GEMV_CONFIG,
 }
 
 
-def section_gemv() -> dict:
+def section_gemv(shapes=GEMV_SHAPES, default_only: bool = False) -> dict:
     """kernels/gluon/gemv.py (Q4_K x Q8_K) and gemv_q8_0.py (Q8_0 x Q8_0), M = 1, against triton-q8's GEMV
     (kernels/triton/gemm_q8.py) and a pure read of the same bytes (gpu_gemm_tune's read stream, best of its four
     tiles), all replayed from CUDA graphs over rotated copies of the weights (more than 3x L2), as
     benchmarks/gpu_gemm.py --sections q8 times them; each gluon config's output against triton-q8's (the same
-    integer sums: differences are fp32 summation order)."""
+    integer sums: differences are fp32 summation order). shapes: (N, K) pairs; default_only: each kernel's default
+    config alone (--configs default), for a size sweep that separates a per-launch cost from a per-byte one."""
     from types import SimpleNamespace
 
     import torch
@@ -471,7 +477,7 @@ def section_gemv() -> dict:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     res = {"device": torch.cuda.get_device_name(), "shapes": []}
     ours = {"q4_k": (GV.gemv_q4_k, Q.quantize_q8_k), "q8_0": (GV8.gemv_q8_0, Q.quantize_q8_0)}
-    for fmt, (n, k) in [(f, s) for f in ("q4_k", "q8_0") for s in GEMV_SHAPES]:
+    for fmt, (n, k) in [(f, s) for f in ("q4_k", "q8_0") for s in shapes]:
         row = {"fmt": fmt, "shape": [1, n, k]}
         gemv, quantize = ours[fmt]
         try:
@@ -499,7 +505,7 @@ def section_gemv() -> dict:
             t = graph_ms(ctx, [lambda w=w, o=o: Q.gemm_nt_q8(a, fmt, w, out=o) for w, o in zip(rot, outs)])
             row["triton_q8"].update(with_quant_us=1e3 * t, with_quant_pct_read=100 * best / t)
             scale = float(ref.float().abs().max())
-            for cfg in GEMV_CONFIGS[fmt]:
+            for cfg in GEMV_CONFIGS[fmt][:1] if default_only else GEMV_CONFIGS[fmt]:
                 name = "gluon-" + "-".join(map(str, cfg))
                 try:
                     got = gemv(a, w0, config=cfg)
@@ -521,11 +527,27 @@ def section_gemv() -> dict:
     return res
 
 
+def _gemv_shapes(text: str) -> tuple:
+    """--gemv-shapes: 'NxK,NxK' -> ((N, K), ...), each N >= 1 and K a positive multiple of 256."""
+    try:
+        shapes = tuple(tuple(int(x) for x in part.lower().split("x")) for part in text.split(","))
+    except ValueError:
+        shapes = ()
+    if not shapes or any(len(s) != 2 or s[0] < 1 or s[1] < 256 or s[1] % 256 for s in shapes):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NxK pairs joined by commas, N >= 1 and K a positive "
+                                         f"multiple of 256 (e.g. 14336x4096,28672x4096)")
+    return shapes
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from bench_cases import OneLineParser
+
+    ap = OneLineParser(description=__doc__.split("\n")[0])  # a bad argument: one line, exit 2
     ap.add_argument("--sections", default="api,parity,bench")
     ap.add_argument("--configs", default="all", choices=("all", "default"))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--gemv-shapes", default=None, type=_gemv_shapes, metavar="NxK[,NxK...]",
+                    help="the gemv section's (N, K) at M = 1 (K a multiple of 256), instead of Llama-3-8B's two")
     args = ap.parse_args(argv)
     out = Path(args.out or Path(os.environ.get("OUT", ".")) / "gluon.json")
     from kernel_parity.kernels.gluon.gemm_fp8 import GEMM_CONFIG
@@ -552,7 +574,7 @@ def main(argv=None) -> int:
             elif sec == "mla":
                 doc["mla"] = section_mla()
             elif sec == "gemv":
-                doc["gemv"] = section_gemv()
+                doc["gemv"] = section_gemv(args.gemv_shapes or GEMV_SHAPES, args.configs == "default")
             else:
                 doc[sec] = f"unknown section {sec!r}"
         except Exception as e:  # noqa: BLE001

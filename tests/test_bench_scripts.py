@@ -110,3 +110,17 @@ def test_gluon_sm90_bad_arguments_are_exit_2_with_one_line(args, names):
     (line,) = r.stderr.strip().splitlines()
     assert "error" in line and names in line, line
     assert r.stdout == ""
+
+
+@pytest.mark.parametrize("args,names", [(["--gemv-shapes", "12x100"], "multiple of 256"),
+                                        (["--gemv-shapes", "14336x4096,x"], "NxK"),
+                                        (["--gemv-shapes", "0x4096"], "N >= 1"), (["--no-such-flag"], "unrecognized")],
+                         ids=["k-not-256", "not-a-pair", "n-zero", "flag"])
+def test_gpu_gluon_bad_arguments_are_exit_2_with_one_line(args, names):
+    """benchmarks/gpu_gluon.py: a bad --gemv-shapes (or flag) is exit 2 with one line naming what was expected,
+    before importing torch or touching a GPU."""
+    r = _script("gpu_gluon", *args)
+    assert r.returncode == 2, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert "error" in line and names in line, line
+    assert r.stdout == ""
