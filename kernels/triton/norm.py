@@ -96,12 +96,11 @@ def _rms_norm_fused_kernel(
     mask = mask_m[:, None] & mask_n[None, :]
     rows = offs_m.to(tl.int64)  # rows * stride can pass 2^31 elements
     # Lanes past n (padding, the block's tail) load as 0: they add nothing to the sums and
-    # come out as 0 * rstd * g = +0, which is what the padding lanes must hold.
-    x = tl.load(X_ptr + rows[:, None] * stride_x_row + offs_n[None, :], mask=mask, other=0.0,
-                eviction_policy="evict_first").to(tl.float32)
+    # come out as 0 * rstd * g = +0, which is what the padding lanes must hold. No eviction hint on
+    # x and r: evict_first cost 3-5% of the copy rate on an H200 (bf16 16K / 32K x 4096, 16K x 8192).
+    x = tl.load(X_ptr + rows[:, None] * stride_x_row + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        r = tl.load(R_ptr + rows[:, None] * stride_r_row + offs_n[None, :], mask=mask, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
+        r = tl.load(R_ptr + rows[:, None] * stride_r_row + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         x = x + r  # h in fp32: normalised unrounded, rounded once as the residual stream
     rstd = _rstd(tl.sum(x * x, axis=1), n_cols, eps)  # fp32 sum of squares over the real lanes
     y = x * rstd[:, None]
@@ -170,6 +169,8 @@ def _layer_norm_fused_kernel(
     rows = offs_m.to(tl.int64)
     x = tl.load(X_ptr + rows[:, None] * stride_x_row + offs_n[None, :], mask=mask, other=0.0,
                 eviction_policy="evict_first").to(tl.float32)
+    # LayerNorm keeps the hint (and _num_warps): unhinted and at 8 warps it ran 80.6-85.8% of copy on an H200 where
+    # the hinted kernel had run 90-95% (NOTES-gemm.md, issue 33 seventh session); RMSNorm gains without it
     mean64 = tl.sum(x.to(tl.float64), axis=1) / n_cols  # fp64: the mean cancels
     mean = mean64.to(tl.float32)
     lo = (mean64 - mean.to(tl.float64)).to(tl.float32)  # what fp32(mean) dropped
@@ -238,6 +239,14 @@ def _num_warps(tile: int, elt: int) -> int:
     LayerNorm, with its fp64 mean, at 84-86%); 32 warps lost 10-45% everywhere. fp32 rows at 16
     values a thread (the earlier table) reached 97-100% at 4096 and 8192 lanes."""
     return max(4, min(16, tile // (512 if elt >= 4 else 1024)))
+
+
+def _rms_num_warps(tile: int, elt: int) -> int:
+    """The RMSNorm forward's warps: _num_warps, but 16-bit tiles up to 8192 values take 8. On an H200, with x's
+    load unhinted (benchmarks/NOTES-gemm.md, issue 33 seventh session), bf16 at 4096 lanes ran 1-2 points of the
+    copy rate faster at 8 warps than at 4 (16K / 32K rows: 102.3 / 102.4% against 100.2 / 101.0% of a plain copy
+    kernel's rate in one run; liger 101.6 / 104.2%)."""
+    return _num_warps(tile, elt) if elt >= 4 or tile > 8192 else 8
 
 
 def _fused_shape(rows: int, n: int) -> tuple[int, int]:
@@ -349,7 +358,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, *, n: int | No
         block_m, block_n = _fused_shape(rows, n)
         _rms_norm_fused_kernel[(triton.cdiv(rows, block_m),)](
             *ptrs, rows, n, aw, *strides, float(eps), BLOCK_M=block_m, BLOCK_N=block_n, **flags,
-            num_warps=_num_warps(block_m * block_n, x.element_size()))
+            num_warps=_rms_num_warps(block_m * block_n, x.element_size()))
     else:
         _rms_norm_looped_kernel[(rows,)](
             *ptrs, n, aw, *strides, float(eps), BLOCK_N=LOOP_BLOCK_N, **flags,
