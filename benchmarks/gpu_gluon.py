@@ -544,7 +544,8 @@ def main(argv=None) -> int:
 
     ap = OneLineParser(description=__doc__.split("\n")[0])  # a bad argument: one line, exit 2
     ap.add_argument("--sections", default="api,parity,bench")
-    ap.add_argument("--configs", default="all", choices=("all", "default"))
+    ap.add_argument("--configs", default="all", choices=("all", "default"),
+                    help="default: the FP8 GEMM's and the GEMVs' default configs only (the prefill's extra configs always run)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--gemv-shapes", default=None, type=_gemv_shapes, metavar="NxK[,NxK...]",
                     help="the gemv section's (N, K) at M = 1 (K a multiple of 256), instead of Llama-3-8B's two")
