@@ -3,6 +3,7 @@
     python benchmarks/gluon_sm90.py gemm_fp8 [BLOCK_N STAGES GROUP_M REGS_MMA REGS_LOAD SKEW]
     python benchmarks/gluon_sm90.py prefill D MODE [BLOCK_N STAGES PIPE]      (MODE 0 none, 1 bottom-right, 2 top-left)
     python benchmarks/gluon_sm90.py mla [CAUSAL]                               (kernels/gluon/mla.py)
+    python benchmarks/gluon_sm90.py mla_fused                                  (kernels/gluon/mla_fused.py)
     python benchmarks/gluon_sm90.py gemv [WARPS KB STAGES CTAS SPLITS]         (kernels/gluon/gemv.py)
     python benchmarks/gluon_sm90.py gemv_q8_0 [WARPS G STAGES CTAS SPLITS]     (kernels/gluon/gemv_q8_0.py)
     options: --ptx PATH (keep the PTX), --ttgir PATH
@@ -124,6 +125,28 @@ def compile_mla(causal: int):
         enable_fp_fusion=False, grid=(1,))
 
 
+def compile_mla_fused():
+    import torch
+    from triton.experimental.gluon import language as gl
+
+    from kernel_parity.kernels.gluon import mla_fused as G
+    from kernel_parity.kernels.gluon.compat import ws_list
+
+    b, h_q, page, blocks = 2, 16, 64, 8
+    q1 = torch.empty(b * h_q, 576, dtype=torch.bfloat16)
+    c2 = torch.empty(blocks * page, 576, dtype=torch.bfloat16)
+    acc = torch.empty(b * h_q, 512)
+    m = torch.empty(b * h_q)
+    off = torch.zeros(b + 1, dtype=torch.int32)
+    table = torch.zeros(b, blocks, dtype=torch.int32)
+    bf = gl.bfloat16
+    return G._mla_fused_cached_kernel.warmup(
+        _desc(q1, [64, 256], bf), _desc(q1, [64, 64], bf), _desc(q1, [64, 256], bf), _desc(q1, [64, 64], bf),
+        _desc(c2, [32, 256], bf), _desc(c2, [32, 64], bf), acc, m, m, off, off, table, table.stride(0), h_q, page,
+        0.1, REGS_MMA=G.REGS[0], REGS_LOAD=G.REGS[1], WS_LIST=ws_list(), num_warps=4, enable_fp_fusion=False,
+        grid=(1,))
+
+
 def compile_gemv(config: list[int]):
     import torch
 
@@ -184,13 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     from bench_cases import OneLineParser
 
     ap = OneLineParser(description=__doc__.split("\n")[0])  # a bad argument: one line, exit 2
-    ap.add_argument("kernel", choices=("gemm_fp8", "prefill", "mla", "gemv", "gemv_q8_0"))
+    ap.add_argument("kernel", choices=("gemm_fp8", "prefill", "mla", "mla_fused", "gemv", "gemv_q8_0"))
     ap.add_argument("args", nargs="*", type=int, help="gemm_fp8: config; prefill: D MODE [config]")
     ap.add_argument("--ptx", default=None)
     ap.add_argument("--ttgir", default=None)
     a = ap.parse_args(argv)
     if a.kernel == "prefill" and len(a.args) < 2:
         ap.error("prefill takes D MODE [BLOCK_N STAGES PIPE]")
+    if a.kernel == "mla_fused" and a.args:
+        ap.error(f"mla_fused takes no arguments, not {' '.join(map(str, a.args))}: the kernel has no config to choose")
     if a.kernel == "mla" and (len(a.args) > 1 or any(x not in (0, 1) for x in a.args)):
         ap.error(f"mla takes [CAUSAL] (0 or 1), not {' '.join(map(str, a.args))}: the kernel has no config to choose")
     os.environ.pop("TRITON_INTERPRET", None)
@@ -200,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             k = compile_gemm_fp8(a.args)
         elif a.kernel == "prefill":
             k = compile_prefill(a.args[0], a.args[1], a.args[2:])
+        elif a.kernel == "mla_fused":
+            k = compile_mla_fused()
         elif a.kernel == "gemv":
             k = compile_gemv(a.args)
         elif a.kernel == "gemv_q8_0":

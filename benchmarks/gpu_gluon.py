@@ -2,7 +2,7 @@
 with the Triton kernels on the same quantized operands, and their speed beside the peers and the
 hardware's matmul rate measured in the same run.
 
-    python benchmarks/gpu_gluon.py [--sections api,parity,bench,attn_parity,attn_bench,mla,gemv] [--out PATH]
+    python benchmarks/gpu_gluon.py [--sections api,parity,bench,attn_parity,attn_bench,mla,fused,gemv] [--out PATH]
                                    [--configs all|default]
 
 - api: Triton's version, the signatures of the Gluon calls the kernels make (kernels/gluon/compat.py).
@@ -19,6 +19,8 @@ hardware's matmul rate measured in the same run.
 - attn_bench: causal prefill bf16, 32 / 8 heads, s 4096, d 64 / 128 / 256: gluon, triton, SDPA cuDNN and flash
   (each `do_bench`), TFLOP/s of the causal half, and the run's bf16 matmul rate.
 - mla: kernels/gluon/mla.py against the Triton mla_decode, TFLOP/s beside the run's matmul rate.
+- fused: the fused FP8 MLA branch (kernels/gluon/mla_fused.py) against the Triton branch (out at edge lengths) and
+  the eager branch (kernels/torch/mla.py), b 128, one new token, h_q 128 / 16, 4K / 16K cached keys.
 - gemv: kernels/gluon/gemv.py (Q4_K x Q8_K) and gemv_q8_0.py (Q8_0 x Q8_0), M = 1, each at its configs, against
   triton-q8's GEMV and a pure read of the same bytes, CUDA-graph replays over rotated weights (L2 cold), alone and
   with the activation quantizer.
@@ -440,6 +442,127 @@ def section_mla() -> dict:
     return res
 
 
+FUSED_BENCH = ((128, 128, 4096), (128, 128, 16384), (128, 16, 4096), (128, 16, 16384))  # (b, h_q, L)
+FUSED_REGS = ((240, 32), (232, 40))  # REGS variants timed beside the default at h_q 128
+FUSED_PARITY = ((3, 16, 1, (0, 1, 31)), (4, 64, 2, (33, 64, 95, 700)), (2, 128, 1, (1000, 64)),
+                (5, 17, 3, (0, 130, 257, 32, 513)))  # (b, h_q, new tokens, cached lengths): edges of 32 / 64
+
+
+def _fused_inputs(b, h_q, cached, new=1, seed=0, page=64):
+    """mla_decode_fused_fp8's positional arguments at DeepSeek-V3's shapes (dn 128, d_r 64, d_c 512, v 128; as
+    benchmarks/gpu_mla_tune.py's fused_inputs): `new` tokens a request after `cached` (one length, or one a
+    request) cached ones; every cache slot past a request's rows NaN."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    cl = torch.tensor(list(cached) if isinstance(cached, (tuple, list)) else [cached] * b, dtype=torch.int32,
+                      device=dev)
+    L = int(cl.max()) + new
+    blocks = (L + page - 1) // page
+    cache = torch.full((b * blocks, page, 1, 576), float("nan"), device=dev, dtype=torch.bfloat16)
+    table = torch.randperm(b * blocks, device=dev, generator=g).to(torch.int32).view(b, blocks)
+    for r in range(b):
+        n = int(cl[r]) + new
+        rows = torch.randn(n, 576, device=dev, generator=g).to(torch.bfloat16)
+        for j in range((n + page - 1) // page):
+            m = min(page, n - j * page)
+            cache[int(table[r, j]), :m, 0] = rows[j * page:j * page + m]
+    dn, d_r, d_c, dv = 128, 64, 512, 128
+    ang = torch.arange(L, device=dev, dtype=torch.float64)[:, None] * \
+        10000.0 ** (-torch.arange(0, d_r, 2, device=dev, dtype=torch.float64) / d_r)
+    fp8 = lambda *s: (0.05 * torch.randn(s, device=dev, generator=g) * 448).to(torch.float8_e4m3fn)  # noqa: E731
+    return [torch.randn(b * new, h_q, dn + d_r, device=dev, generator=g).to(torch.bfloat16),
+            torch.arange(0, b * new + 1, new, device=dev, dtype=torch.int32),
+            torch.stack([ang.cos(), ang.sin()], -1).reshape(L, d_r).float(),
+            1 + 0.1 * torch.randn(d_c, device=dev, generator=g), 1e-6,
+            fp8(h_q, d_c, dn), torch.full((h_q, d_c // 128, dn // 128), 1 / 448, device=dev),
+            fp8(h_q, dv, d_c), torch.full((h_q, dv // 128, d_c // 128), 1 / 448, device=dev),
+            cache, table, cl, 192 ** -0.5]
+
+
+def _copies(args):
+    import torch
+
+    return [x.clone() if isinstance(x, torch.Tensor) else x for x in args]
+
+
+def section_fused() -> dict:
+    """The fused FP8 MLA branch (mla.decode_fused_fp8): kernels/gluon/mla_fused.py (the cached keys' attention in
+    Gluon, the rest Triton's) against kernels/triton/mla_fused.py and the eager branch (kernels/torch/mla.py): out
+    against the Triton kernel's at edge lengths (parity), then ms at b 128, one new token, and the attention's
+    TFLOP/s (2 b h_q L (576 + 512), one part) beside this run's bf16 matmul rate."""
+    import torch
+
+    from kernel_parity.kernels.gluon import mla_fused as G
+    from kernel_parity.kernels.torch import mla as E
+    from kernel_parity.kernels.triton import mla_fused as T
+
+    ms = _ms
+    res = _run_header()
+    res["parity"] = []
+    for (b, h_q, new, cached) in FUSED_PARITY:
+        row = {"shape": [b, h_q, new, list(cached)]}
+        try:
+            args = _fused_inputs(b, h_q, cached, new)
+            outs = {}
+            for name, fn in (("gluon", G.mla_decode_fused_fp8), ("triton", T.mla_decode_fused_fp8)):
+                outs[name] = fn(*_copies(args), attn_sink=torch.linspace(-1, 1, h_q, device="cuda"), max_new_tokens=new).float()
+            d = (outs["gluon"] - outs["triton"]).abs()
+            row.update(max_abs=float(d.max()), frac_diff=float((d > 0).float().mean()),
+                       max_abs_triton=float(outs["triton"].abs().max()),
+                       nan=int(outs["gluon"].isnan().sum()),
+                       cos=float(torch.nn.functional.cosine_similarity(outs["gluon"].flatten(),
+                                                                       outs["triton"].flatten(), dim=0)))
+        except Exception as e:  # noqa: BLE001
+            row["error"] = _err(e)
+        res["parity"].append(row)
+        print("fused parity", row, flush=True)
+    for (b, h_q, L) in FUSED_BENCH:
+        row = {"shape": [b, h_q, L]}
+        try:
+            args = _fused_inputs(b, h_q, L - 1)
+            fl = 2 * b * h_q * L * (576 + 512)
+            out = torch.empty((b, h_q, 128), dtype=torch.bfloat16, device="cuda")
+            # each on fresh copies: a call normalises and ropes the new rows in place (a second call on the
+            # same cache sees them rotated twice)
+            o_g = G.mla_decode_fused_fp8(*_copies(args), max_new_tokens=1).float()
+            o_t = T.mla_decode_fused_fp8(*_copies(args), max_new_tokens=1).float()
+            torch.cuda.empty_cache()
+            row["max_abs_vs_triton"] = float((o_g - o_t).abs().max())
+            row["frac_diff_vs_triton"] = float(((o_g - o_t).abs() > 0).float().mean())
+            for name, fn in (("gluon", lambda: G.mla_decode_fused_fp8(*args, out=out, max_new_tokens=1)),
+                             ("triton", lambda: T.mla_decode_fused_fp8(*args, out=out, max_new_tokens=1)),
+                             ("eager", lambda: E.decode_fused_fp8(*args, inplace=True))):
+                try:
+                    t = ms(fn)
+                    tf = fl / t / 1e9
+                    row[name] = {"ms": t, "tflops": tf, "pct_matmul": 100 * tf / res["matmul_bf16_tflops"]}
+                except Exception as e:  # noqa: BLE001
+                    row[name] = _err(e)
+                torch.cuda.empty_cache()
+            if h_q == 128:  # the consumer groups' register budget (ptxas spills less at 240)
+                for regs in FUSED_REGS:
+                    saved = G.REGS
+                    G.REGS = regs
+                    try:
+                        row[f"gluon_regs_{regs[0]}_{regs[1]}"] = ms(
+                            lambda: G.mla_decode_fused_fp8(*args, out=out, max_new_tokens=1))
+                    except Exception as e:  # noqa: BLE001
+                        row[f"gluon_regs_{regs[0]}_{regs[1]}"] = _err(e)
+                    finally:
+                        G.REGS = saved
+            if isinstance(row.get("gluon"), dict) and isinstance(row.get("eager"), dict):
+                row["speedup_vs_eager"] = row["eager"]["ms"] / row["gluon"]["ms"]
+            del args, out
+        except Exception as e:  # noqa: BLE001
+            row["error"] = _err(e)
+        res["shapes"].append(row)
+        print("fused bench", row, flush=True)
+        torch.cuda.empty_cache()
+    return res
+
+
 GEMV_SHAPES = ((14336, 4096), (4096, 14336))  # (N, K) at M = 1
 GEMV_CONFIGS = {  # the first of each is the kernel's default (gemv.GEMV_CONFIG, gemv_q8_0.GEMV_Q8_0_CONFIG)
     "q4_k": ((2, 2, 2, 8), (4, 2, 2, 4), (4, 4, 2, 6), (4, 2, 2, 6), (8, 2, 2, 3), (4, 4, 3, 4), (2, 4, 4, 6),
@@ -574,6 +697,8 @@ def main(argv=None) -> int:
                 doc["attn_bench"] = section_attn_bench()
             elif sec == "mla":
                 doc["mla"] = section_mla()
+            elif sec == "fused":
+                doc["fused"] = section_fused()
             elif sec == "gemv":
                 doc["gemv"] = section_gemv(args.gemv_shapes or GEMV_SHAPES, args.configs == "default")
             else:

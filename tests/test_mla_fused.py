@@ -137,6 +137,51 @@ def test_fused_three_dim_cache_strided_out_and_explicit_max_new_tokens(request):
     assert_fused(x, "bf16", request, out, cache[:, :, None])
 
 
+def _cached_state_float64(q_full, kv_cache, block_table, cache_lengths, input_row_offsets, n_m64, qk_scale):
+    """What a `cached_attend` returns (kernels/gluon/mla_fused.py's contract), computed in float64 with torch:
+    per row (token t of request r, head h; row t H + h) the online-softmax state over keys [0, cache_lengths[r])
+    in the log2 domain: (sum_j 2^(s_j - m) v_j, m = max_j s_j, sum_j 2^(s_j - m)), s_j = qk_scale q . k_j."""
+    T, H, d = q_full.shape
+    page = kv_cache.shape[1]
+    rows = kv_cache.reshape(-1, d).double()
+    acc = torch.zeros(T * H, 512, dtype=torch.float64)
+    m = torch.full((T * H,), float("-inf"), dtype=torch.float64)
+    lsum = torch.zeros(T * H, dtype=torch.float64)
+    off = input_row_offsets.tolist()
+    for r in range(len(off) - 1):
+        n = int(cache_lengths[r])
+        if off[r + 1] == off[r] or n == 0:
+            continue
+        j = torch.arange(n)
+        keys = rows[block_table[r, j // page].long() * page + j % page]
+        q = q_full[off[r]:off[r + 1]].double().reshape(-1, d)
+        s = qk_scale * (q @ keys.T)
+        mr = s.max(dim=1).values
+        p = torch.exp2(s - mr[:, None])
+        sl = slice(off[r] * H, off[r + 1] * H)
+        acc[sl], m[sl], lsum[sl] = p @ keys[:, :512], mr, p.sum(dim=1)
+    return acc.float(), m.float(), lsum.float()
+
+
+@pytest.mark.parametrize("name", ["ragged", "mtp_sink", "two_row_blocks"])
+def test_fused_cached_state_hook_matches_golden(request, name):
+    """The Triton kernel continuing from a cached part's state (`cached_attend`, the contract of the gluon
+    kernel): from a float64 state it meets the golden within the same bounds."""
+    x = _case(name, "bf16", seed=5)
+    assert_fused(x, "bf16", request, *_run(x, cached_attend=_cached_state_float64))
+
+
+def test_fused_cached_state_hook_refuses_the_sparse_mode():
+    x = _case("one", "bf16")
+    t = {k: to_torch(v.copy(), DEV) for k, v in x.items()}
+    with pytest.raises(ValueError, match="cached_attend is for the dense mode"):
+        mla_decode_fused_fp8(t["q"], t["input_row_offsets"], t["freqs_cis"], t["gamma"], FUSED_EPS, t["w_uk"],
+                             t["w_uk_scale"], t["w_uv"], t["w_uv_scale"], t["kv_cache"], t["block_table"],
+                             t["cache_lengths"], FUSED_SCALE, d_indices=torch.zeros(4, dtype=torch.int32),
+                             indices_stride=4, topk=4, topk_lengths=torch.ones(1, dtype=torch.int32),
+                             cached_attend=_cached_state_float64)
+
+
 @pytest.mark.parametrize("bad", ["w_uk_dtype", "w_uv_scale_shape", "cache_dtype", "granularity", "w_uv_format",
                                  "w_uv_scale_dtype"])
 def test_fused_refuses_bad_inputs(bad):

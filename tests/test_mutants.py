@@ -107,3 +107,14 @@ def test_shards_split_the_selection_round_robin(capsys):
     assert got[0] == ids[0::3]
     assert main(["mutants", "--list", "--shard", "0/3"]) == 2
     assert "i must be in 1..N" in capsys.readouterr().err
+
+
+def test_survivor_note_names_the_ops_that_ran_it():
+    """A mutant that no case runs (its op's entries do not list its backend) must not read as tested: the note
+    says no case ran; otherwise it names the ops whose cases ran, most first."""
+    from kernel_parity.conformance.mutants.run import passed_note
+
+    assert passed_note({}).startswith("no gate case ran")
+    note = passed_note({"mla.decode": 24, "attention.prefill": 32, "a": 1, "b": 1, "c": 1})
+    assert note.startswith("every gate case passed: 59 ran (attention.prefill 32, mla.decode 24")
+    assert note.endswith("+1 ops)")

@@ -21,6 +21,9 @@ Ops:
   warp groups), the op's own reference, as the `triton` kernel.
 - mla.decode, one latent kv head, s_q x h_q a multiple of 64, bf16 / fp16: kernels/gluon/mla.py (FlashMLA's
   seesaw: two consumer warp groups taking 64-key tiles in turn, P handed over through shared memory).
+- mla.decode_fused_fp8, dense mode, bf16 / fp16, pages of a multiple of 32: kernels/gluon/mla_fused.py (the
+  cached keys' attention in the seesaw at fp32 grade: q and P in two 16-bit parts), the rest of the branch
+  (RMSNorm + RoPE, the FP8 bmms, this step's keys) the Triton kernel's; the sparse mode is the `triton` kernel's.
 Registered through the `kernel_parity.backends` entry point (pyproject.toml), like triton-q8.
 """
 
@@ -34,6 +37,7 @@ from kernel_parity.conformance.backends._torch import cuda_available, to_torch
 GEMM = "gemm.gemm_nt"
 PREFILL = "attention.prefill"
 MLA = "mla.decode"
+FUSED = "mla.decode_fused_fp8"
 
 
 def unavailable() -> str | None:
@@ -151,17 +155,38 @@ def _mla(case: Any, inputs: dict, out: Any) -> dict:
     return {"o": o, "lse": lse}
 
 
+def _fused_supports(case: Any) -> str | None:
+    from kernel_parity.conformance.backends.mla import triton_supports
+
+    p = case.p
+    if p.get("sparse", 0):
+        return "the gluon fused MLA attention is the dense mode's cached part; the sparse mode has none (triton runs it)"
+    return triton_supports()[FUSED](case)  # its launches 1, 2, 4 and the new keys are the Triton kernel's
+
+
+def _fused(case: Any, inputs: dict, out: Any) -> dict:
+    from kernel_parity.conformance.backends.mla import _fused_args
+    from kernel_parity.kernels.gluon import mla_fused
+
+    o = out.torch("out", "cuda")
+    t = {k: to_torch(v, "cuda") for k, v in inputs.items()}
+    qrope = bool(case.p.get("qrope", 0))  # writes t["kv_cache"], and with qrope t["q"]'s rope part
+    mla_fused.mla_decode_fused_fp8(*_fused_args(t, case.p), attn_sink=t.get("attn_sink"), out=o, q_inplace=qrope,
+                                   sink_per=case.p.get("sink_shape", "head"))
+    return {"out": o, "kv_cache": t["kv_cache"], **({"q": t["q"]} if qrope else {})}
+
+
 def _ops() -> dict[str, Callable]:
-    return {GEMM: _gemm, PREFILL: _prefill, MLA: _mla}
+    return {GEMM: _gemm, PREFILL: _prefill, MLA: _mla, FUSED: _fused}
 
 
 def make() -> GluonBackend:
     return GluonBackend(name="gluon", device="cuda", dtypes=("bf16", "fp16"), ops=_ops(),
                         claims={GEMM: "emulated"}, support={GEMM: _gemm_supports, PREFILL: _prefill_supports,
-                                                            MLA: _mla_supports},
+                                                            MLA: _mla_supports, FUSED: _fused_supports},
                         deterministic=True,
                         doc="kernels/gluon/*: warp-specialised Gluon kernels (Hopper): FP8 block-scaled GEMM, "
-                            "Q4_K / Q8_0 GEMVs, attention prefill, MLA decode")
+                            "Q4_K / Q8_0 GEMVs, attention prefill, MLA decode, the fused FP8 MLA branch's attention")
 
 
 BACKEND = make

@@ -87,14 +87,17 @@ def _gpu() -> bool:
 
 
 def run_gate(mutant: Mutant, cases: list[Case], root: Path, jobs: int, timeout: float,
-             args: Any = None) -> CaseResult | None:
+             args: Any = None, judged: dict | None = None) -> CaseResult | None:
     """The first failing record of `cases` under the mutant (None: every case passed or skipped),
-    in the suite's order (small cases first), on local workers or over the GPUs of `--devices`."""
+    in the suite's order (small cases first), on local workers or over the GPUs of `--devices`.
+    judged: filled with op -> how many of its cases ran (not skipped)."""
     from kernel_parity.conformance import executors
 
     found: list[CaseResult] = []
 
     def on_result(rec: CaseResult) -> None:
+        if judged is not None and rec.verdict != "skip":
+            judged[rec.op] = judged.get(rec.op, 0) + 1
         if rec.failing and not found:
             found.append(rec)
 
@@ -142,9 +145,10 @@ def evaluate(mutant: Mutant, args: Any, root: Path) -> dict:
         _check_builds(mutant, root)
     from kernel_parity.conformance.parallel import WorkerSetupError
 
+    judged: dict[str, int] = {}
     try:
         rec = run_gate(mutant, gate_cases(mutant, args.suite or suites.DEFAULT_SUITE), root, args.jobs, args.timeout,
-                       args)
+                       args, judged)
     except WorkerSetupError as e:
         raise MutantError(f"mutant {mutant.id!r}: {e}") from None
     if rec is not None:
@@ -154,9 +158,20 @@ def evaluate(mutant: Mutant, args: Any, root: Path) -> dict:
         test, note = run_props(mutant, root, max(args.timeout, 600.0))
         res.update(status="killed" if test else "survived", by="props" if test else None, test=test, note=note)
     else:
-        res.update(status="survived", note="every gate case passed")
+        res.update(status="survived", note=passed_note(judged))
     res["elapsed_s"] = round(time.perf_counter() - t0, 2)
     return res
+
+
+def passed_note(judged: dict[str, int]) -> str:
+    """A survivor's note: which ops' cases ran it (a mutant of a kernel no case runs survives vacuously: the
+    note says so, naming no op)."""
+    if not judged:
+        return "no gate case ran (every case of its backend skipped or none listed)"
+    ops = sorted(judged.items(), key=lambda kv: -kv[1])
+    more = f", +{len(ops) - 4} ops" if len(ops) > 4 else ""
+    return (f"every gate case passed: {sum(judged.values())} ran ("
+            + ", ".join(f"{op} {n}" for op, n in ops[:4]) + more + ")")
 
 
 def _check_builds(mutant: Mutant, root: Path) -> None:

@@ -281,14 +281,17 @@ def _mla_attend_split3(q1, q2, q3, p1, p2, p3, kn, kp, live, m_i, l_i, acc, qk_s
 
 @triton.jit
 def _mla_fused_attend_kernel(
-    QF_ptr, New_ptr, KV_ptr, O_ptr, Off_ptr, CL_ptr, BT_ptr, Sink_ptr,
+    QF_ptr, New_ptr, KV_ptr, O_ptr, Off_ptr, CL_ptr, BT_ptr, Sink_ptr, SAcc_ptr, SM_ptr, SL_ptr,
     H, n_m, qk_scale,
     stride_qf_t, stride_qf_h, stride_new_t, stride_kb, stride_ks, stride_bt_b, stride_bt_p,
     stride_o_t, stride_o_h,
     HAS_SINK: tl.constexpr, SINK_BATCH: tl.constexpr, PAGE: tl.constexpr, D_V: tl.constexpr,
     D_PE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
-    SPLIT3: tl.constexpr,
+    SPLIT3: tl.constexpr, STATE: tl.constexpr = False,
 ):
+    """STATE: the cached keys' online-softmax state of every row (row tok * H + head: the unnormalised fp32
+    accumulator (T H, D_V), the running max in the log2 domain and the sum, (T H,) each) was computed by another
+    kernel (kernels/gluon/mla_fused.py); this one starts from it and attends this step's tokens alone."""
     pid = tl.program_id(0)
     pid_m = pid % n_m
     r = pid // n_m
@@ -322,21 +325,27 @@ def _mla_fused_attend_kernel(
     # tensor cores, the fp32 q and p split in three parts (_mla_attend_split3: exact products,
     # fp32 sums); otherwise (an fp32 cache, the interpreter) widened to fp32, IEEE FMA dots.
     n_old = tl.minimum(cl, hi)
-    if SPLIT3:
-        q1, q2, q3 = _split3(q_nope, KV_ptr.dtype.element_ty)
-        p1, p2, p3 = _split3(q_pe, KV_ptr.dtype.element_ty)
-    for start_n in tl.range(0, n_old, BLOCK_N, num_stages=NUM_STAGES):
-        cols = start_n + offs_n
-        old = cols < n_old
-        page = tl.load(bt_row + (cols // PAGE) * stride_bt_p, mask=old, other=0)
-        rows = page.to(tl.int64) * stride_kb + (cols % PAGE) * stride_ks
-        kn = tl.load(KV_ptr + rows[:, None] + offs_dv[None, :], mask=old[:, None], other=0.0)
-        kp = tl.load(KV_ptr + rows[:, None] + D_V + offs_pe[None, :], mask=old[:, None], other=0.0)
+    if STATE:
+        srow = tok * H + head
+        m_i = tl.load(SM_ptr + srow, mask=mask_m, other=float("-inf"))
+        l_i = tl.load(SL_ptr + srow, mask=mask_m, other=0.0)
+        acc = tl.load(SAcc_ptr + srow[:, None] * D_V + offs_dv[None, :], mask=mask_m[:, None], other=0.0)
+    else:
         if SPLIT3:
-            m_i, l_i, acc = _mla_attend_split3(q1, q2, q3, p1, p2, p3, kn, kp, old, m_i, l_i, acc, qk_scale)
-        else:
-            m_i, l_i, acc = _mla_attend(q_nope, q_pe, kn.to(tl.float32), kp.to(tl.float32), kn.to(tl.float32),
-                                        old, cols, diag, m_i, l_i, acc, qk_scale, False, False, "ieee")
+            q1, q2, q3 = _split3(q_nope, KV_ptr.dtype.element_ty)
+            p1, p2, p3 = _split3(q_pe, KV_ptr.dtype.element_ty)
+        for start_n in tl.range(0, n_old, BLOCK_N, num_stages=NUM_STAGES):
+            cols = start_n + offs_n
+            old = cols < n_old
+            page = tl.load(bt_row + (cols // PAGE) * stride_bt_p, mask=old, other=0)
+            rows = page.to(tl.int64) * stride_kb + (cols % PAGE) * stride_ks
+            kn = tl.load(KV_ptr + rows[:, None] + offs_dv[None, :], mask=old[:, None], other=0.0)
+            kp = tl.load(KV_ptr + rows[:, None] + D_V + offs_pe[None, :], mask=old[:, None], other=0.0)
+            if SPLIT3:
+                m_i, l_i, acc = _mla_attend_split3(q1, q2, q3, p1, p2, p3, kn, kp, old, m_i, l_i, acc, qk_scale)
+            else:
+                m_i, l_i, acc = _mla_attend(q_nope, q_pe, kn.to(tl.float32), kp.to(tl.float32), kn.to(tl.float32),
+                                            old, cols, diag, m_i, l_i, acc, qk_scale, False, False, "ieee")
     # This step's tokens: their fp32 rows (before the cache rounding), causal, IEEE FMA products,
     # so a token alone with itself (an empty cache) gets its own row back exactly.
     for start_n in range(n_old, hi, BLOCK_N):
@@ -532,7 +541,7 @@ def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs
                          topk: int = 0, topk_lengths: torch.Tensor | None = None,
                          extra_k: torch.Tensor | None = None, extra_scales: torch.Tensor | None = None,
                          extra_d_indices: torch.Tensor | None = None,
-                         extra_topk_lengths: torch.Tensor | None = None) -> torch.Tensor:
+                         extra_topk_lengths: torch.Tensor | None = None, cached_attend=None) -> torch.Tensor:
     """MAX's mla_decode_branch_fp8; writes the new tokens' cache rows in place (and, with q_inplace, q's
     rope part: MAX's fused_qk_rope leaves q rotated).
 
@@ -563,6 +572,12 @@ def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs
         d_c / 128 + 1) float32 (or any shape of that many rows), a scale per row and 128 latent channels, the
         last for the rope part; its list and lengths as d_indices / topk_lengths (same stride and topk),
         flat rows of extra_k. Its used rows join the token's keys in the same online softmax.
+    cached_attend: None, or (dense mode) another kernel for the cached keys' part of the attention (kernels/gluon/
+        mla_fused.py): called as cached_attend(q_full, kv_cache, block_table, cache_lengths, input_row_offsets,
+        n_m64, qk_scale) with the fp32 query rows (T, H, d_c + d_r) after step 2 and n_m64 = ceil(max_new_tokens H
+        / 64), it returns the online-softmax state over keys [0, cache_lengths[r]) of every row (tok H + head):
+        (the unnormalised fp32 accumulator (T H, d_c), the running max (log2 domain, scaled), the sum); step 3 then
+        attends this step's tokens alone from that state
     returns: out
     """
     what = "mla_decode_fused_fp8"
@@ -622,6 +637,8 @@ def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs
         raise ValueError(f"{what}: out must be a ({T}, {H}, {dv}) {q.dtype} tensor on {dev} with last-dim stride 1")
     sparse = _sparse_args(what, T, d_c, d, dev, d_indices, indices_stride, topk, topk_lengths, extra_k,
                           extra_scales, extra_d_indices, extra_topk_lengths)
+    if cached_attend is not None and sparse is not None:
+        raise ValueError(f"{what}: cached_attend is for the dense mode; the sparse mode (d_indices) has no cached part")
     if T == 0 or H == 0:
         return out
     if max_new_tokens is None and sparse is not None:
@@ -673,14 +690,18 @@ def mla_decode_fused_fp8(q: torch.Tensor, input_row_offsets: torch.Tensor, freqs
         return out
     block_m = min(cfg_m, max(16, triton.next_power_of_2(max_new_tokens * H)))
     n_m = max(1, triton.cdiv(max_new_tokens * H, block_m))
+    state = None
+    if cached_attend is not None and b:
+        state = cached_attend(q_full, kv_cache, block_table, cache_lengths, input_row_offsets,
+                              triton.cdiv(max_new_tokens * H, 64), float(scale) * LOG2E)
     _mla_fused_attend_kernel[(b * n_m,)](
         q_full, new_rows, kv_cache, o_lat, input_row_offsets, cache_lengths, block_table,
-        attn_sink if attn_sink is not None else q_full,
+        attn_sink if attn_sink is not None else q_full, *(state if state is not None else (q_full,) * 3),
         H, n_m, float(scale) * LOG2E,
         q_full.stride(0), q_full.stride(1), new_rows.stride(0), stride_kb, stride_ks, *block_table.stride(),
         o_lat.stride(0), o_lat.stride(1),
         HAS_SINK=attn_sink is not None, SINK_BATCH=sink_per == "batch", PAGE=page, D_V=d_c, D_PE=d_r, BLOCK_M=block_m, BLOCK_N=cfg_n,
-        NUM_STAGES=stages, SPLIT3=split3, num_warps=warps,
+        NUM_STAGES=stages, SPLIT3=split3, STATE=state is not None, num_warps=warps,
     )
     _bmm_fp8(o_lat, w_uv, s_uv, out)
     return out
