@@ -42,12 +42,16 @@ from .attention import MAX_HEAD_DIM, _check_common, _check_out, _tanh, _window_t
 from .softmax import LOG2E
 
 # ((BLOCK_M, BLOCK_N, num_warps, num_stages) of the dk/dv kernel, the same of the dq kernel) by
-# (padded head dim, element size). Unmeasured starting points (benchmarks/gpu_attention_bwd.py sweeps
-# them on the target shape): dk/dv holds two (BLOCK_N, d) fp32 accumulators, dq one (BLOCK_M, d).
+# (padded head dim, element size): dk/dv holds two (BLOCK_N, d) fp32 accumulators, dq one (BLOCK_M, d).
+# (128, 2) was swept on an H100 at b 16, s 4096 (benchmarks/gpu_attention_bwd.py --tune); (64, 2) and (256, 2)
+# on an H200 at b 4, s 1024, 32 / 8 heads, causal (reports/baselines/attention-bwd-configs-h200.json): d 64
+# 0.238 ms = 1.20x SDPA flash's backward, 0.90x cuDNN's (the old (64, 128, 8, 3) pair 0.285-0.321 ms); d 256
+# 1.253 ms = 0.82x flash, 0.57x cuDNN (the old (32, 64, 4, 2) pair 2.265 ms = 0.45x); larger d 256 tiles or a
+# third stage exceed shared memory. The rest are unmeasured starting points.
 BWD_CONFIGS: dict[tuple[int, int], tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = {
     (16, 2): ((64, 64, 4, 3), (64, 64, 4, 3)), (32, 2): ((64, 64, 4, 3), (64, 64, 4, 3)),
-    (64, 2): ((64, 128, 8, 3), (128, 64, 8, 3)), (128, 2): ((64, 128, 8, 2), (128, 64, 8, 2)),
-    (256, 2): ((32, 64, 4, 2), (64, 32, 4, 2)),
+    (64, 2): ((32, 64, 4, 3), (64, 32, 4, 3)), (128, 2): ((64, 128, 8, 2), (128, 64, 8, 2)),
+    (256, 2): ((64, 64, 8, 2), (64, 64, 4, 2)),
     (16, 4): ((32, 32, 4, 2), (32, 32, 4, 2)), (32, 4): ((32, 32, 4, 2), (32, 32, 4, 2)),
     (64, 4): ((32, 32, 4, 2), (32, 32, 4, 2)), (128, 4): ((32, 32, 4, 2), (32, 32, 4, 2)),
     (256, 4): ((16, 32, 4, 1), (32, 16, 4, 1)),
