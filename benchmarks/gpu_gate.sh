@@ -19,6 +19,8 @@
 #   gluon-gemv the same for the GEMVs, Q4_K and Q8_0 (the 18 gl-gemv-* mutants; gemm.gemm_nt on gluon; fresh seeds:
 #           two for every ci combination, as a per-op draw seldom lands on its few M = 1 entries) -> $OUT/{mutants,ci,
 #           sweep,models}-gluon-gemv-<device>.json[l]; at most 510 s (280 s measured)
+#   gluon-mlaf the same for the fused FP8 MLA branch (the ten gl-mlaf-* mutants; mla.decode_fused_fp8 on gluon; fresh
+#           seeds --seeds 3) -> $OUT/{mutants,ci,sweep,models}-gluon-mlaf-<device>.json[l]; ~300 s measured by hand
 #   gluon-gemv-bench `gpu_gluon.py --sections gemv` (both GEMVs at their configs against triton-q8 and a pure read)
 #           -> $OUT/gemv-bench-<device>.json; 125 s measured, so both gemv steps fit one 600 s call
 #   mla     benchmarks/gpu_mla.py (MLA decode vs the copy / matmul limits and FlashMLA's figures) -> $OUT/mla-bench-<device>.json
@@ -29,7 +31,7 @@
 #   prefill benchmarks/gpu_prefill.py (causal prefill: ours, fa4, cuDNN, SDPA flash; parity bench), then the
 #           fa4 plugin's ci cases -> $OUT/prefill-bench-<device>.json, $OUT/ci-fa4-<device>.jsonl
 #   gluon   the gluon backend (kernels/gluon, Hopper): its ci cases, fresh seeds (--per-op $PER_OP), the models
-#           suite's FP8 GEMM, prefill and MLA decode cases, every gluon mutant, the property tests of attention and gemm on it,
+#           suite's FP8 GEMM, prefill, MLA decode and fused FP8 MLA cases, every gluon mutant, the property tests of attention and gemm on it,
 #           then benchmarks/gpu_gluon.py (parity + bench of both kernels) -> $OUT/{ci,sweep,models}-gluon-<device>.jsonl,
 #           $OUT/mutants-gluon-<device>.json, $OUT/props-gluon-<device>.txt, $OUT/gluon-bench-<device>.json
 # Peers: wheels carried in .whl/ (liger-kernel, quack-kernels, flash-attn-4, nvidia-cutlass-dsl and its libs,
@@ -92,7 +94,7 @@ print(','.join(sorted(n for n, s in ops.all_specs().items() if s.rows is not Non
     q8) $PARITY run --suite ci --backend triton-q8 --op gemm.gemm_nt --no-progress -q --jobs "$JOBS" \
           --json "$OUT/ci-q8-$DEV.jsonl" || rc=1
         python3 benchmarks/gpu_gemm.py --sections q8 --out "$OUT/q8-bench-$DEV.json" --budget-s "${BUDGET_S:-120}" || rc=1 ;;
-    gluon) GOPS="--op attention.prefill,gemm.gemm_nt,mla.decode"
+    gluon) GOPS="--op attention.prefill,gemm.gemm_nt,mla.decode,mla.decode_fused_fp8"
            $PARITY run --suite ci $GOPS --backend gluon --no-progress -q --jobs "$JOBS" --json "$OUT/ci-gluon-$DEV.jsonl" || rc=1
            $PARITY sweep --suite ci $GOPS --backend gluon --dtype bf16,fp16 --per-op "$PER_OP" ${START:+--start "$START"} \
              --no-progress -q --jobs "$JOBS" --json "$OUT/sweep-gluon-$DEV.jsonl" || rc=1
@@ -106,6 +108,7 @@ print(','.join(sorted(n for n, s in ops.all_specs().items() if s.rows is not Non
            timeout 900 python3 benchmarks/gpu_gluon.py --out "$OUT/gluon-bench-$DEV.json" \
              --sections api,parity,bench,attn_parity,attn_bench,mla,gemv --configs default || rc=1 ;;
     gluon-mla) gluon_part mla mla.decode 250 "--per-op $PER_OP" 170 || rc=1 ;;  # the gluon step's MLA decode part, in one call
+    gluon-mlaf) gluon_part mlaf mla.decode_fused_fp8 170 "--seeds 3" 240 || rc=1 ;;  # the fused FP8 MLA branch's part
     gluon-gemv) gluon_part gemv gemm.gemm_nt 150 "--seeds 2" 240 || rc=1 ;;  # its GEMV part (FP8 GEMM cases ride along)
     gluon-gemv-bench) timeout 220 python3 benchmarks/gpu_gluon.py --sections gemv --out "$OUT/gemv-bench-$DEV.json" || rc=1 ;;
     mla) python3 benchmarks/gpu_mla.py --out "$OUT/mla-bench-$DEV.json" --tune-budget "${BUDGET_S:-60}" || rc=1 ;;
