@@ -156,3 +156,20 @@ def test_vectorised_over_tokens():
         np.testing.assert_array_equal(ids[t:t + 1], i1)
         np.testing.assert_array_equal(w[t:t + 1], w1)
         np.testing.assert_array_equal(margin[t:t + 1], m1)
+
+
+@pytest.mark.parametrize("kw", [dict(k=0), dict(k=9), dict(k=2, scoring="relu"), dict(k=2, n_group=3),
+                                dict(k=2, n_group=2, topk_group=3), dict(k=5, n_group=2, topk_group=1),
+                                dict(k=2, mask="nan")])
+def test_the_cpu_and_torch_kernels_refuse_as_the_golden_does(kw):
+    """The kernels' shared rules (kernels/moe_args.py) and the golden's own: the same refusals, the same line."""
+    from kernel_parity.kernels.cpu import moe as cpu
+    from kernel_parity.kernels.torch import moe as eager
+
+    msgs = set()
+    for f, x in ((moe.route, np.zeros((2, 8))), (cpu.route, np.zeros((2, 8), np.float32)),
+                 (eager.route, torch.zeros(2, 8))):
+        with pytest.raises(ValueError) as e:
+            f(x, **kw)
+        msgs.add(str(e.value))
+    assert len(msgs) == 1, msgs

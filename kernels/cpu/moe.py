@@ -25,10 +25,10 @@ import numpy as np
 
 from kernel_parity.kernels.cpu.loader import check_array, check_output, check_status, element_strides, load
 
+from kernel_parity.kernels.moe_args import MASKS, SCORINGS, check_route_args  # noqa: F401  (re-exported)
+
 __all__ = ["route", "SCORINGS", "MASKS"]
 
-SCORINGS = ("softmax", "sigmoid")
-MASKS = ("-inf", "zero")
 _F32, _I32 = np.dtype(np.float32), np.dtype(np.int32)
 _I64, _PTR, _INT, _FLT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _lib: ctypes.CDLL | None = None
@@ -52,17 +52,7 @@ def route(logits: np.ndarray, k: int, *, scoring: str = "softmax", renormalize: 
     """Top-k expert routing of each token of logits (T, E); returns (weights (T, k), ids (T, k))."""
     x = check_array("logits", logits, 2, "(T, E)", (_F32,))
     T, E = x.shape
-    if scoring not in SCORINGS:
-        raise ValueError(f"moe.route: scoring={scoring!r} must be one of {', '.join(SCORINGS)}")
-    if mask not in MASKS:
-        raise ValueError(f"moe.route: mask={mask!r} must be one of {', '.join(MASKS)}")
-    if not (isinstance(n_group, int) and n_group >= 1 and E % n_group == 0):
-        raise ValueError(f"moe.route: n_group={n_group!r} must be a positive divisor of E={E}")
-    if not (isinstance(topk_group, int) and 1 <= topk_group <= n_group):
-        raise ValueError(f"moe.route: topk_group={topk_group!r} must be in [1, n_group={n_group}]")
-    if not (isinstance(k, int) and 1 <= k <= topk_group * (E // n_group)):
-        raise ValueError(f"moe.route: k={k!r} must be in [1, {topk_group * (E // n_group)}] (the experts of the "
-                         f"{topk_group} kept groups of {E // n_group})")
+    check_route_args(E, k, scoring, n_group, topk_group, mask)
     if E > np.iinfo(np.int32).max:
         raise ValueError(f"moe.route: E={E} does not fit the int32 ids")
     if np.isnan(x).any() or np.isposinf(x).any():

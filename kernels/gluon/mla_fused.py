@@ -45,34 +45,15 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernel_parity.kernels.gluon.compat import barrier_op, tma_ops, ws_list
+# the seesaw's layouts and row-statistics slots are kernels/gluon/mla.py's (its tile is 64 keys, this one's 32)
+from kernel_parity.kernels.gluon.mla import A0, A1, D_PE, D_V, HALF_V, LA, M0, M1, _mma_layout, _p_layout, \
+    _zero_layout
 
 REGS = (232, 40)  # setmaxnreg: the two consumer groups, the producer warp group
-ROWS = 64  # query rows a program
 
 _tma_load, _ = tma_ops()
 _barrier = barrier_op()
 BN = gl.constexpr(32)  # keys a tile
-HALF_V, D_V, D_PE = gl.constexpr(256), gl.constexpr(512), gl.constexpr(64)
-# the row statistics in shared memory: [8, 64] fp32 rows
-M0, A0, M1, A1, LA, LB = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2), gl.constexpr(3), gl.constexpr(4), \
-    gl.constexpr(5)
-
-
-@gluon.constexpr_function
-def _mma_layout(n):
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                     instr_shape=[16, int(getattr(n, "value", n)), 16])
-
-
-@gluon.constexpr_function
-def _p_layout():
-    return gl.DotOperandLayout(operand_index=0, parent=_mma_layout(256), k_width=2)
-
-
-@gluon.constexpr_function
-def _zero_layout():
-    """A (16, 256) slab of V rows over one warp group."""
-    return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[4, 1], order=[1, 0])
 
 
 @gluon.jit

@@ -12,24 +12,14 @@ from __future__ import annotations
 
 import torch
 
-SCORINGS = ("softmax", "sigmoid")
-MASKS = ("-inf", "zero")
+from kernel_parity.kernels.moe_args import check_route_args
 
 
 def _check(logits, k, scoring, bias, n_group, topk_group, mask) -> None:
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.dtype.is_floating_point:
         raise ValueError(f"moe.route: logits must be a (T, E) float tensor, got {getattr(logits, 'shape', logits)!r}")
     E = logits.shape[1]
-    if scoring not in SCORINGS:
-        raise ValueError(f"moe.route: scoring={scoring!r} must be one of {', '.join(SCORINGS)}")
-    if mask not in MASKS:
-        raise ValueError(f"moe.route: mask={mask!r} must be one of {', '.join(MASKS)}")
-    if not (isinstance(n_group, int) and n_group >= 1 and E % n_group == 0):
-        raise ValueError(f"moe.route: n_group={n_group!r} must be a positive divisor of E={E}")
-    if not (isinstance(topk_group, int) and 1 <= topk_group <= n_group):
-        raise ValueError(f"moe.route: topk_group={topk_group!r} must be in [1, n_group={n_group}]")
-    if not (isinstance(k, int) and 1 <= k <= topk_group * (E // n_group)):
-        raise ValueError(f"moe.route: k={k!r} must be in [1, {topk_group * (E // n_group)}]")
+    check_route_args(E, k, scoring, n_group, topk_group, mask)
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (E,)):
         raise ValueError(f"moe.route: bias must be an ({E},) tensor, got {getattr(bias, 'shape', bias)!r}")
 

@@ -29,10 +29,10 @@ import triton.language as tl
 
 from kernel_parity.kernels.triton.softmax import exp_diff
 
+from kernel_parity.kernels.moe_args import MASKS, SCORINGS, check_route_args  # noqa: F401  (re-exported)
+
 __all__ = ["route", "SCORINGS", "MASKS", "MAX_EXPERTS"]
 
-SCORINGS = ("softmax", "sigmoid")
-MASKS = ("-inf", "zero")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_EXPERTS = 1024  # a token's padded experts are held in registers
 BLOCK_T_MAX = 16
@@ -171,17 +171,7 @@ def route(logits: torch.Tensor, k: int, *, scoring: str = "softmax", renormalize
     if logits.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"moe.route: logits dtype {logits.dtype} not supported; expected one of {SUPPORTED_DTYPES}")
     T, E = logits.shape
-    if scoring not in SCORINGS:
-        raise ValueError(f"moe.route: scoring={scoring!r} must be one of {', '.join(SCORINGS)}")
-    if mask not in MASKS:
-        raise ValueError(f"moe.route: mask={mask!r} must be one of {', '.join(MASKS)}")
-    if not (isinstance(n_group, int) and n_group >= 1 and E % n_group == 0):
-        raise ValueError(f"moe.route: n_group={n_group!r} must be a positive divisor of E={E}")
-    if not (isinstance(topk_group, int) and 1 <= topk_group <= n_group):
-        raise ValueError(f"moe.route: topk_group={topk_group!r} must be in [1, n_group={n_group}]")
-    if not (isinstance(k, int) and 1 <= k <= topk_group * (E // n_group)):
-        raise ValueError(f"moe.route: k={k!r} must be in [1, {topk_group * (E // n_group)}] (the experts of the "
-                         f"{topk_group} kept groups of {E // n_group})")
+    check_route_args(E, k, scoring, n_group, topk_group, mask)
     if E > MAX_EXPERTS:
         raise ValueError(f"moe.route: E={E} experts; at most {MAX_EXPERTS} (a token's experts are held in registers)")
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (E,)
