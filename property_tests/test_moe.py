@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kernel_parity.refimpl.moe as ref
-from kernel_parity.conformance.ops.moe import route_args
+from kernel_parity.conformance.ops.moe_route import route_args
 from kernel_parity.property_tests import runs
 from kernel_parity.property_tests.strategies import cases
 

@@ -109,3 +109,10 @@ def route(logits: NDArray, k: int, *, scoring: str = "softmax", renormalize: boo
         tot = weights.sum(axis=-1, keepdims=True)
         weights = np.divide(weights, tot, out=np.zeros_like(weights), where=tot > 0)
     return weights * float(routed_scaling), ids.astype(np.int32), margin
+
+
+# The family's other goldens live in their own modules (one op each), re-exported here: refimpl.moe.<op> is the golden
+from kernel_parity.refimpl.moe_align import align  # noqa: E402,F401  (moe.align)
+from kernel_parity.refimpl.moe_experts import experts  # noqa: E402,F401  (moe.experts)
+from kernel_parity.refimpl.moe_grad import route_backward  # noqa: E402,F401  (moe.route_backward)
+from kernel_parity.refimpl.moe_experts_grad import experts_backward  # noqa: E402,F401  (moe.experts_backward)

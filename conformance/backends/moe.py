@@ -4,7 +4,7 @@
 - cpu:    kernels/cpu/moe.c (a token at a time, fp32)
 - torch:  kernels/torch/moe.py (eager, fp32 scores, stable sorts)
 Each kernel returns its experts in rank order; the adapters hand them over in the op's canonical order (ids
-ascending per token, conformance/ops/moe.py `canonical`).
+ascending per token, conformance/ops/moe_route.py `canonical`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,20 @@ from typing import Callable
 import numpy as np
 
 from kernel_parity.conformance.backends._torch import to_torch
-from kernel_parity.conformance.ops.moe import canonical, route_args
+from kernel_parity.conformance.ops.moe_route import canonical, route_args
+
+
+def _more(factory: str, *args) -> dict[str, Callable]:
+    """The adapters of the family's other ops (conformance/backends/moe_align.py, moe_experts.py, moe_grad.py,
+    moe_experts_grad.py)."""
+    from kernel_parity.conformance.backends import moe_align, moe_experts, moe_experts_grad, moe_grad
+
+    out: dict[str, Callable] = {}
+    for module in (moe_align, moe_experts, moe_grad, moe_experts_grad):
+        fn = getattr(module, factory, None)
+        if fn is not None:
+            out.update(fn(*args))
+    return out
 
 
 def _canonical_torch(weights, ids) -> dict:
@@ -32,7 +45,7 @@ def triton_ops(device: str) -> dict[str, Callable]:
         w, ids = kernel(to_torch(inputs["logits"], device), case.p["k"], bias=bias, **route_args(case.p))
         return _canonical_torch(w, ids)
 
-    return {"moe.route": route}
+    return {"moe.route": route, **_more("triton_ops", device)}
 
 
 def cpu_ops() -> dict[str, Callable]:
@@ -44,7 +57,7 @@ def cpu_ops() -> dict[str, Callable]:
         w, ids = kernel(logits, case.p["k"], bias=bias, **route_args(case.p))
         return canonical(w, ids)
 
-    return {"moe.route": route}
+    return {"moe.route": route, **_more("cpu_ops")}
 
 
 def torch_ops(device: str) -> dict[str, Callable]:
@@ -55,4 +68,4 @@ def torch_ops(device: str) -> dict[str, Callable]:
         w, ids = kernel(to_torch(inputs["logits"], device), case.p["k"], bias=bias, **route_args(case.p))
         return _canonical_torch(w, ids)
 
-    return {"moe.route": route}
+    return {"moe.route": route, **_more("torch_ops", device)}

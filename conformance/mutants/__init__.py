@@ -1,8 +1,9 @@
 """Seeded bugs in our own kernels: the catalogue, and how one is installed.
 
 A mutant is a textual patch to one real kernel source (kernels/triton/*.py, kernels/cpu/*.c|h,
-kernels/torch/*.py, kernels/gluon/*.py), declared in the catalogue, one TOML file per backend in this
-folder (triton.toml, cpu.toml, torch.toml, gluon.toml):
+kernels/torch/*.py, kernels/gluon/*.py), declared in the catalogue: every TOML file of this folder, one per
+backend (triton.toml, cpu.toml, torch.toml, gluon.toml) and one per newer op family, all backends together
+(moealign.toml, kvqupdate.toml, ...):
 
     [[mutant]]
     id = "tri-prefill-causal-off-by-one"      # unique, shell-safe

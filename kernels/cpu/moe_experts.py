@@ -1,0 +1,157 @@
+"""Native CPU fused MoE experts layer over routed tokens (kernel in moe_experts.c).
+
+    experts(x, ids, weights, w13, w2, *, ws13=None, ws2=None, out=None) -> out
+
+    out[t] = sum_j weights[t, j] W2[e] rnd(silu(G_e x_t) * (U_e x_t))  (+ the shared experts, weight 1)
+    e = ids[t, j]; G_e = w13[e, :F], U_e = w13[e, F:] (vLLM's w13 layout, gate first)
+
+x (T, D), w13 (E, 2F, D), w2 (E, D, F), ws13 (S, 2Fs, D), ws2 (S, D, Fs): one dtype of float32 / float16 /
+bfloat16, C-contiguous (no copy is made), or every weight GPTQ v1 int4 (`weight_shape`: a dict of qweight,
+qzeros, fp16 scales per expert, one group; activations stay in x's dtype, the weights dequantized exactly);
+ids (T, k) int32 in [0, E); weights (T, k) float32. Returns out (T, D) in x's dtype (`out` used when given).
+rnd: act rounded to x's dtype (the golden's production cast, refimpl/moe_experts.py); arithmetic float32
+(moe_experts.c). Bad arguments: ValueError naming them (`check_experts_args`, shared with the torch and Triton
+kernels).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from kernel_parity.kernels.cpu.loader import check_output, check_status, dtype_code, load
+
+__all__ = ["experts", "check_experts_args", "weight_shape", "INT4_KEYS"]
+
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_lib: ctypes.CDLL | None = None
+
+
+def _kernels() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        lib = load("moe_experts")
+        lib.moe_experts_kernel.argtypes = [_PTR] * 19 + [_I64] * 8 + [_INT, _PTR]
+        lib.moe_experts_kernel.restype = ctypes.c_int
+        _lib = lib
+    return _lib
+
+
+def _shape(a) -> tuple[int, ...]:
+    return tuple(int(n) for n in getattr(a, "shape", ()))
+
+
+INT4_KEYS = ("qweight", "qzeros", "scales")
+
+
+def weight_shape(name: str, w) -> tuple[tuple[int, ...], int | None]:
+    """(the logical (E, N, K) shape, the int4 group or None) of a dense weight (E, N, K) or a GPTQ v1 int4 one:
+    a dict {"qweight": (E, K/8, N) int32, "qzeros": (E, K/g, N/8) int32, "scales": (E, K/g, N) fp16}."""
+    if not isinstance(w, dict):
+        return _shape(w), None
+    if set(w) != set(INT4_KEYS):
+        raise ValueError(f"moe.experts: int4 {name} must be a dict of {', '.join(INT4_KEYS)}, got keys {sorted(w)}")
+    qw, qz, sc = (_shape(w[n]) for n in INT4_KEYS)
+    if len(qw) != 3 or len(sc) != 3 or sc[0] != qw[0] or sc[2] != qw[2] or sc[1] < 1 or (qw[1] * 8) % sc[1]:
+        raise ValueError(f"moe.experts: int4 {name} needs qweight (E, K/8, N) and scales (E, K/g, N), got {qw} and "
+                         f"{sc}")
+    e, k8, n = qw
+    g = k8 * 8 // sc[1]
+    if qz != (e, sc[1], n // 8) or n % 8 or g % 8:
+        raise ValueError(f"moe.experts: int4 {name} qzeros must be (E={e}, K/g={sc[1]}, N/8={n // 8}) with N % 8 = 0 "
+                         f"and the group a multiple of 8, got {qz}")
+    return (e, n, k8 * 8), g
+
+
+def check_experts_args(x, ids, weights, w13, w2, ws13=None, ws2=None) -> tuple[int, int, int, int, int, int, int]:
+    """(T, D, E, F, k, S, Fs) of valid moe.experts arguments (shapes only: any array type; each weight dense
+    or int4, `weight_shape`); ValueError (one line naming the argument and what was expected) otherwise. The
+    ids' range is checked by each kernel."""
+    if len(_shape(x)) != 2:
+        raise ValueError(f"moe.experts: x must be (T, D), got shape {_shape(x)}")
+    t, d = _shape(x)
+    if len(_shape(ids)) != 2 or _shape(ids)[0] != t:
+        raise ValueError(f"moe.experts: ids must be (T={t}, k), got shape {_shape(ids)}")
+    k = _shape(ids)[1]
+    if _shape(weights) != (t, k):
+        raise ValueError(f"moe.experts: weights must be (T={t}, k={k}), got shape {_shape(weights)}")
+    s13, g13 = weight_shape("w13", w13)
+    if len(s13) != 3 or s13[2] != d or s13[1] % 2 or s13[1] == 0 or s13[0] == 0:
+        raise ValueError(f"moe.experts: w13 must be (E, 2F, D={d}) with E, F >= 1, got shape {s13}")
+    e, f = s13[0], s13[1] // 2
+    s2, g2 = weight_shape("w2", w2)
+    if s2 != (e, d, f):
+        raise ValueError(f"moe.experts: w2 must be (E={e}, D={d}, F={f}), got shape {s2}")
+    groups = {g13, g2}
+    if (ws13 is None) != (ws2 is None):
+        raise ValueError("moe.experts: ws13 and ws2 come together (or neither)")
+    s, fs = 0, 0
+    if ws13 is not None:
+        ss, gs = weight_shape("ws13", ws13)
+        if len(ss) != 3 or ss[2] != d or ss[1] % 2 or ss[1] == 0:
+            raise ValueError(f"moe.experts: ws13 must be (S, 2Fs, D={d}) with Fs >= 1, got shape {ss}")
+        s, fs = ss[0], ss[1] // 2
+        s2s, gs2 = weight_shape("ws2", ws2)
+        if s2s != (s, d, fs):
+            raise ValueError(f"moe.experts: ws2 must be (S={s}, D={d}, Fs={fs}), got shape {s2s}")
+        groups |= {gs, gs2}
+    if len(groups) != 1:
+        raise ValueError(f"moe.experts: the weights must share one format (dense, or int4 of one group), got groups "
+                         f"{sorted(groups, key=str)}")
+    return t, d, e, f, k, s, fs
+
+
+def group_of(w) -> int | None:
+    return weight_shape("w", w)[1]
+
+
+def experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, w13, w2, *, ws13=None, ws2=None,
+            out: np.ndarray | None = None) -> np.ndarray:
+    """The routed experts' weighted sum (plus the shared experts) of each token of x (T, D); returns out (T, D).
+    Each weight dense (x's dtype, C-contiguous) or a GPTQ v1 int4 dict (`weight_shape`, C-contiguous parts)."""
+    t, d, e, f, k, s, fs = check_experts_args(x, ids, weights, w13, w2, ws13, ws2)
+    sets = {"w13": w13, "w2": w2, **({"ws13": ws13, "ws2": ws2} if ws13 is not None else {})}
+    want = {"qweight": np.int32, "qzeros": np.int32, "scales": np.float16}
+    if not isinstance(x, np.ndarray) or not x.flags.c_contiguous:
+        raise ValueError("moe.experts: x must be a C-contiguous numpy array")
+    ptrs = []
+    for name in ("w13", "w2", "ws13", "ws2"):
+        w = sets.get(name)
+        if w is None:
+            ptrs += [None] * 4
+        elif isinstance(w, dict):
+            for part, dtype in want.items():
+                a = w[part]
+                if not isinstance(a, np.ndarray) or a.dtype != dtype or not a.flags.c_contiguous:
+                    raise ValueError(f"moe.experts: {name}[{part!r}] must be a C-contiguous {np.dtype(dtype)} numpy "
+                                     f"array, got {getattr(a, 'dtype', type(a).__name__)}")
+            ptrs += [None] + [w[part].ctypes.data for part in INT4_KEYS]
+        else:
+            if not isinstance(w, np.ndarray) or w.dtype != x.dtype or not w.flags.c_contiguous:
+                raise ValueError(f"moe.experts: {name} must be a C-contiguous numpy array of x's dtype {x.dtype}, got "
+                                 f"{getattr(w, 'dtype', type(w).__name__)}")
+            ptrs += [w.ctypes.data, None, None, None]
+    try:
+        dt = dtype_code(x.dtype)
+    except KeyError:
+        raise ValueError(f"moe.experts: x dtype must be float32, float16 or bfloat16, got {x.dtype}") from None
+    if not (isinstance(ids, np.ndarray) and ids.dtype == np.int32 and ids.flags.c_contiguous):
+        raise ValueError("moe.experts: ids must be a C-contiguous int32 numpy array")
+    if not (isinstance(weights, np.ndarray) and weights.dtype == np.float32 and weights.flags.c_contiguous):
+        raise ValueError("moe.experts: weights must be a C-contiguous float32 numpy array")
+    if ids.size and (ids.min() < 0 or ids.max() >= e):
+        raise ValueError(f"moe.experts: ids must be in [0, E={e}), got [{ids.min()}, {ids.max()}]")
+    res = np.empty((t, d), x.dtype) if out is None else out
+    check_output("out", res, (t, d), x.dtype, "(T, D)")
+    if not res.flags.c_contiguous:
+        raise ValueError("moe.experts: out must be C-contiguous")
+    arrays = [x, ids, weights] + [a for w in sets.values() for a in (w.values() if isinstance(w, dict) else (w,))]
+    if any(np.may_share_memory(res, a) for a in arrays):
+        raise ValueError("moe.experts: out must not overlap the inputs")
+    if t == 0:
+        return res
+    status = _kernels().moe_experts_kernel(x.ctypes.data, ids.ctypes.data, weights.ctypes.data, *ptrs,
+                                           group_of(w13) or 0, t, d, e, f, k, s, fs, dt, res.ctypes.data)
+    check_status(status, "moe_experts_kernel")
+    return res
