@@ -18,7 +18,7 @@ Golden (float64):
 
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kernel_parity.property_tests import runs
@@ -35,6 +35,7 @@ def _valid(p):
 
 
 @pytest.mark.parity_backends(*BACKENDS)
+@settings(max_examples=10)  # the interpreter: a Triton example is ~1 s
 @given(case=cases("kvquant.mla_sparse", transform=_valid, **SMALL))
 def test_mla_sparse(parity, backend, case):
     parity.check(case.with_backend(backend))
@@ -46,6 +47,7 @@ def _scales(cache: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parity_backends(*BACKENDS)
+@settings(max_examples=8)  # the interpreter: two kernel calls an example
 @given(case=cases("kvquant.mla_sparse", transform=_valid, **SMALL), e=st.sampled_from([-3, -1, 1, 4]))
 def test_scales_times_2e_and_q_nope_times_2_minus_e_scale_o_exactly(backend, case, e):
     case = case.with_backend(backend)
@@ -65,6 +67,7 @@ def test_scales_times_2e_and_q_nope_times_2_minus_e_scale_o_exactly(backend, cas
 
 
 @pytest.mark.parity_backends(*BACKENDS)
+@settings(max_examples=8)  # the interpreter: two kernel calls an example
 @given(case=cases("kvquant.mla_sparse", transform=_valid, **SMALL), seed=st.integers(0, 2**32 - 1))
 def test_rows_no_used_entry_names_are_never_read(backend, case, seed):
     case = case.with_backend(backend)
@@ -90,6 +93,7 @@ def test_rows_no_used_entry_names_are_never_read(backend, case, seed):
 
 
 @pytest.mark.parity_backends("triton")
+@settings(max_examples=4)  # the interpreter: 2-6 kernel calls an example, seconds each
 @given(case=cases("kvquant.mla_sparse", transform=_valid, **SMALL), splits=st.integers(2, 5))
 def test_triton_splits_agree_with_one_split(parity, backend, case, splits):
     from kernel_parity.conformance.backends._torch import to_torch

@@ -29,6 +29,7 @@ def _valid(p):
 
 
 @pytest.mark.parity_backends(*BACKENDS)
+@settings(max_examples=8)  # the interpreter: four Triton kernels an example
 @given(case=cases("moe.experts_backward", transform=_valid, **SMALL))
 def test_experts_backward(parity, backend, case):
     parity.check(case.with_backend(backend))
