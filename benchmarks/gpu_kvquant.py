@@ -14,13 +14,16 @@ the bf16-cache decode (bf16 ms / quantized ms) and its share of the read ceiling
 --quick: b 8 only. Results: --out (default $OUT/kvquant-bench.json, else ./kvquant-bench.json).
 
 --tune instead times kernels/triton/kvquant_decode.py directly over an e4m3 per-tensor cache at the same shape,
-for each (BLOCK_N, num_warps, num_stages) of TUNE_CONFIGS and keys a split of TUNE_SPLITS, beside the bf16-cache
-kernels/triton/attention_decode.py decode_paged and a pure read of the same bytes (torch's sum of a uint8 view's
-int64 words: the read ceiling of this call), each output checked against the default config's (max abs diff).
+b 1 / 8 / 32, for each FP8 conversion (fast_cvt of TUNE_FAST), (BLOCK_N, num_warps, num_stages) of TUNE_CONFIGS
+and keys a split of TUNE_SPLITS, beside the bf16-cache kernels/triton/attention_decode.py decode_paged and the
+read floor (the cache's bytes at the read ceiling conformance/bench.py measures: a 1 GiB fp32 sum), each output
+checked against the Triton-cast kernel's (max abs diff); first, every FP8 code through the fast conversion
+against torch's cast, bit for bit.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -48,10 +51,40 @@ def entries(quick: bool = False) -> list[dict]:
     ]
 
 
-TUNE_CONFIGS = ((128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 3), (128, 8, 4), (256, 4, 2), (256, 4, 3),
-                (256, 8, 2), (256, 8, 3), (64, 4, 4), (64, 4, 6), (64, 2, 4))
-TUNE_SPLITS = (None, 1024, 4096)
-TUNE_BATCHES = (1, 8)
+TUNE_CONFIGS = ((128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2), (128, 8, 3), (64, 4, 3), (64, 4, 4),
+                (256, 4, 2), (256, 8, 2))
+TUNE_SPLITS = (None, 2048)
+TUNE_BATCHES = (1, 8, 32)
+# kernels/triton/kvquant_decode.py fast_cvt: 0 Triton's casts, 2 the integer-pipe bf16 conversion
+TUNE_FAST = (0, 2)
+
+
+def check_conversion() -> dict:
+    """Every e4m3 / e5m2 code through the kernel's FP8 -> bf16 conversion (fast_cvt) against torch's cast,
+    bit for bit (NaN codes excluded: a saturating write never stores one)."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    from kernel_parity.kernels.triton import kvquant_decode as Q
+
+    @triton.jit
+    def conv(X, Y, FMT: tl.constexpr, FAST: tl.constexpr):
+        offs = tl.arange(0, 256)
+        tl.store(Y + offs, Q._codes(tl.load(X + offs), FMT, Y.dtype.element_ty, FAST))
+
+    codes = torch.arange(256, dtype=torch.int32, device="cuda").to(torch.uint8)
+    res = {}
+    for (fmt, dtype), (fast, out) in itertools.product(((0, torch.float8_e4m3fn), (1, torch.float8_e5m2)),
+                                                       ((1, torch.bfloat16),)):
+        y = torch.empty(256, dtype=out, device="cuda")
+        conv[(1,)](codes, y, FMT=fmt, FAST=fast)
+        want = codes.view(dtype).to(out)
+        finite = torch.isfinite(want)
+        bad = (y.view(torch.int16) != want.view(torch.int16)) & finite
+        res[f"{dtype} -> {out}"] = {"finite_codes": int(finite.sum()), "mismatches": int(bad.sum()),
+                           "first_bad": [int(i) for i in torch.nonzero(bad).flatten()[:8]]}
+    return res
 
 
 def tune(out: str) -> int:
@@ -59,6 +92,7 @@ def tune(out: str) -> int:
     import torch
     from triton.testing import do_bench
 
+    from kernel_parity.conformance.bench import measure_ceilings
     from kernel_parity.kernels.triton import attention_decode as D
     from kernel_parity.kernels.triton import kvquant_decode as Q
     from kernel_parity.reports.files import write_text
@@ -66,7 +100,10 @@ def tune(out: str) -> int:
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     rows: list[dict] = []
-    doc = {"device": torch.cuda.get_device_name(), "kv": KV, "page": PAGE, **HEADS, "rows": rows}
+    ceil = measure_ceilings(dev)
+    doc = {"device": torch.cuda.get_device_name(), "kv": KV, "page": PAGE, **HEADS, "ceilings": ceil.to_json(),
+           "conversion": check_conversion(), "rows": rows}
+    print(f"ceilings {doc['ceilings']}; conversion {doc['conversion']}", flush=True)
 
     def ms(fn) -> float:
         return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
@@ -83,34 +120,54 @@ def tune(out: str) -> int:
         ks = torch.full((1,), 0.01, device=dev)
         vs = torch.full((1,), 0.01, device=dev)
         nbytes = 2 * k8.numel() + 2 * q.numel() * 2
-        words = k8.view(torch.uint8).view(-1).view(torch.int64)
-        read_ms = ms(lambda: words.sum()) * 2  # K and V: two such reads
         kb, vb = k8.to(torch.bfloat16), v8.to(torch.bfloat16)
         bf16_ms = ms(lambda: D.decode_paged(q.unsqueeze(1), kb, vb, table, sl, causal="none"))
         del kb, vb
-        ref, _ = Q.decode_paged(q, k8, v8, ks, vs, table, sl)
-        row = {"b": b, "bytes": nbytes, "read_ms": read_ms, "read_gbps": nbytes / read_ms / 1e6, "bf16_ms": bf16_ms,
-               "configs": []}
-        for cfg in TUNE_CONFIGS:
-            for keys in TUNE_SPLITS:
-                try:
-                    fn = lambda: Q.decode_paged(q, k8, v8, ks, vs, table, sl, config=cfg, split_keys=keys)  # noqa: E731
-                    o, _ = fn()
-                    t = ms(fn)
-                    row["configs"].append({"config": cfg, "split_keys": keys, "ms": t, "speedup_over_bf16": bf16_ms / t,
-                                           "pct_of_read": 100 * read_ms / t,
-                                           "max_diff": float((o.float() - ref.float()).abs().max())})
-                except Exception as e:  # a config that does not compile (shared memory): its row says why
-                    row["configs"].append({"config": cfg, "split_keys": keys, "error": f"{type(e).__name__}: {e}"[:300]})
-                c = row["configs"][-1]
-                print(f"b={b} {cfg} keys={keys}: " + (f"{c['ms'] * 1e3:.1f} us {c['speedup_over_bf16']:.2f}x bf16 "
-                      f"{c['pct_of_read']:.1f}% read diff {c['max_diff']:.3g}" if "ms" in c else c["error"]), flush=True)
+        ref, _ = Q.decode_paged(q, k8, v8, ks, vs, table, sl, fast_cvt=0)
+        read_ms = nbytes / (ceil.read_gbps * 1e6)
+        row = {"b": b, "bytes": nbytes, "read_floor_ms": read_ms, "bf16_ms": bf16_ms, "configs": []}
+        for fast in TUNE_FAST:
+            for cfg in TUNE_CONFIGS:
+                for keys in TUNE_SPLITS:
+                    try:
+                        fn = lambda: Q.decode_paged(q, k8, v8, ks, vs, table, sl, config=cfg,  # noqa: E731
+                                                    split_keys=keys, fast_cvt=fast)
+                        o, _ = fn()
+                        t = ms(fn)
+                        row["configs"].append({"fast_cvt": fast, "config": cfg, "split_keys": keys, "ms": t,
+                                               "speedup_over_bf16": bf16_ms / t, "pct_of_read": 100 * read_ms / t,
+                                               "max_diff": float((o.float() - ref.float()).abs().max())})
+                    except Exception as e:  # a config that does not compile (shared memory): its row says why
+                        row["configs"].append({"fast_cvt": fast, "config": cfg, "split_keys": keys,
+                                               "error": f"{type(e).__name__}: {e}"[:300]})
+                    c = row["configs"][-1]
+                    print(f"b={b} fast={fast} {cfg} keys={keys}: " + (
+                        f"{c['ms'] * 1e3:.1f} us {c['speedup_over_bf16']:.2f}x bf16 {c['pct_of_read']:.1f}% read "
+                        f"diff {c['max_diff']:.3g}" if "ms" in c else c["error"]), flush=True)
         best = min((c for c in row["configs"] if "ms" in c), key=lambda c: c["ms"], default=None)
         row["best"] = best
-        print(f"b={b}: bf16 {bf16_ms * 1e3:.1f} us, read {read_ms * 1e3:.1f} us; best {best}", flush=True)
+        if best is not None:  # CUDA-graph timing (launch overhead out: b 1 is host-bound under do_bench)
+            from triton.testing import do_bench_cudagraph
+
+            kb, vb = k8.to(torch.bfloat16), v8.to(torch.bfloat16)
+            row["graph_bf16_ms"] = float(do_bench_cudagraph(
+                lambda: D.decode_paged(q.unsqueeze(1), kb, vb, table, sl, causal="none"), rep=100))
+            del kb, vb
+            for fast in TUNE_FAST:
+                mine = min((c for c in row["configs"] if "ms" in c and c["fast_cvt"] == fast),
+                           key=lambda c: c["ms"], default=None)
+                if mine is not None:
+                    mine["graph_ms"] = float(do_bench_cudagraph(lambda: Q.decode_paged(
+                        q, k8, v8, ks, vs, table, sl, config=mine["config"], split_keys=mine["split_keys"],
+                        fast_cvt=fast), rep=100))
+                    print(f"b={b} graph: fast={fast} {mine['config']} {mine['split_keys']}: "
+                          f"{mine['graph_ms'] * 1e3:.1f} us vs bf16 {row['graph_bf16_ms'] * 1e3:.1f} us "
+                          f"({row['graph_bf16_ms'] / mine['graph_ms']:.2f}x), read floor {read_ms * 1e3:.1f} us "
+                          f"({100 * read_ms / mine['graph_ms']:.1f}%)", flush=True)
+        print(f"b={b}: bf16 {bf16_ms * 1e3:.1f} us, read floor {read_ms * 1e3:.1f} us; best {best}", flush=True)
         rows.append(row)
         write_text(out, json.dumps(doc, indent=1, default=str))
-        del q, k8, v8, words, table
+        del q, k8, v8, table
         torch.cuda.empty_cache()
     return 0
 

@@ -177,3 +177,21 @@ def test_kernels_refuse_bad_arguments():
         for check in (torch_check, triton_check):
             with pytest.raises(ValueError, match="kvquant.decode_paged"):
                 check(*t)
+
+
+def test_triton_refuses_a_fast_conversion_it_cannot_run():
+    """fast_cvt 1 / 2 (inline PTX) only on a GPU for a bf16 q over an FP8 cache: the interpreter refuses it."""
+    from kernel_parity.conformance.backends.triton_prep import prepare_environment
+
+    prepare_environment()
+    from kernel_parity.kernels.triton.kvquant_decode import decode_paged
+
+    _, x = _inputs("e4m3", "tensor")
+    args = [torch.from_numpy(np.ascontiguousarray(x[k]).view(np.uint8)).view(torch.float8_e4m3fn)
+            if x[k].dtype == ml_dtypes.float8_e4m3fn else torch.from_numpy(np.ascontiguousarray(x[k]))
+            for k in ("q", "k_cache", "v_cache", "k_scale", "v_scale", "block_table", "seq_lens")]
+    for fast in (1, 2, 5):
+        with pytest.raises(ValueError, match="fast_cvt"):
+            decode_paged(*args, fast_cvt=fast)
+    out, lse = decode_paged(*args, fast_cvt=0)
+    assert out.shape == args[0].shape

@@ -27,11 +27,22 @@ tl.dot whose operand was cast to bf16 in the kernel (a loaded bf16 tensor is fin
 exact code is an exact product either way, so only the P V dot differs: the GPU rounds p s_v to q's dtype
 (as attention_decode does), the interpreter keeps it in fp32.
 
-Status (H200, Llama-3-8B heads, 32,768 tokens, CUDA-graph timing; CONFIGS below): e4m3 per tensor 43 us (b 1)
-and 243 us (b 8), 1.23x and 1.06x the bf16-cache attention.decode_paged, 35% and 50% of the read ceiling
-(4.4 TB/s, an fp32 sum): short of issue 34's goal (1.8x, 90%). Per key it takes about as long as the bf16
-kernel, so bytes are not what bounds it; the suspects are the 8-bit tile's conversion and re-layout through
-shared memory before each tl.dot (the bf16 kernel's tiles go to the dot as loaded) and the per-key page gather.
+The FP8 -> bf16 conversion (fast_cvt, `_codes`): Triton's cast goes e4m3 -> fp16 -> bf16, two conversion-pipe
+instructions a pair of codes plus one a code, and bounded this kernel at the bf16 kernel's time a key (the
+conversion pipe is 16 lanes an SM). The GPU path instead moves bits on the integer pipes (Marlin's trick, checked
+bit for bit against torch's cast for all 256 codes of both formats on the H200), and converts V before its tile
+goes through shared memory (else Triton reads the 8-bit V tile a byte a load, ld.shared.b8, to transpose it for
+the P V dot). int8 codes and fp16 / fp32 queries keep the casts.
+
+Status (H200, Llama-3-8B heads, 32,768 tokens, e4m3 per tensor, the read floor at the measured 4.1 TB/s read
+ceiling; benchmarks/gpu_kvquant.py --tune, reports/baselines/kvquant-tune-h200.json): CUDA-graph timing b 1 / 8 /
+32: 55.9 / 207 / 801 us, 0.95x / 1.24x / 1.67x the bf16-cache attention.decode_paged (53.1 / 258 / 1339 us) and
+29% / 63% / 65% of the read floor; Triton's casts 82.8 / 245 / 902 us. Short of issue 34's goal (1.8x, 90%).
+The loop is issue-bound, not byte-bound: 1,276 SASS instructions a thread a 128-key tile, half of them the
+conversion (PRMT, SHF, LOP3, HMUL2: 2.5 an element), and the two M = 16 mma.sync dots waste 3/4 of their rows on
+a GQA group of 4; b 1 has 128 programs for 132 SMs. Measured and dropped: fp16 dots over the hardware's
+e4m3 -> fp16 conversion (773 instructions a tile, but 7% slower: that conversion is on the slow pipe too).
+Next: a Gluon kernel with the keys as the MMA's M (swap AB) and FP8 V transposed in registers.
 """
 
 from __future__ import annotations
@@ -52,21 +63,56 @@ MAX_HEAD_DIM = 256
 MAX_GROUP = 64
 SPLIT_KEYS_CPU = 512  # the ci suite's 1,100 / 1,500-key sequences take the split + combine path; its 300-key ones
 # one split (the interpreter runs lse_combine a program a row: 256 doubled the ci time of this op)
-MIN_SPLIT_KEYS = 1024
+MIN_SPLIT_KEYS = 2048
 SPLIT_PROGRAMS_PER_SM = 8
-# (BLOCK_N, num_warps, num_stages) by padded head dim. d = 128 measured on an H200 (Triton 3.6, CUDA-graph
-# timing, Llama-3-8B's 32 / 8 heads, pages of 16, 32,768 tokens; e4m3 per tensor / int8 per token, us):
-# b = 1: (128, 4, 3) 43.0 / 41.2, (128, 4, 2) 43.3 / 41.3, (128, 8, 2) 46.3 / 45.6 at 1024 keys a split;
-# b = 8: (128, 4, 2) 243 / 266 at 2048 keys a split, 262 at 3648; the bf16-cache attention.decode_paged
-# 52.6 (b = 1) and 258 (b = 8). CUDA-core FMAs in place of the two tl.dots (FlashInfer's small-group decode,
-# group 4 unpadded) measured 3.5-5x slower (153 / 1255 us at best). Other rows are unmeasured guesses.
-CONFIGS = {16: (128, 4, 2), 32: (128, 4, 2), 64: (128, 4, 2), 128: (128, 4, 2), 256: (64, 4, 2)}
+# (BLOCK_N, num_warps, num_stages) by padded head dim. d = 128 measured on an H200 (Triton 3.6, Llama-3-8B's 32 / 8
+# heads, pages of 16, 32,768 tokens, e4m3 per tensor, fast conversion, do_bench us): b = 8: (128, 4, 4) 214,
+# (128, 4, 3) 215, (128, 4, 2) 244, (128, 8, 2) 263, (64, 4, 3) 280, (256, 8, 2) 321; b = 32: (128, 4, 3) 778 at
+# 2,048 keys a split, 799 at the default split, (128, 4, 2) 895; b = 1: within noise (host-bound under do_bench).
+# CUDA-core FMAs in place of the two tl.dots (FlashInfer's small-group decode, group 4 unpadded) measured 3.5-5x
+# slower earlier. Other rows are unmeasured guesses.
+CONFIGS = {16: (128, 4, 2), 32: (128, 4, 2), 64: (128, 4, 2), 128: (128, 4, 3), 256: (64, 4, 2)}
+
+
+# FP8 codes -> bf16 on the integer and FMA pipes, four codes a 32-bit word (the GPU path; Marlin's trick): each
+# byte moved to the top of a 16-bit lane (prmt), its exponent and mantissa shifted under bf16's (sign kept), which
+# reads as the code's value times 2^(bf16 bias - fp8 bias) in bf16, then one exact multiply by 2^(127 - 7) (e4m3)
+# or 2^(127 - 15) (e5m2): exact for every finite code, subnormals included (they become bf16 normals or
+# subnormals, and bf16 fma keeps subnormals). Triton's cast goes e4m3 -> f16 -> bf16, one conversion-pipe
+# instruction an element (a 16-lane pipe): H200, it bounded the decode at the bf16 kernel's time a key.
+_FP8_BF16_ASM = """{
+.reg .b32 lo, hi, slo, shi, mul, nz;
+prmt.b32 lo, $2, 0, 0x1404;
+prmt.b32 hi, $2, 0, 0x3424;
+and.b32 slo, lo, 0x80008000;
+and.b32 shi, hi, 0x80008000;
+shr.b32 lo, lo, SHIFT;
+shr.b32 hi, hi, SHIFT;
+and.b32 lo, lo, MASK;
+and.b32 hi, hi, MASK;
+or.b32 lo, lo, slo;
+or.b32 hi, hi, shi;
+mov.b32 mul, POW2;
+mov.b32 nz, 0x80008000;
+fma.rn.bf16x2 $0, lo, mul, nz;
+fma.rn.bf16x2 $1, hi, mul, nz;
+}"""
+E4M3_BF16_ASM: tl.constexpr = tl.constexpr(
+    _FP8_BF16_ASM.replace("SHIFT", "4").replace("MASK", "0x07F007F0").replace("POW2", "0x7B807B80"))
+E5M2_BF16_ASM: tl.constexpr = tl.constexpr(
+    _FP8_BF16_ASM.replace("SHIFT", "3").replace("MASK", "0x0FE00FE0").replace("POW2", "0x77807780"))
 
 
 @triton.jit
-def _codes(x, FMT: tl.constexpr, OUT: tl.constexpr):
-    """8-bit codes (loaded as uint8 for the float formats, int8 for int8) -> OUT, exactly."""
-    if FMT == 0:
+def _codes(x, FMT: tl.constexpr, OUT: tl.constexpr, FAST: tl.constexpr = 0, PURE: tl.constexpr = True):
+    """8-bit codes (loaded as uint8 for the float formats, int8 for int8) -> OUT, exactly. FAST=1 (a GPU, an FP8
+    format, OUT bf16): the integer-pipe conversion above. PURE=False keeps Triton from moving the conversion past
+    the tile's trip through shared memory (V: see the kernel)."""
+    if FAST == 1 and FMT == 0:
+        y = tl.inline_asm_elementwise(E4M3_BF16_ASM, "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=PURE, pack=4)
+    elif FAST == 1 and FMT == 1:
+        y = tl.inline_asm_elementwise(E5M2_BF16_ASM, "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=PURE, pack=4)
+    elif FMT == 0:
         y = x.to(tl.float8e4nv, bitcast=True).to(OUT)
     elif FMT == 1:
         y = x.to(tl.float8e5, bitcast=True).to(OUT)
@@ -84,6 +130,7 @@ def _kvq_decode_kernel(
     stride_o_split, stride_ob, stride_oh, stride_l_split, stride_lb, stride_lh,
     FMT: tl.constexpr, GRAN: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    FAST_CVT: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     b = pid // h_kv
@@ -103,7 +150,6 @@ def _kvq_decode_kernel(
                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-
     qk_scale = sm_scale * LOG2E  # log2-domain logits
     sv = 1.0
     if GRAN == 0:
@@ -132,8 +178,12 @@ def _kvq_decode_kernel(
             vmask = live[:, None] & mask_d[None, :]
         kc = tl.load(K_base + (page * stride_kb + slot * stride_ks)[None, :] + offs_d[:, None], mask=kmask, other=0)
         vc = tl.load(V_base + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :], mask=vmask, other=0)
-        k = _codes(kc, FMT, q.dtype)
-        v = _codes(vc, FMT, q.dtype)
+        k = _codes(kc, FMT, q.dtype, 1 if FAST_CVT > 0 else 0)
+        # V's dot contracts over keys, which are 128 bytes apart in the tile: Triton would convert V after reading
+        # the 8-bit tile from shared memory in the dot's layout, one byte a load (ld.shared.b8, 128 a thread a
+        # tile). A conversion it cannot move (not pure) runs on the loaded rows instead, and the bf16 tile goes
+        # to the dot through ldmatrix.trans.
+        v = _codes(vc, FMT, q.dtype, 1 if FAST_CVT > 0 else 0, FAST_CVT == 1)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # fp32
         if GRAN == 2:
             s_off = page * stride_sb + slot * stride_ss + kv_head * stride_sh
@@ -223,7 +273,8 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  v_scale: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
                  scale: float | None = None, out: torch.Tensor | None = None, out_lse: torch.Tensor | None = None,
                  split_keys: int | None = None,
-                 config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 config: tuple[int, int, int] | None = None,
+                 fast_cvt: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode of one new token a sequence over a paged quantized cache.
 
     q: (b, h_q, d) fp32 / fp16 / bf16, d <= 256, last-dim stride 1
@@ -233,6 +284,9 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     seq_lens: (b,) int32, 0 <= seq_lens[b] <= max_pages * page (the caller's guarantee)
     out: (b, h_q, d) q's dtype, last-dim stride 1; out_lse: (b, h_q) float32 (allocated if None)
     split_keys: keys a split (a multiple of BLOCK_N is used); None: the module docstring's choice
+    fast_cvt: 0 Triton's casts; 1 the integer-pipe FP8 -> bf16 conversion; 2 that, V converted before its
+        trip through shared memory; None: 2 on a GPU for a bf16 q over an FP8 cache, else 0 (the interpreter
+        has no inline assembly; fp16 / fp32 q and int8 codes take the casts)
     returns (out, out_lse): LSE natural log, -inf (and O = 0) for seq_lens[b] = 0
     """
     gran = check_args(q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens)
@@ -269,6 +323,12 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     s_strides = k_scale.stride() if gran == "token" else (0, 0, 0)
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     interpret = not q.is_cuda  # the interpreter: dots in fp32 (module docstring)
+    can_fast = not interpret and q.dtype == torch.bfloat16 and k_cache.dtype != torch.int8
+    if fast_cvt is None:
+        fast_cvt = 2 if can_fast else 0
+    elif fast_cvt not in (0, 1, 2) or (fast_cvt and not can_fast):
+        raise ValueError(f"kvquant.decode_paged: fast_cvt={fast_cvt} must be 0, or 1 / 2 on a GPU for a bf16 q over "
+                         f"an FP8 cache")
     _kvq_decode_kernel[(b * h_kv, splits)](
         q, _code_view(k_cache), _code_view(v_cache), k_scale, v_scale, block_table, seq_lens, o_dst, l_dst,
         h_kv, group, d, keys, sm_scale,
@@ -276,7 +336,7 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         *o_dst.stride()[:3], *l_dst.stride(),
         FMT=FORMATS[k_cache.dtype], GRAN=GRANS.index(gran), PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, EVEN_D=block_d == d, DOT_PRECISION="ieee" if q.dtype == torch.float32 or interpret else "tf32",
-        DOT_FP32=interpret,
+        DOT_FP32=interpret, FAST_CVT=fast_cvt,
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
