@@ -27,6 +27,11 @@
 #   layers  benchmarks/gpu_{norm,rope,mlp}.py (RMSNorm, LayerNorm, RoPE, SwiGLU / GeGLU vs the copy rate, torch and
 #           the peers that import) -> $OUT/{norm,rope,mlp}-bench-<device>.json
 #   peers   the `peers` suite (liger, quack on norm / rope / mlp cases) -> $OUT/peers-<device>.jsonl
+#   kvquant benchmarks/gpu_kvquant.py (the quantized-cache decode vs the bf16-cache decode and the read ceiling, parity
+#           bench), then its --tune sweep (fast_cvt x configs x splits, CUDA-graph timing of the best) ->
+#           $OUT/kvquant-bench-<device>.json, $OUT/kvquant-tune-<device>.json
+#   moe     benchmarks/gpu_moe.py --models $MOE_MODELS (default mixtral,qwen3; deepseek's 22.5 GB layer wants a call
+#           of its own) -> $OUT/moe-bench<tag>-<device>.json
 #   profile benchmarks/gpu_profile.py (ncu: every issue-19 target, ours and the peers) -> $OUT/profile-<device>.json
 #   prefill benchmarks/gpu_prefill.py (causal prefill: ours, fa4, cuDNN, SDPA flash; parity bench), then the
 #           fa4 plugin's ci cases -> $OUT/prefill-bench-<device>.json, $OUT/ci-fa4-<device>.jsonl
@@ -117,6 +122,9 @@ print(','.join(sorted(n for n, s in ops.all_specs().items() if s.rows is not Non
     prefill) python3 benchmarks/gpu_prefill.py --out "$OUT/prefill-bench-$DEV.json" || rc=1
              $PARITY run --suite ci --backend fa4 --no-progress -q --jobs "$JOBS" --json "$OUT/ci-fa4-$DEV.jsonl" \
                || rc=1 ;;
+    kvquant) python3 benchmarks/gpu_kvquant.py --out "$OUT/kvquant-bench-$DEV.json" || rc=1
+             python3 benchmarks/gpu_kvquant.py --tune --out "$OUT/kvquant-tune-$DEV.json" || rc=1 ;;
+    moe) python3 benchmarks/gpu_moe.py --models "${MOE_MODELS:-mixtral,qwen3}" --out "$OUT/moe-bench$TAG-$DEV.json" || rc=1 ;;
     profile) python3 benchmarks/gpu_profile.py --out "$OUT/profile-$DEV.json" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac

@@ -73,3 +73,4 @@ from kernel_parity.refimpl.kvquant_update import update  # noqa: E402,F401  (kvq
 from kernel_parity.refimpl.kvquant_decode import decode_paged  # noqa: E402,F401  (kvquant.decode_paged)
 from kernel_parity.refimpl.kvquant_mla import mla_sparse  # noqa: E402,F401  (kvquant.mla_sparse)
 from kernel_parity.refimpl.kvquant_prefill import chunked_prefill  # noqa: E402,F401  (kvquant.chunked_prefill)
+from kernel_parity.refimpl.kvquant_append import append_decode  # noqa: E402,F401  (kvquant.append_decode)

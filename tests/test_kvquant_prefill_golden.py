@@ -179,6 +179,9 @@ def test_neighbouring_scales_are_far_apart_and_dead_slots_poisoned():
 
 # -- the kernels' refusals (one line, ValueError) ----------------------------------------------------------------
 def test_kernels_refuse_bad_arguments():
+    from kernel_parity.conformance.backends.triton_prep import prepare_environment
+
+    prepare_environment()  # TRITON_INTERPRET=1 before triton's first import: later interpreter runs need it
     from kernel_parity.kernels.cpu.kvquant_prefill import chunked_prefill as cpu
     from kernel_parity.kernels.torch.kvquant_prefill import check_args as torch_check
     from kernel_parity.kernels.triton.kvquant_prefill import check_args as triton_check

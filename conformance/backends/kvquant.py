@@ -1,6 +1,7 @@
 """Adapters binding each built-in backend's quantized-KV-cache kernels to `kvquant.*` ops: each op's are in
 its own module (conformance/backends/kvquant_update.py, kvquant_decode.py, kvquant_mla.py,
-kvquant_prefill.py), merged here."""
+kvquant_prefill.py,
+kvquant_append.py), merged here."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from typing import Callable
 
 
 def _merged(factory: str, *args) -> dict[str, Callable]:
-    from kernel_parity.conformance.backends import kvquant_decode, kvquant_mla, kvquant_prefill, kvquant_update
+    from kernel_parity.conformance.backends import (kvquant_append, kvquant_decode, kvquant_mla,
+                                                  kvquant_prefill, kvquant_update)
 
     out: dict[str, Callable] = {}
-    for module in (kvquant_update, kvquant_decode, kvquant_mla, kvquant_prefill):
+    for module in (kvquant_update, kvquant_decode, kvquant_mla, kvquant_prefill, kvquant_append):
         fn = getattr(module, factory, None)
         if fn is not None:
             out.update(fn(*args))

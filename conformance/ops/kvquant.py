@@ -7,11 +7,13 @@ per-head and per-token scales), refimpl/kvquant.py's formats. Each op's spec is 
 - kvquant.mla_sparse (conformance/ops/kvquant_mla.py): FlashMLA's sparse MLA decode over its FP8 cache rows of
   656 bytes;
 - kvquant.chunked_prefill (conformance/ops/kvquant_prefill.py): packed query chunks over a quantized paged cache
-  holding each sequence's history.
+  holding each sequence's history;
+- kvquant.append_decode (conformance/ops/kvquant_append.py): the write and read paths fused, the new token
+  quantized into the cache and attended over in one kernel.
 """
 
 from __future__ import annotations
 
-from kernel_parity.conformance.ops import kvquant_decode, kvquant_mla, kvquant_prefill, kvquant_update
+from kernel_parity.conformance.ops import kvquant_append, kvquant_decode, kvquant_mla, kvquant_prefill, kvquant_update
 
-SPECS = kvquant_update.SPECS + kvquant_decode.SPECS + kvquant_mla.SPECS + kvquant_prefill.SPECS
+SPECS = kvquant_update.SPECS + kvquant_decode.SPECS + kvquant_mla.SPECS + kvquant_prefill.SPECS + kvquant_append.SPECS

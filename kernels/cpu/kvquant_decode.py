@@ -44,34 +44,41 @@ def _kernels() -> ctypes.CDLL:
     return _lib
 
 
+def check_cache(op: str, d: int, h_q: int, k_cache: np.ndarray, v_cache: np.ndarray, k_scale: np.ndarray,
+                v_scale: np.ndarray) -> tuple[int, int, int, int, tuple[int, int, int]]:
+    """The quantized cache and its scales against q's d and h_q (ValueError naming `op` unless valid):
+    (num_blocks, page, h_kv, the scale granularity 0 tensor / 1 head / 2 token, the per-token scales' strides)."""
+    check_array("k_cache", k_cache, 4, "(num_blocks, page, h_kv, d)", tuple(FORMATS))
+    check_array("v_cache", v_cache, 4, "(num_blocks, page, h_kv, d)", (k_cache.dtype,))
+    if k_cache.shape[-1] != d or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{op}: k_cache, v_cache must be (num_blocks, page, h_kv, d={d}), got "
+                         f"{k_cache.shape} and {v_cache.shape}")
+    nb, page, h_kv, _ = k_cache.shape
+    if h_kv < 1 or h_q % h_kv:
+        raise ValueError(f"{op}: h_q={h_q} must be a multiple of h_kv={h_kv}")
+    grans = {(1,): 0, (h_kv,): 1, (nb, page, h_kv): 2}
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(s, np.ndarray) or s.dtype != _F32:
+            raise ValueError(f"{op}: {name} must be a float32 numpy.ndarray, got "
+                             f"{getattr(s, 'dtype', type(s).__name__)}")
+    gk, gv = grans.get(k_scale.shape), grans.get(v_scale.shape)
+    if gk is None or gk != gv:
+        raise ValueError(f"{op}: k_scale, v_scale must share one shape of (1,), ({h_kv},), "
+                         f"({nb}, {page}, {h_kv}), got {k_scale.shape} and {v_scale.shape}")
+    s_str = element_strides("k_scale", k_scale) if gk == 2 else (0, 0, 0)
+    if gk == 2 and element_strides("v_scale", v_scale) != s_str:
+        raise ValueError(f"{op}: k_scale, v_scale must share strides, got {k_scale.strides} and "
+                         f"{v_scale.strides} bytes")
+    return nb, page, h_kv, gk, s_str
+
+
 def decode_paged(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, k_scale: np.ndarray,
                  v_scale: np.ndarray, block_table: np.ndarray, seq_lens: np.ndarray, *, scale: float | None = None,
                  out: np.ndarray | None = None, out_lse: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Decode of one new token a sequence over a paged quantized cache; returns (o (b, h_q, d), lse (b, h_q))."""
     check_array("q", q, 3, "(b, h_q, d)", _FLOATS)
     b, h_q, d = q.shape
-    check_array("k_cache", k_cache, 4, "(num_blocks, page, h_kv, d)", tuple(FORMATS))
-    check_array("v_cache", v_cache, 4, "(num_blocks, page, h_kv, d)", (k_cache.dtype,))
-    if k_cache.shape[-1] != d or v_cache.shape != k_cache.shape:
-        raise ValueError(f"kvquant.decode_paged: k_cache, v_cache must be (num_blocks, page, h_kv, d={d}), got "
-                         f"{k_cache.shape} and {v_cache.shape}")
-    nb, page, h_kv, _ = k_cache.shape
-    if h_kv < 1 or h_q % h_kv:
-        raise ValueError(f"kvquant.decode_paged: h_q={h_q} must be a multiple of h_kv={h_kv}")
-    grans = {(1,): 0, (h_kv,): 1, (nb, page, h_kv): 2}
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if not isinstance(s, np.ndarray) or s.dtype != _F32:
-            raise ValueError(f"kvquant.decode_paged: {name} must be a float32 numpy.ndarray, got "
-                             f"{getattr(s, 'dtype', type(s).__name__)}")
-    gk, gv = grans.get(k_scale.shape), grans.get(v_scale.shape)
-    if gk is None or gk != gv:
-        raise ValueError(f"kvquant.decode_paged: k_scale, v_scale must share one shape of (1,), ({h_kv},), "
-                         f"({nb}, {page}, {h_kv}), got {k_scale.shape} and {v_scale.shape}")
-    gran = gk
-    s_str = element_strides("k_scale", k_scale) if gran == 2 else (0, 0, 0)
-    if gran == 2 and element_strides("v_scale", v_scale) != s_str:
-        raise ValueError(f"kvquant.decode_paged: k_scale, v_scale must share strides, got {k_scale.strides} and "
-                         f"{v_scale.strides} bytes")
+    nb, page, h_kv, gran, s_str = check_cache("kvquant.decode_paged", d, h_q, k_cache, v_cache, k_scale, v_scale)
     check_array("block_table", block_table, 2, "(b, max_pages)", (_I32,))
     check_array("seq_lens", seq_lens, 1, "(b,)", (_I32,))
     if block_table.shape[0] != b or seq_lens.shape != (b,):

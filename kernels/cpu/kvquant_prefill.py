@@ -22,7 +22,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from kernel_parity.kernels.cpu.kvquant_decode import FORMATS
+from kernel_parity.kernels.cpu.kvquant_decode import FORMATS, check_cache
 from kernel_parity.kernels.cpu.loader import (check_array, check_output, check_status, dtype_code, element_strides,
                                               load, unit_last_strides)
 
@@ -59,28 +59,8 @@ def chunked_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, k_s
     """Packed query chunks over a paged quantized cache; returns (o (total_q, h_q, d), lse (h_q, total_q))."""
     check_array("q", q, 3, "(total_q, h_q, d)", _FLOATS)
     total_q, h_q, d = q.shape
-    check_array("k_cache", k_cache, 4, "(num_blocks, page, h_kv, d)", tuple(FORMATS))
-    check_array("v_cache", v_cache, 4, "(num_blocks, page, h_kv, d)", (k_cache.dtype,))
-    if k_cache.shape[-1] != d or v_cache.shape != k_cache.shape:
-        raise ValueError(f"kvquant.chunked_prefill: k_cache, v_cache must be (num_blocks, page, h_kv, d={d}), got "
-                         f"{k_cache.shape} and {v_cache.shape}")
-    nb, page, h_kv, _ = k_cache.shape
-    if h_kv < 1 or h_q % h_kv:
-        raise ValueError(f"kvquant.chunked_prefill: h_q={h_q} must be a multiple of h_kv={h_kv}")
-    grans = {(1,): 0, (h_kv,): 1, (nb, page, h_kv): 2}
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if not isinstance(s, np.ndarray) or s.dtype != _F32:
-            raise ValueError(f"kvquant.chunked_prefill: {name} must be a float32 numpy.ndarray, got "
-                             f"{getattr(s, 'dtype', type(s).__name__)}")
-    gk, gv = grans.get(k_scale.shape), grans.get(v_scale.shape)
-    if gk is None or gk != gv:
-        raise ValueError(f"kvquant.chunked_prefill: k_scale, v_scale must share one shape of (1,), ({h_kv},), "
-                         f"({nb}, {page}, {h_kv}), got {k_scale.shape} and {v_scale.shape}")
-    gran = gk
-    s_str = element_strides("k_scale", k_scale) if gran == 2 else (0, 0, 0)
-    if gran == 2 and element_strides("v_scale", v_scale) != s_str:
-        raise ValueError(f"kvquant.chunked_prefill: k_scale, v_scale must share strides, got {k_scale.strides} and "
-                         f"{v_scale.strides} bytes")
+    nb, page, h_kv, gran, s_str = check_cache("kvquant.chunked_prefill", d, h_q, k_cache, v_cache, k_scale,
+                                              v_scale)
     check_array("cu_seqlens_q", cu_seqlens_q, 1, "(b + 1,)", (_I32,))
     b = cu_seqlens_q.shape[0] - 1
     cu = cu_seqlens_q.astype(np.int64)

@@ -21,31 +21,39 @@ from kernel_parity.kernels.torch.attention import attention
 CODE_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def check_args(q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens) -> str:
-    """ValueError (one line) unless the arguments are valid; returns the granularity ("tensor" / "head" / "token")."""
+def check_cache(op: str, q_layout: str, q, k_cache, v_cache, k_scale, v_scale, **more) -> str:
+    """ValueError (one line naming `op`) unless q (q_layout: its shape's names), the quantized cache, its scales
+    and every tensor of `more` are valid; returns the granularity ("tensor" / "head" / "token")."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_scale", k_scale),
-                    ("v_scale", v_scale), ("block_table", block_table), ("seq_lens", seq_lens)):
+                    ("v_scale", v_scale), *more.items()):
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"kvquant.decode_paged: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if q.dim() != 3 or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"kvquant.decode_paged: q must be (b, h_q, d) fp32 / fp16 / bf16, got {tuple(q.shape)} "
-                         f"{q.dtype}")
-    b, h_q, d = q.shape
+        raise ValueError(f"{op}: q must be {q_layout} fp32 / fp16 / bf16, got {tuple(q.shape)} {q.dtype}")
+    _, h_q, d = q.shape
     if k_cache.dim() != 4 or k_cache.shape[-1] != d or tuple(v_cache.shape) != tuple(k_cache.shape):
-        raise ValueError(f"kvquant.decode_paged: k_cache, v_cache must be (num_blocks, page, h_kv, d={d}), got "
+        raise ValueError(f"{op}: k_cache, v_cache must be (num_blocks, page, h_kv, d={d}), got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if k_cache.dtype not in CODE_DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"kvquant.decode_paged: k_cache, v_cache must share one code dtype of int8, float8_e4m3fn, "
+        raise ValueError(f"{op}: k_cache, v_cache must share one code dtype of int8, float8_e4m3fn, "
                          f"float8_e5m2, got {k_cache.dtype} and {v_cache.dtype}")
     nb, page, h_kv, _ = k_cache.shape
     if h_kv < 1 or h_q % h_kv:
-        raise ValueError(f"kvquant.decode_paged: h_q={h_q} must be a multiple of h_kv={h_kv}")
+        raise ValueError(f"{op}: h_q={h_q} must be a multiple of h_kv={h_kv}")
     grans = {(1,): "tensor", (h_kv,): "head", (nb, page, h_kv): "token"}
     gk, gv = grans.get(tuple(k_scale.shape)), grans.get(tuple(v_scale.shape))
     if gk is None or gk != gv or k_scale.dtype != torch.float32 or v_scale.dtype != torch.float32:
-        raise ValueError(f"kvquant.decode_paged: k_scale, v_scale must be float32 of one shape: (1,), ({h_kv},) or "
+        raise ValueError(f"{op}: k_scale, v_scale must be float32 of one shape: (1,), ({h_kv},) or "
                          f"({nb}, {page}, {h_kv}), got {tuple(k_scale.shape)} {k_scale.dtype} and "
                          f"{tuple(v_scale.shape)} {v_scale.dtype}")
+    return gk
+
+
+def check_args(q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens) -> str:
+    """ValueError (one line) unless the arguments are valid; returns the granularity ("tensor" / "head" / "token")."""
+    gk = check_cache("kvquant.decode_paged", "(b, h_q, d)", q, k_cache, v_cache, k_scale, v_scale,
+                     block_table=block_table, seq_lens=seq_lens)
+    b = q.shape[0]
     if block_table.dim() != 2 or block_table.shape[0] != b or block_table.dtype != torch.int32:
         raise ValueError(f"kvquant.decode_paged: block_table must be ({b}, max_pages) int32, got "
                          f"{tuple(block_table.shape)} {block_table.dtype}")

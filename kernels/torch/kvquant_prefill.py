@@ -19,35 +19,13 @@ import math
 import torch
 
 from kernel_parity.kernels.torch.attention import chunked_prefill as _chunked
-from kernel_parity.kernels.torch.kvquant_decode import CODE_DTYPES
+from kernel_parity.kernels.torch.kvquant_decode import check_cache
 
 
 def check_args(q, k_cache, v_cache, k_scale, v_scale, cu_seqlens_q, hist, block_table) -> str:
     """ValueError (one line) unless the arguments are valid; returns the granularity ("tensor" / "head" / "token")."""
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_scale", k_scale),
-                    ("v_scale", v_scale), ("cu_seqlens_q", cu_seqlens_q), ("hist", hist),
-                    ("block_table", block_table)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"kvquant.chunked_prefill: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if q.dim() != 3 or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"kvquant.chunked_prefill: q must be (total_q, h_q, d) fp32 / fp16 / bf16, got "
-                         f"{tuple(q.shape)} {q.dtype}")
-    total_q, h_q, d = q.shape
-    if k_cache.dim() != 4 or k_cache.shape[-1] != d or tuple(v_cache.shape) != tuple(k_cache.shape):
-        raise ValueError(f"kvquant.chunked_prefill: k_cache, v_cache must be (num_blocks, page, h_kv, d={d}), got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if k_cache.dtype not in CODE_DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"kvquant.chunked_prefill: k_cache, v_cache must share one code dtype of int8, "
-                         f"float8_e4m3fn, float8_e5m2, got {k_cache.dtype} and {v_cache.dtype}")
-    nb, page, h_kv, _ = k_cache.shape
-    if h_kv < 1 or h_q % h_kv:
-        raise ValueError(f"kvquant.chunked_prefill: h_q={h_q} must be a multiple of h_kv={h_kv}")
-    grans = {(1,): "tensor", (h_kv,): "head", (nb, page, h_kv): "token"}
-    gk, gv = grans.get(tuple(k_scale.shape)), grans.get(tuple(v_scale.shape))
-    if gk is None or gk != gv or k_scale.dtype != torch.float32 or v_scale.dtype != torch.float32:
-        raise ValueError(f"kvquant.chunked_prefill: k_scale, v_scale must be float32 of one shape: (1,), ({h_kv},) "
-                         f"or ({nb}, {page}, {h_kv}), got {tuple(k_scale.shape)} {k_scale.dtype} and "
-                         f"{tuple(v_scale.shape)} {v_scale.dtype}")
+    gk = check_cache("kvquant.chunked_prefill", "(total_q, h_q, d)", q, k_cache, v_cache, k_scale, v_scale,
+                     cu_seqlens_q=cu_seqlens_q, hist=hist, block_table=block_table)
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1 or cu_seqlens_q.dtype != torch.int32:
         raise ValueError(f"kvquant.chunked_prefill: cu_seqlens_q must be (b + 1,) int32, got "
                          f"{tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}")

@@ -211,42 +211,52 @@ def _kvq_decode_kernel(
              mask=mask_m)
 
 
-def check_args(q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens) -> str:
-    """ValueError (one line naming the argument) unless the arguments are valid; the granularity."""
+def check_cache(op: str, q_layout: str, q, k_cache, v_cache, k_scale, v_scale, max_group: int | None = None,
+                **more) -> str:
+    """ValueError (one line naming `op` and the argument) unless q (q_layout: its shape's names), the quantized
+    cache and its scales are valid, and every tensor of `more` is one on q's device; the scale granularity."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_scale", k_scale),
-                    ("v_scale", v_scale), ("block_table", block_table), ("seq_lens", seq_lens)):
+                    ("v_scale", v_scale), *more.items()):
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"kvquant.decode_paged: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.device != q.device:
-            raise ValueError(f"kvquant.decode_paged: {name} is on {t.device}, q on {q.device}")
+            raise ValueError(f"{op}: {name} is on {t.device}, q on {q.device}")
     if q.dim() != 3 or q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or q.stride(-1) != 1:
-        raise ValueError(f"kvquant.decode_paged: q must be (b, h_q, d) fp32 / fp16 / bf16 with last-dim stride 1, "
+        raise ValueError(f"{op}: q must be {q_layout} fp32 / fp16 / bf16 with last-dim stride 1, "
                          f"got {tuple(q.shape)} {q.dtype} strides {q.stride()}")
-    b, h_q, d = q.shape
+    _, h_q, d = q.shape
     if not 1 <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"kvquant.decode_paged: head dim d={d} must be in [1, {MAX_HEAD_DIM}]")
+        raise ValueError(f"{op}: head dim d={d} must be in [1, {MAX_HEAD_DIM}]")
     if k_cache.dim() != 4 or k_cache.shape[-1] != d or tuple(v_cache.shape) != tuple(k_cache.shape):
-        raise ValueError(f"kvquant.decode_paged: k_cache, v_cache must be (num_blocks, page, h_kv, d={d}), got "
+        raise ValueError(f"{op}: k_cache, v_cache must be (num_blocks, page, h_kv, d={d}), got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if k_cache.dtype not in FORMATS or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"kvquant.decode_paged: k_cache, v_cache must share one code dtype of int8, float8_e4m3fn, "
+        raise ValueError(f"{op}: k_cache, v_cache must share one code dtype of int8, float8_e4m3fn, "
                          f"float8_e5m2, got {k_cache.dtype} and {v_cache.dtype}")
     if d > 1 and (k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
-        raise ValueError(f"kvquant.decode_paged: k_cache, v_cache must have last-dim stride 1, got "
+        raise ValueError(f"{op}: k_cache, v_cache must have last-dim stride 1, got "
                          f"{k_cache.stride()} and {v_cache.stride()}")
     nb, page, h_kv, _ = k_cache.shape
-    if h_kv < 1 or h_q % h_kv or h_q // h_kv > MAX_GROUP:
-        raise ValueError(f"kvquant.decode_paged: h_q={h_q} must be a multiple of h_kv={h_kv}, at most "
-                         f"{MAX_GROUP} query heads a kv head")
+    if h_kv < 1 or h_q % h_kv or (max_group is not None and h_q // h_kv > max_group):
+        most = f", at most {max_group} query heads a kv head" if max_group is not None else ""
+        raise ValueError(f"{op}: h_q={h_q} must be a multiple of h_kv={h_kv}{most}")
     grans = {(nb, page, h_kv): "token", (h_kv,): "head", (1,): "tensor"}
     gk, gv = grans.get(tuple(k_scale.shape)), grans.get(tuple(v_scale.shape))
     if gk is None or gk != gv or k_scale.dtype != torch.float32 or v_scale.dtype != torch.float32:
-        raise ValueError(f"kvquant.decode_paged: k_scale, v_scale must be float32 of one shape: (1,), ({h_kv},) or "
+        raise ValueError(f"{op}: k_scale, v_scale must be float32 of one shape: (1,), ({h_kv},) or "
                          f"({nb}, {page}, {h_kv}), got {tuple(k_scale.shape)} {k_scale.dtype} and "
                          f"{tuple(v_scale.shape)} {v_scale.dtype}")
     if gk == "token" and k_scale.stride() != v_scale.stride():
-        raise ValueError(f"kvquant.decode_paged: k_scale, v_scale caches must share strides, got {k_scale.stride()} "
+        raise ValueError(f"{op}: k_scale, v_scale caches must share strides, got {k_scale.stride()} "
                          f"and {v_scale.stride()}")
+    return gk
+
+
+def check_args(q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens) -> str:
+    """ValueError (one line naming the argument) unless the arguments are valid; the granularity."""
+    gk = check_cache("kvquant.decode_paged", "(b, h_q, d)", q, k_cache, v_cache, k_scale, v_scale, MAX_GROUP,
+                     block_table=block_table, seq_lens=seq_lens)
+    b = q.shape[0]
     if block_table.dim() != 2 or block_table.shape[0] != b or block_table.dtype != torch.int32:
         raise ValueError(f"kvquant.decode_paged: block_table must be ({b}, max_pages) int32, got "
                          f"{tuple(block_table.shape)} {block_table.dtype}")
