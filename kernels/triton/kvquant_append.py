@@ -26,7 +26,8 @@ folds into the logit scale and s_v into the final 1 / l; per token the fp32 logi
 s_v(j)). The new key's dot is a fp32 row sum of q x its codes (exact products), its probability times its code
 row added to the fp32 accumulator.
 
-Launches: the write and the attention are one kernel; with several splits the partials are merged by a second
+The cached keys go through kvquant_decode's `_attend` (one loop for both ops; on a GPU with a bf16 q over an FP8
+cache, its integer-pipe FP8 -> bf16 conversion, fast_cvt 2). Launches: the write and the attention are one kernel; with several splits the partials are merged by a second
 launch (kernels.triton.combine.lse_combine, as kvquant.decode_paged), which reads no cache.
 
 On the interpreter (a CPU tensor) the dots take fp32 operands (as kvquant_decode: Triton 3.9's interpreter
@@ -46,7 +47,7 @@ import triton
 import triton.language as tl
 
 from .combine import lse_combine
-from .kvquant_decode import _codes
+from .kvquant_decode import _attend, _codes
 
 FORMATS = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1, torch.int8: 2}
 FMT_NAMES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "int8": torch.int8}
@@ -101,7 +102,7 @@ def _kvq_append_kernel(
     stride_o_split, stride_ob, stride_oh, stride_l_split, stride_lb, stride_lh,
     FMT: tl.constexpr, GRAN: tl.constexpr, QMAX: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, FAST_CVT: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     b = pid // h_kv
@@ -115,7 +116,6 @@ def _kvq_append_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < group
     head = kv_head * group + offs_m
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < d
     q = tl.load(Q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
@@ -138,38 +138,10 @@ def _kvq_append_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(start, cache_end, BLOCK_N):
-        cols = start_n + offs_n
-        live = cols < cache_end
-        page = tl.load(bt_row + (cols // PAGE) * stride_bt_p, mask=live, other=0).to(tl.int64)
-        slot = cols % PAGE
-        if EVEN_D:
-            kmask = live[None, :]
-            vmask = live[:, None]
-        else:
-            kmask = live[None, :] & mask_d[:, None]
-            vmask = live[:, None] & mask_d[None, :]
-        kc = tl.load(K_base + (page * stride_kb + slot * stride_ks)[None, :] + offs_d[:, None], mask=kmask, other=0)
-        vc = tl.load(V_base + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :], mask=vmask, other=0)
-        k = _codes(kc, FMT, q.dtype)
-        v = _codes(vc, FMT, q.dtype)
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # fp32
-        if GRAN == 2:
-            s_off = page * stride_sb + slot * stride_ss + kv_head * stride_sh
-            sk = tl.load(KS_ptr + s_off, mask=live, other=0.0)
-            svj = tl.load(VS_ptr + s_off, mask=live, other=0.0)
-            qk = qk * sk[None, :]
-        qk = tl.where(live[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # never -inf - -inf
-        p = tl.exp2(qk - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        pv = p
-        if GRAN == 2:
-            pv = p * svj[None, :]
-        acc = tl.dot(pv.to(q.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = _attend(q, K_base, V_base, KS_ptr, VS_ptr, bt_row, kv_head, start, cache_end, qk_scale, m_i,
+                            l_i, acc, offs_d, mask_d, stride_kb, stride_ks, stride_vb, stride_vs, stride_sb,
+                            stride_ss, stride_sh, stride_bt_p, FMT, GRAN, PAGE, BLOCK_N, EVEN_D, DOT_PRECISION,
+                            FAST_CVT)
 
     if (start <= L) & (L < end):  # the designated writer: the new key is in this split
         new_page = tl.load(bt_row + (L // PAGE) * stride_bt_p).to(tl.int64)
@@ -353,6 +325,7 @@ def append_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_c
     fcode = FORMATS[k_cache.dtype]
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     interpret = not q.is_cuda
+    fast = 2 if not interpret and q.dtype == torch.bfloat16 and k_cache.dtype != torch.int8 else 0  # decode's rule
     _kvq_append_kernel[(b * h_kv, splits)](
         q, k_new, v_new, _code_view(k_cache), _code_view(v_cache), ks, vs, block_table, seq_lens, o_dst, l_dst,
         h_kv, group, d, keys, sm_scale,
@@ -361,7 +334,7 @@ def append_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_c
         FMT=fcode, GRAN=GRANS.index(gran), QMAX=FMAX[fcode], PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, EVEN_D=block_d == d,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or interpret else "tf32", DOT_FP32=interpret,
-        num_warps=num_warps, num_stages=num_stages,
+        FAST_CVT=fast, num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         rows = b * h_q

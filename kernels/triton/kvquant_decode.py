@@ -122,49 +122,14 @@ def _codes(x, FMT: tl.constexpr, OUT: tl.constexpr, FAST: tl.constexpr = 0, PURE
 
 
 @triton.jit
-def _kvq_decode_kernel(
-    Q_ptr, K_ptr, V_ptr, KS_ptr, VS_ptr, BT_ptr, Lens_ptr, O_ptr, Lse_ptr,
-    h_kv, group, d, split_keys, sm_scale,
-    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_sb, stride_ss, stride_sh, stride_bt_b, stride_bt_p,
-    stride_o_split, stride_ob, stride_oh, stride_l_split, stride_lb, stride_lh,
-    FMT: tl.constexpr, GRAN: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    FAST_CVT: tl.constexpr = 0,
-):
-    pid = tl.program_id(0)
-    b = pid // h_kv
-    kv_head = pid % h_kv
-    split = tl.program_id(1)
-    L = tl.load(Lens_ptr + b)
-    start = tl.minimum(split * split_keys, L)
-    end = tl.minimum(start + split_keys, L)
-
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_m = offs_m < group
-    head = kv_head * group + offs_m
+def _attend(q, K_base, V_base, KS_ptr, VS_ptr, bt_row, kv_head, start, end, qk_scale, m_i, l_i, acc,
+            offs_d, mask_d, stride_kb, stride_ks, stride_vb, stride_vs, stride_sb, stride_ss, stride_sh, stride_bt_p,
+            FMT: tl.constexpr, GRAN: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+            DOT_PRECISION: tl.constexpr, FAST_CVT: tl.constexpr = 0):
+    """Cached keys [start, end) of one kv head (K_base / V_base: its cache planes, bt_row: the sequence's block
+    table) into the online-softmax state (m_i, l_i, acc), log2-domain logits (qk_scale holds log2 e; per-token
+    scales applied here). Shared with kvquant_append.py's kernel."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < d
-    q = tl.load(Q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
-    qk_scale = sm_scale * LOG2E  # log2-domain logits
-    sv = 1.0
-    if GRAN == 0:
-        qk_scale = qk_scale * tl.load(KS_ptr)
-        sv = tl.load(VS_ptr)
-    elif GRAN == 1:
-        qk_scale = qk_scale * tl.load(KS_ptr + kv_head)
-        sv = tl.load(VS_ptr + kv_head)
-
-    K_base = K_ptr + kv_head.to(tl.int64) * stride_kh
-    V_base = V_ptr + kv_head.to(tl.int64) * stride_vh
-    bt_row = BT_ptr + b.to(tl.int64) * stride_bt_b
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         live = cols < end
@@ -202,6 +167,55 @@ def _kvq_decode_kernel(
         acc = tl.dot(pv.to(q.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _kvq_decode_kernel(
+    Q_ptr, K_ptr, V_ptr, KS_ptr, VS_ptr, BT_ptr, Lens_ptr, O_ptr, Lse_ptr,
+    h_kv, group, d, split_keys, sm_scale,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_sb, stride_ss, stride_sh, stride_bt_b, stride_bt_p,
+    stride_o_split, stride_ob, stride_oh, stride_l_split, stride_lb, stride_lh,
+    FMT: tl.constexpr, GRAN: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    FAST_CVT: tl.constexpr = 0,
+):
+    pid = tl.program_id(0)
+    b = pid // h_kv
+    kv_head = pid % h_kv
+    split = tl.program_id(1)
+    L = tl.load(Lens_ptr + b)
+    start = tl.minimum(split * split_keys, L)
+    end = tl.minimum(start + split_keys, L)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < group
+    head = kv_head * group + offs_m
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < d
+    q = tl.load(Q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    qk_scale = sm_scale * LOG2E  # log2-domain logits
+    sv = 1.0
+    if GRAN == 0:
+        qk_scale = qk_scale * tl.load(KS_ptr)
+        sv = tl.load(VS_ptr)
+    elif GRAN == 1:
+        qk_scale = qk_scale * tl.load(KS_ptr + kv_head)
+        sv = tl.load(VS_ptr + kv_head)
+
+    K_base = K_ptr + kv_head.to(tl.int64) * stride_kh
+    V_base = V_ptr + kv_head.to(tl.int64) * stride_vh
+    bt_row = BT_ptr + b.to(tl.int64) * stride_bt_b
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i, l_i, acc = _attend(q, K_base, V_base, KS_ptr, VS_ptr, bt_row, kv_head, start, end, qk_scale, m_i, l_i, acc,
+                            offs_d, mask_d, stride_kb, stride_ks, stride_vb, stride_vs, stride_sb, stride_ss, stride_sh,
+                            stride_bt_p, FMT, GRAN, PAGE, BLOCK_N, EVEN_D, DOT_PRECISION, FAST_CVT)
     o = acc * (sv / tl.where(l_i > 0.0, l_i, 1.0))[:, None]  # no key: O = 0
     o_ptrs = (O_ptr + split.to(tl.int64) * stride_o_split + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh
               + offs_d[None, :])
