@@ -116,3 +116,4 @@ from kernel_parity.refimpl.moe_align import align  # noqa: E402,F401  (moe.align
 from kernel_parity.refimpl.moe_experts import experts  # noqa: E402,F401  (moe.experts)
 from kernel_parity.refimpl.moe_grad import route_backward  # noqa: E402,F401  (moe.route_backward)
 from kernel_parity.refimpl.moe_experts_grad import experts_backward  # noqa: E402,F401  (moe.experts_backward)
+from kernel_parity.refimpl.moe_layer import layer  # noqa: E402,F401  (moe.layer)

@@ -186,3 +186,173 @@ def test_int4_inputs_dequantize_exactly_in_golden_and_torch():
     with pytest.raises(Exception, match="multiples of the group 128"):
         from kernel_parity.conformance import ops
         ops.make_case("moe.experts", "cpu", "bf16", dict(p, d=96), "normal", 0)
+
+
+# ---------------------------------------------------------------------------------------------------- block FP8
+
+def _fp8_layer(seed=0, t=9, d=256, f=256, e=3, k=2, s=0, dtype=ml_dtypes.bfloat16):
+    """A layer with block-FP8 weights (refimpl.quant_fp.fp8_quantize_blocks per expert) and x in `dtype`."""
+    from kernel_parity.refimpl.quant_fp import fp8_quantize_blocks
+
+    x, ids, w, w13, w2, sh = _layer(seed, t, d, f, e, k, s)
+    x = x.astype(dtype).astype(np.float64) * 3
+
+    def q(a):
+        parts = [fp8_quantize_blocks(m, 128, 128) for m in a]
+        return mx.BlockFP8(np.stack([c for c, _ in parts]), np.stack([sc for _, sc in parts]))
+
+    return x, ids, w, q(w13), q(w2), {n: q(v) for n, v in sh.items()}
+
+
+def test_block_fp8_weights_dequantize_exactly_one_expert_at_a_time():
+    """BlockFP8[e] is code x its 128 x 128 block's scale in float64; the golden equals the dense golden on those."""
+    from kernel_parity.refimpl.quant_fp import fp8_dequantize_blocks
+
+    x, ids, w, b13, b2, sh = _fp8_layer(1, d=384, f=128, s=1)
+    c, sc = b13.codes[1], b13.scales[1]
+    want = c.astype(np.float64) * np.repeat(np.repeat(sc.astype(np.float64), 128, 0), 128, 1)
+    np.testing.assert_array_equal(b13[1], want)
+    np.testing.assert_array_equal(b13[1], fp8_dequantize_blocks(c, sc, 128, 128))
+    dense = lambda b: np.stack([b[i] for i in range(b.shape[0])])  # noqa: E731
+    for act in (None, "e4m3"):
+        np.testing.assert_array_equal(
+            mx.experts(x, ids, w, b13, b2, act_quant=act, ws13=sh["ws13"], ws2=sh["ws2"]),
+            mx.experts(x, ids, w, dense(b13), dense(b2), act_quant=act, ws13=dense(sh["ws13"]), ws2=dense(sh["ws2"])))
+    with pytest.raises(ValueError, match=r"scales must be \(E, ceil\(N/128\), ceil\(K/128\)\)"):
+        mx.BlockFP8(b13.codes, b13.scales[:, :1])
+
+
+def test_group_quantize_is_kvquants_quantizer_per_128_columns():
+    """x's w8a8 codes: s = float32(amax of each 128 columns) / 448, codes e4m3fn(RNE(clamp(float32(x) / s))) (the IEEE
+    division, refimpl.kvquant.quantize), the last group shorter; an all-zero group is codes 0."""
+    rng = np.random.default_rng(3)
+    v = (rng.standard_normal((4, 300)) * 10.0 ** rng.integers(-3, 3, (4, 1))).astype(np.float32)
+    v[2, 128:256] = 0
+    got, s = mx.group_quantize(v)
+    assert s.shape == (4, 3)
+    for r in range(4):
+        for g in range(3):
+            part = v[r, 128 * g:128 * (g + 1)]
+            sg = np.float32(np.abs(part).max()) / np.float32(448)
+            assert s[r, g] == sg
+            with np.errstate(invalid="ignore", divide="ignore"):
+                y = np.where(sg == 0, np.float32(0), part / np.where(sg == 0, np.float32(1), sg)).astype(np.float32)
+            codes = np.clip(y, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+            np.testing.assert_array_equal(got[r, 128 * g:128 * (g + 1)], codes * np.float64(sg))
+    assert (got[2, 128:256] == 0).all()
+
+
+def test_w8a8_golden_is_the_per_token_loop_on_quantized_x_and_act():
+    """act_quant='e4m3': out[t] = sum_j w_j W2 q(rnd(silu(G q(x_t)) * (U q(x_t)))), q the per-128 group quantizer."""
+    x, ids, w, b13, b2, _ = _fp8_layer(4, t=5, d=256, f=256, e=3, k=2)
+    got = mx.experts(x, ids, w, b13, b2, act_dtype=ml_dtypes.bfloat16, act_quant="e4m3")
+    xq = mx.group_quantize(x)[0]
+    want = np.zeros_like(x)
+    for t in range(5):
+        for j in range(2):
+            e = ids[t, j]
+            h = b13[e] @ xq[t]
+            g, u = h[:256], h[256:]
+            a = (g / (1 + np.exp(-g)) * u).astype(ml_dtypes.bfloat16).astype(np.float64)
+            want[t] += w[t, j] * (b2[e] @ mx.group_quantize(a[None])[0][0])
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+    assert not np.allclose(got, mx.experts(x, ids, w, b13, b2, act_dtype=ml_dtypes.bfloat16), rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("act", [ml_dtypes.bfloat16, np.float16, np.float32])
+def test_flip_bound_holds_every_act_within_its_radius(monkeypatch, act):
+    """The act quantizer's bound (flip_bound) holds the w8a8 output of any act within r of the golden's: r widened
+    10^4x so that many codes flip and many groups' scales move, each act drawn in [act - r, act + r] (and at its
+    ends), rounded to the test dtype and quantized as a kernel does (one routed expert and one shared)."""
+    monkeypatch.setattr(mx, "FLIP_R", 2.0e4)
+    x, ids, w, b13, b2, sh = _fp8_layer(5, t=16, d=256, f=384, e=1, k=1, s=1, dtype=act)
+    x = x * 0.3
+    q = mx.experts(x, ids, w, b13, b2, act_dtype=act, act_quant="e4m3", flip_bound=True, **sh)
+    out = mx.experts(x, ids, w, b13, b2, act_dtype=act, act_quant="e4m3", **sh)
+    assert q.shape == (2,) + out.shape and (q >= 0).all() and (q[0] > 0).mean() > 0.5 and (q[1] > 0).any()
+    xq = mx.group_quantize(x)[0]
+    rng = np.random.default_rng(0)
+    for pick in (lambda n: rng.uniform(-1, 1, n), lambda n: np.ones(n), lambda n: rng.choice([-1.0, 1.0], n)):
+        res = np.zeros_like(out)
+        for a13, a2m, wt in ((b13[0], b2[0], w[:, :1]), (sh["ws13"][0], sh["ws2"][0], 1.0)):
+            h = xq @ a13.T
+            f = a13.shape[0] // 2
+            g, u = h[:, :f], h[:, f:]
+            sg, dsg = mx._silu_parts(g)
+            a = sg * u
+            mg2, mu2 = (xq ** 2) @ (a13[:f] ** 2).T, (xq ** 2) @ (a13[f:] ** 2).T
+            lsq = a * a + 256 * (dsg * u) ** 2 * mg2 + 256 * sg * sg * mu2
+            r = mx.FLIP_R * mx.EPS32 * (np.sqrt(lsq) + np.abs(a))
+            ak = mx._round(a + pick(a.shape) * r, act)
+            res += wt * (mx.group_quantize(ak)[0] @ a2m.T)
+        err = np.abs(res - out)
+        assert (err <= (q[0] + q[1]) * (1 + 1e-9) + 1e-12 * np.abs(out).max()).all()
+        assert err.max() > 0  # the perturbation moved codes
+
+
+def test_fp8_spec_inputs_separate_neighbouring_blocks_and_groups():
+    """wfmt fp8w / fp8: every weight's codes and block scales; neighbouring blocks' scales (rows and columns) 10-100x
+    apart, x's 128-column groups (fp8) too; the golden reads BlockFP8 weights."""
+    from kernel_parity.conformance.ops.moe_experts import EXPERTS, dense_weight, fp8_weight
+
+    p = dict(t=6, d=384, f=256, e=3, k=2, shared=1, wfmt="fp8")
+    x = EXPERTS.make_inputs(p, "bf16", "normal", np.random.default_rng(2))
+    assert "w13" not in x and x["w13_codes"].dtype == ml_dtypes.float8_e4m3fn
+    assert x["w13_bscales"].shape == (3, 4, 3) and x["w2_bscales"].shape == (3, 3, 2) and x["ws2_codes"].shape[0] == 1
+    for name in ("w13", "w2", "ws13", "ws2"):
+        sc = fp8_weight(x, name)["scales"].astype(np.float64)
+        assert (np.abs(np.log10(sc[:, 1:] / sc[:, :-1])) > 0.5).all()  # row blocks
+        assert (np.abs(np.log10(sc[:, :, 1:] / sc[:, :, :-1])) > 0.5).all()  # column blocks
+        assert isinstance(dense_weight(x, name), mx.BlockFP8)
+    amax = np.abs(x["x"].astype(np.float64)).reshape(6, 3, 128).max(axis=-1)
+    assert (np.abs(np.log10(amax[:, 1:] / amax[:, :-1])) > 0.5).all()
+    with pytest.raises(Exception, match="multiples of the block 128"):
+        from kernel_parity.conformance import ops
+        ops.make_case("moe.experts", "cpu", "bf16", dict(p, f=192), "normal", 0)
+
+
+def test_torch_dequantizes_fp8_as_the_golden_within_one_fp32_rounding():
+    from kernel_parity.conformance.ops.moe_experts import EXPERTS, fp8_weight
+    from kernel_parity.kernels.torch.moe_experts import dequant_fp8, group_quant_fp8
+
+    x = EXPERTS.make_inputs(dict(t=4, d=256, f=128, e=2, k=1, shared=0, wfmt="fp8w"), "fp32", "normal",
+                            np.random.default_rng(0))
+    q = fp8_weight(x, "w13")
+    tq = {n: torch.from_numpy(v.view(np.uint8)).view(torch.float8_e4m3fn) if n == "codes" else torch.from_numpy(v)
+          for n, v in q.items()}
+    want = mx.BlockFP8(q["codes"], q["scales"])[1]
+    np.testing.assert_allclose(dequant_fp8(tq, 1, torch.float32).numpy(), want, rtol=2.0 ** -24, atol=0)
+    v = np.random.default_rng(1).standard_normal((3, 300)).astype(np.float32) * 5
+    np.testing.assert_allclose(group_quant_fp8(torch.from_numpy(v)).numpy(), mx.group_quantize(v)[0], rtol=2.0 ** -24,
+                               atol=0)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
+def test_kernels_refuse_bad_fp8_arguments_in_one_line(backend):
+    from kernel_parity.conformance.backends.triton_prep import prepare_environment
+
+    prepare_environment()
+    x, ids, w, b13, b2, _ = _fp8_layer(0, t=3, d=128, f=128, e=2, k=1, dtype=np.float32)
+    args = [np.ascontiguousarray(x, dtype=np.float32), ids, np.ascontiguousarray(w, dtype=np.float32)]
+    w13 = {"codes": b13.codes, "scales": b13.scales}
+    w2 = {"codes": b2.codes, "scales": b2.scales}
+    if backend == "cpu":
+        from kernel_parity.kernels.cpu.moe_experts import experts
+    else:
+        import importlib
+        experts = importlib.import_module(f"kernel_parity.kernels.{backend}.moe_experts").experts
+        conv = lambda a: torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn) if a.dtype.itemsize == 1 \
+            else torch.from_numpy(a)  # noqa: E731
+        args = [torch.from_numpy(a) for a in args]
+        w13 = {n: conv(v) for n, v in w13.items()}
+        w2 = {n: conv(v) for n, v in w2.items()}
+    d13 = np.zeros((2, 256, 128), np.float32) if backend == "cpu" else torch.zeros((2, 256, 128))
+    d2 = np.zeros((2, 128, 128), np.float32) if backend == "cpu" else torch.zeros((2, 128, 128))
+    for call, match in [(lambda: experts(*args, w13, {**w2, "scales": w2["scales"][:, :, :0]}), r"scales'\] must be"),
+                        (lambda: experts(*args, w13, w2, act_fp8=1), "act_fp8 must be a bool"),
+                        (lambda: experts(*args, d13, d2, act_fp8=True), r"act_fp8 \(w8a8\) needs block-FP8"),
+                        (lambda: experts(*args, w13, d2), "share one format"),
+                        (lambda: experts(*args, w13, w2, ws13=w13, ws2={"codes": w2["codes"]}), "must be a dict of")]:
+        with pytest.raises(ValueError, match=match) as err:
+            call()
+        assert "\n" not in str(err.value)

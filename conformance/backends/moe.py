@@ -19,11 +19,11 @@ from kernel_parity.conformance.ops.moe_route import canonical, route_args
 
 def _more(factory: str, *args) -> dict[str, Callable]:
     """The adapters of the family's other ops (conformance/backends/moe_align.py, moe_experts.py, moe_grad.py,
-    moe_experts_grad.py)."""
-    from kernel_parity.conformance.backends import moe_align, moe_experts, moe_experts_grad, moe_grad
+    moe_experts_grad.py, moe_layer.py)."""
+    from kernel_parity.conformance.backends import moe_align, moe_experts, moe_experts_grad, moe_grad, moe_layer
 
     out: dict[str, Callable] = {}
-    for module in (moe_align, moe_experts, moe_grad, moe_experts_grad):
+    for module in (moe_align, moe_experts, moe_grad, moe_experts_grad, moe_layer):
         fn = getattr(module, factory, None)
         if fn is not None:
             out.update(fn(*args))

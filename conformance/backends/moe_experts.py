@@ -3,6 +3,8 @@
 - triton: kernels/triton/moe_experts.py (sorted token blocks, tl.dot GEMMs, SwiGLU in GEMM1's epilogue)
 - cpu:    kernels/cpu/moe_experts.c (a token at a time, fp32)
 - torch:  kernels/torch/moe_experts.py (eager, HF Mixtral's loop in the model dtype: the baseline)
+Weights pass as arrays, or as dicts of their parts: int4 (qweight, qzeros, scales) and block FP8 (codes, scales:
+the case's <w>_codes, <w>_bscales); wfmt=fp8 calls the kernels with act_fp8=True (w8a8).
 """
 
 from __future__ import annotations
@@ -12,16 +14,16 @@ from typing import Callable
 import numpy as np
 
 from kernel_parity.conformance.backends._torch import to_torch
-from kernel_parity.conformance.ops.moe_experts import int4_weight
+from kernel_parity.conformance.ops.moe_experts import fp8_weight, int4_weight
 
 _WEIGHTS = ("w13", "w2", "ws13", "ws2")
 
 
 def _weights(inputs, convert) -> dict:
-    """{name: dense array, or the int4 dict of its parts} of the weights present, each converted."""
+    """{name: dense array, or the int4 / block-FP8 dict of its parts} of the weights present, each converted."""
     out = {}
     for n in _WEIGHTS:
-        q = int4_weight(inputs, n)
+        q = int4_weight(inputs, n) or fp8_weight(inputs, n)
         if q is not None:
             out[n] = {part: convert(a) for part, a in q.items()}
         elif n in inputs:
@@ -38,12 +40,17 @@ def _torch_args(inputs, device: str) -> tuple[list, dict]:
     return args + [w["w13"], w["w2"]], {"ws13": w.get("ws13"), "ws2": w.get("ws2")}
 
 
+def _a8(case) -> bool:
+    """wfmt=fp8: w8a8 (the activations quantized too)."""
+    return case.p.get("wfmt") == "fp8"
+
+
 def triton_ops(device: str) -> dict[str, Callable]:
     def experts(case, inputs, out):
         from kernel_parity.kernels.triton.moe_experts import experts as kernel
 
         args, kw = _torch_args(inputs, device)
-        return {"out": kernel(*args, **kw)}
+        return {"out": kernel(*args, **kw, act_fp8=_a8(case))}
 
     return {"moe.experts": experts}
 
@@ -55,7 +62,7 @@ def cpu_ops() -> dict[str, Callable]:
         c = {"x": np.ascontiguousarray(inputs["x"]), **_weights(inputs, np.ascontiguousarray)}
         return {"out": kernel(c["x"], np.ascontiguousarray(inputs["ids"], dtype=np.int32),
                               np.ascontiguousarray(inputs["weights"], dtype=np.float32), c["w13"], c["w2"],
-                              ws13=c.get("ws13"), ws2=c.get("ws2"))}
+                              ws13=c.get("ws13"), ws2=c.get("ws2"), act_fp8=_a8(case))}
 
     return {"moe.experts": experts}
 
@@ -65,6 +72,6 @@ def torch_ops(device: str) -> dict[str, Callable]:
         from kernel_parity.kernels.torch.moe_experts import experts as kernel
 
         args, kw = _torch_args(inputs, device)
-        return {"out": kernel(*args, **kw)}
+        return {"out": kernel(*args, **kw, act_fp8=_a8(case))}
 
     return {"moe.experts": experts}

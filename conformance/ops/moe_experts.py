@@ -32,23 +32,72 @@ product), so the limits are the dense ones. The eager baseline dequantizes into 
 its tier. Measured worst norm_err (ci, 3 fresh seeds a case, 378 runs): triton 0.63, cpu 0.48, torch (baseline
 tier) 0.66; H200: ci 84 pass (triton, torch), Mixtral-8x7B t 64 dense / int4 and Qwen3-30B-A3B t 512 pass
 (triton 0.25-0.33; torch 0.66-0.94 of the tier before it was set to 12 u, see EAGER).
-wfmt=fp8 (DeepSeek-V3 block FP8) is not specified yet: its activation quantizer's code flips on act need a
-derived term of their own (a flip moves one e4m3 code, 2^-3 relative, and a group's amax moves every code of it).
+wfmt=fp8w (DeepSeek-V3's block FP8 as w8a16, vLLM's FP8 Marlin MoE path: e4m3fn codes and one fp32 scale per
+128 x 128 block, every routed and shared expert; inputs <w>_codes (E, N, K), <w>_bscales (E, ceil(N/128),
+ceil(K/128))): drawn as the dense ones, each weight's blocks multiplied by 10^(((rb + 2 cb) mod 3) - 2)
+(`block_factor`) before refimpl.quant_fp.fp8_quantize_blocks, so the neighbouring block's scale along rows or along
+columns (or the transposed block's) is 10-100x off. The golden takes the exact dequantized weights (code x block
+scale in float64, refimpl.moe_experts.BlockFP8, one expert at a time); Triton uses them exactly (the codes, exact in
+bf16 / fp16 / fp32, as the dot's operand, the block scale on the tile's fp32 partial product), C within one fp32
+rounding a weight (code x scale in fp32, a product's rounding as any fp32 product has), so the limits are the dense
+ones. The eager baseline dequantizes into the model dtype (rounded), within its tier.
+
+wfmt=fp8 (w8a8, DeepSeek-V3 / vLLM's use_fp8_w8a8 with block_shape [128, 128]): the same weights; x and act
+quantized per token per 128 columns before each GEMM (refimpl/moe_experts.py; x's 128-column groups scaled
+10^((c mod 3) - 1), `group_factor`: a neighbouring group's scale is 10-100x off). x's codes and scales are bit-exact
+functions of x (the IEEE division), the same in every correct kernel: no term. act is not: the golden rounds its
+float64 act once to the test dtype and quantizes that; a kernel's fp32 act lies within r = 2 eps32 (sqrt(L) M_act +
+|act|) of the float64 one (L = 1 + 2D, M_act the error model's act magnitude; measured: a sequential fp32 sum, the
+worst order, reaches 1.05 eps32 sqrt(L) M_act at most over 16k elements at D 256 / 1024 / 7168, 0.09 on average, so r
+is ~2x the worst seen), and from there it may round to the test dtype's other neighbour, then to a neighbouring
+e4m3 code, and its group's amax (so the group's scale) may move. The derived bound (refimpl.moe_experts
+`act_flip_bound`, exact given r): the codes c' in [c_lo, c_hi] and scales s' in [s_lo, s_hi] reachable from [act -
+r, act + r] (rounding, amax, the float32 division and the e4m3 rounding are all monotone); c' s' - c s = (c' - c) s'
++ c (s' - s). The first is max(c_hi - c, c - c_lo) s_hi at most: one e4m3 code step of a flipped element at this r
+(2^-3 |c| for normal codes, 2^-9 for subnormal ones; 0 where the interval holds no midpoint), summed in |W2| (every
+flip of one sign, the worst case): Q_steps. The second moves the whole group coherently: |s' / s - 1| |sum over
+the group of W2[d, f] act_q[f]|, summed over the groups: Q_scale. Both weighted by |w_j| over the slots, plus the
+shared experts. They join the magnitude linearly: m = M + (c Q_steps + Q_scale) / rtol, rtol the case's
+production rtol (acc term included), so the elementwise limit rtol m gains exactly c Q_steps + Q_scale.
+c = max(1, rtol sqrt(COND_RANDOM / min(nmse, 2 cos_diff))) (`flip_multiple`): a flip at its bound puts Q^2 on one
+element; the aggregate limits scale with cond = sum m^2 / sum b^2, which that element raises by (c Q / rtol)^2 /
+sum b^2, so they hold it when c^2 >= COND_RANDOM rtol^2 / nmse: c = 1 (fp16), 3.6 (bf16), 3.6-4.0 (fp32) at the ci
+shapes. Q_scale is spread over whole groups (c = 1).
+How wide: bf16 / fp16 carry Q_steps only where an act element sits within r of a test-dtype midpoint whose
+neighbour is another e4m3 code (one step of one term, though it reaches the token's whole output row), and Q_scale
+only where a group's largest element does; fp32's amax moves within r in every group, so Q_scale is everywhere
+there. Measured at t 7, d f 256, e 4, k 2, one shared (3 seeds): m / M median 1.00 (bf16, fp16) and
+1.9-2.5 (fp32), largest 2.6 (bf16), 4.6 (fp16), 3200 (fp32: the element beside a possible flip, 2^-3 of a term
+against fp32's rtol). Every seeded bug of the catalogue (conformance/mutants/moefp8.toml) fails: act left unquantized
+(e4m3's ~2^-5 |act| RMS noise on every term), x left unquantized, a neighbouring group's scale, the IEEE division
+replaced by a reciprocal multiply (x's codes change where x / s is an e4m3 tie or within an ulp of one: 0.8e-3
+of bf16 x elements, 1e-4 of fp16 ones, none of fp32's in 20 seeds at d 256; no allowance covers x, so the bf16
+cases kill it), and the weights' block-scale bugs (the bf16 / fp16 cases alone kill the act, x and group bugs too).
+The eager baseline (vLLM's test reference, torch_w8a8_block_fp8_moe, with gate / up kept fp32:
+kernels/torch/moe_experts.py) within its tier (EAGER): its output-side roundings are the dense loop's.
+tests/test_moe_experts_golden.py checks the bound itself: with r widened 10^4x (codes flip and group scales move
+across most of the output), every act drawn within r, rounded and quantized as a kernel does, stays within it.
+Measured worst norm_err (CPU, fresh seeds): the ci entries, 8 seeds, 288 runs: fp8w triton / cpu 0.453 (fp16),
+0.238 (bf16), 0.105 / 0.120 (fp32), torch (baseline tier) 0.441; fp8 triton / cpu 0.395 (fp16), 0.234 (bf16), 0.018 /
+0.068 (fp32), torch 0.245. At t 7, d f 256, e 4, k 2 (8 seeds, 384 runs; cpu 20 more, 320 runs): at most 0.496
+(fp8w fp16), fp8 0.466 (fp16), 0.272 (bf16), 0.166 (fp32). No failure, no flaky verdict.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from kernel_parity import refimpl
 import kernel_parity.refimpl.moe_experts  # noqa: F401  (refimpl.moe_experts.experts below)
-from kernel_parity.refimpl.quant_fp import int4_dequantize, int4_quantize
+from kernel_parity.refimpl.moe_experts import FP8_BLOCK, BlockFP8
+from kernel_parity.refimpl.quant_fp import fp8_quantize_blocks, int4_dequantize, int4_quantize
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.params import Int, OneOf, Schema
 from kernel_parity.conformance.spec import OpSpec, Output
-from kernel_parity.conformance.tolerance import Override, Tier, Tol
+from kernel_parity.conformance.tolerance import COND_RANDOM, Override, Tier, Tol
 
 DISTS = {
     "normal": "ids uniform: each token k distinct experts drawn uniformly",
@@ -105,9 +154,63 @@ def int4_weight(x: dict[str, np.ndarray], name: str) -> dict[str, np.ndarray] | 
     return {n: x[f"{name}_{n}"] for n in INT4_PARTS}
 
 
+FP8_PARTS = ("codes", "bscales")  # inputs <name>_codes (E, N, K) float8_e4m3fn, <name>_bscales fp32 block scales
+FP8_FMTS = ("fp8w", "fp8")
+
+
+def block_factor(n: int, k: int) -> np.ndarray:
+    """(ceil(n / 128), ceil(k / 128)) factors 10^(((rb + 2 cb) mod 3) - 2) of a block-FP8 weight's blocks: the
+    neighbour block along rows (rb + 1) and along columns (cb + 1) are 10-100x off, and so is the transposed block
+    (rb + 2 cb differs from cb + 2 rb unless rb = cb mod 3)."""
+    rb = np.arange(-(-n // FP8_BLOCK))[:, None]
+    cb = np.arange(-(-k // FP8_BLOCK))[None, :]
+    return 10.0 ** (((rb + 2 * cb) % 3) - 2.0)
+
+
+def group_factor(d: int) -> np.ndarray:
+    """(d,) factors 10^((c mod 3) - 1) of x's 128-column groups under wfmt=fp8 (w8a8): neighbouring groups' scales
+    10-100x apart."""
+    return 10.0 ** ((np.arange(d) // FP8_BLOCK % 3) - 1.0)
+
+
+def _fp8_empty(e: int, n: int, k: int) -> dict[str, np.ndarray]:
+    return {"codes": np.empty((e, n, k), dtype=ml_dtypes.float8_e4m3fn),
+            "bscales": np.empty((e, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), dtype=np.float32)}
+
+
+def _fp8_put(dst: dict[str, np.ndarray], i: int, w: np.ndarray) -> None:
+    """Expert i's (N, K) weights, times their block factors, block-FP8 quantized into dst
+    (refimpl.quant_fp.fp8_quantize_blocks, 128 x 128, DeepSeek-V3's amax floor 1e-4)."""
+    n, k = w.shape
+    fac = np.repeat(np.repeat(block_factor(n, k), FP8_BLOCK, axis=0), FP8_BLOCK, axis=1)[:n, :k]
+    dst["codes"][i], dst["bscales"][i] = fp8_quantize_blocks(w.astype(np.float32) * fac.astype(np.float32),
+                                                             FP8_BLOCK, FP8_BLOCK)
+
+
+def _fp8(w: np.ndarray) -> dict[str, np.ndarray]:
+    """(E, N, K) weights -> block FP8 per expert (`_fp8_put`): codes (E, N, K) float8_e4m3fn, bscales (E, N/128,
+    K/128) fp32."""
+    out = _fp8_empty(*w.shape)
+    for i in range(w.shape[0]):
+        _fp8_put(out, i, w[i])
+    return out
+
+
+def fp8_weight(x: dict[str, np.ndarray], name: str) -> dict[str, np.ndarray] | None:
+    """The block-FP8 parts of weight `name` among a case's inputs as the kernels take them: {"codes": (E, N, K)
+    float8_e4m3fn, "scales": (E, ceil(N/128), ceil(K/128)) float32}, None if absent."""
+    if f"{name}_codes" not in x:
+        return None
+    return {"codes": x[f"{name}_codes"], "scales": x[f"{name}_bscales"]}
+
+
 def dense_weight(x: dict[str, np.ndarray], name: str) -> np.ndarray | None:
-    """Weight `name` as the golden takes it: stored (dense), or each expert's int4 dequantized exactly (float32
-    holds s (q - z): 11 + 5 bits)."""
+    """Weight `name` as the golden takes it: stored (dense), each expert's int4 dequantized exactly (float32
+    holds s (q - z): 11 + 5 bits), or block FP8 as a refimpl.moe_experts.BlockFP8 (each expert dequantized
+    exactly in float64 when the golden reads it)."""
+    f8 = fp8_weight(x, name)
+    if f8 is not None:
+        return BlockFP8(f8["codes"], f8["scales"])
     q = int4_weight(x, name)
     if q is None:
         return x.get(name)
@@ -117,18 +220,31 @@ def dense_weight(x: dict[str, np.ndarray], name: str) -> np.ndarray | None:
 
 def _inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
     t, d, f, e, k, s = p["t"], p["d"], p["f"], p["e"], p["k"], p["shared"]
-    x = dt.round_to(rng.standard_normal((t, d)), dtype)
+    x = rng.standard_normal((t, d))
+    if p["wfmt"] == "fp8":
+        x = x * group_factor(d)
+    x = dt.round_to(x, dtype)
     ids = _ids(p, dist, rng)
     w = rng.uniform(0.05, 1.0, (t, k))
     norm = rng.random(t) < 0.5
     w[norm] /= w[norm].sum(axis=-1, keepdims=True)
-    w13 = np.empty((e, 2 * f, d), dtype=dt.get(dtype).np)
-    w2 = np.empty((e, d, f), dtype=dt.get(dtype).np)
+    fp8 = p["wfmt"] in FP8_FMTS  # each expert quantized as drawn: a model-size layer never exists in 16 bits
+    w13 = _fp8_empty(e, 2 * f, d) if fp8 else np.empty((e, 2 * f, d), dtype=dt.get(dtype).np)
+    w2 = _fp8_empty(e, d, f) if fp8 else np.empty((e, d, f), dtype=dt.get(dtype).np)
     for i in range(e):
         sc = float(expert_scale(i))
-        w13[i] = _weights((1, 2 * f, d), np.sqrt(sc) / np.sqrt(d), dtype, rng)[0]
-        w2[i] = _weights((1, d, f), sc / np.sqrt(f), dtype, rng)[0]
-    out = {"x": x, "ids": ids, "weights": w.astype(np.float32), "w13": w13, "w2": w2}
+        a = _weights((1, 2 * f, d), np.sqrt(sc) / np.sqrt(d), dtype, rng)[0]
+        b = _weights((1, d, f), sc / np.sqrt(f), dtype, rng)[0]
+        if fp8:
+            _fp8_put(w13, i, a)
+            _fp8_put(w2, i, b)
+        else:
+            w13[i], w2[i] = a, b
+    out = {"x": x, "ids": ids, "weights": w.astype(np.float32)}
+    if fp8:
+        out.update({f"{name}_{part}": v for name, q in (("w13", w13), ("w2", w2)) for part, v in q.items()})
+    else:
+        out.update(w13=w13, w2=w2)
     if s:
         out["ws13"] = _weights((s, 2 * f, d), 1.0 / np.sqrt(d), dtype, rng)
         out["ws2"] = _weights((s, d, f), 1.0 / np.sqrt(f), dtype, rng)
@@ -136,23 +252,45 @@ def _inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) 
         for name in [n for n in WEIGHTS if n in out]:
             for part, a in _int4(out.pop(name)).items():
                 out[f"{name}_{part}"] = a
+    if fp8:  # the shared experts' drawn weights, times their block factors, block-FP8 quantized
+        for name in [n for n in WEIGHTS if n in out]:
+            for part, a in _fp8(out.pop(name)).items():
+                out[f"{name}_{part}"] = a
     return out
 
 
-def _golden(x: dict[str, np.ndarray], absolute: bool) -> np.ndarray:
+def _golden(x: dict[str, np.ndarray], absolute: bool, p: dict[str, Any] | None = None, flip: bool = False
+            ) -> np.ndarray:
     xs = x["x"]
     act = None if xs.dtype == np.float64 else xs.dtype  # a float64 view (a caller's own): act not rounded
     w = {n: dense_weight(x, n) for n in WEIGHTS}
+    quant = "e4m3" if p is not None and p.get("wfmt") == "fp8" else None
     return refimpl.moe_experts.experts(xs, x["ids"], x["weights"], w["w13"], w["w2"], ws13=w["ws13"], ws2=w["ws2"],
-                                       act_dtype=act, absolute=absolute)
+                                       act_dtype=act, absolute=absolute, act_quant=quant, flip_bound=flip)
 
 
 def _ref(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {"out": _golden(x, False)}
+    return {"out": _golden(x, False, p)}
 
 
 def _mag(x: dict[str, np.ndarray], p: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {"out": _golden(x, True)}
+    m = _golden(x, True, p)
+    if p.get("wfmt") != "fp8":
+        return {"out": m}
+    # w8a8: the act quantizer's bounds join linearly, as Q / rtol (the production limits of the case's dtype, acc
+    # term included), so the elementwise limit rtol m gains Q; the code steps' at the multiple c that lets one
+    # flip at its bound pass the aggregate limits through cond (module docstring)
+    name = "fp32" if x["x"].dtype == np.float64 else dt.of_array(x["x"]).name
+    lim = EXPERTS.tolerance.limits("out", dt.get(name), p)
+    steps, scale = _golden(x, False, p, flip=True)
+    return {"out": m + (flip_multiple(lim) * steps + scale) / lim.rtol}
+
+
+def flip_multiple(lim) -> float:
+    """c = max(1, rtol sqrt(COND_RANDOM / min(nmse, 2 cos_diff))): a code flip at its bound Q on one element, e
+    = Q, adds e^2 / sum b^2 to nmse (2x that to cos_diff); the aggregate limits scale by cond / COND_RANDOM,
+    cond >= (c Q / rtol)^2 / sum b^2 from that element, so they hold it when c^2 >= COND_RANDOM rtol^2 / nmse."""
+    return max(1.0, lim.rtol * float(np.sqrt(COND_RANDOM / min(lim.nmse, 2.0 * lim.cos_diff))))
 
 
 def _check(p: dict[str, Any]) -> str | None:
@@ -160,6 +298,8 @@ def _check(p: dict[str, Any]) -> str | None:
         return f"k={p['k']} must be <= e={p['e']} (distinct experts a token)"
     if p["wfmt"] == "int4" and (p["d"] % GROUP or p["f"] % GROUP):
         return f"wfmt=int4 needs d and f multiples of the group {GROUP}, got d={p['d']} f={p['f']}"
+    if p["wfmt"] in FP8_FMTS and (p["d"] % FP8_BLOCK or p["f"] % FP8_BLOCK):
+        return f"wfmt={p['wfmt']} needs d and f multiples of the block {FP8_BLOCK}, got d={p['d']} f={p['f']}"
     return None
 
 
@@ -202,9 +342,12 @@ EXPERTS = OpSpec(
         e=Int(1, 1024, edges=(8, 128, 256), doc="routed experts (Mixtral 8, Qwen3-30B-A3B 128, DeepSeek-V3 256)"),
         k=Int(1, 64, edges=(1, 2, 8), doc="experts a token"),
         shared=Int(0, 2, edges=(0, 1), doc="shared experts of weight 1 on every token (DeepSeek-V3 1)"),
-        wfmt=OneOf("dense", "int4", doc="weight format: dense (the test dtype), or int4: GPTQ v1 w4a16, group 128 "
-                   "along D (w13) and F (w2), fp16 scales, every routed and shared expert (inputs <w>_qweight, "
-                   "<w>_qzeros, <w>_scales; activations in the test dtype, the golden dequantizes exactly)"),
+        wfmt=OneOf("dense", "int4", "fp8w", "fp8", doc="weight format: dense (the test dtype); int4: GPTQ v1 w4a16, "
+                   "group 128 along D (w13) and F (w2), fp16 scales, every routed and shared expert (inputs "
+                   "<w>_qweight, <w>_qzeros, <w>_scales; activations in the test dtype, the golden dequantizes "
+                   "exactly); fp8w: block FP8 w8a16 (DeepSeek-V3's e4m3fn weights, one fp32 scale per 128 x 128 "
+                   "block: inputs <w>_codes, <w>_bscales; activations in the test dtype); fp8: block FP8 w8a8 (the "
+                   "same weights, x and act quantized per token per 128-group to e4m3 before each GEMM)"),
     )),
     make_inputs=_inputs,
     output_shapes=lambda p: {"out": (p["t"], p["d"])},
@@ -214,7 +357,8 @@ EXPERTS = OpSpec(
     dists=DISTS,
     check=_check,
     magnitude=_mag,
-    storage_inputs=frozenset({"x", *WEIGHTS, *(f"{n}_scales" for n in WEIGHTS)}),
+    storage_inputs=frozenset({"x", *WEIGHTS, *(f"{n}_scales" for n in WEIGHTS),
+                              *(f"{n}_{part}" for n in WEIGHTS for part in FP8_PARTS)}),
     flops=lambda p: 6.0 * p["t"] * (p["k"] + p["shared"]) * p["d"] * p["f"],
     doc="Fused MoE experts (vLLM fused_moe): SwiGLU experts over routed tokens, weighted by the routing weights, "
         "plus shared experts; act rounded to the test dtype between the GEMMs.",

@@ -1,13 +1,16 @@
 """Native CPU fused MoE experts layer over routed tokens (kernel in moe_experts.c).
 
-    experts(x, ids, weights, w13, w2, *, ws13=None, ws2=None, out=None) -> out
+    experts(x, ids, weights, w13, w2, *, ws13=None, ws2=None, out=None, act_fp8=False) -> out
 
     out[t] = sum_j weights[t, j] W2[e] rnd(silu(G_e x_t) * (U_e x_t))  (+ the shared experts, weight 1)
     e = ids[t, j]; G_e = w13[e, :F], U_e = w13[e, F:] (vLLM's w13 layout, gate first)
 
 x (T, D), w13 (E, 2F, D), w2 (E, D, F), ws13 (S, 2Fs, D), ws2 (S, D, Fs): one dtype of float32 / float16 /
 bfloat16, C-contiguous (no copy is made), or every weight GPTQ v1 int4 (`weight_shape`: a dict of qweight,
-qzeros, fp16 scales per expert, one group; activations stay in x's dtype, the weights dequantized exactly);
+qzeros, fp16 scales per expert, one group; activations stay in x's dtype, the weights dequantized exactly), or
+every weight block FP8 (a dict of codes (E, N, K) float8_e4m3fn and scales (E, ceil(N/128), ceil(K/128)) fp32,
+DeepSeek-V3's 128 x 128 blocks, dequantized in float32); act_fp8 (block FP8 only): w8a8, x and act quantized per
+token per 128 columns to e4m3 before each GEMM (refimpl/moe_experts.py);
 ids (T, k) int32 in [0, E); weights (T, k) float32. Returns out (T, D) in x's dtype (`out` used when given).
 rnd: act rounded to x's dtype (the golden's production cast, refimpl/moe_experts.py); arithmetic float32
 (moe_experts.c). Bad arguments: ValueError naming them (`check_experts_args`, shared with the torch and Triton
@@ -18,11 +21,12 @@ from __future__ import annotations
 
 import ctypes
 
+import ml_dtypes
 import numpy as np
 
 from kernel_parity.kernels.cpu.loader import check_output, check_status, dtype_code, load
 
-__all__ = ["experts", "check_experts_args", "weight_shape", "INT4_KEYS"]
+__all__ = ["experts", "check_experts_args", "weight_shape", "INT4_KEYS", "FP8_KEYS", "FP8_BLOCK"]
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _lib: ctypes.CDLL | None = None
@@ -32,7 +36,7 @@ def _kernels() -> ctypes.CDLL:
     global _lib
     if _lib is None:
         lib = load("moe_experts")
-        lib.moe_experts_kernel.argtypes = [_PTR] * 19 + [_I64] * 8 + [_INT, _PTR]
+        lib.moe_experts_kernel.argtypes = [_PTR] * 19 + [_I64] + [_PTR] * 8 + [_INT] + [_I64] * 7 + [_INT, _PTR]
         lib.moe_experts_kernel.restype = ctypes.c_int
         _lib = lib
     return _lib
@@ -43,15 +47,28 @@ def _shape(a) -> tuple[int, ...]:
 
 
 INT4_KEYS = ("qweight", "qzeros", "scales")
+FP8_KEYS = ("codes", "scales")
+FP8_BLOCK = 128
 
 
-def weight_shape(name: str, w) -> tuple[tuple[int, ...], int | None]:
-    """(the logical (E, N, K) shape, the int4 group or None) of a dense weight (E, N, K) or a GPTQ v1 int4 one:
-    a dict {"qweight": (E, K/8, N) int32, "qzeros": (E, K/g, N/8) int32, "scales": (E, K/g, N) fp16}."""
+def weight_shape(name: str, w) -> tuple[tuple[int, ...], int | str | None]:
+    """(the logical (E, N, K) shape, the int4 group, "fp8" or None) of a dense weight (E, N, K), a GPTQ v1 int4
+    one: a dict {"qweight": (E, K/8, N) int32, "qzeros": (E, K/g, N/8) int32, "scales": (E, K/g, N) fp16}, or a
+    block-FP8 one: a dict {"codes": (E, N, K) float8_e4m3fn, "scales": (E, ceil(N/128), ceil(K/128)) fp32}."""
     if not isinstance(w, dict):
         return _shape(w), None
+    if set(w) == set(FP8_KEYS):
+        cs, sc = _shape(w["codes"]), _shape(w["scales"])
+        if len(cs) != 3:
+            raise ValueError(f"moe.experts: fp8 {name}['codes'] must be (E, N, K), got shape {cs}")
+        want = (cs[0], -(-cs[1] // FP8_BLOCK), -(-cs[2] // FP8_BLOCK))
+        if sc != want:
+            raise ValueError(f"moe.experts: fp8 {name}['scales'] must be (E, ceil(N/128), ceil(K/128)) = {want}, got "
+                             f"{sc}")
+        return cs, "fp8"
     if set(w) != set(INT4_KEYS):
-        raise ValueError(f"moe.experts: int4 {name} must be a dict of {', '.join(INT4_KEYS)}, got keys {sorted(w)}")
+        raise ValueError(f"moe.experts: int4 {name} must be a dict of {', '.join(INT4_KEYS)} (fp8: "
+                         f"{', '.join(FP8_KEYS)}), got keys {sorted(w)}")
     qw, qz, sc = (_shape(w[n]) for n in INT4_KEYS)
     if len(qw) != 3 or len(sc) != 3 or sc[0] != qw[0] or sc[2] != qw[2] or sc[1] < 1 or (qw[1] * 8) % sc[1]:
         raise ValueError(f"moe.experts: int4 {name} needs qweight (E, K/8, N) and scales (E, K/g, N), got {qw} and "
@@ -97,30 +114,53 @@ def check_experts_args(x, ids, weights, w13, w2, ws13=None, ws2=None) -> tuple[i
             raise ValueError(f"moe.experts: ws2 must be (S={s}, D={d}, Fs={fs}), got shape {s2s}")
         groups |= {gs, gs2}
     if len(groups) != 1:
-        raise ValueError(f"moe.experts: the weights must share one format (dense, or int4 of one group), got groups "
+        raise ValueError(f"moe.experts: the weights must share one format (dense, int4 of one group, or fp8), got "
                          f"{sorted(groups, key=str)}")
     return t, d, e, f, k, s, fs
 
 
-def group_of(w) -> int | None:
+def group_of(w) -> int | str | None:
     return weight_shape("w", w)[1]
 
 
+def check_act_fp8(act_fp8, w13) -> bool:
+    """act_fp8 (w8a8) is a bool and needs block-FP8 weights."""
+    if not isinstance(act_fp8, bool):
+        raise ValueError(f"moe.experts: act_fp8 must be a bool, got {act_fp8!r}")
+    if act_fp8 and group_of(w13) != "fp8":
+        raise ValueError("moe.experts: act_fp8 (w8a8) needs block-FP8 weights (dicts of codes, scales)")
+    return act_fp8
+
+
 def experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, w13, w2, *, ws13=None, ws2=None,
-            out: np.ndarray | None = None) -> np.ndarray:
+            out: np.ndarray | None = None, act_fp8: bool = False) -> np.ndarray:
     """The routed experts' weighted sum (plus the shared experts) of each token of x (T, D); returns out (T, D).
-    Each weight dense (x's dtype, C-contiguous) or a GPTQ v1 int4 dict (`weight_shape`, C-contiguous parts)."""
+    Each weight dense (x's dtype, C-contiguous), a GPTQ v1 int4 dict or a block-FP8 dict (`weight_shape`,
+    C-contiguous parts); act_fp8: w8a8 (block FP8 weights only)."""
     t, d, e, f, k, s, fs = check_experts_args(x, ids, weights, w13, w2, ws13, ws2)
+    a8 = check_act_fp8(act_fp8, w13)
     sets = {"w13": w13, "w2": w2, **({"ws13": ws13, "ws2": ws2} if ws13 is not None else {})}
     want = {"qweight": np.int32, "qzeros": np.int32, "scales": np.float16}
     if not isinstance(x, np.ndarray) or not x.flags.c_contiguous:
         raise ValueError("moe.experts: x must be a C-contiguous numpy array")
-    ptrs = []
+    ptrs, f8ptrs = [], []
     for name in ("w13", "w2", "ws13", "ws2"):
         w = sets.get(name)
         if w is None:
             ptrs += [None] * 4
+            f8ptrs += [None] * 2
+        elif isinstance(w, dict) and set(w) == set(FP8_KEYS):
+            c, sc = w["codes"], w["scales"]
+            if not isinstance(c, np.ndarray) or c.dtype != ml_dtypes.float8_e4m3fn or not c.flags.c_contiguous:
+                raise ValueError(f"moe.experts: {name}['codes'] must be a C-contiguous float8_e4m3fn numpy array, got "
+                                 f"{getattr(c, 'dtype', type(c).__name__)}")
+            if not isinstance(sc, np.ndarray) or sc.dtype != np.float32 or not sc.flags.c_contiguous:
+                raise ValueError(f"moe.experts: {name}['scales'] must be a C-contiguous float32 numpy array, got "
+                                 f"{getattr(sc, 'dtype', type(sc).__name__)}")
+            ptrs += [None] * 4
+            f8ptrs += [c.ctypes.data, sc.ctypes.data]
         elif isinstance(w, dict):
+            f8ptrs += [None] * 2
             for part, dtype in want.items():
                 a = w[part]
                 if not isinstance(a, np.ndarray) or a.dtype != dtype or not a.flags.c_contiguous:
@@ -132,6 +172,7 @@ def experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, w13, w2, *, ws1
                 raise ValueError(f"moe.experts: {name} must be a C-contiguous numpy array of x's dtype {x.dtype}, got "
                                  f"{getattr(w, 'dtype', type(w).__name__)}")
             ptrs += [w.ctypes.data, None, None, None]
+            f8ptrs += [None] * 2
     try:
         dt = dtype_code(x.dtype)
     except KeyError:
@@ -151,7 +192,9 @@ def experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, w13, w2, *, ws1
         raise ValueError("moe.experts: out must not overlap the inputs")
     if t == 0:
         return res
+    g = group_of(w13)
     status = _kernels().moe_experts_kernel(x.ctypes.data, ids.ctypes.data, weights.ctypes.data, *ptrs,
-                                           group_of(w13) or 0, t, d, e, f, k, s, fs, dt, res.ctypes.data)
+                                           g if isinstance(g, int) else 0, *f8ptrs, int(a8), t, d, e, f, k, s, fs, dt,
+                                           res.ctypes.data)
     check_status(status, "moe_experts_kernel")
     return res

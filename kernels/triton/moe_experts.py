@@ -20,7 +20,15 @@
 bf16 / fp16: 16-bit tl.dot operands, fp32 accumulation; fp32: "ieee" dots. int4 (GPTQ v1 w4a16, every weight;
 kernels/cpu/moe_experts.py `weight_shape`): each K tile inside one group, its codes q - z (|.| <= 15, exact in
 any dtype) the dot's operand and the group's fp16 scales applied to the tile's fp32 partial product, so the
-weights are used exactly (never rounded to bf16), as the golden's dequantized ones. Padding rows (the sentinel) load
+weights are used exactly (never rounded to bf16), as the golden's dequantized ones. Block FP8 (DeepSeek-V3: e4m3fn
+codes, one fp32 scale per 128 x 128 block, every weight): BLOCK_K divides 128, so each K tile lies in one column
+block; its e4m3 codes (exact in bf16, fp16 and fp32) are the dot's operand and the tile's fp32 partial product is
+multiplied by each column's block scale (its row block's), as the int4 path applies its group scale. w8a8
+(act_fp8): `_group_quant` quantizes x, and act after GEMM1, per row per 128 columns (s = amax / 448 and v / s with
+tl.math.div_rn, the IEEE division: Triton's `/` is the approximate div.full.f32 on the GPU; clamp to +-448,
+e4m3fn RNE), as vLLM's per_token_group_quant_fp8 runs before each GEMM; the GEMMs then take both operands as
+codes (bf16, exact products) and scale the tile's partial product by the row's group scale and the column's block
+scale (vLLM's fused_moe_kernel with block_shape). Padding rows (the sentinel) load
 zeros and store nothing. Under the interpreter the backend makes bf16 dots and casts behave as on the GPU
 (conformance/backends/triton_interpreter.py).
 Reference: vllm-project/vllm vllm/model_executor/layers/fused_moe/fused_moe.py (fused_moe_kernel, the
@@ -33,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_parity.kernels.cpu.moe_experts import check_experts_args
+from kernel_parity.kernels.cpu.moe_experts import check_act_fp8, check_experts_args
 from kernel_parity.kernels.triton.moe_align import align
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -82,11 +90,70 @@ def _dot_int4(a, codes, scale, acc, IEEE: tl.constexpr):
     return acc + part * scale[None, :]
 
 
+FP8_BLOCK = 128
+
+
 @triton.jit
-def _gemm1_swiglu(X, W13, QZ13, SC13, SID, EID, NTP, ACT, n_slots, TOPK, D, F, n_experts, group,
-                  stride_x, stride_we, stride_wn, stride_a, stride_ze, stride_se,
+def _fp8_tile(W, BS, e, k0, offs_n, mask_n, K, nbk, stride_we, stride_wn, stride_se, BLOCK_K: tl.constexpr):
+    """Expert e's e4m3 codes as a (BLOCK_K, BLOCK_N) fp32 tile of W^T at rows k0 .. k0 + BLOCK_K (inside one 128
+    column block) and columns offs_n, and each column's block scale (BLOCK_N,): W^T = codes * scale, exactly."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = (offs_k < K)[:, None] & mask_n[None, :]
+    c = tl.load(W + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None], mask=mask, other=0)
+    scale = tl.load(BS + e * stride_se + (offs_n // 128) * nbk + k0 // 128, mask=mask_n, other=0.0)
+    return c.to(tl.float8e4nv, bitcast=True).to(tl.float32), scale
+
+
+@triton.jit
+def _dot_fp8(a, codes, scale, acc, IEEE: tl.constexpr):
+    """acc + (a @ codes) * scale: the e4m3 codes exact in a's dtype, the block's scale applied to the fp32 partial
+    product (the weights never rounded)."""
+    if IEEE:
+        part = tl.dot(a, codes, input_precision="ieee")
+    else:
+        part = tl.dot(a, codes.to(a.dtype))
+    return acc + part * scale[None, :]
+
+
+@triton.jit
+def _group_quant(X, Q, S, n_rows, L, stride_x, stride_q, stride_s, BLOCK_R: tl.constexpr):
+    """Rows of X (n_rows, L) quantized per 128 columns: s = amax / 448, codes e4m3fn(RNE(clamp(v / s, +-448))) (the
+    IEEE divisions; s = 0: codes 0), stored as their bits in Q (uint8) and s in S (n_rows, ceil(L / 128))."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g = tl.program_id(1)
+    cols = g * 128 + tl.arange(0, 128)
+    rmask = rows < n_rows
+    mask = rmask[:, None] & (cols < L)[None, :]
+    r64 = rows.to(tl.int64)
+    v = tl.load(X + r64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.math.div_rn(tl.max(tl.abs(v), axis=1), 448.0)
+    safe = tl.where(s == 0.0, 1.0, s)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(v, safe[:, None]), -448.0), 448.0)
+    y = tl.where(s[:, None] == 0.0, 0.0, y)
+    tl.store(Q + r64[:, None] * stride_q + cols[None, :], y.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
+    tl.store(S + r64 * stride_s + g, s, mask=rmask)
+
+
+@triton.jit
+def _a8_tile(A, AS, rows, valid, k0, stride_a, stride_as, BLOCK_K: tl.constexpr, K):
+    """w8a8: the rows' e4m3 codes at columns k0 .. k0 + BLOCK_K as bf16 (exact), and their group's scales."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    c = tl.load(A + rows[:, None] * stride_a + offs_k[None, :], mask=valid[:, None] & (offs_k < K)[None, :], other=0)
+    sa = tl.load(AS + rows * stride_as + k0 // 128, mask=valid, other=0.0)
+    return c.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(tl.bfloat16), sa
+
+
+@triton.jit
+def _dot_a8(a, sa, codes, scale, acc):
+    """w8a8: acc + (codes_a @ codes_w) * sa * scale, both operands bf16 codes (exact products, fp32 sums)."""
+    return acc + tl.dot(a, codes.to(tl.bfloat16)) * sa[:, None] * scale[None, :]
+
+
+@triton.jit
+def _gemm1_swiglu(X, XS, W13, QZ13, SC13, SID, EID, NTP, ACT, n_slots, TOPK, D, F, n_experts, group, nbk,
+                  stride_x, stride_xs, stride_we, stride_wn, stride_a, stride_ze, stride_se,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                  INT4: tl.constexpr):
+                  INT4: tl.constexpr, FP8: tl.constexpr = False, A8: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NTP):  # a block past the padded slots: nothing to do
@@ -103,8 +170,22 @@ def _gemm1_swiglu(X, W13, QZ13, SC13, SID, EID, NTP, ACT, n_slots, TOPK, D, F, n
     for k0 in range(0, D, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < D
-        a = tl.load(X + tok[:, None] * stride_x + offs_k[None, :], mask=valid[:, None] & mask_k[None, :], other=0.0)
-        if INT4:  # BLOCK_K divides the group and D (the wrapper checks): whole K tiles inside one group
+        if A8:  # x's codes and group scales (`_group_quant`), the weights' codes and block scales
+            a, sa = _a8_tile(X, XS, tok, valid, k0, stride_x, stride_xs, BLOCK_K, D)
+            cg, sg = _fp8_tile(W13, SC13, e, k0, offs_n, mask_n, D, nbk, stride_we, stride_wn, stride_se, BLOCK_K)
+            cu, su = _fp8_tile(W13, SC13, e, k0, offs_n + F, mask_n, D, nbk, stride_we, stride_wn, stride_se, BLOCK_K)
+            acc_g = _dot_a8(a, sa, cg, sg, acc_g)
+            acc_u = _dot_a8(a, sa, cu, su, acc_u)
+        elif FP8:
+            a = tl.load(X + tok[:, None] * stride_x + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
+                        other=0.0)
+            cg, sg = _fp8_tile(W13, SC13, e, k0, offs_n, mask_n, D, nbk, stride_we, stride_wn, stride_se, BLOCK_K)
+            cu, su = _fp8_tile(W13, SC13, e, k0, offs_n + F, mask_n, D, nbk, stride_we, stride_wn, stride_se, BLOCK_K)
+            acc_g = _dot_fp8(a, cg, sg, acc_g, IEEE)
+            acc_u = _dot_fp8(a, cu, su, acc_u, IEEE)
+        elif INT4:  # BLOCK_K divides the group and D (the wrapper checks): whole K tiles inside one group
+            a = tl.load(X + tok[:, None] * stride_x + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
+                        other=0.0)
             cg, sg = _int4_tile(W13, QZ13, SC13, e, k0, group, offs_n, mask_n, 2 * F, n_experts, stride_we,
                                 stride_ze, stride_se, BLOCK_K, BLOCK_N)
             cu, su = _int4_tile(W13, QZ13, SC13, e, k0, group, offs_n + F, mask_n, 2 * F, n_experts, stride_we,
@@ -112,6 +193,8 @@ def _gemm1_swiglu(X, W13, QZ13, SC13, SID, EID, NTP, ACT, n_slots, TOPK, D, F, n
             acc_g = _dot_int4(a, cg, sg, acc_g, IEEE)
             acc_u = _dot_int4(a, cu, su, acc_u, IEEE)
         else:
+            a = tl.load(X + tok[:, None] * stride_x + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
+                        other=0.0)
             wmask = mask_k[:, None] & mask_n[None, :]
             wg = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
             wu = tl.load(w_base + (offs_n[None, :] + F) * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
@@ -123,10 +206,10 @@ def _gemm1_swiglu(X, W13, QZ13, SC13, SID, EID, NTP, ACT, n_slots, TOPK, D, F, n
 
 
 @triton.jit
-def _gemm2(ACT, W2, QZ2, SC2, SID, EID, NTP, RW, YS, n_slots, D, F, n_experts, group,
-           stride_a, stride_we, stride_wd, stride_y, stride_ze, stride_se,
+def _gemm2(ACT, AS, W2, QZ2, SC2, SID, EID, NTP, RW, YS, n_slots, D, F, n_experts, group, nbk,
+           stride_a, stride_as, stride_we, stride_wd, stride_y, stride_ze, stride_se,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-           INT4: tl.constexpr):
+           INT4: tl.constexpr, FP8: tl.constexpr = False, A8: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NTP):  # a block past the padded slots: nothing to do
@@ -141,13 +224,24 @@ def _gemm2(ACT, W2, QZ2, SC2, SID, EID, NTP, RW, YS, n_slots, D, F, n_experts, g
     for k0 in range(0, F, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < F
-        a = tl.load(ACT + slot[:, None] * stride_a + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
-                    other=0.0)
-        if INT4:
+        if A8:  # act's codes and group scales (`_group_quant`)
+            a, sa = _a8_tile(ACT, AS, slot, valid, k0, stride_a, stride_as, BLOCK_K, F)
+            c, sc = _fp8_tile(W2, SC2, e, k0, offs_n, mask_n, F, nbk, stride_we, stride_wd, stride_se, BLOCK_K)
+            acc = _dot_a8(a, sa, c, sc, acc)
+        elif FP8:
+            a = tl.load(ACT + slot[:, None] * stride_a + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
+                        other=0.0)
+            c, sc = _fp8_tile(W2, SC2, e, k0, offs_n, mask_n, F, nbk, stride_we, stride_wd, stride_se, BLOCK_K)
+            acc = _dot_fp8(a, c, sc, acc, IEEE)
+        elif INT4:
+            a = tl.load(ACT + slot[:, None] * stride_a + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
+                        other=0.0)
             c, sc = _int4_tile(W2, QZ2, SC2, e, k0, group, offs_n, mask_n, D, n_experts, stride_we, stride_ze,
                                stride_se, BLOCK_K, BLOCK_N)
             acc = _dot_int4(a, c, sc, acc, IEEE)
         else:
+            a = tl.load(ACT + slot[:, None] * stride_a + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
+                        other=0.0)
             w = tl.load(w_base + offs_n[None, :] * stride_wd + offs_k[:, None],
                         mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             acc = _dot(a, w, acc, IEEE)
@@ -170,8 +264,12 @@ def _sum_slots(YS, YSS, OUT, D, TOPK, S, stride_y, stride_ys, stride_o, BLOCK_D:
 
 
 def _parts(w):
-    """(W or qweight, qzeros, scales, group, strides (expert, row) of W / qweight, qzeros' and scales' expert
-    strides, int4?) of a dense or GPTQ v1 int4 weight; the dense case passes W for the unused pointers."""
+    """(W or qweight or codes, qzeros, scales, group, strides (expert, row) of W / qweight / codes, qzeros' and
+    scales' expert strides, int4?) of a dense, GPTQ v1 int4 or block-FP8 weight (codes as uint8; the group: the
+    scales' column blocks); the dense case passes W for the unused pointers."""
+    if isinstance(w, dict) and "codes" in w:
+        c, sc = w["codes"].view(torch.uint8), w["scales"]
+        return c, c, sc, sc.shape[2], c.stride(0), c.stride(1), 0, sc.stride(0), True
     if isinstance(w, dict):
         qw, qz, sc = w["qweight"], w["qzeros"], w["scales"]
         group = qw.shape[1] * 8 // sc.shape[1]
@@ -179,12 +277,28 @@ def _parts(w):
     return w, w, w, 1, w.stride(0), w.stride(1), 0, 0, False
 
 
-def _routed(x, ids, weights, w13, w2, block_m: int) -> torch.Tensor:
-    """ys (T k, D) fp32: each slot's expert output times its routing weight (steps 1-3)."""
+def _quant_rows(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes (n, L) uint8 e4m3fn bits, scales (n, ceil(L / 128)) fp32) of v's per-row, per-128-column quantization."""
+    n, length = v.shape
+    groups = triton.cdiv(length, FP8_BLOCK)
+    q = torch.empty((n, length), dtype=torch.uint8, device=v.device)
+    sc = torch.empty((n, groups), dtype=torch.float32, device=v.device)
+    if n:
+        _group_quant[(triton.cdiv(n, 16), groups)](v, q, sc, n, length, v.stride(0), q.stride(0), sc.stride(0),
+                                                   BLOCK_R=16)
+    return q, sc
+
+
+def _routed(x, ids, weights, w13, w2, block_m: int, xq=None) -> torch.Tensor:
+    """ys (T k, D) fp32: each slot's expert output times its routing weight (steps 1-3); xq: w8a8, x's codes and
+    group scales (`_quant_rows`)."""
     t, d = x.shape
     k = ids.shape[1]
+    fp8 = isinstance(w13, dict) and "codes" in w13
+    a8 = xq is not None
     q13, z13, s13, g13, se13, sn13, ze13, sce13, int4 = _parts(w13)
     q2, z2, s2, g2, se2, sn2, ze2, sce2, _ = _parts(w2)
+    int4 = int4 and not fp8
     e = q13.shape[0]
     f = (s13.shape[2] if int4 else q13.shape[1]) // 2
     n = t * k
@@ -196,23 +310,36 @@ def _routed(x, ids, weights, w13, w2, block_m: int) -> torch.Tensor:
         return ys
     ieee = x.dtype == torch.float32
     rw = weights.reshape(-1).to(torch.float32).contiguous()
+    xa, xs = xq if a8 else (x, x)
     _gemm1_swiglu[(nb, triton.cdiv(f, BLOCK_N))](
-        x, q13, z13, s13, sorted_ids, expert_ids, post_pad, act, n, k, d, f, e, g13, x.stride(0), se13, sn13, act.stride(0),
-        ze13, sce13, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE=ieee, INT4=int4, num_warps=NUM_WARPS)
+        xa, xs, q13, z13, s13, sorted_ids, expert_ids, post_pad, act, n, k, d, f, e, g13, g13, xa.stride(0),
+        xs.stride(0), se13, sn13, act.stride(0), ze13, sce13, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        IEEE=ieee, INT4=int4, FP8=fp8, A8=a8, num_warps=NUM_WARPS)
+    aa, as_ = _quant_rows(act) if a8 else (act, act)  # w8a8: act (rounded to x's dtype) quantized per 128 columns
     _gemm2[(nb, triton.cdiv(d, BLOCK_N))](
-        act, q2, z2, s2, sorted_ids, expert_ids, post_pad, rw, ys, n, d, f, e, g2, act.stride(0), se2, sn2, ys.stride(0),
-        ze2, sce2, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE=ieee, INT4=int4, num_warps=NUM_WARPS)
+        aa, as_, q2, z2, s2, sorted_ids, expert_ids, post_pad, rw, ys, n, d, f, e, g2, g2, aa.stride(0), as_.stride(0),
+        se2, sn2, ys.stride(0), ze2, sce2, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE=ieee, INT4=int4,
+        FP8=fp8, A8=a8, num_warps=NUM_WARPS)
     return ys
 
 
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
-            ws13: torch.Tensor | None = None, ws2: torch.Tensor | None = None, block_m: int | None = None
-            ) -> torch.Tensor:
-    """(T, D) in x's dtype: the routed experts' weighted sum plus the shared experts (module docstring)."""
+            ws13: torch.Tensor | None = None, ws2: torch.Tensor | None = None, block_m: int | None = None,
+            act_fp8: bool = False) -> torch.Tensor:
+    """(T, D) in x's dtype: the routed experts' weighted sum plus the shared experts (module docstring); act_fp8:
+    w8a8 (block-FP8 weights only)."""
     t, d, e, f, k, s, fs = check_experts_args(x, ids, weights, w13, w2, ws13, ws2)
+    a8 = check_act_fp8(act_fp8, w13)
     tensors = {"x": x, "w13": w13, "w2": w2, **({"ws13": ws13, "ws2": ws2} if ws13 is not None else {})}
-    int4 = isinstance(w13, dict)
+    fp8 = isinstance(w13, dict) and "codes" in w13
+    int4 = isinstance(w13, dict) and not fp8
     for name, a in tensors.items():
+        if isinstance(a, dict) and fp8:
+            for part, want in (("codes", torch.float8_e4m3fn), ("scales", torch.float32)):
+                v = a[part]
+                if not isinstance(v, torch.Tensor) or v.dtype != want or not v.is_contiguous():
+                    raise ValueError(f"moe.experts: fp8 {name}[{part!r}] must be a contiguous {want} tensor")
+            continue
         if isinstance(a, dict) and name != "x":
             for part, want in (("qweight", torch.int32), ("qzeros", torch.int32), ("scales", torch.float16)):
                 v = a[part]
@@ -241,12 +368,13 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torc
     out = torch.empty((t, d), dtype=x.dtype, device=x.device)
     if t == 0:
         return out
-    ys = _routed(x, ids, weights, w13, w2, bm)
+    xq = _quant_rows(x) if a8 else None  # w8a8: x quantized once, for the routed and the shared experts
+    ys = _routed(x, ids, weights, w13, w2, bm, xq)
     yss = ys
     if s:
         sid = torch.arange(s, dtype=torch.int32, device=x.device).expand(t, s)
         yss = _routed(x, sid, torch.ones((t, s), dtype=torch.float32, device=x.device), ws13, ws2,
-                      block_m or block_m_for(t, s, s))
+                      block_m or block_m_for(t, s, s), xq)
     block_d = min(1024, triton.next_power_of_2(d))
     _sum_slots[(t, triton.cdiv(d, block_d))](ys, yss, out, d, k, s, ys.stride(0), yss.stride(0), out.stride(0),
                                              BLOCK_D=block_d)
