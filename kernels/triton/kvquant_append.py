@@ -27,13 +27,14 @@ s_v(j)). The new key's dot is a fp32 row sum of q x its codes (exact products), 
 row added to the fp32 accumulator.
 
 The cached keys go through kvquant_decode's `_attend` (one loop for both ops; on a GPU with a bf16 q over an FP8
-cache, its integer-pipe FP8 -> bf16 conversion, fast_cvt 2). Launches: the write and the attention are one kernel; with several splits the partials are merged by a second
-launch (kernels.triton.combine.lse_combine, as kvquant.decode_paged), which reads no cache.
+cache, its integer-pipe FP8 -> bf16 conversion, fast_cvt 2). Launches: the write and the attention are one kernel;
+with several splits the partials are merged by a second launch (kernels.triton.combine.lse_combine, as
+kvquant.decode_paged), which reads no cache. On a GPU (H200): ci, fresh seeds and the models cases pass.
 
 On the interpreter (a CPU tensor) the dots take fp32 operands (as kvquant_decode: Triton 3.9's interpreter
 miscomputes a tl.dot of an operand cast to bf16 in the kernel), and the split is SPLIT_KEYS_CPU keys.
 
-Status: checked on the interpreter only (the ci suite, property tests); not yet compiled or timed on a GPU. The
+Status: checked on the interpreter and on an H200 (ci 48 pass, fresh seeds, the models cases); not timed. The
 schedule and CONFIGS are kvquant_decode's (whose d = 128 row was measured on an H200); the write adds one
 (BLOCK_D,) row per (sequence, kv head) to the designated program, whose cost should be lost in the 32K-key read.
 """
