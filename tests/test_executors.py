@@ -94,7 +94,9 @@ def _node_spy(case, inputs, out):
     with open(shared / f"ran-{node}", "a") as f:
         f.write(case.id + "\n")
     if case.p["n"] == STALL_N and node != "local" and not (shared / "stalled").exists():
-        (shared / "stalled").write_text(node)
+        tmp = shared / f"stalled-{node}.tmp"  # written whole, then renamed: the test reads it once it exists
+        tmp.write_text(node)
+        os.replace(tmp, shared / "stalled")
         time.sleep(120)  # ended with its node: executors.worker_setup's watch sees its Ray worker go
     return _softmax(inputs, out)
 
