@@ -1,4 +1,5 @@
-/* kvq_codes.h — the 8-bit KV-cache codes widened exactly to fp32 (kvquant_decode.c, kvquant_prefill.c).
+/* kvq_codes.h — the 8-bit KV-cache codes widened exactly to fp32 (kvquant_decode.c, kvquant_prefill.c,
+ * kvquant_append.c).
  *
  * Codes: float8_e4m3fn and float8_e5m2 through a 256-entry table of their exact values (built once, on first
  * use: `if (!tables_ready) build_tables();`), int8 as its signed value. Include after common.h.

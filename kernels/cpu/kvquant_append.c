@@ -23,6 +23,7 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "kvq_codes.h"
 
 enum { KVQ_E4M3 = 0, KVQ_E5M2 = 1, KVQ_INT8 = 2 };
 
@@ -37,25 +38,6 @@ static const kvq_format KVQ_FORMATS[2] = {
     {3, -6, 448.0f, 0x7e},     /* e4m3fn: bias 7, no inf, 0x7f NaN */
     {2, -14, 57344.0f, 0x7b},  /* e5m2: bias 15, 0x7c inf */
 };
-
-static float E4M3[256], E5M2[256];
-static int tables_ready = 0;
-
-static void build_tables(void) {
-    for (int c = 0; c < 256; c++) {
-        int sign = c >> 7;
-        int e = (c >> 3) & 0xF, m = c & 7;  /* e4m3fn: bias 7, no inf, 0x7F / 0xFF NaN */
-        float v = e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10);
-        if ((c & 0x7F) == 0x7F) v = NAN;
-        E4M3[c] = sign ? -v : v;
-        e = (c >> 2) & 0x1F;  /* e5m2: bias 15, exponent 31 inf / NaN */
-        m = c & 3;
-        v = e == 0 ? ldexpf((float)m, -16) : ldexpf((float)(4 + m), e - 17);
-        if (e == 31) v = m ? NAN : INFINITY;
-        E5M2[c] = sign ? -v : v;
-    }
-    tables_ready = 1;
-}
 
 /* The float8 code of finite v: |v| saturated to fmax, then rounded to nearest even on the grid (kvquant.c). */
 static uint8_t kvq_fp8(float v, const kvq_format *f) {
@@ -74,12 +56,6 @@ static uint8_t kvq_fp8(float v, const kvq_format *f) {
     if (er < f->emin) return (uint8_t)(sign | (uint8_t)ldexpf(r, f->man - f->emin));
     const int mant = (int)ldexpf(r, f->man - er) - (1 << f->man);
     return (uint8_t)(sign | ((er - f->emin + 1) << f->man) | mant);
-}
-
-/* Element i of a cached code row, widened exactly to fp32. */
-static inline float code(const void *row, int64_t i, const float *lut) {
-    if (lut) return lut[((const uint8_t *)row)[i]];
-    return (float)((const int8_t *)row)[i];
 }
 
 KP_EXPORT int kvq_append_decode_kernel(
