@@ -74,3 +74,5 @@ from kernel_parity.refimpl.kvquant_decode import decode_paged  # noqa: E402,F401
 from kernel_parity.refimpl.kvquant_mla import mla_sparse  # noqa: E402,F401  (kvquant.mla_sparse)
 from kernel_parity.refimpl.kvquant_prefill import chunked_prefill  # noqa: E402,F401  (kvquant.chunked_prefill)
 from kernel_parity.refimpl.kvquant_append import append_decode  # noqa: E402,F401  (kvquant.append_decode)
+from kernel_parity.refimpl.kvquant_mla_dense import mla_decode, mla_pack  # noqa: E402,F401  (kvquant.mla_decode, mla_pack)
+from kernel_parity.refimpl.kvquant_split import decode, decode_split  # noqa: E402,F401  (kvquant.decode, decode_split)

@@ -32,6 +32,17 @@ matrix is code x its block's scale, formed exactly in float64 when the expert's 
 (refimpl.quant_fp.fp8_dequantize_blocks), never as a whole float64 copy. w8a16 (vLLM's FP8 Marlin MoE path):
 nothing else changes, the activations stay in the model dtype.
 
+GGML weights (llama.cpp's MoE GGUFs run through ggml_mul_mat_id over expert-stacked quantized tensors): a weight may
+be a `GGMLWeight`, the GGML blocks of each expert's rows (E, N, K / QK * nbytes) uint8 in one of `GGML_FMTS`
+(q8_0, q4_0, q4_k, q6_k; refimpl.quant's byte-exact formats), every row K / QK little-endian blocks of its K
+columns (ggml's ne[0]: w13's rows along D, w2's along F); expert e's matrix is refimpl.quant.dequantize of its
+rows, exact in float64, formed when the expert's tokens are gathered. The activation semantics are the
+dequantize-then-float path (w-only: a kernel that decodes the blocks to floating point, in its K loop or into a
+buffer, and multiplies in it): x and act stay in the model dtype, act rounded to act_dtype as for dense weights.
+ggml's CPU vec_dot path (x and act quantized to q8_0 / q8_K) and its CUDA MMQ path (q8_1) are not this golden's:
+they add the activation quantizer's error (~2^-7 relative RMS on out), which a w-only kernel does not have and the
+limits here do not hold (conformance/ops/moe_experts.py).
+
 w8a8 (`act_quant="e4m3"`, DeepSeek-V3 / vLLM's fused_moe use_fp8_w8a8 with block weights): both GEMMs' inputs are
 quantized per token per 128 consecutive columns (the last group of a row shorter when the length is not a multiple
 of 128): s = float32(amax |group|) / 448 (an IEEE float32 division; vLLM floors amax at 1e-10, a floor that only
@@ -99,6 +110,33 @@ class BlockFP8:
         from kernel_parity.refimpl.quant_fp import fp8_dequantize_blocks
 
         return fp8_dequantize_blocks(self.codes[e], self.scales[e], FP8_BLOCK, FP8_BLOCK)
+
+
+GGML_FMTS = ("q8_0", "q4_0", "q4_k", "q6_k")
+
+
+class GGMLWeight:
+    """A GGML-quantized weight (E, N, K): `fmt` one of GGML_FMTS, blocks (E, N, K / QK * nbytes) uint8, each row
+    K / QK consecutive blocks (refimpl.quant's layout). w[e] is expert e's (N, K) matrix, refimpl.quant.dequantize
+    (exact float64); shape / ndim as the dense weight's."""
+
+    def __init__(self, fmt: str, blocks: NDArray):
+        from kernel_parity.refimpl.quant import FORMATS
+
+        if fmt not in GGML_FMTS:
+            raise ValueError(f"moe.experts: GGML weight format must be one of {', '.join(GGML_FMTS)}, got {fmt!r}")
+        blocks = np.asarray(blocks)
+        f = FORMATS[fmt]
+        if blocks.ndim != 3 or blocks.dtype != np.uint8 or blocks.shape[2] % f.nbytes:
+            raise ValueError(f"moe.experts: {fmt} blocks must be (E, N, K / {f.block} * {f.nbytes}) uint8, got shape "
+                             f"{blocks.shape} dtype {blocks.dtype}")
+        self.fmt, self.blocks = fmt, blocks
+        self.shape, self.ndim = (blocks.shape[0], blocks.shape[1], blocks.shape[2] // f.nbytes * f.block), 3
+
+    def __getitem__(self, e) -> F64:
+        from kernel_parity.refimpl.quant import dequantize
+
+        return dequantize(self.fmt, self.blocks[e])
 
 
 ACT_QUANTS = (None, "e4m3")

@@ -16,7 +16,8 @@ from kernel_parity.conformance.runner import Runner
 
 ROW_OPS = ("norm.rms_norm", "norm.layer_norm", "rope.rope", "rope.rope_backward", "mlp.swiglu", "mlp.geglu",
            "mlp.swiglu_backward", "mlp.geglu_backward", "gemm.gemm_nt", "mla.decode", "softmax.softmax",
-           "softmax.online_softmax", "combine.lse_combine", "moe.route_backward", "kvquant.mla_sparse")
+           "softmax.online_softmax", "combine.lse_combine", "moe.route_backward", "kvquant.mla_sparse",
+           "kvquant.mla_decode")
 BIG = "norm.rms_norm/{b}/bf16/rows=4096,n=64,pad=0,eps=1e-5,gemma=0,residual=0,rstd=0/normal/seed=3"
 
 

@@ -1,7 +1,6 @@
 """Adapters binding each built-in backend's quantized-KV-cache kernels to `kvquant.*` ops: each op's are in
-its own module (conformance/backends/kvquant_update.py, kvquant_decode.py, kvquant_mla.py,
-kvquant_prefill.py,
-kvquant_append.py), merged here."""
+its own module (conformance/backends/kvquant_update.py, kvquant_decode.py, kvquant_mla.py, kvquant_prefill.py,
+kvquant_append.py, kvquant_split.py, kvquant_mla_dense.py), merged here."""
 
 from __future__ import annotations
 
@@ -10,10 +9,12 @@ from typing import Callable
 
 def _merged(factory: str, *args) -> dict[str, Callable]:
     from kernel_parity.conformance.backends import (kvquant_append, kvquant_decode, kvquant_mla,
-                                                  kvquant_prefill, kvquant_update)
+                                                  kvquant_mla_dense, kvquant_prefill, kvquant_split,
+                                                  kvquant_update)
 
     out: dict[str, Callable] = {}
-    for module in (kvquant_update, kvquant_decode, kvquant_mla, kvquant_prefill, kvquant_append):
+    for module in (kvquant_update, kvquant_decode, kvquant_mla, kvquant_prefill, kvquant_append, kvquant_split,
+                   kvquant_mla_dense):
         fn = getattr(module, factory, None)
         if fn is not None:
             out.update(fn(*args))

@@ -3,8 +3,9 @@
 - triton: kernels/triton/moe_experts.py (sorted token blocks, tl.dot GEMMs, SwiGLU in GEMM1's epilogue)
 - cpu:    kernels/cpu/moe_experts.c (a token at a time, fp32)
 - torch:  kernels/torch/moe_experts.py (eager, HF Mixtral's loop in the model dtype: the baseline)
-Weights pass as arrays, or as dicts of their parts: int4 (qweight, qzeros, scales) and block FP8 (codes, scales:
-the case's <w>_codes, <w>_bscales); wfmt=fp8 calls the kernels with act_fp8=True (w8a8).
+Weights pass as arrays, or as dicts of their parts: int4 (qweight, qzeros, scales), block FP8 (codes, scales:
+the case's <w>_codes, <w>_bscales) and GGML (fmt: the case's wfmt, blocks: its <w>_ggml); wfmt=fp8 calls the
+kernels with act_fp8=True (w8a8).
 """
 
 from __future__ import annotations
@@ -14,15 +15,20 @@ from typing import Callable
 import numpy as np
 
 from kernel_parity.conformance.backends._torch import to_torch
-from kernel_parity.conformance.ops.moe_experts import fp8_weight, int4_weight
+from kernel_parity.conformance.ops.moe_experts import fp8_weight, ggml_weight, int4_weight
 
 _WEIGHTS = ("w13", "w2", "ws13", "ws2")
 
 
-def _weights(inputs, convert) -> dict:
-    """{name: dense array, or the int4 / block-FP8 dict of its parts} of the weights present, each converted."""
+def _weights(inputs, convert, fmt: str) -> dict:
+    """{name: dense array, or the int4 / block-FP8 / GGML dict of its parts} of the weights present, each array
+    converted (fmt: the case's wfmt, a GGML weight's format)."""
     out = {}
     for n in _WEIGHTS:
+        gg = ggml_weight(inputs, n, fmt)
+        if gg is not None:
+            out[n] = {"fmt": gg["fmt"], "blocks": convert(gg["blocks"])}
+            continue
         q = int4_weight(inputs, n) or fp8_weight(inputs, n)
         if q is not None:
             out[n] = {part: convert(a) for part, a in q.items()}
@@ -31,12 +37,12 @@ def _weights(inputs, convert) -> dict:
     return out
 
 
-def _torch_args(inputs, device: str) -> tuple[list, dict]:
+def _torch_args(case, inputs, device: str) -> tuple[list, dict]:
     import torch
 
     args = [to_torch(inputs["x"], device), to_torch(inputs["ids"], device).to(torch.int32),
             to_torch(inputs["weights"], device)]
-    w = _weights(inputs, lambda a: to_torch(a, device))
+    w = _weights(inputs, lambda a: to_torch(a, device), case.p.get("wfmt"))
     return args + [w["w13"], w["w2"]], {"ws13": w.get("ws13"), "ws2": w.get("ws2")}
 
 
@@ -49,7 +55,7 @@ def triton_ops(device: str) -> dict[str, Callable]:
     def experts(case, inputs, out):
         from kernel_parity.kernels.triton.moe_experts import experts as kernel
 
-        args, kw = _torch_args(inputs, device)
+        args, kw = _torch_args(case, inputs, device)
         return {"out": kernel(*args, **kw, act_fp8=_a8(case))}
 
     return {"moe.experts": experts}
@@ -59,7 +65,7 @@ def cpu_ops() -> dict[str, Callable]:
     def experts(case, inputs, out):
         from kernel_parity.kernels.cpu.moe_experts import experts as kernel
 
-        c = {"x": np.ascontiguousarray(inputs["x"]), **_weights(inputs, np.ascontiguousarray)}
+        c = {"x": np.ascontiguousarray(inputs["x"]), **_weights(inputs, np.ascontiguousarray, case.p.get("wfmt"))}
         return {"out": kernel(c["x"], np.ascontiguousarray(inputs["ids"], dtype=np.int32),
                               np.ascontiguousarray(inputs["weights"], dtype=np.float32), c["w13"], c["w2"],
                               ws13=c.get("ws13"), ws2=c.get("ws2"), act_fp8=_a8(case))}
@@ -71,7 +77,7 @@ def torch_ops(device: str) -> dict[str, Callable]:
     def experts(case, inputs, out):
         from kernel_parity.kernels.torch.moe_experts import experts as kernel
 
-        args, kw = _torch_args(inputs, device)
+        args, kw = _torch_args(case, inputs, device)
         return {"out": kernel(*args, **kw, act_fp8=_a8(case))}
 
     return {"moe.experts": experts}

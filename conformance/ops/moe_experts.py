@@ -42,6 +42,32 @@ bf16 / fp16 / fp32, as the dot's operand, the block scale on the tile's fp32 par
 rounding a weight (code x scale in fp32, a product's rounding as any fp32 product has), so the limits are the dense
 ones. The eager baseline dequantizes into the model dtype (rounded), within its tier.
 
+wfmt=q8_0 / q4_0 / q4_k / q6_k (GGML expert weights, llama.cpp's MoE GGUFs through ggml_mul_mat_id over
+expert-stacked quantized tensors; Mixtral / Qwen3 Q4_K_M GGUFs store the experts as q4_k, some as q6_k or q8_0):
+every routed and shared weight drawn as the dense ones (the test dtype's values), times `ggml_factor` (column block b
+of row r scaled 10^(((b + 2 r) mod 3) - 1), the K-quants' sub-blocks 10^0.5 apart more, one constant dividing them
+all), each expert's rows quantized by refimpl.quant.quantize (ggml's byte-exact reference quantizer): input
+<w>_ggml (E, N, K / QK * nbytes) uint8, d and f whole blocks. A neighbouring block's scale (along the row, or the
+same block of the neighbouring row) is 10-100x off, a K-quant's neighbouring sub-block scale ~3x, the neighbouring
+expert's 3-10x. Activation semantics, declared: w-only (the dequantize-then-float path): x and act stay in the
+test dtype, act rounded to it as for dense weights; the golden dequantizes each expert exactly (float64,
+refimpl.moe_experts.GGMLWeight). ggml's CPU vec_dot path (x and act quantized to q8_0 / q8_K) and its CUDA MMQ
+path (q8_1) are other semantics, not this spec's: x's quantization alone (q8_0 / q8_K by refimpl.quant, act left
+as is) moves out by nmse 5-11e-5 (measured, t 16, d 512, f 256: relative RMS ~2^-7), past fp32's limit (2e-12) by
+10^7 and bf16's (4e-5) by 1.3-3x, 2x bf16's elementwise limit; no kernel here claims them (a `wfmt` or reference of
+its own with a bit-exact q8 golden of x and act, as gemm.gemm_nt's `emulated` reference, is the way to add them).
+The production kernels use the weights within one fp32 rounding of the exact value (C: gemm_bwd.h's lb_row_f32,
+ggml's dequantize_row_*; Triton: kernels/triton/gemm.py's decoders in the fused kernel's K loop, fp32 "ieee" dots
+of x or act widened to fp32, never a 16-bit weight: q8_0 / q4_0 / q6_k values are exact in fp32, q4_k's d sc q -
+dmin m rounds once, 2^-24 relative, far below the fp32 accumulation's eps32 sqrt(D)), so the limits are the dense
+ones, no new term. The eager baseline dequantizes into the model dtype (rounded; kernels/torch/quant.py), as the
+int4 path: within its tier (EAGER). Measured worst norm_err (CPU, the ci entries of new_moeggml_ci.toml, a
+fresh-seed sweep of 5 seeds, 255 runs, no failure, no flaky verdict): triton 0.68, cpu 0.71 (both fp16 q4_0; fp16's
+rtol is 2.05 u, the dense fp16 cases reach 0.63 / 0.48), torch (baseline tier) 0.47; at seed 0: triton 0.26 (bf16)
+/ 0.12 (fp32), cpu 0.23 / 0.39 (fp32 q4_k: the sequential fp32 sum over D 512). Seeded bugs:
+conformance/mutants/moeggml.toml (neighbouring expert, row, block scale, K-quant sub-block scale, q4_0 nibble
+order, the code offset, the K-quant min, the last group), every one killed by the ci entries.
+
 wfmt=fp8 (w8a8, DeepSeek-V3 / vLLM's use_fp8_w8a8 with block_shape [128, 128]): the same weights; x and act
 quantized per token per 128 columns before each GEMM (refimpl/moe_experts.py; x's 128-column groups scaled
 10^((c mod 3) - 1), `group_factor`: a neighbouring group's scale is 10-100x off). x's codes and scales are bit-exact
@@ -92,7 +118,8 @@ import numpy as np
 
 from kernel_parity import refimpl
 import kernel_parity.refimpl.moe_experts  # noqa: F401  (refimpl.moe_experts.experts below)
-from kernel_parity.refimpl.moe_experts import FP8_BLOCK, BlockFP8
+from kernel_parity.refimpl.moe_experts import FP8_BLOCK, GGML_FMTS, BlockFP8, GGMLWeight
+from kernel_parity.refimpl.quant import FORMATS as GGML_FORMATS, quantize as ggml_quantize
 from kernel_parity.refimpl.quant_fp import fp8_quantize_blocks, int4_dequantize, int4_quantize
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.params import Int, OneOf, Schema
@@ -204,10 +231,49 @@ def fp8_weight(x: dict[str, np.ndarray], name: str) -> dict[str, np.ndarray] | N
     return {"codes": x[f"{name}_codes"], "scales": x[f"{name}_bscales"]}
 
 
-def dense_weight(x: dict[str, np.ndarray], name: str) -> np.ndarray | None:
+def ggml_factor(n: int, k: int, fmt: str) -> np.ndarray:
+    """(n, k) float32 factors of a GGML weight's rows before quantization: 10^(((b + 2 r) mod 3) - 1) for column
+    block b (the format's block: 32, or 256 for the K-quants) of row r, so the neighbouring block along the row and
+    the same block of the neighbouring row are 10-100x off (their scales d too); the K-quants' sub-blocks (q4_k:
+    32 elements, q6_k: 16) times 10^(-(j mod 2) / 2) more, so the neighbouring sub-block's 6-bit (q4_k) or 8-bit
+    (q6_k) scale is ~3x off. All divided by the factors' RMS over the matrix (one constant: the neighbours' ratios
+    stay exact): the layer's outputs keep the dense ones' scale (fp16 never overflows)."""
+    f = GGML_FORMATS[fmt]
+    cols = np.arange(k)
+    e = ((cols[None, :] // f.block + 2 * np.arange(n)[:, None]) % 3) - 1.0
+    if f.block == 256:
+        sub = 32 if fmt == "q4_k" else 16
+        e = e - 0.5 * ((cols // sub) % 2)[None, :]
+    fac = 10.0 ** e
+    return (fac / np.sqrt(np.mean(fac * fac))).astype(np.float32)
+
+
+def _ggml(w: np.ndarray, fmt: str) -> np.ndarray:
+    """(E, N, K) weights (the test dtype's values) times `ggml_factor`, each expert's rows GGML-quantized by the
+    byte-exact reference quantizer (refimpl.quant.quantize): (E, N, K / QK * nbytes) uint8."""
+    e, n, k = w.shape
+    fac = ggml_factor(n, k, fmt)
+    return np.stack([ggml_quantize(fmt, w[i].astype(np.float32) * fac) for i in range(e)])
+
+
+def ggml_weight(x: dict[str, np.ndarray], name: str, fmt: str | None) -> dict[str, Any] | None:
+    """The GGML weight `name` among a case's inputs (`<name>_ggml`, its blocks) as the kernels take it: {"fmt":
+    the case's wfmt, "blocks": (E, N, K / QK * nbytes) uint8}, None if absent."""
+    if f"{name}_ggml" not in x:
+        return None
+    if fmt not in GGML_FMTS:
+        raise ValueError(f"moe.experts: input {name}_ggml needs a GGML wfmt ({', '.join(GGML_FMTS)}), got {fmt!r}")
+    return {"fmt": fmt, "blocks": x[f"{name}_ggml"]}
+
+
+def dense_weight(x: dict[str, np.ndarray], name: str, fmt: str | None = None) -> np.ndarray | None:
     """Weight `name` as the golden takes it: stored (dense), each expert's int4 dequantized exactly (float32
-    holds s (q - z): 11 + 5 bits), or block FP8 as a refimpl.moe_experts.BlockFP8 (each expert dequantized
-    exactly in float64 when the golden reads it)."""
+    holds s (q - z): 11 + 5 bits), block FP8 as a refimpl.moe_experts.BlockFP8 (each expert dequantized
+    exactly in float64 when the golden reads it), or GGML blocks (fmt: the case's wfmt) as a
+    refimpl.moe_experts.GGMLWeight (likewise)."""
+    gg = ggml_weight(x, name, fmt)
+    if gg is not None:
+        return GGMLWeight(gg["fmt"], gg["blocks"])
     f8 = fp8_weight(x, name)
     if f8 is not None:
         return BlockFP8(f8["codes"], f8["scales"])
@@ -256,6 +322,9 @@ def _inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) 
         for name in [n for n in WEIGHTS if n in out]:
             for part, a in _fp8(out.pop(name)).items():
                 out[f"{name}_{part}"] = a
+    if p["wfmt"] in GGML_FMTS:  # every routed and shared weight, times its block factors, GGML-quantized
+        for name in [n for n in WEIGHTS if n in out]:
+            out[f"{name}_ggml"] = _ggml(out.pop(name), p["wfmt"])
     return out
 
 
@@ -263,7 +332,7 @@ def _golden(x: dict[str, np.ndarray], absolute: bool, p: dict[str, Any] | None =
             ) -> np.ndarray:
     xs = x["x"]
     act = None if xs.dtype == np.float64 else xs.dtype  # a float64 view (a caller's own): act not rounded
-    w = {n: dense_weight(x, n) for n in WEIGHTS}
+    w = {n: dense_weight(x, n, None if p is None else p.get("wfmt")) for n in WEIGHTS}
     quant = "e4m3" if p is not None and p.get("wfmt") == "fp8" else None
     return refimpl.moe_experts.experts(xs, x["ids"], x["weights"], w["w13"], w["w2"], ws13=w["ws13"], ws2=w["ws2"],
                                        act_dtype=act, absolute=absolute, act_quant=quant, flip_bound=flip)
@@ -300,6 +369,11 @@ def _check(p: dict[str, Any]) -> str | None:
         return f"wfmt=int4 needs d and f multiples of the group {GROUP}, got d={p['d']} f={p['f']}"
     if p["wfmt"] in FP8_FMTS and (p["d"] % FP8_BLOCK or p["f"] % FP8_BLOCK):
         return f"wfmt={p['wfmt']} needs d and f multiples of the block {FP8_BLOCK}, got d={p['d']} f={p['f']}"
+    if p["wfmt"] in GGML_FMTS:
+        qk = GGML_FORMATS[p["wfmt"]].block
+        if p["d"] % qk or p["f"] % qk:
+            return (f"wfmt={p['wfmt']} needs d and f multiples of its block of {qk} elements (w13's rows run along d, "
+                    f"w2's along f), got d={p['d']} f={p['f']}")
     return None
 
 
@@ -342,12 +416,15 @@ EXPERTS = OpSpec(
         e=Int(1, 1024, edges=(8, 128, 256), doc="routed experts (Mixtral 8, Qwen3-30B-A3B 128, DeepSeek-V3 256)"),
         k=Int(1, 64, edges=(1, 2, 8), doc="experts a token"),
         shared=Int(0, 2, edges=(0, 1), doc="shared experts of weight 1 on every token (DeepSeek-V3 1)"),
-        wfmt=OneOf("dense", "int4", "fp8w", "fp8", doc="weight format: dense (the test dtype); int4: GPTQ v1 w4a16, "
-                   "group 128 along D (w13) and F (w2), fp16 scales, every routed and shared expert (inputs "
-                   "<w>_qweight, <w>_qzeros, <w>_scales; activations in the test dtype, the golden dequantizes "
-                   "exactly); fp8w: block FP8 w8a16 (DeepSeek-V3's e4m3fn weights, one fp32 scale per 128 x 128 "
-                   "block: inputs <w>_codes, <w>_bscales; activations in the test dtype); fp8: block FP8 w8a8 (the "
-                   "same weights, x and act quantized per token per 128-group to e4m3 before each GEMM)"),
+        wfmt=OneOf("dense", "int4", "fp8w", "fp8", *GGML_FMTS, doc="weight format: dense (the test dtype); int4: "
+                   "GPTQ v1 w4a16, group 128 along D (w13) and F (w2), fp16 scales, every routed and shared expert "
+                   "(inputs <w>_qweight, <w>_qzeros, <w>_scales; activations in the test dtype, the golden "
+                   "dequantizes exactly); fp8w: block FP8 w8a16 (DeepSeek-V3's e4m3fn weights, one fp32 scale per "
+                   "128 x 128 block: inputs <w>_codes, <w>_bscales; activations in the test dtype); fp8: block FP8 "
+                   "w8a8 (the same weights, x and act quantized per token per 128-group to e4m3 before each GEMM); "
+                   "q8_0 / q4_0 / q4_k / q6_k: GGML blocks of each expert's rows (llama.cpp's ggml_mul_mat_id "
+                   "weights; input <w>_ggml (E, N, K / QK * nbytes) uint8), w-only: activations in the test dtype, "
+                   "the golden dequantizes exactly"),
     )),
     make_inputs=_inputs,
     output_shapes=lambda p: {"out": (p["t"], p["d"])},

@@ -65,6 +65,48 @@ static void decode_row(const uint8_t *row, float *k, float *sc) {
     }
 }
 
+/* One query head's row qr (576 bf16 values) over the n decoded keys (keys: n x (576 values, 4 group scales), as
+ * decode_row writes them): O (512 bf16) into orow and its LSE into *lse; s (n floats) and acc (512) are scratch.
+ * kvquant.mla_sparse's and kvquant.mla_decode's (kvquant_mla_dense.c) arithmetic. */
+static void attend_keys(const float *keys, int64_t n, const uint16_t *qr, double scale, float *s, float *acc,
+                        uint16_t *orow, float *lse) {
+    float qf[D_ALL];
+    for (int c = 0; c < D_ALL; c++) qf[c] = kp_bf16_to_f32(qr[c]);
+    float m = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        const float *k = keys + j * (D_ALL + N_TILES), *sc = k + D_ALL;
+        float tot = 0.0f;
+        for (int g = 0; g < N_TILES; g++) {
+            float d = 0.0f;
+            for (int c = g * TILE; c < (g + 1) * TILE; c++) d += qf[c] * k[c];
+            tot += sc[g] * d;
+        }
+        float r = 0.0f;
+        for (int c = D_NOPE; c < D_ALL; c++) r += qf[c] * k[c];
+        s[j] = (float)scale * (tot + r);
+        if (s[j] > m) m = s[j];
+    }
+    if (n == 0) {
+        for (int c = 0; c < D_NOPE; c++) orow[c] = kp_f32_to_bf16(0.0f);
+        *lse = -INFINITY;
+        return;
+    }
+    double l = 0.0;
+    for (int c = 0; c < D_NOPE; c++) acc[c] = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        const float *k = keys + j * (D_ALL + N_TILES), *sc = k + D_ALL;
+        float pj = expf(s[j] - m);
+        l += pj;
+        for (int g = 0; g < N_TILES; g++) {
+            float w = pj * sc[g];
+            for (int c = g * TILE; c < (g + 1) * TILE; c++) acc[c] += w * k[c];
+        }
+    }
+    float inv = (float)(1.0 / l);
+    for (int c = 0; c < D_NOPE; c++) orow[c] = kp_f32_to_bf16(acc[c] * inv);
+    *lse = (float)((double)m + log(l));
+}
+
 KP_EXPORT int kvq_mla_sparse_kernel(const kvq_mla_params *p) {
     e4m3_init();
     const int64_t grp = p->h_q / p->h_kv;
@@ -93,44 +135,9 @@ KP_EXPORT int kvq_mla_sparse_kernel(const kvq_mla_params *p) {
                 }
                 for (int64_t hh = 0; hh < grp; hh++) {
                     const int64_t h = kh * grp + hh;
-                    const uint16_t *qr = p->q + b * p->stride_q_b + i * p->stride_q_s + h * p->stride_q_h;
-                    float qf[D_ALL];
-                    for (int c = 0; c < D_ALL; c++) qf[c] = kp_bf16_to_f32(qr[c]);
-                    float m = -INFINITY;
-                    for (int64_t j = 0; j < n; j++) {
-                        const float *k = keys + j * (D_ALL + N_TILES), *sc = k + D_ALL;
-                        float tot = 0.0f;
-                        for (int g = 0; g < N_TILES; g++) {
-                            float d = 0.0f;
-                            for (int c = g * TILE; c < (g + 1) * TILE; c++) d += qf[c] * k[c];
-                            tot += sc[g] * d;
-                        }
-                        float r = 0.0f;
-                        for (int c = D_NOPE; c < D_ALL; c++) r += qf[c] * k[c];
-                        s[j] = (float)p->scale * (tot + r);
-                        if (s[j] > m) m = s[j];
-                    }
-                    uint16_t *orow = p->o + b * p->stride_o_b + i * p->stride_o_s + h * p->stride_o_h;
-                    float *lse = p->lse + b * p->stride_l_b + h * p->stride_l_h + i * p->stride_l_s;
-                    if (n == 0) {
-                        for (int c = 0; c < D_NOPE; c++) orow[c] = kp_f32_to_bf16(0.0f);
-                        *lse = -INFINITY;
-                        continue;
-                    }
-                    double l = 0.0;
-                    for (int c = 0; c < D_NOPE; c++) acc[c] = 0.0f;
-                    for (int64_t j = 0; j < n; j++) {
-                        const float *k = keys + j * (D_ALL + N_TILES), *sc = k + D_ALL;
-                        float pj = expf(s[j] - m);
-                        l += pj;
-                        for (int g = 0; g < N_TILES; g++) {
-                            float w = pj * sc[g];
-                            for (int c = g * TILE; c < (g + 1) * TILE; c++) acc[c] += w * k[c];
-                        }
-                    }
-                    float inv = (float)(1.0 / l);
-                    for (int c = 0; c < D_NOPE; c++) orow[c] = kp_f32_to_bf16(acc[c] * inv);
-                    *lse = (float)((double)m + log(l));
+                    attend_keys(keys, n, p->q + b * p->stride_q_b + i * p->stride_q_s + h * p->stride_q_h, p->scale,
+                                s, acc, p->o + b * p->stride_o_b + i * p->stride_o_s + h * p->stride_o_h,
+                                p->lse + b * p->stride_l_b + h * p->stride_l_h + i * p->stride_l_s);
                 }
             }
         }

@@ -11,19 +11,23 @@
  * K, qzeros (E, K/g, N/8) int32 packed along N holding zero - 1, scales (E, K/g, N) fp16;
  * W[n][i] = s[i / g][n] (q(i, n) - z(i / g, n)), exact in float32: 11 + 5 bits), or block FP8 (DeepSeek-V3:
  * codes (E, N, K) float8_e4m3fn, scales (E, ceil(N/128), ceil(K/128)) fp32; W[n][i] = code x its 128 x 128 block's
- * scale, dequantized in float32, one rounding).
+ * scale, dequantized in float32, one rounding), or GGML blocks (llama.cpp's MoE GGUFs: q8_0 / q4_0 / q4_k / q6_k, ggml
+ * type id `gt`; (E, N, K / QK * nbytes) uint8, each row K / QK consecutive blocks): each weight row dequantized to
+ * float32 when it is read, by gemm_bwd.h's lb_row_f32 (quant.h's decoder: ggml's dequantize_row_*, one rounding of
+ * the exact value), w-only: x and act stay in the activation dtype.
  * a8 (w8a8, block FP8 only): x and act quantized per token per 128 columns before each GEMM (refimpl/moe_experts.py):
  * s = amax / 448.0f (IEEE float32 division), code = e4m3(RNE(saturate(v / s))) (the division, as the golden), read
  * back as code x s in float32; act is rounded to `dt` first, then quantized.
  * Arithmetic is float32: each dot product a float32 sum in index order, the routed weight multiplied into the
  * slot's output, the slots and shared experts summed into a float32 row accumulator in order (j = 0 .. k - 1,
  * then s = 0 .. S - 1), out rounded once. One thread.
- * Returns KP_OK, or KP_ERR_NOMEM when the per-call scratch (max(F, Fs) + 2 D floats) is not had.
+ * Returns KP_OK, or KP_ERR_NOMEM when the per-call scratch (max(F, Fs) + 2 D + 2 max(D, F, Fs) floats) is not had.
  */
 #include <math.h>
 #include <stdlib.h>
 
 #include "common.h"
+#include "gemm_bwd.h"   /* lb_row_f32, lb_row_bytes: a GGML row to float32 (quant.h's decoder) */
 
 #define FP8_BLOCK 128
 
@@ -35,7 +39,17 @@ typedef struct {
     const float *bs;        /* fp8: block scales (E, ceil(N/128), ceil(K/128)) */
     int64_t n, kdim, g, ne; /* N rows (outputs), K columns (inputs), the group, the experts */
     int a8;                 /* w8a8: this matrix's input (act, for W2) quantized per 128 columns first */
+    const uint8_t *gq;      /* GGML blocks (E, N, K / QK * nbytes), or NULL */
+    int gt;                 /* their ggml type id */
+    float *rows;            /* GGML: row scratch of 2 max(D, F, Fs) floats (the call's) */
 } wmat;
+
+/* Row `row` of expert e of a GGML weight, dequantized to float32 into buf (kdim floats) */
+KP_INLINE const float *grow(const wmat *m, int64_t e, int64_t row, float *buf) {
+    const int64_t rb = lb_row_bytes(m->gt, m->kdim);
+    lb_row_f32(m->gt, m->gq + (e * m->n + row) * rb, m->kdim, buf);
+    return buf;
+}
 
 static float E4M3[256];
 static int e4m3_ready = 0;
@@ -90,15 +104,23 @@ KP_INLINE float wget(const wmat *m, int64_t e, int64_t row, int64_t col, int dt)
 }
 
 /* acc[0:D] += wt * W2[e] @ act(x), W13[e] (2F, D), W2[e] (D, F); x widened (and under a8 quantized) to float32;
- * act scratch of F floats */
+ * act scratch of F floats (GGML weights' rows dequantized into their `rows` scratch) */
 static void expert_mlp(const float *x, const wmat *w13, const wmat *w2, int64_t e, int64_t D, int64_t F, int dt,
                        float wt, float *act, float *acc) {
     for (int64_t f = 0; f < F; f++) {
         float g = 0.0f, u = 0.0f;
-        for (int64_t i = 0; i < D; i++) {
-            const float xi = x[i];
-            g += xi * wget(w13, e, f, i, dt);
-            u += xi * wget(w13, e, F + f, i, dt);
+        if (w13->gq) {
+            const float *rg = grow(w13, e, f, w13->rows), *ru = grow(w13, e, F + f, w13->rows + D);
+            for (int64_t i = 0; i < D; i++) {
+                g += x[i] * rg[i];
+                u += x[i] * ru[i];
+            }
+        } else {
+            for (int64_t i = 0; i < D; i++) {
+                const float xi = x[i];
+                g += xi * wget(w13, e, f, i, dt);
+                u += xi * wget(w13, e, F + f, i, dt);
+            }
         }
         const float a = g / (1.0f + expf(-g)) * u;
         uint16_t h;
@@ -107,19 +129,26 @@ static void expert_mlp(const float *x, const wmat *w13, const wmat *w2, int64_t 
     if (w2->a8) group_quant(act, F);
     for (int64_t d = 0; d < D; d++) {
         float y = 0.0f;
-        for (int64_t f = 0; f < F; f++) y += wget(w2, e, d, f, dt) * act[f];
+        if (w2->gq) {
+            const float *r = grow(w2, e, d, w2->rows);
+            for (int64_t f = 0; f < F; f++) y += r[f] * act[f];
+        } else {
+            for (int64_t f = 0; f < F; f++) y += wget(w2, e, d, f, dt) * act[f];
+        }
         acc[d] += wt * y;
     }
 }
 
 static wmat make(const void *dense, const int32_t *qw, const int32_t *qz, const uint16_t *sc, const uint8_t *f8,
-                 const float *bs, int64_t n, int64_t kdim, int64_t g, int64_t ne, int a8) {
-    wmat m = {dense, qw, qz, sc, f8, bs, n, kdim, g, ne, a8};
+                 const float *bs, int64_t n, int64_t kdim, int64_t g, int64_t ne, int a8, const uint8_t *gq, int gt,
+                 float *rows) {
+    wmat m = {dense, qw, qz, sc, f8, bs, n, kdim, g, ne, a8, gq, gt, rows};
     return m;
 }
 
 /* w13 / w2 / ws13 / ws2: dense pointer (or NULL) then qweight, qzeros, scales (int4, or NULL); g the int4 group;
- * f8 / bs: each weight's fp8 codes and block scales (or NULL); a8: w8a8 */
+ * f8 / bs: each weight's fp8 codes and block scales (or NULL); a8: w8a8; gq: each weight's GGML blocks (or NULL),
+ * gt their ggml type id (the wrapper checks it is one of q8_0, q4_0, q4_k, q6_k and D, F whole blocks) */
 KP_EXPORT int moe_experts_kernel(const void *x, const int32_t *ids, const float *weights,
                                  const void *w13, const int32_t *w13_qw, const int32_t *w13_qz, const uint16_t *w13_sc,
                                  const void *w2, const int32_t *w2_qw, const int32_t *w2_qz, const uint16_t *w2_sc,
@@ -129,18 +158,21 @@ KP_EXPORT int moe_experts_kernel(const void *x, const int32_t *ids, const float 
                                  const uint8_t *w13_f8, const float *w13_bs, const uint8_t *w2_f8, const float *w2_bs,
                                  const uint8_t *ws13_f8, const float *ws13_bs, const uint8_t *ws2_f8,
                                  const float *ws2_bs, int a8,
+                                 const uint8_t *w13_gq, const uint8_t *w2_gq, const uint8_t *ws13_gq,
+                                 const uint8_t *ws2_gq, int gt,
                                  int64_t T, int64_t D, int64_t E, int64_t F, int64_t k, int64_t S, int64_t Fs, int dt,
                                  void *out) {
     if (!e4m3_ready) e4m3_table();
     const int64_t fmax = F > Fs ? F : Fs;
-    float *act = malloc((size_t)(fmax + 2 * D) * sizeof(float));
+    const int64_t rmax = D > fmax ? D : fmax;
+    float *act = malloc((size_t)(fmax + 2 * D + 2 * rmax) * sizeof(float));
     if (!act) return KP_ERR_NOMEM;
-    float *acc = act + fmax, *xf = acc + D;
+    float *acc = act + fmax, *xf = acc + D, *rows = xf + D;
     const int64_t sz = kp_itemsize(dt);
-    const wmat m13 = make(w13, w13_qw, w13_qz, w13_sc, w13_f8, w13_bs, 2 * F, D, g, E, a8);
-    const wmat m2 = make(w2, w2_qw, w2_qz, w2_sc, w2_f8, w2_bs, D, F, g, E, a8);
-    const wmat s13 = make(ws13, ws13_qw, ws13_qz, ws13_sc, ws13_f8, ws13_bs, 2 * Fs, D, g, S, a8);
-    const wmat s2 = make(ws2, ws2_qw, ws2_qz, ws2_sc, ws2_f8, ws2_bs, D, Fs, g, S, a8);
+    const wmat m13 = make(w13, w13_qw, w13_qz, w13_sc, w13_f8, w13_bs, 2 * F, D, g, E, a8, w13_gq, gt, rows);
+    const wmat m2 = make(w2, w2_qw, w2_qz, w2_sc, w2_f8, w2_bs, D, F, g, E, a8, w2_gq, gt, rows);
+    const wmat s13 = make(ws13, ws13_qw, ws13_qz, ws13_sc, ws13_f8, ws13_bs, 2 * Fs, D, g, S, a8, ws13_gq, gt, rows);
+    const wmat s2 = make(ws2, ws2_qw, ws2_qz, ws2_sc, ws2_f8, ws2_bs, D, Fs, g, S, a8, ws2_gq, gt, rows);
     for (int64_t t = 0; t < T; t++) {
         const char *xrow = (const char *)x + t * D * sz;
         for (int64_t d = 0; d < D; d++) xf[d] = kp_load(xrow, d, dt);

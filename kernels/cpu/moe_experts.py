@@ -9,8 +9,10 @@ x (T, D), w13 (E, 2F, D), w2 (E, D, F), ws13 (S, 2Fs, D), ws2 (S, D, Fs): one dt
 bfloat16, C-contiguous (no copy is made), or every weight GPTQ v1 int4 (`weight_shape`: a dict of qweight,
 qzeros, fp16 scales per expert, one group; activations stay in x's dtype, the weights dequantized exactly), or
 every weight block FP8 (a dict of codes (E, N, K) float8_e4m3fn and scales (E, ceil(N/128), ceil(K/128)) fp32,
-DeepSeek-V3's 128 x 128 blocks, dequantized in float32); act_fp8 (block FP8 only): w8a8, x and act quantized per
-token per 128 columns to e4m3 before each GEMM (refimpl/moe_experts.py);
+DeepSeek-V3's 128 x 128 blocks, dequantized in float32), or every weight GGML blocks (a dict {"fmt": "q8_0" /
+"q4_0" / "q4_k" / "q6_k", "blocks": (E, N, K / QK * nbytes) uint8}: llama.cpp's expert-stacked tensors, each row
+dequantized to float32 as ggml's dequantize_row_* when read; w-only, x and act in x's dtype); act_fp8 (block FP8
+only): w8a8, x and act quantized per token per 128 columns to e4m3 before each GEMM (refimpl/moe_experts.py);
 ids (T, k) int32 in [0, E); weights (T, k) float32. Returns out (T, D) in x's dtype (`out` used when given).
 rnd: act rounded to x's dtype (the golden's production cast, refimpl/moe_experts.py); arithmetic float32
 (moe_experts.c). Bad arguments: ValueError naming them (`check_experts_args`, shared with the torch and Triton
@@ -36,7 +38,8 @@ def _kernels() -> ctypes.CDLL:
     global _lib
     if _lib is None:
         lib = load("moe_experts")
-        lib.moe_experts_kernel.argtypes = [_PTR] * 19 + [_I64] + [_PTR] * 8 + [_INT] + [_I64] * 7 + [_INT, _PTR]
+        lib.moe_experts_kernel.argtypes = ([_PTR] * 19 + [_I64] + [_PTR] * 8 + [_INT] + [_PTR] * 4 + [_INT]
+                                           + [_I64] * 7 + [_INT, _PTR])
         lib.moe_experts_kernel.restype = ctypes.c_int
         _lib = lib
     return _lib
@@ -49,6 +52,9 @@ def _shape(a) -> tuple[int, ...]:
 INT4_KEYS = ("qweight", "qzeros", "scales")
 FP8_KEYS = ("codes", "scales")
 FP8_BLOCK = 128
+GGML_KEYS = ("fmt", "blocks")
+# GGML weight formats: (ggml type id, elements a block, bytes a block)
+GGML = {"q8_0": (8, 32, 34), "q4_0": (2, 32, 18), "q4_k": (12, 256, 144), "q6_k": (14, 256, 210)}
 
 
 def weight_shape(name: str, w) -> tuple[tuple[int, ...], int | str | None]:
@@ -57,6 +63,15 @@ def weight_shape(name: str, w) -> tuple[tuple[int, ...], int | str | None]:
     block-FP8 one: a dict {"codes": (E, N, K) float8_e4m3fn, "scales": (E, ceil(N/128), ceil(K/128)) fp32}."""
     if not isinstance(w, dict):
         return _shape(w), None
+    if set(w) == set(GGML_KEYS):
+        fmt, b = w["fmt"], _shape(w["blocks"])
+        if fmt not in GGML:
+            raise ValueError(f"moe.experts: GGML {name}['fmt'] must be one of {', '.join(GGML)}, got {fmt!r}")
+        _, qk, nbytes = GGML[fmt]
+        if len(b) != 3 or b[2] % nbytes:
+            raise ValueError(f"moe.experts: GGML {name}['blocks'] must be (E, N, K / {qk} * {nbytes}) bytes of {fmt} "
+                             f"blocks, got shape {b}")
+        return (b[0], b[1], b[2] // nbytes * qk), fmt
     if set(w) == set(FP8_KEYS):
         cs, sc = _shape(w["codes"]), _shape(w["scales"])
         if len(cs) != 3:
@@ -68,7 +83,7 @@ def weight_shape(name: str, w) -> tuple[tuple[int, ...], int | str | None]:
         return cs, "fp8"
     if set(w) != set(INT4_KEYS):
         raise ValueError(f"moe.experts: int4 {name} must be a dict of {', '.join(INT4_KEYS)} (fp8: "
-                         f"{', '.join(FP8_KEYS)}), got keys {sorted(w)}")
+                         f"{', '.join(FP8_KEYS)}; GGML: {', '.join(GGML_KEYS)}), got keys {sorted(w)}")
     qw, qz, sc = (_shape(w[n]) for n in INT4_KEYS)
     if len(qw) != 3 or len(sc) != 3 or sc[0] != qw[0] or sc[2] != qw[2] or sc[1] < 1 or (qw[1] * 8) % sc[1]:
         raise ValueError(f"moe.experts: int4 {name} needs qweight (E, K/8, N) and scales (E, K/g, N), got {qw} and "
@@ -114,7 +129,8 @@ def check_experts_args(x, ids, weights, w13, w2, ws13=None, ws2=None) -> tuple[i
             raise ValueError(f"moe.experts: ws2 must be (S={s}, D={d}, Fs={fs}), got shape {s2s}")
         groups |= {gs, gs2}
     if len(groups) != 1:
-        raise ValueError(f"moe.experts: the weights must share one format (dense, int4 of one group, or fp8), got "
+        raise ValueError(f"moe.experts: the weights must share one format (dense, int4 of one group, fp8, or one GGML "
+                         f"format), got "
                          f"{sorted(groups, key=str)}")
     return t, d, e, f, k, s, fs
 
@@ -143,12 +159,21 @@ def experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, w13, w2, *, ws1
     want = {"qweight": np.int32, "qzeros": np.int32, "scales": np.float16}
     if not isinstance(x, np.ndarray) or not x.flags.c_contiguous:
         raise ValueError("moe.experts: x must be a C-contiguous numpy array")
-    ptrs, f8ptrs = [], []
+    ptrs, f8ptrs, gptrs = [], [], []
     for name in ("w13", "w2", "ws13", "ws2"):
         w = sets.get(name)
+        gptrs.append(None)
         if w is None:
             ptrs += [None] * 4
             f8ptrs += [None] * 2
+        elif isinstance(w, dict) and set(w) == set(GGML_KEYS):
+            b = w["blocks"]
+            if not isinstance(b, np.ndarray) or b.dtype != np.uint8 or not b.flags.c_contiguous:
+                raise ValueError(f"moe.experts: {name}['blocks'] must be a C-contiguous uint8 numpy array, got "
+                                 f"{getattr(b, 'dtype', type(b).__name__)}")
+            ptrs += [None] * 4
+            f8ptrs += [None] * 2
+            gptrs[-1] = b.ctypes.data
         elif isinstance(w, dict) and set(w) == set(FP8_KEYS):
             c, sc = w["codes"], w["scales"]
             if not isinstance(c, np.ndarray) or c.dtype != ml_dtypes.float8_e4m3fn or not c.flags.c_contiguous:
@@ -193,8 +218,12 @@ def experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, w13, w2, *, ws1
     if t == 0:
         return res
     g = group_of(w13)
+    if g in GGML and (d % GGML[g][1] or f % GGML[g][1] or fs % GGML[g][1]):
+        raise ValueError(f"moe.experts: {g} weights need D, F and Fs multiples of its block of {GGML[g][1]}, got "
+                         f"D={d} F={f} Fs={fs}")
+    gt = GGML[g][0] if g in GGML else 0
     status = _kernels().moe_experts_kernel(x.ctypes.data, ids.ctypes.data, weights.ctypes.data, *ptrs,
-                                           g if isinstance(g, int) else 0, *f8ptrs, int(a8), t, d, e, f, k, s, fs, dt,
-                                           res.ctypes.data)
+                                           g if isinstance(g, int) else 0, *f8ptrs, int(a8), *gptrs, gt, t, d, e, f,
+                                           k, s, fs, dt, res.ctypes.data)
     check_status(status, "moe_experts_kernel")
     return res

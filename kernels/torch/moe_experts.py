@@ -8,7 +8,9 @@ the tokens gathered (index), gate and up from one matmul (the first F rows of w1
 the down matmul, times each token's routing weight, index_add into a zero output in the model dtype; the shared
 experts' MLP output added last (DeepSeek-V3's `y + shared_experts(identity)`). int4 (GPTQ v1) weights are
 dequantized an expert at a time into the model dtype (`dequant_int4`), as a torch fallback does; so are block-FP8
-weights (w8a16: code x block scale in fp32, then rounded: `dequant_fp8`). Every matmul
+weights (w8a16: code x block scale in fp32, then rounded: `dequant_fp8`) and GGML weights ({"fmt", "blocks"}:
+kernels/torch/quant.py `dequantize`, ggml's dequantize_row_* in fp32, then rounded: `dequant_ggml`; w-only, as
+transformers' GGUF loading dequantizes the experts into the model dtype). Every matmul
 and elementwise op runs in x's dtype, as the eager model does: gate, up, silu, the product, the down output, the
 weighted slot and each index_add round to it. The golden rounds act alone (refimpl/moe_experts.py): this
 baseline carries the others, judged in its own tier (conformance/ops/moe_experts.py).
@@ -72,7 +74,17 @@ def group_quant_fp8(v: torch.Tensor) -> torch.Tensor:
     return (codes.float() * s).view(n, -1)[:, :length]
 
 
+def dequant_ggml(w: dict, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert e of a GGML weight ({"fmt": format, "blocks": (E, N, K / QK * nbytes) uint8}) as a dense (N, K) matrix:
+    ggml's dequantize_row_* in fp32 (kernels/torch/quant.py), then cast to `dtype`."""
+    from kernel_parity.kernels.torch.quant import dequantize
+
+    return dequantize(w["fmt"], w["blocks"][e]).to(dtype)
+
+
 def _dense(w, e: int, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(w, dict) and "fmt" in w:
+        return dequant_ggml(w, e, dtype)
     if isinstance(w, dict):
         return dequant_fp8(w, e, dtype) if "codes" in w else dequant_int4(w, e, dtype)
     return w[e]
@@ -103,7 +115,7 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torc
     tensors = {"x": x, "w13": w13, "w2": w2, **({"ws13": ws13, "ws2": ws2} if ws13 is not None else {})}
     for name, a in tensors.items():
         if isinstance(a, dict) and name != "x":
-            if any(not isinstance(v, torch.Tensor) for v in a.values()):
+            if any(not isinstance(v, torch.Tensor) for p, v in a.items() if p != "fmt"):
                 raise ValueError(f"moe.experts: {name}'s parts must be tensors")
         elif not isinstance(a, torch.Tensor) or a.dtype != x.dtype or not a.dtype.is_floating_point:
             raise ValueError(f"moe.experts: {name} must be a float tensor of x's dtype {getattr(x, 'dtype', None)}")

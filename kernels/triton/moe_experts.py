@@ -28,7 +28,13 @@ multiplied by each column's block scale (its row block's), as the int4 path appl
 tl.math.div_rn, the IEEE division: Triton's `/` is the approximate div.full.f32 on the GPU; clamp to +-448,
 e4m3fn RNE), as vLLM's per_token_group_quant_fp8 runs before each GEMM; the GEMMs then take both operands as
 codes (bf16, exact products) and scale the tile's partial product by the row's group scale and the column's block
-scale (vLLM's fused_moe_kernel with block_shape). Padding rows (the sentinel) load
+scale (vLLM's fused_moe_kernel with block_shape). GGML weights (llama.cpp's expert-stacked q8_0 / q4_0 / q4_k / q6_k
+tensors, {"fmt", "blocks"}: each expert's rows K / QK little-endian blocks, never converted; w-only): the K loop
+walks the rows' blocks GGML_G groups at a time, decoding each (BLOCK_N, G, E) tile to fp32 with
+kernels/triton/gemm.py's dequantizers (`_dq_q8_0` ...: ggml's dequantize_row_*, one rounding of the exact value) and
+multiplying it part by part against x's (or act's) columns gathered at the group's element order (gemm.py's
+`_k_of`), in fp32 "ieee" dots for every dtype: the weights are never rounded to a 16-bit dtype, as the golden's
+exact dequantization (refimpl/moe_experts.py). Padding rows (the sentinel) load
 zeros and store nothing. Under the interpreter the backend makes bf16 dots and casts behave as on the GPU
 (conformance/backends/triton_interpreter.py).
 Reference: vllm-project/vllm vllm/model_executor/layers/fused_moe/fused_moe.py (fused_moe_kernel, the
@@ -42,6 +48,8 @@ import triton
 import triton.language as tl
 
 from kernel_parity.kernels.cpu.moe_experts import check_act_fp8, check_experts_args
+from kernel_parity.kernels.triton.gemm import FORMATS as GGML_TILES
+from kernel_parity.kernels.triton.gemm import _dq_q4_0, _dq_q4_k, _dq_q6_k, _dq_q8_0, _k_of
 from kernel_parity.kernels.triton.moe_align import align
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -115,6 +123,51 @@ def _dot_fp8(a, codes, scale, acc, IEEE: tl.constexpr):
     return acc + part * scale[None, :]
 
 
+GGML_G = 4  # GGML: groups decoded a K step (gemm.py's tiles: a whole 256-block of q4_k / q6_k, 4 q8_0 / q4_0 blocks)
+
+
+@triton.jit
+def _ggml_part(acc, X, rows, valid, stride_x, w, g0, n_groups, FMT: tl.constexpr, P: tl.constexpr,
+               BLOCK_N: tl.constexpr, G: tl.constexpr, E: tl.constexpr):
+    """acc + X[rows, k] @ w^T for part P of the groups g0 .. g0 + G - 1 (w: (BLOCK_N, G, E) fp32, gemm.py's
+    decoded tile; k: its columns, gemm.py's `_k_of`): fp32 operands, "ieee" products and fp32 sums."""
+    c = tl.arange(0, G * E)
+    grp = g0 + c // E
+    k = _k_of(FMT, grp, c % E, P)
+    a = tl.load(X + rows[:, None] * stride_x + k[None, :], mask=valid[:, None] & (grp < n_groups)[None, :],
+                other=0.0).to(tl.float32)
+    return tl.dot(a, tl.trans(tl.reshape(w, [BLOCK_N, G * E])), acc, input_precision="ieee")
+
+
+@triton.jit
+def _ggml_mac(acc, X, rows, valid, stride_x, Wrow, g0, n_groups, mask_n, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
+              G: tl.constexpr, E: tl.constexpr):
+    """acc + X[rows] @ W^T over the groups g0 .. g0 + G - 1 of the weight rows at Wrow ((BLOCK_N, 1, 1) byte
+    pointers): each group decoded to fp32 by kernels/triton/gemm.py's dequantizers (ggml's dequantize_row_*, one
+    rounding of the exact value; q8_0 / q4_0 / q6_k exact), then multiplied part by part (`_ggml_part`)."""
+    g = g0 + tl.arange(0, G)[None, :, None]
+    e = tl.arange(0, E)[None, None, :]
+    mask = mask_n[:, None, None] & (g < n_groups)
+    if FMT == 0:
+        w0 = _dq_q8_0(Wrow, g, e, mask)
+        acc = _ggml_part(acc, X, rows, valid, stride_x, w0, g0, n_groups, FMT, 0, BLOCK_N, G, E)
+    elif FMT == 1:
+        w0, w1 = _dq_q4_0(Wrow, g, e, mask)
+        acc = _ggml_part(acc, X, rows, valid, stride_x, w0, g0, n_groups, FMT, 0, BLOCK_N, G, E)
+        acc = _ggml_part(acc, X, rows, valid, stride_x, w1, g0, n_groups, FMT, 1, BLOCK_N, G, E)
+    elif FMT == 2:
+        w0, w1 = _dq_q4_k(Wrow, g, e, mask)
+        acc = _ggml_part(acc, X, rows, valid, stride_x, w0, g0, n_groups, FMT, 0, BLOCK_N, G, E)
+        acc = _ggml_part(acc, X, rows, valid, stride_x, w1, g0, n_groups, FMT, 1, BLOCK_N, G, E)
+    else:
+        w0, w1, w2, w3 = _dq_q6_k(Wrow, g, e, mask)
+        acc = _ggml_part(acc, X, rows, valid, stride_x, w0, g0, n_groups, FMT, 0, BLOCK_N, G, E)
+        acc = _ggml_part(acc, X, rows, valid, stride_x, w1, g0, n_groups, FMT, 1, BLOCK_N, G, E)
+        acc = _ggml_part(acc, X, rows, valid, stride_x, w2, g0, n_groups, FMT, 2, BLOCK_N, G, E)
+        acc = _ggml_part(acc, X, rows, valid, stride_x, w3, g0, n_groups, FMT, 3, BLOCK_N, G, E)
+    return acc
+
+
 @triton.jit
 def _group_quant(X, Q, S, n_rows, L, stride_x, stride_q, stride_s, BLOCK_R: tl.constexpr):
     """Rows of X (n_rows, L) quantized per 128 columns: s = amax / 448, codes e4m3fn(RNE(clamp(v / s, +-448))) (the
@@ -153,7 +206,8 @@ def _dot_a8(a, sa, codes, scale, acc):
 def _gemm1_swiglu(X, XS, W13, QZ13, SC13, SID, EID, NTP, ACT, n_slots, TOPK, D, F, n_experts, group, nbk,
                   stride_x, stride_xs, stride_we, stride_wn, stride_a, stride_ze, stride_se,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                  INT4: tl.constexpr, FP8: tl.constexpr = False, A8: tl.constexpr = False):
+                  INT4: tl.constexpr, FP8: tl.constexpr = False, A8: tl.constexpr = False, GGML_FMT: tl.constexpr = -1,
+                  GROUP_EL: tl.constexpr = 32, GE: tl.constexpr = 32, GG: tl.constexpr = 2):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NTP):  # a block past the padded slots: nothing to do
@@ -167,39 +221,49 @@ def _gemm1_swiglu(X, XS, W13, QZ13, SC13, SID, EID, NTP, ACT, n_slots, TOPK, D, 
     w_base = W13 + e * stride_we
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < D
-        if A8:  # x's codes and group scales (`_group_quant`), the weights' codes and block scales
-            a, sa = _a8_tile(X, XS, tok, valid, k0, stride_x, stride_xs, BLOCK_K, D)
-            cg, sg = _fp8_tile(W13, SC13, e, k0, offs_n, mask_n, D, nbk, stride_we, stride_wn, stride_se, BLOCK_K)
-            cu, su = _fp8_tile(W13, SC13, e, k0, offs_n + F, mask_n, D, nbk, stride_we, stride_wn, stride_se, BLOCK_K)
-            acc_g = _dot_a8(a, sa, cg, sg, acc_g)
-            acc_u = _dot_a8(a, sa, cu, su, acc_u)
-        elif FP8:
-            a = tl.load(X + tok[:, None] * stride_x + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
-                        other=0.0)
-            cg, sg = _fp8_tile(W13, SC13, e, k0, offs_n, mask_n, D, nbk, stride_we, stride_wn, stride_se, BLOCK_K)
-            cu, su = _fp8_tile(W13, SC13, e, k0, offs_n + F, mask_n, D, nbk, stride_we, stride_wn, stride_se, BLOCK_K)
-            acc_g = _dot_fp8(a, cg, sg, acc_g, IEEE)
-            acc_u = _dot_fp8(a, cu, su, acc_u, IEEE)
-        elif INT4:  # BLOCK_K divides the group and D (the wrapper checks): whole K tiles inside one group
-            a = tl.load(X + tok[:, None] * stride_x + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
-                        other=0.0)
-            cg, sg = _int4_tile(W13, QZ13, SC13, e, k0, group, offs_n, mask_n, 2 * F, n_experts, stride_we,
-                                stride_ze, stride_se, BLOCK_K, BLOCK_N)
-            cu, su = _int4_tile(W13, QZ13, SC13, e, k0, group, offs_n + F, mask_n, 2 * F, n_experts, stride_we,
-                                stride_ze, stride_se, BLOCK_K, BLOCK_N)
-            acc_g = _dot_int4(a, cg, sg, acc_g, IEEE)
-            acc_u = _dot_int4(a, cu, su, acc_u, IEEE)
-        else:
-            a = tl.load(X + tok[:, None] * stride_x + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
-                        other=0.0)
-            wmask = mask_k[:, None] & mask_n[None, :]
-            wg = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
-            wu = tl.load(w_base + (offs_n[None, :] + F) * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
-            acc_g = _dot(a, wg, acc_g, IEEE)
-            acc_u = _dot(a, wu, acc_u, IEEE)
+    if GGML_FMT >= 0:  # GGML rows (stride_wn bytes): the gate's and the up's blocks decoded GG groups a step
+        n_groups = D // GROUP_EL
+        row_g = w_base + offs_n[:, None, None].to(tl.int64) * stride_wn
+        row_u = w_base + (offs_n[:, None, None] + F).to(tl.int64) * stride_wn
+        for g0 in range(0, n_groups, GG):
+            acc_g = _ggml_mac(acc_g, X, tok, valid, stride_x, row_g, g0, n_groups, mask_n, GGML_FMT, BLOCK_N, GG, GE)
+            acc_u = _ggml_mac(acc_u, X, tok, valid, stride_x, row_u, g0, n_groups, mask_n, GGML_FMT, BLOCK_N, GG, GE)
+    else:
+        for k0 in range(0, D, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < D
+            if A8:  # x's codes and group scales (`_group_quant`), the weights' codes and block scales
+                a, sa = _a8_tile(X, XS, tok, valid, k0, stride_x, stride_xs, BLOCK_K, D)
+                cg, sg = _fp8_tile(W13, SC13, e, k0, offs_n, mask_n, D, nbk, stride_we, stride_wn, stride_se, BLOCK_K)
+                cu, su = _fp8_tile(W13, SC13, e, k0, offs_n + F, mask_n, D, nbk, stride_we, stride_wn, stride_se,
+                                   BLOCK_K)
+                acc_g = _dot_a8(a, sa, cg, sg, acc_g)
+                acc_u = _dot_a8(a, sa, cu, su, acc_u)
+            elif FP8:
+                a = tl.load(X + tok[:, None] * stride_x + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
+                            other=0.0)
+                cg, sg = _fp8_tile(W13, SC13, e, k0, offs_n, mask_n, D, nbk, stride_we, stride_wn, stride_se, BLOCK_K)
+                cu, su = _fp8_tile(W13, SC13, e, k0, offs_n + F, mask_n, D, nbk, stride_we, stride_wn, stride_se,
+                                   BLOCK_K)
+                acc_g = _dot_fp8(a, cg, sg, acc_g, IEEE)
+                acc_u = _dot_fp8(a, cu, su, acc_u, IEEE)
+            elif INT4:  # BLOCK_K divides the group and D (the wrapper checks): whole K tiles inside one group
+                a = tl.load(X + tok[:, None] * stride_x + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
+                            other=0.0)
+                cg, sg = _int4_tile(W13, QZ13, SC13, e, k0, group, offs_n, mask_n, 2 * F, n_experts, stride_we,
+                                    stride_ze, stride_se, BLOCK_K, BLOCK_N)
+                cu, su = _int4_tile(W13, QZ13, SC13, e, k0, group, offs_n + F, mask_n, 2 * F, n_experts, stride_we,
+                                    stride_ze, stride_se, BLOCK_K, BLOCK_N)
+                acc_g = _dot_int4(a, cg, sg, acc_g, IEEE)
+                acc_u = _dot_int4(a, cu, su, acc_u, IEEE)
+            else:
+                a = tl.load(X + tok[:, None] * stride_x + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
+                            other=0.0)
+                wmask = mask_k[:, None] & mask_n[None, :]
+                wg = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
+                wu = tl.load(w_base + (offs_n[None, :] + F) * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
+                acc_g = _dot(a, wg, acc_g, IEEE)
+                acc_u = _dot(a, wu, acc_u, IEEE)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(ACT + slot[:, None] * stride_a + offs_n[None, :], act.to(ACT.dtype.element_ty),
              mask=valid[:, None] & mask_n[None, :])
@@ -209,7 +273,8 @@ def _gemm1_swiglu(X, XS, W13, QZ13, SC13, SID, EID, NTP, ACT, n_slots, TOPK, D, 
 def _gemm2(ACT, AS, W2, QZ2, SC2, SID, EID, NTP, RW, YS, n_slots, D, F, n_experts, group, nbk,
            stride_a, stride_as, stride_we, stride_wd, stride_y, stride_ze, stride_se,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-           INT4: tl.constexpr, FP8: tl.constexpr = False, A8: tl.constexpr = False):
+           INT4: tl.constexpr, FP8: tl.constexpr = False, A8: tl.constexpr = False, GGML_FMT: tl.constexpr = -1,
+           GROUP_EL: tl.constexpr = 32, GE: tl.constexpr = 32, GG: tl.constexpr = 2):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NTP):  # a block past the padded slots: nothing to do
@@ -221,30 +286,36 @@ def _gemm2(ACT, AS, W2, QZ2, SC2, SID, EID, NTP, RW, YS, n_slots, D, F, n_expert
     mask_n = offs_n < D
     w_base = W2 + e * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, F, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < F
-        if A8:  # act's codes and group scales (`_group_quant`)
-            a, sa = _a8_tile(ACT, AS, slot, valid, k0, stride_a, stride_as, BLOCK_K, F)
-            c, sc = _fp8_tile(W2, SC2, e, k0, offs_n, mask_n, F, nbk, stride_we, stride_wd, stride_se, BLOCK_K)
-            acc = _dot_a8(a, sa, c, sc, acc)
-        elif FP8:
-            a = tl.load(ACT + slot[:, None] * stride_a + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
-                        other=0.0)
-            c, sc = _fp8_tile(W2, SC2, e, k0, offs_n, mask_n, F, nbk, stride_we, stride_wd, stride_se, BLOCK_K)
-            acc = _dot_fp8(a, c, sc, acc, IEEE)
-        elif INT4:
-            a = tl.load(ACT + slot[:, None] * stride_a + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
-                        other=0.0)
-            c, sc = _int4_tile(W2, QZ2, SC2, e, k0, group, offs_n, mask_n, D, n_experts, stride_we, stride_ze,
-                               stride_se, BLOCK_K, BLOCK_N)
-            acc = _dot_int4(a, c, sc, acc, IEEE)
-        else:
-            a = tl.load(ACT + slot[:, None] * stride_a + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
-                        other=0.0)
-            w = tl.load(w_base + offs_n[None, :] * stride_wd + offs_k[:, None],
-                        mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            acc = _dot(a, w, acc, IEEE)
+    if GGML_FMT >= 0:  # GGML rows of w2 (along F): act's rows against their decoded blocks
+        n_groups = F // GROUP_EL
+        row_w = w_base + offs_n[:, None, None].to(tl.int64) * stride_wd
+        for g0 in range(0, n_groups, GG):
+            acc = _ggml_mac(acc, ACT, slot, valid, stride_a, row_w, g0, n_groups, mask_n, GGML_FMT, BLOCK_N, GG, GE)
+    else:
+        for k0 in range(0, F, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < F
+            if A8:  # act's codes and group scales (`_group_quant`)
+                a, sa = _a8_tile(ACT, AS, slot, valid, k0, stride_a, stride_as, BLOCK_K, F)
+                c, sc = _fp8_tile(W2, SC2, e, k0, offs_n, mask_n, F, nbk, stride_we, stride_wd, stride_se, BLOCK_K)
+                acc = _dot_a8(a, sa, c, sc, acc)
+            elif FP8:
+                a = tl.load(ACT + slot[:, None] * stride_a + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
+                            other=0.0)
+                c, sc = _fp8_tile(W2, SC2, e, k0, offs_n, mask_n, F, nbk, stride_we, stride_wd, stride_se, BLOCK_K)
+                acc = _dot_fp8(a, c, sc, acc, IEEE)
+            elif INT4:
+                a = tl.load(ACT + slot[:, None] * stride_a + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
+                            other=0.0)
+                c, sc = _int4_tile(W2, QZ2, SC2, e, k0, group, offs_n, mask_n, D, n_experts, stride_we, stride_ze,
+                                   stride_se, BLOCK_K, BLOCK_N)
+                acc = _dot_int4(a, c, sc, acc, IEEE)
+            else:
+                a = tl.load(ACT + slot[:, None] * stride_a + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
+                            other=0.0)
+                w = tl.load(w_base + offs_n[None, :] * stride_wd + offs_k[:, None],
+                            mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                acc = _dot(a, w, acc, IEEE)
     rw = tl.load(RW + slot, mask=valid, other=0.0)
     acc = acc * rw[:, None]
     tl.store(YS + slot[:, None] * stride_y + offs_n[None, :], acc, mask=valid[:, None] & mask_n[None, :])
@@ -267,6 +338,9 @@ def _parts(w):
     """(W or qweight or codes, qzeros, scales, group, strides (expert, row) of W / qweight / codes, qzeros' and
     scales' expert strides, int4?) of a dense, GPTQ v1 int4 or block-FP8 weight (codes as uint8; the group: the
     scales' column blocks); the dense case passes W for the unused pointers."""
+    if isinstance(w, dict) and "fmt" in w:  # GGML blocks: byte strides
+        b = w["blocks"]
+        return b, b, b, 1, b.stride(0), b.stride(1), 0, 0, False
     if isinstance(w, dict) and "codes" in w:
         c, sc = w["codes"].view(torch.uint8), w["scales"]
         return c, c, sc, sc.shape[2], c.stride(0), c.stride(1), 0, sc.stride(0), True
@@ -295,12 +369,17 @@ def _routed(x, ids, weights, w13, w2, block_m: int, xq=None) -> torch.Tensor:
     t, d = x.shape
     k = ids.shape[1]
     fp8 = isinstance(w13, dict) and "codes" in w13
+    ggml = w13["fmt"] if isinstance(w13, dict) and "fmt" in w13 else None
     a8 = xq is not None
     q13, z13, s13, g13, se13, sn13, ze13, sce13, int4 = _parts(w13)
     q2, z2, s2, g2, se2, sn2, ze2, sce2, _ = _parts(w2)
     int4 = int4 and not fp8
     e = q13.shape[0]
     f = (s13.shape[2] if int4 else q13.shape[1]) // 2
+    tiles = {}
+    if ggml is not None:  # gemm.py's tile of the format: (id, elements a block, bytes, groups a block, E)
+        fid, qk, _, gpb, ge = GGML_TILES[ggml]
+        tiles = dict(GGML_FMT=fid, GROUP_EL=qk // gpb, GE=ge, GG=GGML_G)
     n = t * k
     sorted_ids, expert_ids, post_pad = align(ids.to(torch.int32), e, block_m)
     act = torch.empty((n, f), dtype=x.dtype, device=x.device)
@@ -314,12 +393,12 @@ def _routed(x, ids, weights, w13, w2, block_m: int, xq=None) -> torch.Tensor:
     _gemm1_swiglu[(nb, triton.cdiv(f, BLOCK_N))](
         xa, xs, q13, z13, s13, sorted_ids, expert_ids, post_pad, act, n, k, d, f, e, g13, g13, xa.stride(0),
         xs.stride(0), se13, sn13, act.stride(0), ze13, sce13, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        IEEE=ieee, INT4=int4, FP8=fp8, A8=a8, num_warps=NUM_WARPS)
+        IEEE=ieee, INT4=int4, FP8=fp8, A8=a8, num_warps=NUM_WARPS, **tiles)
     aa, as_ = _quant_rows(act) if a8 else (act, act)  # w8a8: act (rounded to x's dtype) quantized per 128 columns
     _gemm2[(nb, triton.cdiv(d, BLOCK_N))](
         aa, as_, q2, z2, s2, sorted_ids, expert_ids, post_pad, rw, ys, n, d, f, e, g2, g2, aa.stride(0), as_.stride(0),
         se2, sn2, ys.stride(0), ze2, sce2, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE=ieee, INT4=int4,
-        FP8=fp8, A8=a8, num_warps=NUM_WARPS)
+        FP8=fp8, A8=a8, num_warps=NUM_WARPS, **tiles)
     return ys
 
 
@@ -332,8 +411,17 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torc
     a8 = check_act_fp8(act_fp8, w13)
     tensors = {"x": x, "w13": w13, "w2": w2, **({"ws13": ws13, "ws2": ws2} if ws13 is not None else {})}
     fp8 = isinstance(w13, dict) and "codes" in w13
-    int4 = isinstance(w13, dict) and not fp8
+    ggml = isinstance(w13, dict) and "fmt" in w13
+    int4 = isinstance(w13, dict) and not fp8 and not ggml
     for name, a in tensors.items():
+        if isinstance(a, dict) and ggml:
+            b = a["blocks"]
+            if not isinstance(b, torch.Tensor) or b.dtype != torch.uint8 or not b.is_contiguous():
+                raise ValueError(f"moe.experts: GGML {name}['blocks'] must be a contiguous uint8 tensor")
+            if a["fmt"] not in GGML_TILES:
+                raise ValueError(f"moe.experts: the Triton kernel decodes {', '.join(GGML_TILES)} weights, not "
+                                 f"{a['fmt']!r}")
+            continue
         if isinstance(a, dict) and fp8:
             for part, want in (("codes", torch.float8_e4m3fn), ("scales", torch.float32)):
                 v = a[part]
