@@ -356,3 +356,28 @@ def test_kernels_refuse_bad_fp8_arguments_in_one_line(backend):
         with pytest.raises(ValueError, match=match) as err:
             call()
         assert "\n" not in str(err.value)
+
+
+def test_model_size_layers_draw_each_expert_from_its_own_stream_whatever_the_threads(monkeypatch):
+    """conformance/ops/moe_experts.on_experts: from SPAWN_MIN weight elements each expert's weights come from its own
+    child stream (rng.spawn), drawn on threads, the same values on 1 or 2 threads; below it (every ci case) from the
+    case's generator in expert order, as before."""
+    from kernel_parity.conformance.ops import moe_experts as spec_mod
+
+    p = dict(t=4, d=32, f=16, e=4, k=2, shared=0, wfmt="dense")
+    spec = spec_mod.SPECS[0]
+
+    def draw() -> dict:
+        return spec.make_inputs(p, "bf16", "normal", np.random.Generator(np.random.PCG64(7)))
+
+    small = draw()
+    monkeypatch.setattr(spec_mod, "SPAWN_MIN", 0)
+    runs = []
+    for n in ("1", "2"):
+        monkeypatch.setenv("OMP_NUM_THREADS", n)
+        runs.append(draw())
+    for name in ("w13", "w2"):
+        assert np.array_equal(runs[0][name].view(np.uint16), runs[1][name].view(np.uint16))
+        assert not np.array_equal(runs[0][name].view(np.uint16), small[name].view(np.uint16))
+    scales = [float(np.asarray(runs[0]["w13"][i], np.float64).std()) for i in range(4)]
+    assert all(a / b > 3 or b / a > 3 for a, b in zip(scales, scales[1:]))  # experts still differ in magnitude

@@ -111,7 +111,7 @@ Measured worst norm_err (CPU, fresh seeds): the ci entries, 8 seeds, 288 runs: f
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
@@ -121,6 +121,7 @@ import kernel_parity.refimpl.moe_experts  # noqa: F401  (refimpl.moe_experts.exp
 from kernel_parity.refimpl.moe_experts import FP8_BLOCK, GGML_FMTS, BlockFP8, GGMLWeight
 from kernel_parity.refimpl.quant import FORMATS as GGML_FORMATS, quantize as ggml_quantize
 from kernel_parity.refimpl.quant_fp import fp8_quantize_blocks, int4_dequantize, int4_quantize
+from kernel_parity.refimpl.threads import on_threads
 from kernel_parity.conformance import dtypes as dt
 from kernel_parity.conformance.params import Int, OneOf, Schema
 from kernel_parity.conformance.spec import OpSpec, Output
@@ -160,6 +161,25 @@ def _weights(shape: tuple[int, ...], scale: float, dtype: str, rng: np.random.Ge
     for i in range(shape[0]):
         out[i] = dt.round_to(rng.standard_normal(shape[1:], dtype=np.float32).astype(np.float64) * scale, dtype)
     return out
+
+
+# Routed weight elements from which a layer's experts are drawn each from its own stream, on threads: a model-size
+# layer (Qwen3-30B-A3B's 604 M, DeepSeek-V3's 11.3 G) is minutes of one core otherwise (DeepSeek-V3: 215 s on the
+# H200's host). Every ci case is far below it and draws from the case's generator, in expert order.
+SPAWN_MIN = 1 << 27
+
+
+def on_experts(draw: Callable[[int, np.random.Generator], None], rng: np.random.Generator, e: int,
+               elements: int) -> None:
+    """draw(i, r) for each expert i < e: below SPAWN_MIN elements with r = rng in expert order; from it, with r the
+    i-th of rng.spawn(e) (independent child streams) on refimpl.threads.on_threads: the values depend on the seed
+    only, never on the thread count."""
+    if elements < SPAWN_MIN:
+        for i in range(e):
+            draw(i, rng)
+        return
+    kids = rng.spawn(e)
+    on_threads(lambda i: draw(i, kids[i]), range(e))
 
 
 GROUP = 128  # the int4 group along D (w13) and F (w2)
@@ -297,15 +317,18 @@ def _inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) 
     fp8 = p["wfmt"] in FP8_FMTS  # each expert quantized as drawn: a model-size layer never exists in 16 bits
     w13 = _fp8_empty(e, 2 * f, d) if fp8 else np.empty((e, 2 * f, d), dtype=dt.get(dtype).np)
     w2 = _fp8_empty(e, d, f) if fp8 else np.empty((e, d, f), dtype=dt.get(dtype).np)
-    for i in range(e):
+
+    def draw(i: int, r: np.random.Generator) -> None:
         sc = float(expert_scale(i))
-        a = _weights((1, 2 * f, d), np.sqrt(sc) / np.sqrt(d), dtype, rng)[0]
-        b = _weights((1, d, f), sc / np.sqrt(f), dtype, rng)[0]
+        a = _weights((1, 2 * f, d), np.sqrt(sc) / np.sqrt(d), dtype, r)[0]
+        b = _weights((1, d, f), sc / np.sqrt(f), dtype, r)[0]
         if fp8:
             _fp8_put(w13, i, a)
             _fp8_put(w2, i, b)
         else:
             w13[i], w2[i] = a, b
+
+    on_experts(draw, rng, e, e * 3 * f * d)
     out = {"x": x, "ids": ids, "weights": w.astype(np.float32)}
     if fp8:
         out.update({f"{name}_{part}": v for name, q in (("w13", w13), ("w2", w2)) for part, v in q.items()})

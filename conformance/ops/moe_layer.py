@@ -156,11 +156,14 @@ def _inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) 
 
 def _expert_weights(shape: tuple[int, int, int], scale: np.ndarray, dtype: str, rng: np.random.Generator) -> np.ndarray:
     """N(0, scale[i]^2) matrices in the storage dtype, one expert at a time from fp32 draws (a model-size layer
-    never passes through float64 whole)."""
+    never passes through float64 whole); a model-size one on threads, an expert a child stream
+    (moe_experts.on_experts)."""
     out = np.empty(shape, dtype=dt.get(dtype).np)
-    for i in range(shape[0]):
-        out[i] = dt.round_to(rng.standard_normal(shape[1:], dtype=np.float32).astype(np.float64) * float(scale[i]),
-                             dtype)
+
+    def draw(i: int, r: np.random.Generator) -> None:
+        out[i] = dt.round_to(r.standard_normal(shape[1:], dtype=np.float32).astype(np.float64) * float(scale[i]), dtype)
+
+    mexp.on_experts(draw, rng, shape[0], math.prod(shape))
     return out
 
 
