@@ -14,10 +14,10 @@ the bf16-cache decode (bf16 ms / quantized ms) and its share of the read ceiling
 --quick: b 8 only. Results: --out (default $OUT/kvquant-bench.json, else ./kvquant-bench.json).
 
 --tune instead times kernels/triton/kvquant_decode.py directly over an e4m3 per-tensor cache at the same shape,
-b 1 / 8 / 32, for each FP8 conversion (fast_cvt of TUNE_FAST), (BLOCK_N, num_warps, num_stages) of TUNE_CONFIGS
-and keys a split of TUNE_SPLITS, beside the bf16-cache kernels/triton/attention_decode.py decode_paged and the
-read floor (the cache's bytes at the read ceiling conformance/bench.py measures: a 1 GiB fp32 sum), each output
-checked against the Triton-cast kernel's (max abs diff); first, every FP8 code through the fast conversion
+b 1 / 8 / 32, for each FP8 conversion (fast_cvt of TUNE_FAST), (BLOCK_N, num_warps, num_stages[, maxnreg]) of
+TUNE_CONFIGS and keys a split of TUNE_SPLITS, beside the bf16-cache kernels/triton/attention_decode.py decode_paged
+and the read floor (the cache's bytes at the read ceiling conformance/bench.py measures: a 1 GiB fp32 sum), each
+output checked against the Triton-cast kernel's (max abs diff); first, every FP8 code through the fast conversion
 against torch's cast, bit for bit.
 """
 
@@ -51,12 +51,14 @@ def entries(quick: bool = False) -> list[dict]:
     ]
 
 
-TUNE_CONFIGS = ((128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2), (128, 8, 3), (64, 4, 3), (64, 4, 4),
-                (256, 4, 2), (256, 8, 2))
+# (BLOCK_N, num_warps, num_stages[, maxnreg]): a 4th entry caps the registers (168: three 4-warp CTAs an SM beside
+# their 74 KB of shared memory; 128: four of (64, 4, 3)'s 39 KB)
+TUNE_CONFIGS = ((128, 4, 2), (128, 4, 3), (128, 4, 3, 168), (128, 4, 2, 168), (128, 8, 2), (128, 8, 3), (64, 4, 3),
+                (64, 4, 3, 128), (64, 4, 4))
 TUNE_SPLITS = (None, 2048)
 TUNE_BATCHES = (1, 8, 32)
 # kernels/triton/kvquant_decode.py fast_cvt: 0 Triton's casts, 2 the integer-pipe bf16 conversion
-TUNE_FAST = (0, 2)
+TUNE_FAST = (2,)
 
 
 def check_conversion() -> dict:

@@ -38,11 +38,25 @@ Status (H200, Llama-3-8B heads, 32,768 tokens, e4m3 per tensor, the read floor a
 ceiling; benchmarks/gpu_kvquant.py --tune, reports/baselines/kvquant-tune-h200.json): CUDA-graph timing b 1 / 8 /
 32: 55.9 / 207 / 801 us, 0.95x / 1.24x / 1.67x the bf16-cache attention.decode_paged (53.1 / 258 / 1339 us) and
 29% / 63% / 65% of the read floor; Triton's casts 82.8 / 245 / 902 us. Short of issue 34's goal (1.8x, 90%).
-The loop is issue-bound, not byte-bound: 1,276 SASS instructions a thread a 128-key tile, half of them the
+The loop is not byte-bound: 1,276 SASS instructions a thread a 128-key tile, half of them the
 conversion (PRMT, SHF, LOP3, HMUL2: 2.5 an element), and the two M = 16 mma.sync dots waste 3/4 of their rows on
-a GQA group of 4; b 1 has 128 programs for 132 SMs. Measured and dropped: fp16 dots over the hardware's
-e4m3 -> fp16 conversion (773 instructions a tile, but 7% slower: that conversion is on the slow pipe too).
-Next: a Gluon kernel with the keys as the MMA's M (swap AB) and FP8 V transposed in registers.
+a GQA group of 4; b 1 has 128 programs for 132 SMs. Nsight Compute (b 32, (128, 4, 3)): three CTAs an SM (12
+warps, registers and shared memory both at the limit), 2.78 active and 0.76 eligible warps a scheduler, 1.95
+instructions a cycle of 4, the ALU pipe 49.7% busy, DRAM 56% of peak: latency-bound, not issue- or byte-bound.
+Measured and dropped (the H200 files of reports/baselines/issue34d-h200/):
+- fp16 dots over the hardware's e4m3 -> fp16 conversion (773 instructions a tile, but 7% slower: that conversion
+  is on the slow pipe too);
+- the bit moves without their multiply, 2^120 folded into q (a power of two a row) and into P (1,089 instructions
+  a tile against 1,221; outputs identical to Triton's casts on subnormal-only caches): 790 against 803 us at b 32
+  with 168 registers, equal at b 1 / 8;
+- capping registers (maxnreg 168 / 128) and 8 warps: no gain (the CONFIGS comment);
+- K's e4m3 codes straight into Hopper's FP8 warp-group MMA with the keys as M (S^T = K q^T, q split into two
+  e4m3 pieces, P V as now): 827 instructions a tile, b 8 / 32 at 196 / 750 us (CUDA graph; 1.32x / 1.79x the bf16
+  cache, 66% / 69% of the read floor), but the FP8 MMA's short accumulator puts ~2.5e-4 relative error on the
+  logits, and the LSE then fails the production tier's fp32 limit (9 of 16 d-128 e4m3 cases, 2 of 6 models
+  cases; O passes). Exact K is what the tier and the peers (FlashInfer, vLLM: codes converted to 16 bits) keep.
+Next: a Gluon kernel that specializes warps (loads and conversion apart from the dots and softmax) to hide the
+latency this one cannot.
 """
 
 from __future__ import annotations
@@ -70,7 +84,9 @@ SPLIT_PROGRAMS_PER_SM = 8
 # (128, 4, 3) 215, (128, 4, 2) 244, (128, 8, 2) 263, (64, 4, 3) 280, (256, 8, 2) 321; b = 32: (128, 4, 3) 778 at
 # 2,048 keys a split, 799 at the default split, (128, 4, 2) 895; b = 1: within noise (host-bound under do_bench).
 # CUDA-core FMAs in place of the two tl.dots (FlashInfer's small-group decode, group 4 unpadded) measured 3.5-5x
-# slower earlier. Other rows are unmeasured guesses.
+# slower earlier. Register caps (config's 4th entry, maxnreg), b 8 / 32 at 2,048 keys a split: (128, 4, 3, 168) 226 /
+# 816, (128, 4, 2, 168) 233 / 841, (64, 4, 3, 128) 289 / 827 (on Triton 3.6, (128, 4, 3) already fits three CTAs an
+# SM). Other rows are unmeasured guesses.
 CONFIGS = {16: (128, 4, 2), 32: (128, 4, 2), 64: (128, 4, 2), 128: (128, 4, 3), 256: (64, 4, 2)}
 
 
@@ -297,7 +313,7 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  v_scale: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
                  scale: float | None = None, out: torch.Tensor | None = None, out_lse: torch.Tensor | None = None,
                  split_keys: int | None = None,
-                 config: tuple[int, int, int] | None = None,
+                 config: tuple[int, ...] | None = None,
                  fast_cvt: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode of one new token a sequence over a paged quantized cache.
 
@@ -308,6 +324,7 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     seq_lens: (b,) int32, 0 <= seq_lens[b] <= max_pages * page (the caller's guarantee)
     out: (b, h_q, d) q's dtype, last-dim stride 1; out_lse: (b, h_q) float32 (allocated if None)
     split_keys: keys a split (a multiple of BLOCK_N is used); None: the module docstring's choice
+    config: (BLOCK_N, num_warps, num_stages[, maxnreg]) (tuning); None: CONFIGS by the padded head dim
     fast_cvt: 0 Triton's casts; 1 the integer-pipe FP8 -> bf16 conversion; 2 that, V converted before its
         trip through shared memory; None: 2 on a GPU for a bf16 q over an FP8 cache, else 0 (the interpreter
         has no inline assembly; fp16 / fp32 q and int8 codes take the casts)
@@ -330,7 +347,8 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     group = h_q // h_kv
     block_d = max(16, triton.next_power_of_2(d))
     block_m = max(16, triton.next_power_of_2(group))
-    block_n, num_warps, num_stages = config or CONFIGS[block_d]
+    block_n, num_warps, num_stages, *regs = config or CONFIGS[block_d]
+    launch = {"maxnreg": regs[0]} if regs and regs[0] else {}
     max_keys = block_table.shape[1] * page
     keys = _split_keys(q, b, h_kv, max_keys, block_n) if split_keys is None else int(split_keys)
     if keys < 1:
@@ -361,7 +379,7 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         FMT=FORMATS[k_cache.dtype], GRAN=GRANS.index(gran), PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, EVEN_D=block_d == d, DOT_PRECISION="ieee" if q.dtype == torch.float32 or interpret else "tf32",
         DOT_FP32=interpret, FAST_CVT=fast_cvt,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **launch,
     )
     if splits > 1:
         rows = b * h_q
