@@ -25,7 +25,8 @@ Inputs (kvquant.mla_sparse's layout and row draws, conformance/ops/kvquant_mla.p
 
 kvquant.mla_pack: kv_c (n, 512), k_pe (n, 64) bf16 written at slot_mapping (n,) int64 (distinct slots over the whole
 cache, `pad` of them -1) into kv_cache (blocks, page, 1, 656) uint8 holding random bytes (the canaries: every
-byte not in a written row must keep its value); output the cache after the call, bit-exact, in place
+byte not in a written row must keep its value), a view of a (blocks, page + 1, 1, 656) buffer (block stride page + 1
+rows: a kernel ignoring the block stride writes the wrong slots); output the cache after the call, bit-exact, in place
 (Output.inplace). Inputs: each (token, group) of kv_c gets a kind: 1 in 8 all zero, 1 in 4 its amax element set
 to exactly +-448 2^k, k >= -13 (the scale 2^k, the saturated code; the others clipped to +-448 2^k), 1 in 8 tiny
 (amax under 448 x 1e-4: the floored scale 2^-13, subnormal codes and underflow to 0), the rest N(0, 1) at a
@@ -186,7 +187,9 @@ def _pack_inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Genera
         g[exact] = dt.round_to(rows, dtype).astype(np.float64)
     kv_c = dt.round_to(g.reshape(n, DV), dtype)
     k_pe = dt.round_to(rng.standard_normal((n, DPE)) * np.exp2(e[:, :1].astype(np.float64)), dtype)
-    cache = rng.integers(0, 256, (nb, page, 1, kd.ROW_BYTES), dtype=np.uint8)
+    # a view of (nb, page + 1) rows a block (FlashMLA's test's allocation): block stride page + 1 rows, so a kernel
+    # that takes the block stride as page rows writes block >= 1's rows one slot a block early
+    cache = rng.integers(0, 256, (nb, page + 1, 1, kd.ROW_BYTES), dtype=np.uint8)[:, :page]
     return {"kv_cache": cache, "kv_c": kv_c, "k_pe": k_pe, "slot_mapping": slots}
 
 
