@@ -27,10 +27,17 @@ a short cache on a GPU) the program writes O and LSE itself.
 On the interpreter (a CPU tensor) the dots take fp32 operands (kvquant_decode.py's docstring says why) and the
 tiles are 32 keys (INTERPRETER_CONFIG). On a GPU, a bf16 q over an FP8 cache takes kvquant_decode.py's integer-pipe
 conversion in `_attend` (FAST_CVT 2; the diagonal tile of `_attend_rows` keeps Triton's casts). Status (H200,
-reports/baselines/issue34c-h200/): the ci entries and the models entries (Llama-3-8B / 70B heads, 32K tokens, b 1-32)
-pass; not tuned: at b 8, 32K tokens, e4m3 per tensor, kvquant.decode takes 0.311 ms (41% of its read floor), more
-than attention.decode over the bf16 cache (0.265 ms), and decode_split 0.277 ms, where kvquant_decode.py's paged
-decode takes 0.207 ms.
+reports/baselines/issue34c-h200/ and issue34d-h200/): the ci entries and the models entries (Llama-3-8B / 70B heads,
+32K tokens, b 1-32) pass. At b 8, 32K tokens, e4m3 per tensor (issue34d-h200/kvquant-split-tune-h200.json, do_bench /
+CUDA graph): kvquant.decode 248 / 242 us at 16 splits, 246 / 239 at 8 (was 311 under parity bench); its partials
+alone 236 / 231, the merge 15 / 9 (was 34 / 28); decode_split over pages of 16 in table order 249 / 243;
+kvquant_decode.py's paged decode 213 / 207. Two fixes got there: the diagonal tile is compiled only for s_q > 1
+(DIAG: with it the split kernel took 226-250 registers on Triton 3.6, two CTAs an SM), and the merge takes the
+GQA group's rows, not 16 padded (MERGE_ROWS: 255 registers and 224 bytes of spills a thread at 16). The split
+kernel still takes 190 registers (the paged kernel 168): a cap of 168 (config (128, 4, 3, 168)) gave 227 against
+243 us at 16 splits but 241 against 239 at 8, so CONFIGS stays. Still slower
+than attention.decode over the bf16 cache at b 8 (0.265 ms under parity bench), and short of issue 34's goal as
+kvquant_decode.py is.
 """
 
 from __future__ import annotations
@@ -101,7 +108,7 @@ def _kvq_split_kernel(
     stride_o_split, stride_ob, stride_os, stride_oh, stride_l_split, stride_lb, stride_lh, stride_ls,
     FMT: tl.constexpr, GRAN: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    FAST_CVT: tl.constexpr = 0,
+    FAST_CVT: tl.constexpr = 0, DIAG: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     b = pid // h_kv
@@ -144,10 +151,12 @@ def _kvq_split_kernel(
     m_i, l_i, acc = _attend(q, K_base, V_base, KS_base, VS_base, bt_row, kv_head, start, common, qk_scale, m_i, l_i,
                             acc, offs_d, mask_d, stride_kb, stride_ks, stride_vb, stride_vs, stride_sb, stride_ss,
                             stride_sh, stride_bt_p, FMT, GRAN, PAGE, BLOCK_N, EVEN_D, DOT_PRECISION, FAST_CVT)
-    lim = L - s_q + 1 + qi  # row r sees keys j < L - s_q + 1 + i
-    m_i, l_i, acc = _attend_rows(q, K_base, V_base, KS_base, VS_base, bt_row, kv_head, common, end, lim, qk_scale,
-                                 m_i, l_i, acc, offs_d, mask_d, stride_kb, stride_ks, stride_vb, stride_vs, stride_sb,
-                                 stride_ss, stride_sh, stride_bt_p, FMT, GRAN, PAGE, BLOCK_N, DOT_PRECISION)
+    if DIAG:  # s_q > 1 (with one query, common = end): compiled only then (its tile cost the H200 58 registers)
+        lim = L - s_q + 1 + qi  # row r sees keys j < L - s_q + 1 + i
+        m_i, l_i, acc = _attend_rows(q, K_base, V_base, KS_base, VS_base, bt_row, kv_head, common, end, lim,
+                                     qk_scale, m_i, l_i, acc, offs_d, mask_d, stride_kb, stride_ks, stride_vb,
+                                     stride_vs, stride_sb, stride_ss, stride_sh, stride_bt_p, FMT, GRAN, PAGE, BLOCK_N,
+                                     DOT_PRECISION)
     o = acc * (sv / tl.where(l_i > 0.0, l_i, 1.0))[:, None]  # no key: O = 0
     o_ptrs = (O_ptr + split.to(tl.int64) * stride_o_split + b.to(tl.int64) * stride_ob
               + (qi * stride_os + head * stride_oh)[:, None] + offs_d[None, :])
@@ -271,7 +280,8 @@ def _launch(op, q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, gra
     rows = s_q * group
     block_d = max(16, triton.next_power_of_2(d))
     block_m = max(16, min(MAX_ROWS, triton.next_power_of_2(rows)))
-    block_n, num_warps, num_stages = config or (CONFIGS[block_d] if q.is_cuda else INTERPRETER_CONFIG)
+    block_n, num_warps, num_stages, *regs = config or (CONFIGS[block_d] if q.is_cuda else INTERPRETER_CONFIG)
+    launch = {"maxnreg": regs[0]} if regs and regs[0] else {}
     kst, vst = k_cache.stride(), v_cache.stride()
     sst = k_scale.stride() if gran == "token" else (0, 0, 0)
     if block_table is None:  # one page of FLAT_PAGE slots a sequence, its row in the base pointer
@@ -296,7 +306,7 @@ def _launch(op, q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, gra
         *q.stride()[:3], *k_rows, *v_rows, *s_rows, *bt_strides, *o_dst.stride()[:4], *l_dst.stride(),
         FMT=FORMATS[k_cache.dtype], GRAN=GRANS.index(gran), PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, EVEN_D=block_d == d, DOT_PRECISION="ieee" if q.dtype == torch.float32 or interpret else "tf32",
-        DOT_FP32=interpret, FAST_CVT=fast_cvt, num_warps=num_warps, num_stages=num_stages,
+        DOT_FP32=interpret, FAST_CVT=fast_cvt, DIAG=s_q > 1, num_warps=num_warps, num_stages=num_stages, **launch,
     )
 
 
@@ -306,7 +316,8 @@ def _merge(o_parts, lse_parts, out, out_lse, h_kv):
     splits, b, s_q, h_q, d = o_parts.shape
     group = h_q // h_kv
     rows = s_q * group
-    block_m = MERGE_ROWS
+    block_m = min(MERGE_ROWS, triton.next_power_of_2(rows))  # a GQA group of 4: 4 rows, not 16 (255 registers and
+    # 224 bytes of spills a thread at 16 on the H200: a (4, 16, 128) tile of 64-bit addresses; 28 us at b 8)
     block_d = max(16, triton.next_power_of_2(d))
     block_s = max(2, min(MERGE_SPLITS, triton.next_power_of_2(splits)))
     _kvq_merge_kernel[(b * h_kv, triton.cdiv(rows, block_m))](
@@ -319,7 +330,7 @@ def _merge(o_parts, lse_parts, out, out_lse, h_kv):
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
            v_scale: torch.Tensor, seqlens: torch.Tensor, *, scale: float | None = None,
            out: torch.Tensor | None = None, out_lse: torch.Tensor | None = None, splits: int | None = None,
-           config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           config: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode of s_q new tokens a sequence over a contiguous quantized cache.
 
     q: (b, s_q, h_q, d) fp32 / fp16 / bf16, d <= 256, last-dim stride 1; the last s_q tokens (causal bottom-right)
@@ -363,7 +374,7 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  v_scale: torch.Tensor, seqlens: torch.Tensor, splits: int, *, block_table: torch.Tensor | None = None,
                  scale: float | None = None, out: torch.Tensor | None = None, out_lse: torch.Tensor | None = None,
                  out_o_parts: torch.Tensor | None = None, out_lse_parts: torch.Tensor | None = None,
-                 config: tuple[int, int, int] | None = None
+                 config: tuple[int, ...] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flash decoding: `splits` equal key ranges a sequence (ceil(L_b / splits) keys each), their partials and merge.
 
