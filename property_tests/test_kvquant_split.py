@@ -3,10 +3,10 @@ every kernel vs the golden, and the ops' invariants.
 
 Kernel (every backend, or the --parity-backend plugins):
 - kvquant.decode and kvquant.decode_split vs their goldens over every format x granularity, s_q 1-4, GQA groups
-  1-4, head dims 16-128, ragged and full lengths up to 150 keys, 1-6 splits, contiguous caches and pages of
-  16 / 64, both dists;
+  1-4, head dims 16-128, ragged and full lengths up to 150 keys, 1-6 splits in each partition (equal counts,
+  fixed blocks, explicit boundaries), contiguous caches and pages of 16 / 64, both dists;
 - flash decoding is decoding: decode_split's merged O and LSE over a contiguous cache are kvquant.decode's on the
-  same inputs (within kvquant.decode's limits), whatever the number of splits;
+  same inputs (within kvquant.decode's limits), whatever the number of splits and their partition;
 - the merge is the partials' logsumexp: LSE = ln sum_s exp(LSE_s) over the kernel's own partials;
 - scaling every V scale by c scales O and every split's O_s by c and leaves the LSEs (c a power of two).
 """
@@ -22,14 +22,19 @@ from kernel_parity.property_tests.strategies import cases
 
 BACKENDS = ("triton", "cpu", "torch")
 SMALL = dict(b=(1, 4), sq=(1, 4), hq=(1, 8), hkv=[1, 1, 2, 4], d=[16, 32, 64, 128], kv=(1, 150))
-SPLIT = dict(SMALL, splits=(1, 6))
+SPLIT = dict(SMALL, splits=(1, 6), blk=(0, 2))
 FEW = settings(max_examples=4)  # the interpreter: a Triton example is ~1 s (a program per kv head and split)
 
 
 def _valid(p):
-    """hq a multiple of hkv: hq = hkv x a group of 1, 2 or 4 (hq drawn in [1, 8] picks it)."""
+    """hq a multiple of hkv: hq = hkv x a group of 1, 2 or 4 (hq drawn in [1, 8] picks it); part=block's blk
+    ceil(kv / splits) + 0..2 (the drawn blk: blocks that cover the longest sequence exactly or with room), 0 for
+    the other partitions."""
     group = [1, 2, 4][p["hq"] % 3]
-    return {**p, "hq": p["hkv"] * group}
+    out = {**p, "hq": p["hkv"] * group}
+    if "part" in p:
+        out["blk"] = -(-p["kv"] // p["splits"]) + p["blk"] if p["part"] == "block" else 0
+    return out
 
 
 @pytest.mark.parity_backends(*BACKENDS)
@@ -52,7 +57,7 @@ def test_decode_split(parity, backend, case):
 def test_merged_split_is_decode(backend, case):
     case = case.with_backend(backend)
     x = runs.inputs_of(case)
-    p = {k: v for k, v in case.p.items() if k not in ("splits", "page")}
+    p = {k: v for k, v in case.p.items() if k not in ("splits", "page", "part", "blk")}
     dec = ops.make_case("kvquant.decode", backend, case.dtype, p, case.dist, case.seed)
     got = runs.run(case, x)
     want = runs.run(dec, x)

@@ -110,11 +110,14 @@ def decode(q: NDArray, k_cache: NDArray, v_cache: NDArray, k_scale: NDArray, v_s
 
 def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, k_scale: NDArray, v_scale: NDArray,
                  seqlens: NDArray, splits: int, *, block_table: NDArray | None = None, scale: float | None = None,
+                 block: int | None = None, bounds: NDArray | None = None,
                  absolute: bool = False) -> tuple[F64, F64, F64, F64]:
     """Flash decoding over a contiguous or paged quantized cache (module docstring).
 
     q, k_cache, v_cache, k_scale, v_scale, seqlens: as `decode` (pages and (num_blocks, page, h_kv) token
-    scales with block_table (b, max_pages) int); splits >= 1: key ranges a sequence (equal counts)
+    scales with block_table (b, max_pages) int); splits >= 1: key ranges a sequence, partitioned as
+    refimpl.attention.split_bounds: equal counts (default), fixed blocks of `block` keys (splits x block >= every
+    length), or explicit cumulative `bounds` (b, splits + 1) from 0 to at least each length
     returns: o (b, s_q, h_q, d), lse (b, h_q, s_q), o_parts (splits, b, s_q, h_q, d) (NaN for an empty split),
              lse_parts (splits, b, h_q, s_q) (-inf for an empty split), float64
     """
@@ -124,6 +127,11 @@ def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, k_scale: NDArra
     b, s_q, h_q, d, h_kv = _check("kvquant.decode_split", q, kc, vc, ks, vs, lens, block_table)
     if int(splits) < 1:
         raise ValueError(f"kvquant.decode_split: splits={splits} must be >= 1")
+    if block is not None and bounds is not None:
+        raise ValueError("kvquant.decode_split: give block or bounds, not both")
+    if bounds is not None:
+        bounds = np.asarray(bounds)
+    _attention.split_bounds(lens, int(splits), block=block, bounds=bounds)  # ValueError unless they cover
     o = np.zeros((b, s_q, h_q, d))
     lse = np.zeros((b, h_q, s_q))
     o_parts = np.zeros((splits, b, s_q, h_q, d))
@@ -132,6 +140,8 @@ def decode_split(q: NDArray, k_cache: NDArray, v_cache: NDArray, k_scale: NDArra
         L = int(lens[i])
         k, v = _dequant(kc, ks, i, L, block_table), _dequant(vc, vs, i, L, block_table)
         oi, li, _, opi, lpi = _attention.decode_split(q[i][None].astype(np.float64), k[None], v[None],
-                                                      np.asarray([L]), int(splits), scale=scale, absolute=absolute)
+                                                      np.asarray([L]), int(splits), scale=scale, block=block,
+                                                      bounds=None if bounds is None else bounds[i][None],
+                                                      absolute=absolute)
         o[i], lse[i], o_parts[:, i], lse_parts[:, i] = oi[0], li[0], opi[:, 0], lpi[:, 0]
     return o, lse, o_parts, lse_parts

@@ -34,9 +34,10 @@ def _args(x):
     return x["q"], x["k_cache"], x["v_cache"], x["k_scale"], x["v_scale"], x["seqlens"]
 
 
-def _torch_reference(x, splits=None):
+def _torch_reference(x, splits=None, bounds=None):
     """Decode as a PyTorch model writes it, float64, one sequence at a time: (o, lse) or, with `splits`,
-    (o_parts, lse_parts) of each equal key range (normalised over its own keys)."""
+    (o_parts, lse_parts) of each equal key range (normalised over its own keys), or of the ranges
+    [bounds[i, s], bounds[i, s + 1]) cut to the sequence's length."""
     q = torch.from_numpy(np.asarray(x["q"], dtype=np.float64))
     b, s_q, h_q, d = q.shape
     h_kv = x["k_cache"].shape[2]
@@ -55,7 +56,8 @@ def _torch_reference(x, splits=None):
         j = torch.arange(L)
         c_len = -(-L // n)
         for sp in range(n):
-            keep = (j[None, :] <= (L - s_q + torch.arange(s_q))[:, None]) & (j >= sp * c_len) & (j < (sp + 1) * c_len)
+            lo, hi = (sp * c_len, (sp + 1) * c_len) if bounds is None else (int(bounds[i, sp]), int(bounds[i, sp + 1]))
+            keep = (j[None, :] <= (L - s_q + torch.arange(s_q))[:, None]) & (j >= lo) & (j < hi)
             sm = s.masked_fill(~keep[None], -math.inf)
             row = keep.any(dim=-1)  # s_q
             p = torch.where(row[None, :, None], torch.softmax(sm, dim=-1), torch.zeros(()))
@@ -125,6 +127,35 @@ def test_paged_is_the_contiguous_cache_it_gathers_into():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("part", ["block", "bounds"])
+def test_partitions_match_torch_float64(part):
+    """Fixed blocks and explicit boundaries (the spec's draws: empty splits inside a request, one split for every
+    third request) against the transcription over the same ranges; the merge is the undivided decode's."""
+    kw = dict(part="block", blk=7) if part == "block" else dict(part="bounds")
+    p, x = _split_inputs("e4m3", "token", splits=6, **kw)
+    L = x["seqlens"]
+    bounds = x.get("split_bounds")
+    if part == "block":
+        bounds = np.arange(7)[None, :].repeat(L.size, 0) * 7
+    o, lse, op, lp = ref.decode_split(*_args(x), 6, block=p.get("blk") or None, bounds=x.get("split_bounds"))
+    wo, wl = _torch_reference(x, 6, bounds)
+    _close(lp, wl.numpy())
+    live = np.isfinite(wl.numpy()).transpose(0, 1, 3, 2)[..., None]  # splits, b, s_q, h_q, 1
+    _close(np.where(live, op, 0.0), wo.numpy())
+    do, dl = ref.decode(*_args(x))
+    _close(o, do, 1e-12)
+    _close(lse, dl, 1e-12)
+    if part == "bounds":
+        assert (np.diff(x["split_bounds"], axis=1) == 0).any()  # empty splits inside some request
+    # the equal partition given as explicit boundaries is the default's
+    c = -(-L.astype(np.int64) // 6)
+    eq = np.minimum(np.arange(7)[None, :] * c[:, None], L[:, None])
+    _, _, eop, elp = ref.decode_split(*_args(x), 6, bounds=eq)
+    _, _, dop, dlp = ref.decode_split(*_args(x), 6)
+    np.testing.assert_array_equal(elp, dlp)
+    np.testing.assert_array_equal(np.nan_to_num(eop), np.nan_to_num(dop))
+
+
 @pytest.mark.parametrize("splits", [1, 2, 7, 50])
 def test_merge_is_independent_of_the_splits(splits):
     _, x = _split_inputs("int8", "token", splits=splits)
@@ -164,6 +195,12 @@ def test_refusals():
     _, y = _split_inputs("e4m3", "head", page=16)
     with pytest.raises(ValueError, match="block_table must be"):
         ref.decode_split(*_args(y), 3, block_table=y["block_table"][:2])
+    with pytest.raises(ValueError, match="do not cover"):
+        ref.decode_split(*_args(x), 3, block=5)
+    with pytest.raises(ValueError, match="not both"):
+        ref.decode_split(*_args(x), 3, block=50, bounds=np.zeros((6, 4), np.int32))
+    with pytest.raises(ValueError, match="bounds"):
+        ref.decode_split(*_args(x), 3, bounds=np.zeros((6, 4), np.int32))
 
 
 # -- the spec's inputs -------------------------------------------------------------------------------------------
@@ -236,3 +273,14 @@ def test_kernels_refuse_bad_arguments():
         cpu.decode_split(*(x[k] for k in args), 0)
     with pytest.raises(ValueError, match="out_lse"):
         tri.decode(*t, out_lse=torch.empty(1))
+    # the partitions: block or bounds, not both; bounds (b, splits + 1) int; block >= 1 (and covering, on the CPU)
+    b = x["q"].shape[0]
+    good = np.repeat(np.asarray([[0, 20, 40]], np.int32), b, 0)
+    for kw in (dict(block=20, bounds=good), dict(bounds=good[:, :2]), dict(bounds=good.astype(np.float32)),
+               dict(block=0), dict(block=5), dict(bounds=good[:, ::-1].copy())):
+        with pytest.raises(ValueError, match="kvquant.decode_split"):
+            cpu.decode_split(*(x[k] for k in args), 2, **kw)
+    for kw in (dict(block=20, bounds=torch.from_numpy(good)), dict(bounds=torch.from_numpy(good[:, :2].copy())),
+               dict(bounds=torch.from_numpy(good.astype(np.float32))), dict(block=0), dict(block=True)):
+        with pytest.raises(ValueError, match="kvquant.decode_split"):
+            tri.decode_split(*t, 2, **kw)

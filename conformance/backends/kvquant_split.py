@@ -19,6 +19,15 @@ ARGS = ("q", "k_cache", "v_cache", "k_scale", "v_scale", "seqlens")
 SPLIT_OUTS = ("o", "lse", "o_parts", "lse_parts")
 
 
+def _part(case, inputs, convert) -> dict:
+    """The partition's keywords (block / bounds; none for equal counts)."""
+    if case.p.get("part") == "block":
+        return {"block": case.p["blk"]}
+    if case.p.get("part") == "bounds":
+        return {"bounds": convert(inputs["split_bounds"])}
+    return {}
+
+
 def triton_ops(device: str) -> dict[str, Callable]:
     def run_decode(case, inputs, out):
         from kernel_parity.kernels.triton.kvquant_split import decode
@@ -33,7 +42,8 @@ def triton_ops(device: str) -> dict[str, Callable]:
         o, lse, o_parts, lse_parts = (out.torch(k, device) for k in SPLIT_OUTS)
         bt = to_torch(inputs["block_table"], device) if "block_table" in inputs else None
         decode_split(*(to_torch(inputs[k], device) for k in ARGS), case.p["splits"], block_table=bt, out=o,
-                     out_lse=lse, out_o_parts=o_parts, out_lse_parts=lse_parts)
+                     out_lse=lse, out_o_parts=o_parts, out_lse_parts=lse_parts,
+                     **_part(case, inputs, lambda a: to_torch(a, device)))
         return {"o": o, "lse": lse, "o_parts": o_parts, "lse_parts": lse_parts}
 
     return {DECODE: run_decode, SPLIT: run_split}
@@ -52,7 +62,7 @@ def cpu_ops() -> dict[str, Callable]:
 
         o, lse, o_parts, lse_parts = (out.numpy(k) for k in SPLIT_OUTS)
         decode_split(*(inputs[k] for k in ARGS), case.p["splits"], block_table=inputs.get("block_table"), out=o,
-                     out_lse=lse, out_o_parts=o_parts, out_lse_parts=lse_parts)
+                     out_lse=lse, out_o_parts=o_parts, out_lse_parts=lse_parts, **_part(case, inputs, lambda a: a))
         return {"o": o, "lse": lse, "o_parts": o_parts, "lse_parts": lse_parts}
 
     return {DECODE: run_decode, SPLIT: run_split}
@@ -69,7 +79,8 @@ def torch_ops(device: str) -> dict[str, Callable]:
         from kernel_parity.kernels.torch.kvquant_split import decode_split
 
         bt = to_torch(inputs["block_table"], device) if "block_table" in inputs else None
-        res = decode_split(*(to_torch(inputs[k], device) for k in ARGS), case.p["splits"], block_table=bt)
+        res = decode_split(*(to_torch(inputs[k], device) for k in ARGS), case.p["splits"], block_table=bt,
+                           **_part(case, inputs, lambda a: to_torch(a, device)))
         return dict(zip(SPLIT_OUTS, res))
 
     return {DECODE: run_decode, SPLIT: run_split}

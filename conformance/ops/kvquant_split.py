@@ -2,7 +2,9 @@
 
 kvquant.decode is attention.decode over a quantized contiguous cache: s_q >= 1 queries a sequence (q (b, s_q,
 h_q, d) in the test dtype), the last s_q tokens, causal bottom-right, per-sequence lengths (0 allowed), GQA.
-kvquant.decode_split is attention.decode_split (flash decoding, equal key counts a split) over the same cache,
+kvquant.decode_split is attention.decode_split (flash decoding; `part`: equal key counts a split, fixed blocks of
+`blk` keys, or explicit per-request boundaries `split_bounds` as FlashMLA's scheduler draws them, attention's
+PART and `split_bounds` input) over the same cache,
 contiguous (page=0) or paged through a block table (page=16 / 64, shuffled pages as kvquant.decode_paged's; a
 split may start or end inside a page): per-split partials o_parts (splits, b, s_q, h_q, d) fp32 (any value for
 an empty split) and lse_parts (splits, b, h_q, s_q) fp32, and their merge O, LSE. Codes of refimpl/kvquant.py's
@@ -38,9 +40,10 @@ from typing import Any
 import numpy as np
 
 from kernel_parity.conformance import dtypes as dt
-from kernel_parity.conformance.ops.attention import _PARTS_SCALE, attention_tolerance
+from kernel_parity.conformance.ops.attention import _PARTS_SCALE, PART, attention_tolerance
+from kernel_parity.conformance.ops.attention_inputs import split_bounds
 from kernel_parity.conformance.ops.kvquant_decode import DISTS, _cache, _layout, lengths
-from kernel_parity.conformance.params import Int, OneOf, Schema
+from kernel_parity.conformance.params import Defaults, Int, OneOf, Schema
 from kernel_parity.conformance.spec import OpSpec, Output
 from kernel_parity.refimpl import kvquant as kq
 from kernel_parity.refimpl.kvquant_split import decode as golden_decode
@@ -61,8 +64,9 @@ PARAMS = dict(
     gran=OneOf(*kq.GRANS, doc="scale granularity: per tensor, per kv head, per (token, kv head)"),
 )
 SPLIT_PARAMS = dict(
-    splits=Int(1, 128, edges=(2, 3, 8, 16), doc="key ranges a sequence (equal counts, ceil(L / splits))"),
+    splits=Int(1, 128, edges=(2, 3, 8, 16), doc="key ranges a sequence (part: their partition)"),
     page=OneOf(0, 16, 64, doc="0: contiguous cache; else tokens per page through a block table"),
+    **PART,
 )
 
 
@@ -88,6 +92,8 @@ def _inputs(p: dict[str, Any], dtype: str, dist: str, rng: np.random.Generator) 
     out["k_cache"], out["k_scale"] = _cache(rng, "k", shape, live, p["fmt"], p["gran"], dist)
     out["v_cache"], out["v_scale"] = _cache(rng, "v", shape, live, p["fmt"], p["gran"], dist)
     out["seqlens"] = L
+    if p.get("part") == "bounds":
+        out["split_bounds"] = split_bounds(rng, L, p["splits"])
     return out
 
 
@@ -100,6 +106,7 @@ def _decode_ref(x: dict[str, np.ndarray], p: dict[str, Any], absolute: bool = Fa
 def _split_ref(x: dict[str, np.ndarray], p: dict[str, Any], absolute: bool = False) -> dict[str, np.ndarray]:
     o, lse, o_parts, lse_parts = golden_split(x["q"], x["k_cache"], x["v_cache"], x["k_scale"], x["v_scale"],
                                               x["seqlens"], p["splits"], block_table=x.get("block_table"),
+                                              block=p.get("blk") or None, bounds=x.get("split_bounds"),
                                               absolute=absolute)
     return {"o": o, "lse": lse, "o_parts": o_parts, "lse_parts": lse_parts}
 
@@ -109,6 +116,11 @@ def _check(p: dict[str, Any]) -> str | None:
         return f"hq={p['hq']} must be a multiple of hkv={p['hkv']}"
     if p["kv"] < 1:
         return f"kv={p['kv']} must be >= 1 (the longest sequence)"
+    part, blk = p.get("part", "equal"), p.get("blk", 0)
+    if (part == "block") != (blk > 0):
+        return f"blk={blk} with part={part}: blk > 0 is the block size of part=block, and 0 otherwise"
+    if part == "block" and p["splits"] * blk < p["kv"]:
+        return f"splits={p['splits']} blocks of blk={blk} keys do not cover kv={p['kv']}"
     return None
 
 
@@ -163,7 +175,7 @@ DECODE_SPLIT = OpSpec(
     golden=golden_split,
     reference=_split_ref,
     magnitude=lambda x, p: _split_ref(x, p, absolute=True),
-    params=Schema({**PARAMS, **SPLIT_PARAMS}),
+    params=Defaults({**PARAMS, **SPLIT_PARAMS}, {"part": "equal", "blk": 0}),
     make_inputs=_inputs,
     output_shapes=_split_shapes,
     outputs={**OUT,
@@ -177,7 +189,8 @@ DECODE_SPLIT = OpSpec(
     flops=_flops,
     bytes_moved=_bytes,
     doc="Flash decoding over a quantized KV cache, contiguous or (page=16 / 64) paged: per-split partial (O, LSE) "
-        "over equal key counts, merged by lse_combine; as attention.decode_split on the exactly dequantized cache.",
+        "over equal key counts, fixed blocks or explicit boundaries, merged by lse_combine; as attention.decode_split "
+        "on the exactly dequantized cache.",
 )
 
 SPECS = (DECODE, DECODE_SPLIT)

@@ -13,7 +13,8 @@
  * cache) row b, slot t. t < seqlens[b] only (slots past it may hold NaN codes and scales: never read).
  * Queries: q (b, s_q, h_q, d), query i the token at L_b - s_q + i: it sees keys j <= L_b - s_q + i (causal
  * bottom-right); one that sees none has O = 0, LSE = -inf. GQA: query head h reads kv head h / (h_q / h_kv).
- * Splits: split s of sequence b covers keys [s C_b, min((s + 1) C_b, L_b)), C_b = ceil(L_b / splits); op / lp
+ * Splits: split s of sequence b covers keys [s C_b, min((s + 1) C_b, L_b)), C_b = ceil(L_b / splits), or with bnd
+ * (b, splits + 1) int64 (fixed blocks, explicit boundaries) [bnd[b, s], bnd[b, s + 1]) cut to [0, L_b); op / lp
  * (may be NULL) receive each split's O_s (fp32, 0 for an empty split) and LSE_s (-inf for an empty split).
  * q and o: dtype code dt (KP_F32 / KP_F16 / KP_BF16), strides in elements; lse fp32.
  * Per (sequence, query, head, split): the logits into a scratch row (fp32 dots over d), then fp32 terms
@@ -38,7 +39,8 @@ KP_EXPORT int kvq_split_kernel(
     const void *vc, int64_t sv_b, int64_t sv_s, int64_t sv_h, int fmt,
     const float *ks, const float *vs, int gran, int64_t ss_b, int64_t ss_s, int64_t ss_h,
     const int32_t *bt, int64_t sbt_b, int64_t sbt_p, int64_t page, const int32_t *lens,
-    int64_t b, int64_t s_q, int64_t h_q, int64_t h_kv, int64_t d, int64_t splits, int64_t max_keys, float scale,
+    int64_t b, int64_t s_q, int64_t h_q, int64_t h_kv, int64_t d, int64_t splits, const int64_t *bnd,
+    int64_t max_keys, float scale,
     void *o, int64_t so_b, int64_t so_s, int64_t so_h, float *lse, int64_t sl_b, int64_t sl_h, int64_t sl_s,
     float *op, int64_t sop_p, int64_t sop_b, int64_t sop_s, int64_t sop_h,
     float *lp, int64_t slp_p, int64_t slp_b, int64_t slp_h, int64_t slp_s) {
@@ -66,8 +68,16 @@ KP_EXPORT int kvq_split_kernel(
                 for (int64_t i = 0; i < d; i++) qf[i] = kp_load(qrow, i, dt);
                 double top = -INFINITY;
                 for (int64_t sp = 0; sp < splits; sp++) {
-                    int64_t start = sp * c < L ? sp * c : L;
-                    int64_t end = start + c < L ? start + c : L;
+                    int64_t start, end;
+                    if (bnd) {  /* fixed blocks or explicit boundaries: [bnd[sp], bnd[sp + 1]) cut to L */
+                        start = bnd[bi * (splits + 1) + sp];
+                        end = bnd[bi * (splits + 1) + sp + 1];
+                        start = start < L ? start : L;
+                        end = end < L ? end : L;
+                    } else {
+                        start = sp * c < L ? sp * c : L;
+                        end = start + c < L ? start + c : L;
+                    }
                     if (end > lim) end = lim;
                     double *os = o_s + sp * d;
                     for (int64_t i = 0; i < d; i++) acc[i] = 0.0;

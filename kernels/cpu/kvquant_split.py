@@ -42,7 +42,7 @@ def _kernels() -> ctypes.CDLL:
         lib.kvq_split_kernel.argtypes = (
             [_PTR, _INT, _I64, _I64, _I64] + [_PTR, _I64, _I64, _I64] * 2 + [_INT]
             + [_PTR, _PTR, _INT, _I64, _I64, _I64] + [_PTR, _I64, _I64, _I64, _PTR]
-            + [_I64] * 7 + [_FLT] + [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64]
+            + [_I64] * 6 + [_PTR, _I64, _FLT] + [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64]
             + [_PTR, _I64, _I64, _I64, _I64] * 2)
         lib.kvq_split_kernel.restype = ctypes.c_int
         _lib = lib
@@ -96,7 +96,7 @@ def _check_cache(op: str, q, k_cache, v_cache, k_scale, v_scale, seqlens, block_
 
 
 def _run(op, q, k_cache, v_cache, k_scale, v_scale, seqlens, splits, block_table, scale, out, out_lse, o_parts,
-         lse_parts):
+         lse_parts, bnd=None):
     b, s_q, h_q, d, h_kv, gran, s_str, cap = _check_cache(op, q, k_cache, v_cache, k_scale, v_scale, seqlens,
                                                           block_table)
     out = np.empty((b, s_q, h_q, d), q.dtype) if out is None else out
@@ -125,7 +125,7 @@ def _run(op, q, k_cache, v_cache, k_scale, v_scale, seqlens, splits, block_table
         k_cache.ctypes.data, *sk[:3], v_cache.ctypes.data, *sv[:3], FORMATS[k_cache.dtype],
         k_scale.ctypes.data, v_scale.ctypes.data, gran, *s_str,
         block_table.ctypes.data if block_table is not None else None, *sbt, k_cache.shape[1], lens.ctypes.data,
-        b, s_q, h_q, h_kv, d, splits, max(cap, 1), sm_scale,
+        b, s_q, h_q, h_kv, d, splits, bnd.ctypes.data if bnd is not None else None, max(cap, 1), sm_scale,
         out.ctypes.data, *so[:3], out_lse.ctypes.data, *sl,
         o_parts.ctypes.data if o_parts is not None else None, *op_str,
         lse_parts.ctypes.data if lse_parts is not None else None, *lp_str)
@@ -142,20 +142,47 @@ def decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, k_scale: np.
                 None, None)
 
 
+def _bounds(seqlens, b: int, splits: int, block: int | None, bounds) -> np.ndarray | None:
+    """(b, splits + 1) int64 boundaries for fixed blocks or explicit bounds (ValueError, one line, unless they
+    cover every sequence); None for equal counts (computed in the kernel)."""
+    if block is None and bounds is None:
+        return None
+    if block is not None and bounds is not None:
+        raise ValueError("kvquant.decode_split: give block or bounds, not both")
+    L = np.asarray(seqlens, dtype=np.int64).reshape(-1)
+    if block is not None:
+        if not isinstance(block, (int, np.integer)) or isinstance(block, bool) or block < 1 \
+                or splits * int(block) < L.max(initial=0):
+            raise ValueError(f"kvquant.decode_split: block={block!r} must be an int >= 1 with splits x block >= "
+                             f"{L.max(initial=0)} (the longest sequence)")
+        return np.ascontiguousarray(np.arange(splits + 1, dtype=np.int64)[None, :] * int(block)).repeat(b, 0)
+    t = np.asarray(bounds)
+    if t.dtype.kind not in "iu" or t.shape != (b, splits + 1) or (b and ((t[:, 0] != 0).any()
+                                                                        or (np.diff(t, axis=1) < 0).any()
+                                                                        or (t[:, -1] < L).any())):
+        raise ValueError(f"kvquant.decode_split: bounds must be ({b}, {splits + 1}) int, non-decreasing from 0 to at "
+                         f"least each sequence's length, got {t.shape} {t.dtype}")
+    return np.ascontiguousarray(t, dtype=np.int64)
+
+
 def decode_split(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, k_scale: np.ndarray, v_scale: np.ndarray,
                  seqlens: np.ndarray, splits: int, *, block_table: np.ndarray | None = None,
                  scale: float | None = None, out: np.ndarray | None = None, out_lse: np.ndarray | None = None,
-                 out_o_parts: np.ndarray | None = None, out_lse_parts: np.ndarray | None = None
+                 out_o_parts: np.ndarray | None = None, out_lse_parts: np.ndarray | None = None,
+                 block: int | None = None, bounds: np.ndarray | None = None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Flash decoding in `splits` equal key ranges a sequence; (o, lse, o_parts, lse_parts) (module docstring)."""
+    """Flash decoding in `splits` key ranges a sequence: equal counts, fixed blocks of `block` keys (splits x block
+    >= every length) or explicit cumulative `bounds` (b, splits + 1) int, non-decreasing from 0 to at least each
+    length (refimpl.attention.split_bounds); (o, lse, o_parts, lse_parts) (module docstring)."""
     if not isinstance(splits, (int, np.integer)) or isinstance(splits, bool) or splits < 1:
         raise ValueError(f"kvquant.decode_split: splits={splits!r} must be an int >= 1")
     splits = int(splits)
     b, s_q, h_q, d = np.shape(q) if isinstance(q, np.ndarray) and q.ndim == 4 else (0, 0, 0, 0)
+    bnd = _bounds(seqlens, b, splits, block, bounds)
     if out_o_parts is None:
         out_o_parts = np.empty((splits, b, s_q, h_q, d), np.float32)
     if out_lse_parts is None:
         out_lse_parts = np.empty((splits, b, h_q, s_q), np.float32)
     o, lse = _run("kvquant.decode_split", q, k_cache, v_cache, k_scale, v_scale, seqlens, splits, block_table, scale,
-                  out, out_lse, out_o_parts, out_lse_parts)
+                  out, out_lse, out_o_parts, out_lse_parts, bnd)
     return o, lse, out_o_parts, out_lse_parts

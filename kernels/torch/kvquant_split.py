@@ -80,13 +80,16 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scal
 
 def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
                  v_scale: torch.Tensor, seqlens: torch.Tensor, splits: int, *, block_table: torch.Tensor | None = None,
-                 scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As `decode`, split into `splits` equal key ranges a sequence (pages through block_table when given)
+                 scale: float | None = None, block: int | None = None, bounds: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As `decode`, split into `splits` key ranges a sequence (pages through block_table when given): equal
+    counts, fixed blocks of `block` keys, or explicit (b, splits + 1) `bounds` (refimpl.attention.split_bounds)
     -> o, lse, o_parts (splits, b, s_q, h_q, d) fp32, lse_parts (splits, b, h_q, s_q) fp32."""
     check_args("kvquant.decode_split", q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table)
     if not isinstance(splits, int) or splits < 1:
         raise ValueError(f"kvquant.decode_split: splits={splits!r} must be an int >= 1")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     o, lse, o_parts, lse_parts = _att.decode_split(q.float(), _dequant(k_cache, k_scale), _dequant(v_cache, v_scale),
-                                                   seqlens.long(), splits, block_table=block_table, scale=scale)
+                                                   seqlens.long(), splits, block_table=block_table, scale=scale,
+                                                   block=block, bounds=bounds)
     return o.to(q.dtype), lse, o_parts, lse_parts

@@ -17,7 +17,9 @@ page stride is 0 (the sequence's row is in the base pointer): the table entry `_
 Schedule: a program takes one kv head of one sequence, a block of the rows (query i, query head g of the kv
 head's group: row r = i group + g, the M dimension of the dots, so each code byte is read once whatever the GQA
 group and s_q), and one split: split s of sequence b covers keys [s C_b, min((s + 1) C_b, L_b)),
-C_b = ceil(L_b / splits) (decode_split's partition). Causal bottom-right: row r sees keys j <= L_b - s_q + i.
+C_b = ceil(L_b / splits) (equal counts; decode_split also takes fixed blocks of `block` keys, [s block, (s + 1)
+block) cut to L_b, or explicit boundaries, [bounds[b, s], bounds[b, s + 1]) cut to L_b: PART). Causal
+bottom-right: row r sees keys j <= L_b - s_q + i.
 Keys [start, min(end, L_b - s_q + 1)) are seen by every row and go through `_attend`; the last s_q - 1 keys
 (the diagonal) through `_attend_rows`, one masked tile with a per-row limit. Each split writes fp32 partials
 (O_s, LSE_s), merged by `_kvq_merge_kernel` (lse_combine's math, a program a (sequence, kv head, row block); an
@@ -100,24 +102,32 @@ def _attend_rows(q, K_base, V_base, KS_ptr, VS_ptr, bt_row, kv_head, start, end,
 
 @triton.jit
 def _kvq_split_kernel(
-    Q_ptr, K_ptr, V_ptr, KS_ptr, VS_ptr, BT_ptr, Lens_ptr, O_ptr, Lse_ptr,
-    h_kv, group, s_q, d, splits, sm_scale,
+    Q_ptr, K_ptr, V_ptr, KS_ptr, VS_ptr, BT_ptr, Lens_ptr, O_ptr, Lse_ptr, Bnd_ptr,
+    h_kv, group, s_q, d, splits, blk, stride_bnd, sm_scale,
     stride_qb, stride_qs, stride_qh, stride_kr, stride_kb, stride_ks, stride_kh,
     stride_vr, stride_vb, stride_vs, stride_vh, stride_sr, stride_sb, stride_ss, stride_sh,
     stride_bt_b, stride_bt_p,
     stride_o_split, stride_ob, stride_os, stride_oh, stride_l_split, stride_lb, stride_lh, stride_ls,
     FMT: tl.constexpr, GRAN: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    FAST_CVT: tl.constexpr = 0, DIAG: tl.constexpr = True,
+    FAST_CVT: tl.constexpr = 0, DIAG: tl.constexpr = True, PART: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     b = pid // h_kv
     kv_head = pid % h_kv
     split = tl.program_id(1)
     L = tl.load(Lens_ptr + b)
-    c = (L + splits - 1) // splits
-    start = tl.minimum(split * c, L)
-    end = tl.minimum(start + c, L)
+    if PART == 0:  # equal counts: C_b = ceil(L_b / splits)
+        c = (L + splits - 1) // splits
+        start = tl.minimum(split * c, L)
+        end = tl.minimum(start + c, L)
+    elif PART == 1:  # fixed blocks of blk keys
+        start = tl.minimum(split * blk, L)
+        end = tl.minimum(start + blk, L)
+    else:  # explicit cumulative boundaries (b, splits + 1)
+        bnd = Bnd_ptr + b.to(tl.int64) * stride_bnd + split
+        start = tl.minimum(tl.load(bnd).to(tl.int32), L)
+        end = tl.minimum(tl.load(bnd + 1).to(tl.int32), L)
     common = tl.maximum(tl.minimum(end, L - s_q + 1), start)  # keys every query row sees: [start, common)
 
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -271,7 +281,7 @@ def _out(op: str, name: str, t, shape: tuple, dtype, q, unit_last: bool = False)
 
 
 def _launch(op, q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, gran, splits, o_dst, l_dst, scale,
-            config):
+            config, block=None, bounds=None):
     """One launch of the kernel: `splits` key ranges a sequence into o_dst (splits, b, s_q, h_q, d) and l_dst
     (splits, b, h_q, s_q) (any strides, last-dim stride 1)."""
     b, s_q, h_q, d = q.shape
@@ -300,13 +310,16 @@ def _launch(op, q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, gra
     interpret = not q.is_cuda
     # kvquant_decode.py's integer-pipe FP8 -> bf16 conversion (fast_cvt 2) for a bf16 q over an FP8 cache on a GPU
     fast_cvt = 2 if not interpret and q.dtype == torch.bfloat16 and k_cache.dtype != torch.int8 else 0
+    part = 0 if block is None and bounds is None else 1 if bounds is None else 2
     _kvq_split_kernel[grid](
         q, _code_view(k_cache), _code_view(v_cache), k_scale, v_scale, bt, seqlens, o_dst, l_dst,
-        h_kv, group, s_q, d, splits, 1.0 / math.sqrt(d) if scale is None else float(scale),
+        seqlens if bounds is None else bounds, h_kv, group, s_q, d, splits, block or 0,
+        0 if bounds is None else bounds.stride(0), 1.0 / math.sqrt(d) if scale is None else float(scale),
         *q.stride()[:3], *k_rows, *v_rows, *s_rows, *bt_strides, *o_dst.stride()[:4], *l_dst.stride(),
         FMT=FORMATS[k_cache.dtype], GRAN=GRANS.index(gran), PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, EVEN_D=block_d == d, DOT_PRECISION="ieee" if q.dtype == torch.float32 or interpret else "tf32",
-        DOT_FP32=interpret, FAST_CVT=fast_cvt, DIAG=s_q > 1, num_warps=num_warps, num_stages=num_stages, **launch,
+        DOT_FP32=interpret, FAST_CVT=fast_cvt, DIAG=s_q > 1, PART=part, num_warps=num_warps, num_stages=num_stages,
+        **launch,
     )
 
 
@@ -374,13 +387,17 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  v_scale: torch.Tensor, seqlens: torch.Tensor, splits: int, *, block_table: torch.Tensor | None = None,
                  scale: float | None = None, out: torch.Tensor | None = None, out_lse: torch.Tensor | None = None,
                  out_o_parts: torch.Tensor | None = None, out_lse_parts: torch.Tensor | None = None,
-                 config: tuple[int, ...] | None = None
+                 config: tuple[int, ...] | None = None, block: int | None = None, bounds: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flash decoding: `splits` equal key ranges a sequence (ceil(L_b / splits) keys each), their partials and merge.
+    """Flash decoding: `splits` key ranges a sequence, their partials and merge.
 
     q, k_cache, v_cache, k_scale, v_scale, seqlens: as `decode`; with block_table (b, max_pages) int32 the caches
     are pages (num_blocks, page, h_kv, d) and per-token scales (num_blocks, page, h_kv), seqlens[b] <= max_pages
     * page, table entries past a sequence's last page never read
+    the partition (refimpl.attention.split_bounds): equal counts (ceil(L_b / splits) keys each) by default;
+    block: fixed blocks of `block` keys (splits x block >= every length: the caller's guarantee, as seqlens);
+    bounds: (b, splits + 1) int32 / int64 on q's device, cumulative, non-decreasing from 0 to at least each
+    length (the caller's guarantee; split s covers [bounds[b, s], bounds[b, s + 1]) cut to [0, L_b))
     out, out_lse: as `decode`; out_o_parts (splits, b, s_q, h_q, d) float32, last-dim stride 1 (0 for an empty
     split); out_lse_parts (splits, b, h_q, s_q) float32 (-inf for an empty split); allocated if None
     returns (out, out_lse, out_o_parts, out_lse_parts)
@@ -394,9 +411,19 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out_lse = _out(op, "out_lse", out_lse, (b, h_q, s_q), torch.float32, q)
     o_parts = _out(op, "out_o_parts", out_o_parts, (splits, b, s_q, h_q, d), torch.float32, q, unit_last=True)
     lse_parts = _out(op, "out_lse_parts", out_lse_parts, (splits, b, h_q, s_q), torch.float32, q)
+    if block is not None and bounds is not None:
+        raise ValueError(f"{op}: give block or bounds, not both")
+    if block is not None and (not isinstance(block, int) or isinstance(block, bool) or not 1 <= block < 2**31):
+        raise ValueError(f"{op}: block={block!r} must be an int in [1, 2^31)")
+    if bounds is not None and (not isinstance(bounds, torch.Tensor) or tuple(bounds.shape) != (b, splits + 1)
+                               or bounds.dtype not in (torch.int32, torch.int64) or bounds.device != q.device
+                               or (splits > 0 and bounds.stride(1) != 1)):
+        raise ValueError(f"{op}: bounds must be a ({b}, {splits + 1}) int32 / int64 tensor on {q.device} with unit "
+                         f"last stride, got {getattr(bounds, 'shape', type(bounds).__name__)} "
+                         f"{getattr(bounds, 'dtype', '')}")
     if b == 0 or h_q == 0 or s_q == 0:
         return out, out_lse, o_parts, lse_parts
     _launch(op, q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, gran, splits, o_parts, lse_parts, scale,
-            config)
+            config, block, bounds)
     _merge(o_parts, lse_parts, out, out_lse, k_cache.shape[2])
     return out, out_lse, o_parts, lse_parts
