@@ -28,7 +28,7 @@ Conventions (declared; vLLM's csrc/moe/moe_align_sum_kernels.cu leaves some to i
   as here). expert_ids has ceil(P / B) entries (SGLang's test allocates floor(P / B)).
 - A token may name an expert more than once (nothing here needs distinct ids; the routers give distinct ones).
 - T = 0 is allowed: every entry the sentinel 0, every block -1, num_tokens_post_pad 0.
-- Refused, ValueError in one line (the kernels refuse the same: kernels/moe_align_args.py): topk_ids not a 2-D
+- Refused, ValueError in one line (the kernels refuse the same: kernels/moe_args.py): topk_ids not a 2-D
   int32 array, an id outside [0, E), num_experts or block_size not an int >= 1, more slots or padded entries
   than int32 holds.
 """

@@ -1,7 +1,7 @@
 """The MoE alignment golden (refimpl/moe_align.py, vLLM's moe_align_block_size) against a plain-Python transcription
 of the CUDA kernel's serial algorithm (histogram, cumsum of the padded counts, a scatter in slot order), a worked
 example, its edges (T k < B, counts on multiples of B and one past, E = 1, B = 1, T = 0) and its refusals, which
-the kernels share (kernels/moe_align_args.py): the same line from the golden and every kernel."""
+the kernels share (kernels/moe_args.py): the same line from the golden and every kernel."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def test_refuses_bad_arguments(ids, E, B, match):
 
 @pytest.mark.parametrize("ids,E,B,match", BAD)
 def test_the_kernels_refuse_as_the_golden_does(ids, E, B, match):
-    """The kernels' shared rules (kernels/moe_align_args.py) and the golden's own: the same refusal, the same line."""
+    """The kernels' shared rules (kernels/moe_args.py) and the golden's own: the same refusal, the same line."""
     from kernel_parity.conformance.backends.triton_prep import prepare_environment
 
     prepare_environment()  # TRITON_INTERPRET=1 kept (not monkeypatched) before triton's first import: later runs need it

@@ -7,7 +7,7 @@ topk_ids: (T, k) int32, any strides, every id in [0, num_experts); T may be 0. P
 sorted_ids: the slots t k + j grouped by expert (ascending expert, ascending slot within one), each expert's
 segment padded to a multiple of B with the sentinel T k, the sentinel past num_tokens_post_pad too;
 expert_ids: each block's expert, -1 past num_tokens_post_pad. The out_* buffers are used when given
-(C-contiguous int32 of those shapes). Arguments are refused (ValueError) as kernels/moe_align_args.py says,
+(C-contiguous int32 of those shapes). Arguments are refused (ValueError) as kernels/moe_args.py says,
 the golden's conditions (refimpl/moe_align.py).
 """
 
@@ -18,7 +18,7 @@ import ctypes
 import numpy as np
 
 from kernel_parity.kernels.cpu.loader import check_output, check_status, element_strides, load
-from kernel_parity.kernels.moe_align_args import bad_id, check_align_args, out_sizes
+from kernel_parity.kernels.moe_args import bad_id, check_align_args, out_sizes
 
 __all__ = ["align"]
 

@@ -5,7 +5,7 @@
 counts by torch.bincount, the padded segments' starts by torch.cumsum, the slots grouped by expert with a stable
 argsort (ascending slot within an expert, the declared order), each placed at its segment's start plus its rank;
 every other entry of sorted_ids is the sentinel T k, expert_ids' blocks by repeat_interleave, -1 past
-num_tokens_post_pad. All int32 (int64 inside). Arguments are refused (ValueError) as kernels/moe_align_args.py
+num_tokens_post_pad. All int32 (int64 inside). Arguments are refused (ValueError) as kernels/moe_args.py
 says; the id range check is a device sync.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernel_parity.kernels.moe_align_args import bad_id, check_align_args, out_sizes
+from kernel_parity.kernels.moe_args import bad_id, check_align_args, out_sizes
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_size: int

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_parity.kernels.moe_align_args import bad_id, check_align_args, out_sizes
+from kernel_parity.kernels.moe_args import bad_id, check_align_args, out_sizes
 
 __all__ = ["align", "MAX_EXPERTS"]
 
