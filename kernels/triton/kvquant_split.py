@@ -31,7 +31,7 @@ tiles are 32 keys (INTERPRETER_CONFIG). On a GPU, a bf16 q over an FP8 cache tak
 conversion in `_attend` (FAST_CVT 2; the diagonal tile of `_attend_rows` keeps Triton's casts). Status (H200,
 reports/baselines/issue34c-h200/ and issue34d-h200/): the ci entries and the models entries (Llama-3-8B / 70B heads,
 32K tokens, b 1-32) pass. At b 8, 32K tokens, e4m3 per tensor (issue34d-h200/kvquant-split-tune-h200.json, do_bench /
-CUDA graph): kvquant.decode 248 / 242 us at 16 splits, 246 / 239 at 8 (was 311 under parity bench); its partials
+CUDA graph): kvquant.decode 248 / 242 us at 16 splits (was 277 / 270), 246 / 239 at 8 (was 262 / 254); its partials
 alone 236 / 231, the merge 15 / 9 (was 34 / 28); decode_split over pages of 16 in table order 249 / 243;
 kvquant_decode.py's paged decode 213 / 207. Two fixes got there: the diagonal tile is compiled only for s_q > 1
 (DIAG: with it the split kernel took 226-250 registers on Triton 3.6, two CTAs an SM), and the merge takes the
