@@ -32,11 +32,12 @@ ONE_THREAD := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 # built first (cached in build/ggml): its tests and gate cases run, they do not skip; headless Chromium
 # (Debian's `chromium`) is installed when missing, for the report's browser test. A skip whose reason is
 # not that the machine lacks a GPU (or cannot install Chromium) fails `make test` (PARITY_STRICT_SKIPS).
+# --no-loadscope-reorder: the workers take the files slowest first (conftest.py's SLOW_FILES), not by test count.
 test: $(STAMP) $(OUT)/ggml/.built
 	command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { timeout 120 apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -q --no-install-recommends chromium; } || \
 	  echo "chromium could not be installed: the browser test will skip saying so"
-	KERNEL_PARITY_LIBGGML=$(LIBGGML) PARITY_STRICT_SKIPS=1 PARITY_PROFILE=ci $(ONE_THREAD) $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25
+	KERNEL_PARITY_LIBGGML=$(LIBGGML) PARITY_STRICT_SKIPS=1 PARITY_PROFILE=ci $(ONE_THREAD) $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 	KERNEL_PARITY_LIBGGML=$(LIBGGML) $(PARITY) gate --suite ci --no-progress -q --jobs 2 --json $(OUT)/ci.jsonl --junit $(OUT)/ci.xml --html $(OUT)/ci.html
 
 bench: $(STAMP)

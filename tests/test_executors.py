@@ -133,6 +133,27 @@ def _comparable(path: Path) -> dict[str, dict]:
     return {r["id"]: {k: v for k, v in r.items() if k != "timing"} for r in doc["results"]}
 
 
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    """SELECTION run locally on two workers, the records (_comparable) that the Ray run, the `--address local`
+    run and the golden cache's runs are compared with: their selections are parts of it (SOFTMAX_CI and the
+    LSE combine's backward, cpu), and a case's record does not depend on what else its run selected (each
+    input group runs alone), so one local run serves the three tests (two runs and four workers fewer)."""
+    from kernel_parity.conformance import golden_cache
+
+    out = tmp_path_factory.mktemp("local") / "local.jsonl"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(golden_cache.ENV, raising=False)
+        assert main(["run", *SELECTION, "--jobs", "2", "--json", str(out)]) == 0
+    return _comparable(out)
+
+
+def _part(recs: dict[str, dict], *ops: str) -> dict[str, dict]:
+    """The records of a SOFTMAX_CI-filtered run (fp32, normal, cpu) of these ops, out of local_run's."""
+    return {i: r for i, r in recs.items() if r["op"] in ops and r["dist"] == "normal" and r["dtype"] == "fp32"
+            and r["backend"] == "cpu"}
+
+
 def _cli(*argv: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kernel_parity.conformance.cli", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -140,13 +161,12 @@ def _cli(*argv: str, env: dict | None = None, timeout: float = 300) -> subproces
 
 # -- tests ------------------------------------------------------------------------------------------------
 @needs_ray
-def test_ray_run_on_a_local_cluster_gives_the_records_of_a_local_run(cluster, tmp_path):
-    local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
-    assert main(["run", *SELECTION, "--jobs", "2", "--json", str(local)]) == 0
+def test_ray_run_on_a_local_cluster_gives_the_records_of_a_local_run(cluster, local_run, tmp_path):
+    on_ray = tmp_path / "ray.jsonl"
     # a separate driver process connecting to the cluster by its address, as `parity run` on a laptop would
     done = _cli("run", *SELECTION, "--jobs", "2", "--executor", "ray", "--address", cluster, "--json", str(on_ray))
     assert done.returncode == 0, done.stderr
-    a, b = _comparable(local), _comparable(on_ray)
+    a, b = local_run, _comparable(on_ray)
     assert len(a) >= 200 and len({i.split("/")[0].split(".")[0] for i in a}) >= 4
     assert sorted(b) == sorted(a)
     differ = [i for i in a if a[i] != b[i]]
@@ -155,17 +175,16 @@ def test_ray_run_on_a_local_cluster_gives_the_records_of_a_local_run(cluster, tm
 
 
 @needs_ray
-def test_address_local_starts_a_cluster_for_the_run_and_shuts_it_down(tmp_path):
+def test_address_local_starts_a_cluster_for_the_run_and_shuts_it_down(local_run, tmp_path):
     """`--address local`: a new cluster for this run alone (not the module's), gone when the run ends."""
-    local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    on_ray = tmp_path / "ray.jsonl"
     argv = [*SOFTMAX_CI, "--backend", "cpu", "--jobs", "2"]
-    assert main(["run", *argv, "--json", str(local)]) == 0
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("RAY_ADDRESS", None)
     done = _cli("run", *argv, "--executor", "ray", "--address", "local", "--json", str(on_ray), env=env)
     assert done.returncode == 0, done.stderr
-    a, b = _comparable(local), _comparable(on_ray)
+    a, b = _part(local_run, "softmax.softmax"), _comparable(on_ray)
     assert len(a) == N_SOFTMAX_CI and a == b
     head = records.load(on_ray)["header"]["executor"]
     assert head == {"kind": "ray", "address": "local", "jobs": 2}
@@ -281,17 +300,20 @@ def test_groups_are_scheduled_largest_first_and_keep_their_order_on_ties():
 
 def test_mutants_over_devices_kill_as_local_workers_do(tmp_path, monkeypatch, capsys):
     """`parity mutants --devices`: each mutant's cases spread over the GPUs (faked here: CPU kernels
-    ignore CUDA_VISIBLE_DEVICES), stopping at the first failure, in the suite's order as locally."""
+    ignore CUDA_VISIBLE_DEVICES), stopping at the first failure, in the suite's order as locally.
+    Two C mutants of kernels/cpu/kvcache.c: a mutants run builds its patched C source once (a fresh
+    cache each run), and kvcache.c builds in 0.2 s where softmax.c takes 8 s (4 builds: 33 s of this test)."""
     monkeypatch.setattr(executors, "visible_gpus", lambda: ["0", "1"])
     spread_runs = []
     real = executors._run_devices
     monkeypatch.setattr(executors, "_run_devices", lambda devices, *a: spread_runs.append(devices) or real(devices, *a))
-    argv = ["mutants", "--mutant", "c-softmax-no-max,c-softmax-dropped-block", "-q"]
+    argv = ["mutants", "--mutant", "c-kvcache-write-offset,c-kvcache-paged-slot-relative", "-q"]
     local, spread = tmp_path / "local.json", tmp_path / "devices.json"
     assert main([*argv, "--json", str(local)]) == 0
     assert main([*argv, "--devices", "all", "--jobs", "1", "--json", str(spread)]) == 0
     rows = [{r["id"]: (r["status"], r["by"]) for r in json.loads(p.read_text())["mutants"]} for p in (local, spread)]
-    assert rows[0] == rows[1] == {"c-softmax-no-max": ("killed", "gate"), "c-softmax-dropped-block": ("killed", "gate")}
+    assert rows[0] == rows[1] == {"c-kvcache-write-offset": ("killed", "gate"),
+                                  "c-kvcache-paged-slot-relative": ("killed", "gate")}
     assert spread_runs == [("0", "1")] * 2  # each mutant's gate ran over both (fake) GPUs
 
 
@@ -301,23 +323,23 @@ def test_mutants_devices_without_a_gpu_is_one_line_exit_2(capsys):
     assert len(err) == 1 and "no CUDA GPU" in err[0]
 
 
-def test_the_golden_cache_gives_the_records_of_a_run_without_it(tmp_path, monkeypatch):
+def test_the_golden_cache_gives_the_records_of_a_run_without_it(local_run, tmp_path, monkeypatch):
     """--golden-cache DIR: the first run writes each input group's inputs and goldens, a second run
-    reads them (its timings say so) and writes the same records; a corrupt entry is a miss, and a
-    changed golden source is another key, never a stale golden."""
+    reads them (its timings say so) and writes the same records (a run without the cache: local_run's);
+    a corrupt entry is a miss, and a changed golden source is another key, never a stale golden."""
     from kernel_parity.conformance import golden_cache
 
     monkeypatch.delenv(golden_cache.ENV, raising=False)
     cache = tmp_path / "cache"
     argv = ["run", *SOFTMAX_CI, "--backend", "cpu", "--op", "combine.lse_combine_backward", "--jobs", "2"]
-    plain, first, second, third = (tmp_path / f"{n}.jsonl" for n in ("plain", "first", "second", "third"))
-    assert main([*argv, "--json", str(plain)]) == 0
+    first, second, third = (tmp_path / f"{n}.jsonl" for n in ("first", "second", "third"))
     assert main([*argv, "--golden-cache", str(cache), "--json", str(first)]) == 0
     entries = sorted(cache.glob("*.pkl"))
     assert entries and not list(cache.glob(".tmp-*"))
     assert golden_cache.ENV not in os.environ  # restored after the command
     assert main([*argv, "--golden-cache", str(cache), "--json", str(second)]) == 0
-    a, b, c = _comparable(plain), _comparable(first), _comparable(second)
+    a = _part(local_run, "softmax.softmax", "combine.lse_combine_backward")
+    b, c = _comparable(first), _comparable(second)
     assert a == b == c and len(a) > N_SOFTMAX_CI
     timings = [r["timing"] for r in records.load(second)["results"]]
     assert all("cache_read_s" in t and t["golden_s"] == 0.0 for t in timings)

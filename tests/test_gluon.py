@@ -10,6 +10,7 @@ On a Hopper GPU (GPU machine): the API pin and the kernel against the Triton ker
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -26,6 +27,55 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _gpu_hopper() -> bool:
     return gluon_backend.unavailable() is None
+
+
+def _sm90_job(item) -> tuple[str, ...] | None:
+    """The benchmarks/gluon_sm90.py arguments of one of this module's compile tests (None: not one)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    name = getattr(item, "originalname", item.name)
+    if name == "test_kernel_compiles_for_hopper":
+        return tuple(params["which"])
+    if name == "test_mla_compiles_for_hopper":
+        return ("mla", params["causal"])
+    if name == "test_mla_fused_compiles_for_hopper":
+        return ("mla_fused",)
+    if name == "test_gemv_compiles_for_hopper":
+        return (params["kernel"], *map(str, params["config"]))
+    return None
+
+
+@pytest.fixture(scope="module")
+def sm90(request, tmp_path_factory):
+    """argv -> (exit code, stdout + stderr) of `python benchmarks/gluon_sm90.py *argv`, on this machine, for the
+    compile tests of this session (each kernel once, into a fresh Triton cache), all of them compiled by one
+    process (tests/gluon_sm90_batch.py: the same `main`, torch and Triton imported once, not once a kernel)."""
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    jobs = list(dict.fromkeys(j for j in map(_sm90_job, request.session.items) if j is not None))
+    tmp = tmp_path_factory.mktemp("gluon_sm90")
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp / "cache"), TRITON_DEFAULT_FP_FUSION="1")
+    env.pop("TRITON_INTERPRET", None)
+    out = tmp / "compiled.jsonl"
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "gluon_sm90_batch.py"), str(out), json.dumps(jobs)],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600 * max(1, len(jobs)))
+    answers, died_in = {}, None
+    for line in out.read_text().splitlines() if out.exists() else []:
+        rec = json.loads(line)
+        if "rc" in rec:
+            answers[tuple(rec["argv"])] = (rec["rc"], rec["out"])
+        else:
+            died_in = tuple(rec["argv"])
+
+    def compiled(*argv: str) -> tuple[int, str]:
+        if argv not in answers:
+            where = f" (it died compiling {' '.join(died_in)})" if died_in and died_in not in answers else ""
+            pytest.fail(f"the compile process exited {r.returncode} before gluon_sm90.py {' '.join(argv)} "
+                        f"answered{where}:\n{(r.stdout + r.stderr)[-3000:]}")
+        return answers[argv]
+
+    return compiled
 
 
 def test_registered_and_unavailable_reason():
@@ -84,21 +134,13 @@ def test_api_present_in_installed_triton():
                                    ("prefill", "128", "1", "128", "2", "2"), ("prefill", "256", "1", "64", "2", "2")],
                          ids=["gemm_fp8", "prefill-d128-br", "prefill-d64-tl", "prefill-d256-full", "prefill-d32-br",
                               "prefill-d128-n128-pipe", "prefill-d64-tl-pipe", "prefill-d128-n128-one", "prefill-d128-pingpong", "prefill-d256-pingpong"])
-def test_kernel_compiles_for_hopper(tmp_path, which):
+def test_kernel_compiles_for_hopper(sm90, which):
     """Each kernel through the whole compiler for sm_90a, on this machine (benchmarks/gluon_sm90.py): no spills,
     no serialised wgmma, under the shared-memory limit of an H100 / H200 (227 KB). Defaults, then other configs."""
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        pytest.skip("this Triton has no NVIDIA backend to compile with")
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1")
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gluon_sm90.py"), *which], capture_output=True,
-                       text=True, env=env, cwd=ROOT, timeout=600)
-    out = r.stdout + r.stderr
+    code, out = sm90(*which)
     if "Unsupported .version" in out:
         pytest.skip("this Triton's ptxas is older than its PTX")
-    assert r.returncode == 0, out[-3000:]
+    assert code == 0, out[-3000:]
     assert "serialized" not in out, out[-2000:]
     assert "0 bytes spill stores, 0 bytes spill loads" in out, out[-2000:]
     shared = int(out.split("SHARED", 1)[1].split()[0])
@@ -106,23 +148,15 @@ def test_kernel_compiles_for_hopper(tmp_path, which):
 
 
 @pytest.mark.parametrize("causal", ["0", "1"])
-def test_mla_compiles_for_hopper(tmp_path, causal):
+def test_mla_compiles_for_hopper(sm90, causal):
     """kernels/gluon/mla.py (FlashMLA's seesaw) through the whole compiler for sm_90a: no serialised
     wgmma, under 227 KB of shared memory (Q and two 64-key tiles: 218 KB); ptxas spills at most 64 bytes of
     registers (measured: 40 bytes, 60 causal; the two groups at 232 registers hold O's half, S, P and the
     statistics): the bound is 64 bytes, so a change that spills more fails here."""
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        pytest.skip("this Triton has no NVIDIA backend to compile with")
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1")
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gluon_sm90.py"), "mla", causal],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    out = r.stdout + r.stderr
+    code, out = sm90("mla", causal)
     if "Unsupported .version" in out:
         pytest.skip("this Triton's ptxas is older than its PTX")
-    assert r.returncode == 0, out[-3000:]
+    assert code == 0, out[-3000:]
     assert "serialized" not in out, out[-2000:]
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", out)]
     assert spills and max(spills) <= 64, out[-2000:]
@@ -130,23 +164,15 @@ def test_mla_compiles_for_hopper(tmp_path, causal):
     assert shared <= 227 * 1024, shared
 
 
-def test_mla_fused_compiles_for_hopper(tmp_path):
+def test_mla_fused_compiles_for_hopper(sm90):
     """kernels/gluon/mla_fused.py through the whole compiler for sm_90a: no serialised wgmma, under 227 KB of
     shared memory (two parts of Q, two 32-key tiles, P2^T, the statistics: 226 KB); ptxas spills at most 640
     bytes (measured: 332 with Triton 3.9, 564 with the GPU machine's 3.6; at REGS (240, 32) 248 and no faster on
     the H200): a change that spills more fails here."""
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        pytest.skip("this Triton has no NVIDIA backend to compile with")
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1")
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gluon_sm90.py"), "mla_fused"],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    out = r.stdout + r.stderr
+    code, out = sm90("mla_fused")
     if "Unsupported .version" in out:
         pytest.skip("this Triton's ptxas is older than its PTX")
-    assert r.returncode == 0, out[-3000:]
+    assert code == 0, out[-3000:]
     assert "serialized" not in out, out[-2000:]
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", out)]
     assert spills and max(spills) <= 640, out[-2000:]
@@ -273,21 +299,13 @@ def test_mla_decode_on_gpu_matches_triton_kernel(s_q, h_q, causal):
 
 @pytest.mark.parametrize("kernel,config", [("gemv", []), ("gemv", [2, 2, 8]), ("gemv_q8_0", []),
                                            ("gemv_q8_0", [4, 1, 3])])
-def test_gemv_compiles_for_hopper(tmp_path, kernel, config):
+def test_gemv_compiles_for_hopper(sm90, kernel, config):
     """kernels/gluon/gemv.py and gemv_q8_0.py through the whole compiler for sm_90a: no spills, the ring within one
     CTA's share of shared memory at two CTAs a multiprocessor."""
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        pytest.skip("this Triton has no NVIDIA backend to compile with")
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1")
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gluon_sm90.py"), kernel, *map(str, config)],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    out = r.stdout + r.stderr
+    code, out = sm90(kernel, *map(str, config))
     if "Unsupported .version" in out:
         pytest.skip("this Triton's ptxas is older than its PTX")
-    assert r.returncode == 0, out[-3000:]
+    assert code == 0, out[-3000:]
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", out)]
     assert spills and max(spills) == 0, out[-2000:]
     shared = int(out.split("SHARED", 1)[1].split()[0])

@@ -65,7 +65,8 @@ def test_install_loads_the_patched_copy_in_a_fresh_process(tmp_path):
 
 def test_parity_mutants_kills_with_case_layer_and_diagnosis(tmp_path, capsys):
     out, page = tmp_path / "m.json", tmp_path / "m.html"
-    code = main(["mutants", "--mutant", "tri-prefill-causal-top-left", "--mutant", "c-softmax-no-max",
+    # the C mutant: kernels/cpu/kvcache.c builds in 0.2 s (softmax.c's mutants: 8 s, built fresh each run)
+    code = main(["mutants", "--mutant", "tri-prefill-causal-top-left", "--mutant", "c-kvcache-write-offset",
                  "--mutant", "tri-prefill-tf32", "--json", str(out), "--html", str(page), "-q"])
     assert code == 0
     doc = json.loads(out.read_text())
@@ -74,7 +75,7 @@ def test_parity_mutants_kills_with_case_layer_and_diagnosis(tmp_path, capsys):
     assert causal["status"] == "killed" and causal["by"] == "gate" and causal["layer"] == "numeric"
     assert causal["case"].startswith("attention.prefill/triton/")
     assert causal["diagnosis"] == "matches the other causal alignment: alignment bug"
-    assert rows["c-softmax-no-max"]["status"] == "killed"
+    assert rows["c-kvcache-write-offset"]["status"] == "killed"
     assert rows["tri-prefill-tf32"]["status"] == "gpu-only"  # listed with its reason, not run on a CPU
     html = page.read_text()
     assert 'id="mutants"' in html and "tri-prefill-causal-top-left" in html
@@ -82,14 +83,18 @@ def test_parity_mutants_kills_with_case_layer_and_diagnosis(tmp_path, capsys):
 
 
 def test_props_kill_what_the_gate_lets_through(tmp_path):
+    """An attention mutant against a suite of no attention case: the gate alone lets it through, --props kills
+    it. The mutant drops prefill's last partial key tile: the first property test drawn (test_attention's
+    prefill on triton) fails and shrinks in 13 s (the causal top-left mutant: 31 s, its failure needs s_q != s_k
+    and shrinks longer)."""
     suite = tmp_path / "tiny.toml"  # a suite without an attention case: the gate cannot see the bug
     suite.write_text('[[cases]]\nop = "softmax.softmax"\nbackends = ["triton"]\ndtypes = ["fp32"]\n'
                      'params = [{rows = 2, n = 17, pad = 0}]\n')
     out = tmp_path / "m.json"
-    code = main(["mutants", "--mutant", "tri-prefill-causal-top-left", "--suite", str(suite), "--json", str(out),
+    code = main(["mutants", "--mutant", "tri-prefill-drop-last-tile", "--suite", str(suite), "--json", str(out),
                  "-q"])
     assert code == 1  # survived the gate alone
-    assert main(["mutants", "--mutant", "tri-prefill-causal-top-left", "--suite", str(suite), "--props",
+    assert main(["mutants", "--mutant", "tri-prefill-drop-last-tile", "--suite", str(suite), "--props",
                  "--json", str(out), "-q"]) == 0
     (row,) = json.loads(out.read_text())["mutants"]
     assert row["status"] == "killed" and row["by"] == "props"
