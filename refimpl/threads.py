@@ -5,9 +5,11 @@ cores, with the same results as one call (each piece is computed exactly as it w
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, TypeVar
 
+_PREFIX = "golden-piece"
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -22,10 +24,12 @@ def threads() -> int:
 
 
 def on_threads(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    """[fn(x) for x in items], on up to threads() threads (in order; one thread: a plain loop)."""
+    """[fn(x) for x in items], on up to threads() threads (in order; one thread: a plain loop). Called from one
+    of these threads (a piece that has pieces of its own: an expert whose GGML blocks are dequantized in runs), a
+    plain loop: the cores are taken already."""
     items = list(items)
     n = min(threads(), len(items))
-    if n <= 1:
+    if n <= 1 or threading.current_thread().name.startswith(_PREFIX):
         return [fn(x) for x in items]
-    with ThreadPoolExecutor(n) as ex:
+    with ThreadPoolExecutor(n, thread_name_prefix=_PREFIX) as ex:
         return list(ex.map(fn, items))
