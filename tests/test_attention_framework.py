@@ -146,6 +146,53 @@ def test_triton_interpreter_is_fixed_for_bf16():
     assert _probe() == _PROBE_RNE and _probe_dot()
 
 
+def test_triton_interpreter_patches_the_language_once_a_launch_and_restores_it():
+    """The preparation's speed-ups (conformance/backends/triton_interpreter.py): a launch patches triton.language
+    once, its helper calls do not patch it again, the builtins are the originals after the launch (also after one
+    that raised), and the results are the interpreter's own."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    backend = Registry().get("triton")
+    if not backend.interpreter:
+        pytest.skip("a GPU is present: no interpreter")
+    assert backend.available() is None
+    import torch
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    patch, builtin = interp._patch_lang, interp._patch_builtin
+    assert getattr(patch, "_kernel_parity_once", False)
+    assert getattr(interp._get_np_dtype, "_kernel_parity_table", False)
+    from tests.interp_kernels import helper_kernel
+
+    calls = []
+    interp._patch_builtin = lambda *a: (calls.append(1), builtin(*a))[1]
+    load = tl.load
+    x = torch.arange(16, dtype=torch.float32)
+    y = torch.empty_like(x)
+    try:
+        helper_kernel[(2,)](x, y, HELPERS=0, FAIL=False)
+        alone = len(calls)
+        assert alone > 0 and tl.load is load and torch.equal(y, x)
+        helper_kernel[(2,)](x, y, HELPERS=3, FAIL=False)  # 6 helper calls: no patch more than a launch's
+        assert len(calls) == 2 * alone
+        assert torch.equal(y, ((x * 2 + 1) * 2 + 1) * 2 + 1)
+        assert tl.load is load  # restored
+        with pytest.raises(Exception):
+            helper_kernel[(1,)](x, y, HELPERS=1, FAIL=True)
+        assert tl.load is load
+        helper_kernel[(2,)](x, y, HELPERS=1, FAIL=False)  # a launch after a failed one patches again
+        assert len(calls) == 4 * alone and torch.equal(y, x * 2 + 1)
+    finally:
+        interp._patch_builtin = builtin
+    assert interp._get_np_dtype(tl.bfloat16) == np.dtype(np.uint16)
+    assert interp._get_np_dtype(tl.block_type(tl.float32, [4])) == np.dtype(np.float32)
+    assert interp._get_np_dtype(tl.pointer_type(tl.float16)) == np.dtype(np.uint64)
+
+
 def test_triton_imported_before_the_interpreter_flag_is_a_clear_skip():
     import subprocess
     import sys
