@@ -115,22 +115,35 @@ def run(entries: list[dict], *, out: str, ours: str = "triton", description: str
         argv: tuple[str, ...] = ()) -> int:
     """Bench `entries` with `parity bench` (extra `argv` passed on, e.g. --no-recheck): its line per
     record as each lands (a progress bar on a terminal), then the summary written to `out` (JSON) and
-    a line per case. Returns parity bench's exit status."""
+    a line per case. Returns parity bench's exit status.
+
+    The records stream into `partial_path(out)` beside `out` as they land, and that file is removed once
+    the summary is written: a run killed part-way (a device call's time limit) leaves the records it
+    finished there (a results document: `parity report` reads it)."""
     from kernel_parity.conformance.cli import main
     from kernel_parity.reports import records
     from kernel_parity.reports.files import write_text
 
+    results = partial_path(out)
+    results.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kp-bench-") as tmp:
-        suite, results = Path(tmp) / "bench.toml", Path(tmp) / "bench.jsonl"
+        suite = Path(tmp) / "bench.toml"
         suite.write_text(suite_text(entries, description))
         code = main(["bench", "--suite", str(suite), "--json", str(results), *argv])
         if code == 2 or not results.exists():
             return 2
-        summary = summarise(records.load(str(results)), ours)
+    summary = summarise(records.load(str(results)), ours)
     write_text(out, json.dumps(summary, indent=1, default=str))  # a missing folder is made, atomically
+    results.unlink()
     for row in summary["cases"]:
         print(_line(row, ours), flush=True)
     return code
+
+
+def partial_path(out: str) -> Path:
+    """Where `run` streams the records of the summary `out` while it runs: `<out's stem>.partial.jsonl`."""
+    p = Path(out)
+    return p.with_name(f"{p.stem}.partial.jsonl")
 
 
 class Gate:

@@ -47,6 +47,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kernel_parity.refimpl.moe_experts import _check, _round, _silu_parts
+from kernel_parity.refimpl.threads import on_threads
 
 F64 = NDArray[np.float64]
 GRADS = ("dx", "dweights", "dw13", "dw2", "dws13", "dws2")
@@ -130,13 +131,16 @@ def experts_backward(x: NDArray, ids: NDArray, weights: NDArray, w13: NDArray, w
     present, starts = np.unique(flat[order], return_index=True)
     bounds = np.append(starts, flat.size)
     wflat = weights.reshape(-1)
-    for i, e in enumerate(present):  # a product per present expert, never a loop over tokens
-        slots = order[bounds[i]:bounds[i + 1]]
+    def one(i: int) -> F64:  # a product per present expert, never a loop over tokens; its own slices written
+        e, slots = present[i], order[bounds[i]:bounds[i + 1]]
         toks = slots // k
-        gx, gw, g13, g2 = _expert_grad(x[toks], dout[toks], wflat[slots], w13[e], w2[e], act_dtype, absolute)
-        np.add.at(dx, toks, gx)
-        dwt[slots] = gw
-        dw13[e], dw2[e] = g13, g2
+        gx, dwt[slots], dw13[e], dw2[e] = _expert_grad(x[toks], dout[toks], wflat[slots], w13[e], w2[e], act_dtype,
+                                                       absolute)
+        return gx
+
+    # the experts on threads (as `experts`), dx summed in expert order: the same bits whatever the thread count
+    for i, gx in enumerate(on_threads(one, range(len(present)))):
+        np.add.at(dx, order[bounds[i]:bounds[i + 1]] // k, gx)
     out = {"dx": dx, "dweights": dwt.reshape(t, k), "dw13": dw13, "dw2": dw2}
     if ws13 is not None:
         s_n, fs2, _ = np.shape(ws13)

@@ -141,14 +141,18 @@ def test_a_benchmark_script_streams_its_records_before_its_table(tmp_path, monke
     import bench_cases
 
     out = tmp_path / "bench.json"
-    seen = []
-    monkeypatch.setattr(commands, "say", lambda line: seen.append((line, out.exists())))
+    partial = bench_cases.partial_path(str(out))
+    seen, streamed = [], []
+    monkeypatch.setattr(commands, "say", lambda line: (seen.append((line, out.exists())),
+                                                       streamed.append(partial.read_text().count('"verdict"'))))
     entries = [{"op": "softmax.softmax", "backends": ["cpu", "torch"], "dtypes": ["fp32"],
                 "params": [{"rows": 3, "n": 113, "pad": 0}]}]
     assert bench_cases.run(entries, out=str(out), ours="cpu", argv=("--no-recheck",)) == 0
     assert [line.split(":")[0] for line, _ in seen] == ["[1/2] softmax.softmax/torch/fp32 rows=3,n=113 normal",
                                                          "[2/2] softmax.softmax/cpu/fp32 rows=3,n=113 normal"]
     assert not any(written for _, written in seen)  # said while the run went, before the summary existed
+    assert partial.name == "bench.partial.jsonl" and streamed[-1] == 2  # each record beside out as it lands
+    assert not partial.exists()  # a finished run keeps the summary only
     table = capsys.readouterr().out
     assert "softmax.softmax fp32 rows=3,n=113,pad=0: cpu " in table and json.loads(out.read_text())["cases"]
 

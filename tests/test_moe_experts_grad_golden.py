@@ -159,3 +159,38 @@ def test_kernels_refuse_bad_arguments_in_one_line(backend):
         with pytest.raises(ValueError, match=match) as err:
             call()
         assert "\n" not in str(err.value)
+
+
+def test_goldens_on_threads_give_the_bits_of_one_thread(monkeypatch):
+    """refimpl.moe_experts.experts and experts_backward take their experts on threads (refimpl/threads.py) and sum
+    them in expert order: the same bits with one thread as with four (outputs, magnitudes, block-FP8 weights)."""
+    from kernel_parity.refimpl.moe_experts import BlockFP8, experts
+    from kernel_parity.refimpl.moe_experts_grad import experts_backward
+    from kernel_parity.refimpl.quant_fp import fp8_quantize_blocks
+
+    rng = np.random.default_rng(3)
+    t, d, f, e, k = 40, 128, 128, 8, 3
+    x, dout = rng.standard_normal((t, d)), rng.standard_normal((t, d))
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)])
+    w = rng.random((t, k))
+    w13, w2 = rng.standard_normal((e, 2 * f, d)), rng.standard_normal((e, d, f))
+    ws13, ws2 = rng.standard_normal((1, 2 * f, d)), rng.standard_normal((1, d, f))
+    parts = [fp8_quantize_blocks(w13[i], 128, 128) for i in range(e)]
+    f8 = BlockFP8(np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts]))
+
+    def run() -> list[np.ndarray]:
+        outs = [experts(x, ids, w, w13, w2, ws13=ws13, ws2=ws2, absolute=a) for a in (False, True)]
+        outs.append(experts(x, ids, w, f8, w2, act_quant="e4m3"))
+        outs.append(experts(x, ids, w, f8, w2, act_quant="e4m3", flip_bound=True))
+        for a in (False, True):
+            g = experts_backward(x, ids, w, w13, w2, dout, ws13=ws13, ws2=ws2, absolute=a)
+            outs += [g[n] for n in sorted(g)]
+        return outs
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    one = run()
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    four = run()
+    assert len(one) == len(four) == 16
+    for a, b in zip(one, four):
+        assert np.array_equal(a, b)
