@@ -6,6 +6,7 @@
     python benchmarks/gluon_sm90.py mla_fused                                  (kernels/gluon/mla_fused.py)
     python benchmarks/gluon_sm90.py gemv [WARPS KB STAGES CTAS SPLITS]         (kernels/gluon/gemv.py)
     python benchmarks/gluon_sm90.py gemv_q8_0 [WARPS G STAGES CTAS SPLITS]     (kernels/gluon/gemv_q8_0.py)
+    python benchmarks/gluon_sm90.py kvq_decode [D FMT GRAN PAGE GROUP STAGES] (kernels/gluon/kvquant_decode.py)
     options: --ptx PATH (keep the PTX), --ttgir PATH
 
 Triton's compiler runs whole (Gluon front end, TTGIR passes, LLVM, PTX) behind a stand-in driver that answers
@@ -187,6 +188,29 @@ def compile_gemv_q8_0(config: list[int]):
                                           STAGES=stages, SPLITS=splits, num_warps=warps, grid=(1,))
 
 
+def compile_kvq_decode(config: list[int]):
+    import torch
+
+    from kernel_parity.kernels.gluon import kvquant_decode as G
+
+    d, fmt, gran, page, group, stages = list(config) + [128, 0, 0, 16, 4, G.STAGES][len(config):]
+    b, h_kv, nb = 2, 2, 8
+    q = torch.empty(b, h_kv * group, d, dtype=torch.bfloat16)
+    cache = torch.empty(nb, page, h_kv, d // 4, dtype=torch.int32)
+    sc = torch.empty(nb, page, h_kv) if gran == 2 else torch.empty(h_kv if gran == 1 else 1)
+    bt = torch.empty(b, 4, dtype=torch.int32)
+    lens = torch.empty(b, dtype=torch.int32)
+    o = torch.empty(2, b, h_kv * group, d)
+    lse = torch.empty(2, b, h_kv * group)
+    ss = sc.stride() if gran == 2 else (0, 0, 0)
+    cap = G.register_cap(group)
+    return G._kvq_decode_gluon_kernel.warmup(
+        q, cache, cache, sc, sc, bt, lens, o, lse, h_kv, 64, 0.1, 0, *q.stride()[:2], *cache.stride()[:3],
+        *cache.stride()[:3], *ss, *bt.stride(), *o.stride()[:3], *lse.stride(), FMT=fmt, GRAN=gran, PAGE=page, D=d,
+        GROUP=group, POWC=G.POW[fmt], PMUL=2.0 ** G.POW[fmt], STAGES=stages, num_warps=1,
+        **({"maxnreg": cap} if cap else {}), grid=(1,))
+
+
 def ptxas_report(ptx: str) -> str:
     import triton
 
@@ -207,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench_cases import OneLineParser
 
     ap = OneLineParser(description=__doc__.split("\n")[0])  # a bad argument: one line, exit 2
-    ap.add_argument("kernel", choices=("gemm_fp8", "prefill", "mla", "mla_fused", "gemv", "gemv_q8_0"))
+    ap.add_argument("kernel", choices=("gemm_fp8", "prefill", "mla", "mla_fused", "gemv", "gemv_q8_0", "kvq_decode"))
     ap.add_argument("args", nargs="*", type=int, help="gemm_fp8: config; prefill: D MODE [config]")
     ap.add_argument("--ptx", default=None)
     ap.add_argument("--ttgir", default=None)
@@ -231,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             k = compile_gemv(a.args)
         elif a.kernel == "gemv_q8_0":
             k = compile_gemv_q8_0(a.args)
+        elif a.kernel == "kvq_decode":
+            k = compile_kvq_decode(a.args)
         else:
             k = compile_mla(a.args[0] if a.args else 0)
     except Exception as e:  # noqa: BLE001  (a compile error: its message, exit 1)

@@ -4,7 +4,7 @@
 
 Llama-3-8B's attention (32 query heads, 8 kv heads, d 128), one new token a sequence over 32,768 cached tokens in
 pages of 16, b 1 / 8 / 32, bf16 queries:
-- kvquant.decode_paged (ours: triton; the eager torch baseline beside it) over an e4m3 cache with per-tensor
+- kvquant.decode_paged (ours: triton, and gluon for the FP8 caches; the eager torch baseline beside it) over an e4m3 cache with per-tensor
   scales (vLLM's k_scale / v_scale), an e4m3 cache with per-token scales and an int8 cache with per-token scales;
 - attention.decode_paged (ours: triton) over the bf16 cache of the same shape, in the same run.
 Every case is judged by the gate against the float64 golden and timed with do_bench; the read ceiling is measured
@@ -15,7 +15,8 @@ the bf16-cache decode (bf16 ms / quantized ms) and its share of the read ceiling
 
 --tune instead times kernels/triton/kvquant_decode.py directly over an e4m3 per-tensor cache at the same shape,
 b 1 / 8 / 32, for each FP8 conversion (fast_cvt of TUNE_FAST), (BLOCK_N, num_warps, num_stages[, maxnreg]) of
-TUNE_CONFIGS and keys a split of TUNE_SPLITS, beside the bf16-cache kernels/triton/attention_decode.py decode_paged
+TUNE_CONFIGS and keys a split of TUNE_SPLITS, and kernels/gluon/kvquant_decode.py (CUDA-graph timing, splits of
+TUNE_GLUON_SPLITS), beside the bf16-cache kernels/triton/attention_decode.py decode_paged
 and the read floor (the cache's bytes at the read ceiling conformance/bench.py measures: a 1 GiB fp32 sum), each
 output checked against the Triton-cast kernel's (max abs diff); first, every FP8 code through the fast conversion
 against torch's cast, bit for bit.
@@ -42,7 +43,7 @@ def entries(quick: bool = False) -> list[dict]:
     batches = (8,) if quick else BATCHES
     common = {"dtypes": ["bf16"], "dists": ["normal"]}
     return [
-        {"op": "kvquant.decode_paged", "backends": ["triton", "torch"], **common,
+        {"op": "kvquant.decode_paged", "backends": ["triton", "gluon", "torch"], **common,
          "params": [dict(b=b, **HEADS, kv=KV, lens="full", page=PAGE, fmt=fmt, gran=gran)
                     for b in batches for fmt, gran in CACHES]},
         {"op": "attention.decode_paged", "backends": ["triton"], **common,
@@ -56,6 +57,7 @@ def entries(quick: bool = False) -> list[dict]:
 TUNE_CONFIGS = ((128, 4, 2), (128, 4, 3), (128, 4, 3, 168), (128, 4, 2, 168), (128, 8, 2), (128, 8, 3), (64, 4, 3),
                 (64, 4, 3, 128), (64, 4, 4))
 TUNE_SPLITS = (None, 2048)
+TUNE_GLUON_SPLITS = (None, 1024, 2048)
 TUNE_BATCHES = (1, 8, 32)
 # kernels/triton/kvquant_decode.py fast_cvt: 0 Triton's casts, 2 the integer-pipe bf16 conversion
 TUNE_FAST = (2,)
@@ -89,8 +91,9 @@ def check_conversion() -> dict:
     return res
 
 
-def tune(out: str) -> int:
-    """The --tune section (module docstring): one JSON document of rows."""
+def tune(out: str, quick: bool = False) -> int:
+    """The --tune section (module docstring): one JSON document of rows. quick: the Triton kernel at its default
+    config and split only (the gluon kernel and the bf16 cache as always)."""
     import torch
     from triton.testing import do_bench
 
@@ -129,8 +132,8 @@ def tune(out: str) -> int:
         read_ms = nbytes / (ceil.read_gbps * 1e6)
         row = {"b": b, "bytes": nbytes, "read_floor_ms": read_ms, "bf16_ms": bf16_ms, "configs": []}
         for fast in TUNE_FAST:
-            for cfg in TUNE_CONFIGS:
-                for keys in TUNE_SPLITS:
+            for cfg in ((None,) if quick else TUNE_CONFIGS):
+                for keys in ((None,) if quick else TUNE_SPLITS):
                     try:
                         fn = lambda: Q.decode_paged(q, k8, v8, ks, vs, table, sl, config=cfg,  # noqa: E731
                                                     split_keys=keys, fast_cvt=fast)
@@ -166,6 +169,8 @@ def tune(out: str) -> int:
                           f"{mine['graph_ms'] * 1e3:.1f} us vs bf16 {row['graph_bf16_ms'] * 1e3:.1f} us "
                           f"({row['graph_bf16_ms'] / mine['graph_ms']:.2f}x), read floor {read_ms * 1e3:.1f} us "
                           f"({100 * read_ms / mine['graph_ms']:.1f}%)", flush=True)
+        row["gluon"] = gluon_rows(q, k8, v8, ks, vs, table, sl, ref, row["graph_bf16_ms"] if best else bf16_ms,
+                                  read_ms)
         print(f"b={b}: bf16 {bf16_ms * 1e3:.1f} us, read floor {read_ms * 1e3:.1f} us; best {best}", flush=True)
         rows.append(row)
         write_text(out, json.dumps(doc, indent=1, default=str))
@@ -174,20 +179,50 @@ def tune(out: str) -> int:
     return 0
 
 
+def gluon_rows(q, k8, v8, ks, vs, table, sl, ref, bf16_graph_ms: float, read_ms: float) -> list[dict]:
+    """kernels/gluon/kvquant_decode.py on the --tune inputs, CUDA-graph timed, at its default split and each of
+    TUNE_GLUON_SPLITS: ms, bf16 graph ms / ms, % of the read floor, max |O - ref| (ref: the Triton-cast kernel)."""
+    from triton.testing import do_bench_cudagraph
+
+    from kernel_parity.conformance.backends.gluon_backend import unavailable
+    from kernel_parity.kernels.gluon import kvquant_decode as G
+
+    why = unavailable()
+    if why:
+        return [{"error": why}]
+    rows = []
+    for keys in TUNE_GLUON_SPLITS:
+        try:
+            fn = lambda: G.decode_paged(q, k8, v8, ks, vs, table, sl, split_keys=keys)  # noqa: E731
+            o, _ = fn()
+            t = float(do_bench_cudagraph(fn, rep=100))
+            rows.append({"split_keys": keys, "graph_ms": t, "speedup_over_bf16": bf16_graph_ms / t,
+                         "pct_of_read": 100 * read_ms / t, "max_diff": float((o.float() - ref.float()).abs().max())})
+            print(f"b={q.shape[0]} gluon keys={keys}: {t * 1e3:.1f} us, {bf16_graph_ms / t:.2f}x the bf16 cache, "
+                  f"{100 * read_ms / t:.1f}% of the read floor", flush=True)
+        except Exception as e:  # noqa: BLE001  (its row says why)
+            rows.append({"split_keys": keys, "error": f"{type(e).__name__}: {e}"[:300]})
+    return rows
+
+
 def speedups(summary: dict) -> list[dict]:
-    """Per (b, fmt, gran): the quantized decode's ms, its share of the read ceiling, and bf16 ms / its ms."""
+    """Per (b, fmt, gran) and our kernel (triton; gluon where it takes the case): the quantized decode's ms, its share
+    of the read ceiling, and bf16 ms / its ms."""
     bf16 = {c["params"]["b"]: c["backends"].get("triton", {}).get("ms") for c in summary["cases"]
             if c["op"] == "attention.decode_paged"}
     rows = []
     for c in summary["cases"]:
         if c["op"] != "kvquant.decode_paged":
             continue
-        fig = c["backends"].get("triton", {})
         base = bf16.get(c["params"]["b"])
-        rows.append({"b": c["params"]["b"], "fmt": c["params"]["fmt"], "gran": c["params"]["gran"],
-                     "verdict": fig.get("verdict"), "ms": fig.get("ms"), "bf16_ms": base,
-                     "speedup_over_bf16": base / fig["ms"] if base and fig.get("ms") else None,
-                     "pct_of_ceiling": fig.get("pct_of_ceiling"), "bound": fig.get("bound")})
+        for name in ("triton", "gluon"):
+            fig = c["backends"].get(name)
+            if not fig or fig.get("verdict") == "skip":
+                continue
+            rows.append({"b": c["params"]["b"], "fmt": c["params"]["fmt"], "gran": c["params"]["gran"],
+                         "backend": name, "verdict": fig.get("verdict"), "ms": fig.get("ms"), "bf16_ms": base,
+                         "speedup_over_bf16": base / fig["ms"] if base and fig.get("ms") else None,
+                         "pct_of_ceiling": fig.get("pct_of_ceiling"), "bound": fig.get("bound")})
     return rows
 
 
@@ -195,7 +230,7 @@ def main() -> int:
     from bench_cases import OneLineParser, run
 
     p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="b 8 only")
+    p.add_argument("--quick", action="store_true", help="b 8 only; with --tune, the Triton kernel's default config only")
     p.add_argument("--tune", action="store_true", help="time the Triton kernel's configs directly (module docstring)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kvquant-bench.json"),
                    help="JSON output path (default $OUT/kvquant-bench.json)")
@@ -210,7 +245,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
     if args.tune:
-        return tune(args.out)
+        return tune(args.out, args.quick)
     code = run(entries(args.quick), out=args.out, ours="triton",
                description="quantized KV-cache decode benchmark (benchmarks/gpu_kvquant.py)")
     if code == 2 or not Path(args.out).exists():
@@ -221,7 +256,7 @@ def main() -> int:
     for r in summary["speedups"]:
         sp = f"{r['speedup_over_bf16']:.2f}x" if r["speedup_over_bf16"] else "-"
         pct = f"{r['pct_of_ceiling']:.1f}%" if r["pct_of_ceiling"] is not None else "-"
-        print(f"kvquant b={r['b']} {r['fmt']}/{r['gran']}: {r['ms']} ms, {sp} the bf16 cache, {pct} of {r['bound']}")
+        print(f"kvquant {r['backend']} b={r['b']} {r['fmt']}/{r['gran']}: {r['ms']} ms, {sp} the bf16 cache, {pct} of {r['bound']}")
     return code
 
 

@@ -21,6 +21,13 @@ from types import SimpleNamespace
 import pytest
 
 from kernel_parity.conformance.backends import gluon_backend
+from kernel_parity.conformance.backends.triton_prep import prepare_environment
+
+# Before this module's in-process imports of Gluon (and with it triton): on a machine without a GPU, triton must be
+# imported under TRITON_INTERPRET=1, or a later test of the same worker finds triton's own @jit helpers (tl.zeros,
+# tl.sum) compiled-mode and its interpreted Triton kernels fail ("Cannot call @triton.jit'd outside of the scope
+# of a kernel").
+prepare_environment()
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,6 +48,8 @@ def _sm90_job(item) -> tuple[str, ...] | None:
         return ("mla_fused",)
     if name == "test_gemv_compiles_for_hopper":
         return (params["kernel"], *map(str, params["config"]))
+    if name == "test_kvq_decode_compiles_for_hopper":
+        return ("kvq_decode", *map(str, params["config"]))
     return None
 
 
@@ -430,3 +439,124 @@ def test_gemv_q8_0_rejects_what_it_cannot_run():
         G.gemv_q8_0(torch.zeros(1, 512), torch.zeros(8, 560, dtype=torch.uint8)[:, :544])  # rows 560 bytes apart
     with pytest.raises(ValueError, match=r"\(8, 544\)"):
         G.gemv_q8_0(torch.zeros(1, 512), torch.zeros(8, 500, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("dtype,extra,expect", [
+    ("bf16", {}, None),
+    ("bf16", {"fmt": "e5m2", "gran": "token", "d": 64}, None),
+    ("bf16", {"hq": 16, "hkv": 1}, None),
+    ("fp16", {}, "bf16 q"),
+    ("bf16", {"fmt": "int8"}, "e4m3 / e5m2"),
+    ("bf16", {"d": 256}, "d in (64, 128)"),
+    ("bf16", {"hq": 32, "hkv": 1}, "at most 16"),
+])
+def test_kvq_supports(dtype, extra, expect):
+    p = {"b": 2, "hq": 8, "hkv": 2, "d": 128, "kv": 300, "lens": "ragged", "page": 16, "fmt": "e4m3",
+         "gran": "tensor", **extra}
+    why = gluon_backend._kvq_supports(SimpleNamespace(op="kvquant.decode_paged", dtype=dtype, p=p))
+    assert (why is None) if expect is None else (expect in why)
+
+
+# (D FMT GRAN PAGE GROUP): the default config (the Llama-3-8B shape), e5m2 per token over pages of one token, d 64
+# per head, a GQA group of 16 (O^T's 16 columns), a group of one
+@pytest.mark.parametrize("config", [[128, 0, 0, 16, 4], [128, 1, 2, 1, 4], [64, 0, 1, 8, 8], [128, 0, 2, 64, 16],
+                                    [128, 1, 0, 16, 1]])
+def test_kvq_decode_compiles_for_hopper(sm90, config):
+    """kernels/gluon/kvquant_decode.py through the whole compiler for sm_90a at its register cap (MAXNREG): no
+    spills, no shared memory past the ring's."""
+    code, out = sm90("kvq_decode", *map(str, config))
+    if "Unsupported .version" in out:
+        pytest.skip("this Triton's ptxas is older than its PTX")
+    assert code == 0, out[-3000:]
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", out)]
+    assert spills and max(spills) == 0, out[-2000:]
+    shared = int(out.split("SHARED", 1)[1].split()[0])
+    assert shared <= 20 * 1024, shared
+
+
+def _kvq_case(b, hq, hkv, d, page, fmt, gran, lens, seed, mode="normal", qmag=1.0):
+    """Random paged FP8-cache decode inputs on the GPU (module docstring of test_kvq_decode_on_gpu...)."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pages = max(1, -(-max(lens) // page))
+    nb = b * pages + 3
+    table = torch.randperm(nb, device="cuda", generator=g)[: b * pages].to(torch.int32).view(b, pages)
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(b, hq, d, device="cuda", generator=g) * qmag
+    dt = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
+    shape = (nb, page, hkv, d)
+    if mode == "subnormal":  # every code's exponent field zero (the conversion's least values)
+        mant = 7 if fmt == "e4m3" else 3
+        k8, v8 = (((x & 0x80) | (x & mant)).to(torch.uint8).view(dt) for x in
+                  (torch.randint(0, 256, shape, device="cuda", generator=g) for _ in range(2)))
+    else:
+        lim = 448.0 if fmt == "e4m3" else 57344.0
+        k8, v8 = ((torch.randn(shape, device="cuda", generator=g) * 100).clamp(-lim, lim).to(dt) for _ in range(2))
+    sshape = {"tensor": (1,), "head": (hkv,), "token": (nb, page, hkv)}[gran]
+    ks, vs = (torch.rand(sshape, device="cuda", generator=g) * 0.02 + 1e-3 for _ in range(2))
+    return q.to(torch.bfloat16), k8, v8, ks, vs, table, sl
+
+
+def _kvq_float64(q, k8, v8, ks, vs, table, sl):
+    import torch
+
+    b, hq, d = q.shape
+    _, page, hkv, _ = k8.shape
+    o = torch.zeros(b, hq, d, dtype=torch.float64, device="cuda")
+    lse = torch.full((b, hq), float("-inf"), dtype=torch.float64, device="cuda")
+    for i in range(b):
+        n = int(sl[i])
+        if n == 0:
+            continue
+        t = torch.arange(n, device="cuda")
+        blk, slot = table[i, t // page].long(), t % page
+        k, v = k8[blk, slot].double(), v8[blk, slot].double()
+        if ks.dim() == 3:
+            k, v = k * ks[blk, slot].double()[..., None], v * vs[blk, slot].double()[..., None]
+        else:
+            k, v = k * ks.double().view(1, -1, 1), v * vs.double().view(1, -1, 1)
+        grp = hq // hkv
+        s = torch.einsum("hd,nhd->hn", q[i].double(), k.repeat_interleave(grp, 1)) / d ** 0.5
+        lse[i] = torch.logsumexp(s, 1)
+        o[i] = torch.einsum("hn,nhd->hd", torch.exp(s - lse[i][:, None]), v.repeat_interleave(grp, 1))
+    return o, lse
+
+
+@pytest.mark.skipif(not _gpu_hopper(), reason=str(gluon_backend.unavailable()))
+@pytest.mark.parametrize("case", [
+    dict(b=3, hq=32, hkv=8, d=128, page=16, fmt="e4m3", gran="tensor", lens=[1000, 0, 4100]),
+    dict(b=2, hq=32, hkv=8, d=128, page=16, fmt="e5m2", gran="token", lens=[777, 2049]),
+    dict(b=2, hq=8, hkv=8, d=128, page=1, fmt="e4m3", gran="token", lens=[500, 33]),
+    dict(b=2, hq=16, hkv=2, d=64, page=8, fmt="e4m3", gran="head", lens=[1500, 17]),
+    dict(b=2, hq=16, hkv=1, d=128, page=64, fmt="e5m2", gran="head", lens=[3000, 1]),
+    dict(b=2, hq=32, hkv=8, d=128, page=16, fmt="e4m3", gran="tensor", lens=[3000, 100], mode="subnormal"),
+    dict(b=2, hq=32, hkv=8, d=128, page=16, fmt="e5m2", gran="head", lens=[3000, 100], mode="subnormal"),
+    dict(b=2, hq=32, hkv=8, d=128, page=16, fmt="e4m3", gran="tensor", lens=[3000, 100], qmag=1e30),
+    dict(b=2, hq=32, hkv=8, d=128, page=16, fmt="e4m3", gran="tensor", lens=[3000, 100], qmag=1e-30),
+    dict(b=2, hq=32, hkv=8, d=128, page=16, fmt="e4m3", gran="token", lens=[3000, 100], qmag=30.0),
+], ids=["tensor", "e5m2-token", "page1", "d64-head", "group16", "subnormal", "subnormal-e5m2", "q1e30", "q1e-30",
+        "sharp"])
+@pytest.mark.parametrize("split_keys", [None, 160])
+def test_kvq_decode_on_gpu_matches_float64(case, split_keys):
+    """kernels/gluon/kvquant_decode.py against float64 attention over the exactly dequantized cache and against the
+    Triton kernel with Triton's casts: O within the Triton kernel's own error plus one bf16 rounding of max |O|
+    (both round O to bf16), the LSE within 1e-5 relative (logits at 1e30 x: the float64 LSE's own size); empty
+    sequences O = 0, LSE -inf. Caches of subnormal codes only, q at 1e+-30 (the power of two folded into q) and
+    sharp logits; split_keys 160 (one split a few steps, the combine) and the default."""
+    import torch
+
+    from kernel_parity.kernels.gluon import kvquant_decode as G
+    from kernel_parity.kernels.triton import kvquant_decode as T
+
+    args = _kvq_case(seed=sum(case["lens"]) + case["d"], **case)
+    o64, l64 = _kvq_float64(*args)
+    o, lse = G.decode_paged(*args, split_keys=split_keys)
+    ot, lset = T.decode_paged(*args, fast_cvt=0)
+    scale = o64.abs().max().item() or 1.0
+    err, err_t = ((x.double() - o64).abs().max().item() / scale for x in (o, ot))
+    assert err <= err_t + 2 ** -8, (err, err_t)
+    fin = torch.isfinite(l64)
+    assert torch.equal(torch.isneginf(lse), ~fin)
+    assert ((lse.double() - l64)[fin].abs() <= 1e-5 * l64[fin].abs().clamp(min=1.0)).all()
+    assert (o[~fin] == 0).all()

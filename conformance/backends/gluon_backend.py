@@ -24,6 +24,9 @@ Ops:
 - mla.decode_fused_fp8, dense mode, bf16 / fp16, pages of a multiple of 32: kernels/gluon/mla_fused.py (the
   cached keys' attention in the seesaw at fp32 grade: q and P in two 16-bit parts), the rest of the branch
   (RMSNorm + RoPE, the FP8 bmms, this step's keys) the Triton kernel's; the sparse mode is the `triton` kernel's.
+- kvquant.decode_paged, bf16 q over an e4m3 / e5m2 cache, d 64 / 128, GQA groups up to 16, any page, scales per
+  tensor / head / token: kernels/gluon/kvquant_decode.py (one warp a program, the codes through a cp.async ring
+  straight into mma.sync operands, the FP8 -> bf16 conversion's power of two folded into q and P).
 Registered through the `kernel_parity.backends` entry point (pyproject.toml), like triton-q8.
 """
 
@@ -38,6 +41,7 @@ GEMM = "gemm.gemm_nt"
 PREFILL = "attention.prefill"
 MLA = "mla.decode"
 FUSED = "mla.decode_fused_fp8"
+KVQ = "kvquant.decode_paged"
 
 
 def unavailable() -> str | None:
@@ -176,17 +180,43 @@ def _fused(case: Any, inputs: dict, out: Any) -> dict:
     return {"out": o, "kv_cache": t["kv_cache"], **({"q": t["q"]} if qrope else {})}
 
 
+def _kvq_supports(case: Any) -> str | None:
+    from kernel_parity.kernels.gluon.kvquant_decode import BLOCK_M, HEAD_DIMS
+
+    p = case.p
+    if case.dtype != "bf16":
+        return f"the gluon FP8-cache decode takes a bf16 q, not {case.dtype} (the triton kernel runs it)"
+    if p["fmt"] not in ("e4m3", "e5m2"):
+        return f"the gluon FP8-cache decode takes e4m3 / e5m2 codes, not {p['fmt']} (the triton kernel runs it)"
+    if p["d"] not in HEAD_DIMS:
+        return f"the gluon FP8-cache decode takes d in {HEAD_DIMS}, not d={p['d']}"
+    if p["hq"] // p["hkv"] > BLOCK_M:
+        return f"the gluon FP8-cache decode takes a GQA group of at most {BLOCK_M}, not {p['hq'] // p['hkv']}"
+    return None
+
+
+def _kvq(case: Any, inputs: dict, out: Any) -> dict:
+    from kernel_parity.conformance.backends.kvquant_decode import ARGS
+    from kernel_parity.kernels.gluon import kvquant_decode
+
+    o, lse = out.torch("o", "cuda"), out.torch("lse", "cuda")
+    kvquant_decode.decode_paged(*(to_torch(inputs[k], "cuda") for k in ARGS), out=o, out_lse=lse)
+    return {"o": o, "lse": lse}
+
+
 def _ops() -> dict[str, Callable]:
-    return {GEMM: _gemm, PREFILL: _prefill, MLA: _mla, FUSED: _fused}
+    return {GEMM: _gemm, PREFILL: _prefill, MLA: _mla, FUSED: _fused, KVQ: _kvq}
 
 
 def make() -> GluonBackend:
     return GluonBackend(name="gluon", device="cuda", dtypes=("bf16", "fp16"), ops=_ops(),
                         claims={GEMM: "emulated"}, support={GEMM: _gemm_supports, PREFILL: _prefill_supports,
-                                                            MLA: _mla_supports, FUSED: _fused_supports},
+                                                            MLA: _mla_supports, FUSED: _fused_supports,
+                                                            KVQ: _kvq_supports},
                         deterministic=True,
                         doc="kernels/gluon/*: warp-specialised Gluon kernels (Hopper): FP8 block-scaled GEMM, "
-                            "Q4_K / Q8_0 GEMVs, attention prefill, MLA decode, the fused FP8 MLA branch's attention")
+                            "Q4_K / Q8_0 GEMVs, attention prefill, MLA decode, the fused FP8 MLA branch's attention, "
+                            "the FP8-cache paged decode")
 
 
 BACKEND = make
