@@ -423,8 +423,7 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     arithmetic (a measurement of the access pattern: the outputs are not attention)."""
     # the Triton modules at call time, not import time: importing them jit's their kernels for the mode of the
     # moment (a gluon import before the interpreter's set-up left the Triton kernels compiled-mode)
-    from kernel_parity.kernels.triton.combine import lse_combine
-    from kernel_parity.kernels.triton.kvquant_decode import FORMATS, GRANS, check_args
+    from kernel_parity.kernels.triton.kvquant_decode import FORMATS, GRANS, check_args, merge_splits, outputs, partials
 
     gran = check_args(q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens)
     why = supports(q, k_cache, v_cache)
@@ -434,14 +433,7 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         raise ValueError(f"kvquant.decode_paged (gluon): stages={stages} must be in [2, 8]")
     b, h_q, d = q.shape
     nb, page, h_kv, _ = k_cache.shape
-    if out is None:
-        out = torch.empty((b, h_q, d), dtype=q.dtype, device=q.device)
-    if tuple(out.shape) != (b, h_q, d) or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
-        raise ValueError(f"kvquant.decode_paged: out must be ({b}, {h_q}, {d}) {q.dtype} with last-dim stride 1")
-    if out_lse is None:
-        out_lse = torch.empty((b, h_q), dtype=torch.float32, device=q.device)
-    if tuple(out_lse.shape) != (b, h_q) or out_lse.dtype != torch.float32 or out_lse.device != q.device:
-        raise ValueError(f"kvquant.decode_paged: out_lse must be ({b}, {h_q}) float32 on {q.device}")
+    out, out_lse = outputs(q, out, out_lse)
     if b == 0 or h_q == 0:
         return out, out_lse
     group = h_q // h_kv
@@ -453,11 +445,7 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     splits = max(1, triton.cdiv(max_keys, keys))
     if b * h_kv >= 2**31 or splits > 65535:
         raise ValueError(f"kvquant.decode_paged: grid ({b * h_kv}, {splits}) exceeds CUDA's limits")
-    if splits > 1:
-        o_dst = torch.empty((splits, b, h_q, d), dtype=torch.float32, device=q.device)
-        l_dst = torch.empty((splits, b, h_q), dtype=torch.float32, device=q.device)
-    else:
-        o_dst, l_dst = out.unsqueeze(0), out_lse.unsqueeze(0)
+    o_dst, l_dst = partials(out, out_lse, splits)
     s_strides = k_scale.stride() if gran == "token" else (0, 0, 0)
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     fmt = FORMATS[k_cache.dtype]
@@ -469,17 +457,5 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         *o_dst.stride()[:3], *l_dst.stride(),
         FMT=fmt, GRAN=GRANS.index(gran), PAGE=page, D=d, GROUP=group, POWC=POW[fmt], PMUL=2.0 ** POW[fmt],
         STAGES=int(stages), PROBE=int(bool(probe)), num_warps=1, **({"maxnreg": cap} if cap else {}))
-    if splits > 1:
-        rows = b * h_q
-        try:
-            o_rows, l_rows = out.view(rows, d), out_lse.view(rows)
-        except RuntimeError:
-            o_rows = l_rows = None
-        if o_rows is None:
-            o2, l2 = lse_combine(o_dst.view(splits, rows, d), l_dst.view(splits, rows),
-                                 out=torch.empty((rows, d), dtype=q.dtype, device=q.device))
-            out.copy_(o2.view(b, h_q, d))
-            out_lse.copy_(l2.view(b, h_q))
-        else:
-            lse_combine(o_dst.view(splits, rows, d), l_dst.view(splits, rows), out=o_rows, out_lse=l_rows)
+    merge_splits(o_dst, l_dst, out, out_lse)
     return out, out_lse

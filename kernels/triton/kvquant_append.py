@@ -47,8 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .combine import lse_combine
-from .kvquant_decode import _attend, _codes
+from .kvquant_decode import _attend, _codes, merge_splits, partials
 
 FORMATS = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1, torch.int8: 2}
 FMT_NAMES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "int8": torch.int8}
@@ -314,11 +313,7 @@ def append_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_c
     splits = max(1, triton.cdiv(max_keys, keys))
     if b * h_kv >= 2**31 or splits > 65535:
         _bad(f"grid ({b * h_kv}, {splits}) exceeds CUDA's limits")
-    if splits > 1:
-        o_dst = torch.empty((splits, b, h_q, d), dtype=torch.float32, device=q.device)
-        l_dst = torch.empty((splits, b, h_q), dtype=torch.float32, device=q.device)
-    else:
-        o_dst, l_dst = out.unsqueeze(0), out_lse.unsqueeze(0)
+    o_dst, l_dst = partials(out, out_lse, splits)
     token = gran == "token"
     ks = k_scale_cache if token else k_scale
     vs = v_scale_cache if token else v_scale
@@ -337,17 +332,5 @@ def append_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_c
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or interpret else "tf32", DOT_FP32=interpret,
         FAST_CVT=fast, num_warps=num_warps, num_stages=num_stages,
     )
-    if splits > 1:
-        rows = b * h_q
-        try:
-            o_rows, l_rows = out.view(rows, d), out_lse.view(rows)
-        except RuntimeError:
-            o_rows = l_rows = None
-        if o_rows is None:
-            o2, l2 = lse_combine(o_dst.view(splits, rows, d), l_dst.view(splits, rows),
-                                 out=torch.empty((rows, d), dtype=q.dtype, device=q.device))
-            out.copy_(o2.view(b, h_q, d))
-            out_lse.copy_(l2.view(b, h_q))
-        else:
-            lse_combine(o_dst.view(splits, rows, d), l_dst.view(splits, rows), out=o_rows, out_lse=l_rows)
+    merge_splits(o_dst, l_dst, out, out_lse)
     return out, out_lse

@@ -297,6 +297,52 @@ def check_args(q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens) -> 
     return gk
 
 
+def outputs(q: torch.Tensor, out: torch.Tensor | None, out_lse: torch.Tensor | None,
+            op: str = "kvquant.decode_paged") -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, out_lse) of a decode of q (b, h_q, d): allocated where None, else ValueError (one line) unless out is
+    (b, h_q, d) q's dtype with last-dim stride 1 and out_lse (b, h_q) float32, both on q's device."""
+    b, h_q, d = q.shape
+    if out is None:
+        out = torch.empty((b, h_q, d), dtype=q.dtype, device=q.device)
+    if tuple(out.shape) != (b, h_q, d) or out.dtype != q.dtype or out.device != q.device or \
+            (d > 1 and out.stride(-1) != 1):
+        raise ValueError(f"{op}: out must be ({b}, {h_q}, {d}) {q.dtype} with last-dim stride 1")
+    if out_lse is None:
+        out_lse = torch.empty((b, h_q), dtype=torch.float32, device=q.device)
+    if tuple(out_lse.shape) != (b, h_q) or out_lse.dtype != torch.float32 or out_lse.device != q.device:
+        raise ValueError(f"{op}: out_lse must be ({b}, {h_q}) float32 on {q.device}")
+    return out, out_lse
+
+
+def partials(out: torch.Tensor, out_lse: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a split kernel writes: fp32 partials (splits, b, h_q, d) and (splits, b, h_q) for merge_splits, or
+    out / out_lse themselves (a leading axis of 1) with one split."""
+    if splits == 1:
+        return out.unsqueeze(0), out_lse.unsqueeze(0)
+    return (torch.empty((splits, *out.shape), dtype=torch.float32, device=out.device),
+            torch.empty((splits, *out_lse.shape), dtype=torch.float32, device=out.device))
+
+
+def merge_splits(o_dst: torch.Tensor, l_dst: torch.Tensor, out: torch.Tensor, out_lse: torch.Tensor) -> None:
+    """The partials of `partials` merged into out / out_lse by lse_combine (nothing to do with one split); through
+    a copy where out's rows are not one (b h_q, d) view."""
+    splits, (b, h_q, d) = o_dst.shape[0], out.shape
+    if splits == 1:
+        return
+    rows = b * h_q
+    try:
+        o_rows, l_rows = out.view(rows, d), out_lse.view(rows)
+    except RuntimeError:
+        o_rows = l_rows = None
+    if o_rows is None:
+        o2, l2 = lse_combine(o_dst.view(splits, rows, d), l_dst.view(splits, rows),
+                             out=torch.empty((rows, d), dtype=out.dtype, device=out.device))
+        out.copy_(o2.view(b, h_q, d))
+        out_lse.copy_(l2.view(b, h_q))
+    else:
+        lse_combine(o_dst.view(splits, rows, d), l_dst.view(splits, rows), out=o_rows, out_lse=l_rows)
+
+
 def _split_keys(q: torch.Tensor, b: int, h_kv: int, max_keys: int, block_n: int) -> int:
     if not q.is_cuda:
         return SPLIT_KEYS_CPU
@@ -334,15 +380,7 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     gran = check_args(q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens)
     b, h_q, d = q.shape
     nb, page, h_kv, _ = k_cache.shape
-    if out is None:
-        out = torch.empty((b, h_q, d), dtype=q.dtype, device=q.device)
-    if tuple(out.shape) != (b, h_q, d) or out.dtype != q.dtype or out.device != q.device or \
-            (d > 1 and out.stride(-1) != 1):
-        raise ValueError(f"kvquant.decode_paged: out must be ({b}, {h_q}, {d}) {q.dtype} with last-dim stride 1")
-    if out_lse is None:
-        out_lse = torch.empty((b, h_q), dtype=torch.float32, device=q.device)
-    if tuple(out_lse.shape) != (b, h_q) or out_lse.dtype != torch.float32 or out_lse.device != q.device:
-        raise ValueError(f"kvquant.decode_paged: out_lse must be ({b}, {h_q}) float32 on {q.device}")
+    out, out_lse = outputs(q, out, out_lse)
     if b == 0 or h_q == 0:
         return out, out_lse
     group = h_q // h_kv
@@ -358,11 +396,7 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     splits = max(1, triton.cdiv(max_keys, keys))
     if b * h_kv >= 2**31 or splits > 65535:
         raise ValueError(f"kvquant.decode_paged: grid ({b * h_kv}, {splits}) exceeds CUDA's limits")
-    if splits > 1:
-        o_dst = torch.empty((splits, b, h_q, d), dtype=torch.float32, device=q.device)
-        l_dst = torch.empty((splits, b, h_q), dtype=torch.float32, device=q.device)
-    else:
-        o_dst, l_dst = out.unsqueeze(0), out_lse.unsqueeze(0)
+    o_dst, l_dst = partials(out, out_lse, splits)
     s_strides = k_scale.stride() if gran == "token" else (0, 0, 0)
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     interpret = not q.is_cuda  # the interpreter: dots in fp32 (module docstring)
@@ -382,17 +416,5 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         DOT_FP32=interpret, FAST_CVT=fast_cvt,
         num_warps=num_warps, num_stages=num_stages, **launch,
     )
-    if splits > 1:
-        rows = b * h_q
-        try:
-            o_rows, l_rows = out.view(rows, d), out_lse.view(rows)
-        except RuntimeError:
-            o_rows = l_rows = None
-        if o_rows is None:
-            o2, l2 = lse_combine(o_dst.view(splits, rows, d), l_dst.view(splits, rows),
-                                 out=torch.empty((rows, d), dtype=q.dtype, device=q.device))
-            out.copy_(o2.view(b, h_q, d))
-            out_lse.copy_(l2.view(b, h_q))
-        else:
-            lse_combine(o_dst.view(splits, rows, d), l_dst.view(splits, rows), out=o_rows, out_lse=l_rows)
+    merge_splits(o_dst, l_dst, out, out_lse)
     return out, out_lse
